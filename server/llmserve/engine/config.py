@@ -1,0 +1,28 @@
+"""Engine settings: one frozen dataclass, built once from flags by the server and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    """Sizes and limits of the step loop.
+
+    The KV pool is sized once at start: `kv_cache_tokens` when set, else `kv_cache_memory_fraction`
+    of the device's free memory (CUDA) or of `cpu_kv_cache_bytes` (CPU).
+    """
+
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_fraction: float = 0.6
+    cpu_kv_cache_bytes: int = 4 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    session_ttl_s: float = 600.0
+    max_sessions: int = 4096
+    session_pool_fraction: float = 0.8
+    cuda_graphs: bool = True

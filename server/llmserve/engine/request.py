@@ -1,0 +1,227 @@
+"""One generation request: what the caller asks for, the engine's state for it, and what it hands back.
+
+The caller-facing types (`GenerationRequest`, `Delta`, ...) are immutable or plain records so that the
+servicer can convert them to and from protobuf at the edge; `Sequence` is the engine's own mutable state
+and never leaves the engine thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+
+
+class InvalidRequest(ValueError):
+    """A request that can never be served as asked; `field` names the offending request field."""
+
+    def __init__(self, field_name: str, reason: str) -> None:
+        super().__init__(f"{field_name}: {reason}")
+        self.field = field_name
+        self.reason = reason
+
+
+class EngineDead(RuntimeError):
+    """The step loop hit an error it could not recover from; no request will be served."""
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_SEQUENCE = "stop_sequence"
+    STOP_TOKEN = "stop_token"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How the next token is picked. temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the first field out of range."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest("top_k", f"must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise InvalidRequest("seed", f"must be in [0, 2**63), got {self.seed}")
+
+
+@dataclass(slots=True, frozen=True)
+class StoppingParams:
+    """When generation ends. Stop sequences are matched on text, across token boundaries."""
+
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_sequence: bool = False
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidRequest("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise InvalidRequest("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequest("min_new_tokens", "must not exceed max_new_tokens")
+        if any(not s for s in self.stop_sequences):
+            raise InvalidRequest("stop_sequences", "must not contain an empty string")
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationRequest:
+    """A request as the engine accepts it: prompt already tokenized.
+
+    `deadline` is on the `time.monotonic()` clock; `priority` orders the waiting queue (higher first).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    stopping: StoppingParams = StoppingParams()
+    session_id: str | None = None
+    deadline: float | None = None
+    priority: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def validate(self, vocab_size: int, max_model_len: int) -> None:
+        """Check everything that needs no engine state; raise InvalidRequest naming the field."""
+        if not self.request_id:
+            raise InvalidRequest("request_id", "must not be empty")
+        n = len(self.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("prompt", "must not be empty")
+        if n >= max_model_len:
+            raise InvalidRequest("prompt", f"is {n} tokens, the context holds {max_model_len}")
+        if any(t < 0 or t >= vocab_size for t in self.prompt_token_ids):
+            raise InvalidRequest("prompt_token_ids", f"ids must be in [0, {vocab_size})")
+        self.sampling.validate()
+        self.stopping.validate()
+        if n + self.stopping.max_new_tokens > max_model_len:
+            raise InvalidRequest(
+                "max_new_tokens",
+                f"prompt ({n}) + max_new_tokens ({self.stopping.max_new_tokens}) exceeds the context ({max_model_len})",
+            )
+        if any(t < 0 or t >= vocab_size for t in self.stopping.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", f"ids must be in [0, {vocab_size})")
+        if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of the chosen token under the model's raw distribution, and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class Timing:
+    """Seconds: queued before the first forward, to the first token, and in all."""
+
+    queue_s: float
+    ttft_s: float
+    total_s: float
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine iteration produced for one request. The last one has `finish_reason` set."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timing: Timing | None = None
+    seed: int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """The engine's state for one request.
+
+    Prefill and decode are one mechanism: `num_computed` (tokens whose KV is in `block_table`) catches up
+    with `len(token_ids)` (prompt plus generated). Preemption drops the blocks and sets num_computed to 0.
+    """
+
+    request: GenerationRequest
+    token_ids: list[int]
+    arrival: float
+    seq_no: int
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_prompt: int = 0
+    num_prompt: int = 0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    generator: torch.Generator | None = None
+    seed: int | None = None
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prompt = len(self.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
