@@ -225,3 +225,7 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is at its limit; the caller should retry later."""
