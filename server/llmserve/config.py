@@ -1,0 +1,227 @@
+"""Server settings: frozen dataclasses built once from command-line flags and LLMSERVE_* environment variables.
+
+Every flag `--some-flag` has the environment variable `LLMSERVE_SOME_FLAG`; a flag given on the command line
+wins over the variable, and the variable over the built-in default. Boolean switches (`--no-reflection`) are
+turned on by the variable set to 1/true/yes/on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmserve.engine.config import EngineConfig
+
+ENV_PREFIX = "LLMSERVE_"
+DEFAULT_ADDRESS = "0.0.0.0:50051"
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """Which model to load and where; `spec` None means the default model (see llmserve.models.load_model)."""
+
+    spec: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    cache_dir: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ServerConfig:
+    """The gRPC front: address, admission control, shutdown and logging."""
+
+    address: str = DEFAULT_ADDRESS
+    max_concurrent_streams: int = 256
+    default_max_new_tokens: int = 256
+    grace_period_s: float = 10.0
+    reflection: bool = True
+    log_prompts: bool = False
+    log_level: str = "INFO"
+
+
+@dataclass(slots=True, frozen=True)
+class Config:
+    """Everything `python -m llmserve` needs, passed down explicitly."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def _env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+class _Flags:
+    """Adds flags whose defaults come from the environment, and says so in --help."""
+
+    def __init__(self, parser: argparse.ArgumentParser | Any, env: Mapping[str, str]) -> None:
+        self._parser = parser
+        self._env = env
+
+    def value(self, flag: str, kind: Callable[[str], Any], default: Any, help_text: str) -> None:
+        name = _env_name(flag)
+        raw = self._env.get(name)
+        try:
+            value = default if raw is None else kind(raw)
+        except ValueError as exc:
+            raise SystemExit(f"{name}={raw!r}: {exc}") from exc
+        shown = "unset" if default is None else default
+        self._parser.add_argument(flag, type=kind, default=value, help=f"{help_text} [env {name}; default {shown}]")
+
+    def switch(self, flag: str, help_text: str) -> None:
+        name = _env_name(flag)
+        raw = self._env.get(name)
+        try:
+            value = False if raw is None else _parse_bool(raw)
+        except ValueError as exc:
+            raise SystemExit(f"{name}: {exc}") from exc
+        self._parser.add_argument(flag, action="store_true", default=value, help=f"{help_text} [env {name}]")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The flags of `python -m llmserve`, with defaults taken from `env` (os.environ when None)."""
+    env = os.environ if env is None else env
+    engine = EngineConfig()
+    server = ServerConfig()
+    parser = argparse.ArgumentParser(
+        prog="llmserve",
+        description="Serve a language model over gRPC (llmserve.v1.GenerateService) with continuous batching.",
+    )
+
+    g = _Flags(parser.add_argument_group("model"), env)
+    g.value("--model", str, None, "model: a local transformers folder, a .gguf file or random:NAME; unset: the default")
+    g.value("--device", str, "auto", "device: auto, cpu, cuda, cuda:N")
+    g.value("--dtype", str, "auto", "weights' dtype: auto, float32, bfloat16, float16")
+    g.value("--cache-dir", str, None, "where converted models are cached; unset: ~/.cache/llmserve")
+
+    g = _Flags(parser.add_argument_group("server"), env)
+    g.value("--address", str, None, f"host:port to listen on (overrides --host/--port); default {DEFAULT_ADDRESS}")
+    g.value("--host", str, DEFAULT_ADDRESS.rsplit(":", 1)[0], "interface to listen on")
+    g.value("--port", int, int(DEFAULT_ADDRESS.rsplit(":", 1)[1]), "port to listen on (0: any free port)")
+    g.value(
+        "--max-concurrent-streams",
+        _positive_int,
+        server.max_concurrent_streams,
+        "Generate streams in flight at once; beyond it calls get RESOURCE_EXHAUSTED",
+    )
+    g.value(
+        "--default-max-new-tokens",
+        _positive_int,
+        server.default_max_new_tokens,
+        "max_new_tokens for requests that leave it unset (capped by the context)",
+    )
+    g.value(
+        "--grace-period",
+        _non_negative_float,
+        server.grace_period_s,
+        "seconds in-flight streams get to finish after SIGTERM/SIGINT before they are cancelled",
+    )
+    g.switch("--no-reflection", "turn off gRPC server reflection")
+    g.switch("--log-prompts", "log prompt text with each request (debugging only)")
+    g.value("--log-level", str.upper, server.log_level, "DEBUG, INFO, WARNING or ERROR")
+
+    g = _Flags(parser.add_argument_group("engine"), env)
+    g.value(
+        "--kv-cache-tokens",
+        _positive_int,
+        engine.kv_cache_tokens,
+        "KV cache size in tokens; unset: --kv-cache-memory-fraction of free memory",
+    )
+    g.value(
+        "--kv-cache-memory-fraction",
+        _fraction,
+        engine.kv_cache_memory_fraction,
+        "share of free device memory (CUDA) or of the CPU budget for the KV cache",
+    )
+    g.value("--block-size", _positive_int, engine.block_size, "tokens per KV cache block")
+    g.value("--max-num-seqs", _positive_int, engine.max_num_seqs, "most sequences in one batch")
+    g.value(
+        "--max-num-batched-tokens",
+        _positive_int,
+        engine.max_num_batched_tokens,
+        "most tokens in one forward (prefill chunks plus decodes)",
+    )
+    g.value("--max-model-len", _positive_int, engine.max_model_len, "context length cap; unset: the model's")
+    g.value(
+        "--max-waiting",
+        _positive_int,
+        engine.max_waiting,
+        "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED",
+    )
+    g.switch("--no-prefix-caching", "turn off automatic prefix caching")
+    g.value("--session-ttl", _non_negative_float, engine.session_ttl_s, "seconds an idle session's cache is kept")
+    g.value("--max-sessions", _positive_int, engine.max_sessions, "most sessions kept")
+    g.value(
+        "--session-pool-fraction",
+        _fraction,
+        engine.session_pool_fraction,
+        "largest share of the KV cache idle sessions may hold",
+    )
+    g.switch("--no-cuda-graphs", "turn off CUDA graphs for the decode step")
+    return parser
+
+
+def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Parse flags (sys.argv[1:] when None) over environment defaults into a Config."""
+    args = build_parser(env).parse_args(argv)
+    address = args.address or f"{args.host}:{args.port}"
+    return Config(
+        server=ServerConfig(
+            address=address,
+            max_concurrent_streams=args.max_concurrent_streams,
+            default_max_new_tokens=args.default_max_new_tokens,
+            grace_period_s=args.grace_period,
+            reflection=not args.no_reflection,
+            log_prompts=args.log_prompts,
+            log_level=args.log_level,
+        ),
+        model=ModelConfig(spec=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir),
+        engine=EngineConfig(
+            block_size=args.block_size,
+            kv_cache_tokens=args.kv_cache_tokens,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            max_waiting=args.max_waiting,
+            enable_prefix_caching=not args.no_prefix_caching,
+            session_ttl_s=args.session_ttl,
+            max_sessions=args.max_sessions,
+            session_pool_fraction=args.session_pool_fraction,
+            cuda_graphs=not args.no_cuda_graphs,
+        ),
+    )

@@ -1,0 +1,153 @@
+"""Book-keeping for the fixed pool of KV blocks: reference counts, free lists and prefix hashes.
+
+No tensors live here; the runner owns the KV memory and this class only says which block ids are whose.
+A block is in exactly one of three states:
+- owned: ref_count > 0 (held by running sequences and/or sessions);
+- cached: ref_count == 0 but its content is known by a prefix hash, so a later request may revive it;
+  cached blocks are evicted least recently freed first when fresh blocks are needed;
+- free: ref_count == 0 and no hash.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class NoFreeBlocks(RuntimeError):
+    """Raised by allocate() when fewer blocks are free than asked for; callers check can_allocate first."""
+
+
+def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """Hash of a full block given the hash of the block before it, so equal hashes mean equal prefixes."""
+    return hash((parent, tuple(tokens)))
+
+
+class BlockPool:
+    """A fixed set of `num_blocks` KV blocks of `block_size` token slots each."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        # Pop from the end; reversed so that low ids come out first (nicer to read in tests).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that allocate() can hand out now (free plus evictable cached ones)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """How many blocks hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The block whose content has this prefix hash, owned or cached, if any."""
+        return self._hash_to_block.get(block_hash)
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out `n` blocks with ref_count 1, evicting cached blocks (oldest first) if needed."""
+        if n > self.num_free:
+            raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
+        out: list[int] = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._cached.popitem(last=False)
+                self._forget_hash(block)
+            self.ref_count[block] = 1
+            out.append(block)
+        return out
+
+    def acquire(self, blocks: Iterable[int]) -> None:
+        """Add a reference to blocks that are owned or cached (reviving cached ones)."""
+        for block in blocks:
+            if self.ref_count[block] == 0:
+                if block not in self._cached:
+                    raise ValueError(f"block {block} is free; allocate it instead")
+                del self._cached[block]
+            self.ref_count[block] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block; unreferenced blocks become cached (if hashed) or free."""
+        for block in blocks:
+            count = self.ref_count[block]
+            if count <= 0:
+                raise ValueError(f"block {block} released more often than acquired")
+            self.ref_count[block] = count - 1
+            if count == 1:
+                if self.block_hash[block] is not None:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Record that an owned, full block holds the prefix with this hash.
+
+        If another block already holds that prefix, the first one stays the canonical copy and this
+        block stays anonymous (it is freed normally).
+        """
+        if self.ref_count[block] <= 0:
+            raise ValueError(f"block {block} is not owned")
+        if self.block_hash[block] is not None or block_hash in self._hash_to_block:
+            return
+        self.block_hash[block] = block_hash
+        self._hash_to_block[block_hash] = block
+
+    def clear_cache(self) -> None:
+        """Forget all cached (unreferenced) prefixes, making their blocks free."""
+        while self._cached:
+            block, _ = self._cached.popitem(last=False)
+            self._forget_hash(block)
+            self._free.append(block)
+
+    def _forget_hash(self, block: int) -> None:
+        block_hash = self.block_hash[block]
+        if block_hash is not None:
+            del self._hash_to_block[block_hash]
+            self.block_hash[block] = None
+
+    # -- checking --------------------------------------------------------------------------------
+
+    def check(self, owners: Iterable[Sequence[int]]) -> None:
+        """Verify the books against the given owners' block lists (one entry per reference held).
+
+        Raises ValueError on any leak, double free or miscount; for tests and debugging.
+        """
+        expected = [0] * self.num_blocks
+        for blocks in owners:
+            for block in blocks:
+                expected[block] += 1
+        if expected != self.ref_count:
+            bad = [b for b in range(self.num_blocks) if expected[b] != self.ref_count[b]]
+            raise ValueError(f"ref counts differ from owners at blocks {bad[:10]}")
+        free = set(self._free)
+        cached = set(self._cached)
+        if len(free) != len(self._free) or free & cached:
+            raise ValueError("a block is listed twice among free/cached")
+        unowned = {b for b in range(self.num_blocks) if self.ref_count[b] == 0}
+        if unowned != free | cached:
+            raise ValueError("unowned blocks differ from free+cached")
+        for block_hash, block in self._hash_to_block.items():
+            if self.block_hash[block] != block_hash:
+                raise ValueError(f"hash index disagrees at block {block}")
+        if any(self.block_hash[b] is not None for b in free):
+            raise ValueError("a free block still has a hash")

@@ -1,0 +1,227 @@
+"""The model runner: owns the KV tensors and turns one scheduler output into one forward.
+
+The model is an unmodified transformers `AutoModelForCausalLM`. Its attention modules call the function
+registered here under `ATTN_IMPLEMENTATION` (transformers' AttentionInterface), which writes the step's
+new keys/values into the paged cache and attends over each sequence's blocks. Every scheduled token of
+every sequence is packed into one row (batch size 1, explicit position ids), so a step is one forward
+whatever the mix of prompt chunks and single decode tokens.
+
+Attention reads the blocks by gathering each sequence's slots (index_select on a [kv_heads, slots, dim]
+cache): single-token (decode) queries are batched into one padded batched matmul per layer; multi-token
+chunks attend one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from llmserve.engine.request import Sequence
+
+ATTN_IMPLEMENTATION = "llmserve_paged"
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A multi-token query range [start, end) of the packed row and the cache slots of its whole context."""
+
+    start: int
+    end: int
+    context_slots: torch.Tensor | None  # None: the chunk is the whole context (nothing cached before it)
+    mask: torch.Tensor | None  # [q, ctx] True where attending; None when the plain causal mask applies
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """Per-step attention metadata, built once and read by every layer."""
+
+    kv: torch.Tensor  # [layers, 2, kv_heads, slots, head_dim]
+    slot_mapping: torch.Tensor  # [tokens] where each new token's K/V goes
+    num_decode: int  # the first num_decode tokens are one-token queries
+    decode_slots: torch.Tensor | None  # [num_decode * max_ctx] flattened, padded with slot 0
+    decode_bias: torch.Tensor | None  # [kv_heads * num_decode, 1, max_ctx]: 0 or -inf
+    max_ctx: int
+    chunks: list[Chunk]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    llmserve_batch: PagedBatch | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function over the paged cache. query [1, H, T, D], key/value [1, KVH, T, D]."""
+    batch = llmserve_batch
+    if batch is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the llmserve_batch argument")
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    k_cache, v_cache = batch.kv[module.layer_idx]
+    k_new, v_new = key[0], value[0]
+    k_cache.index_copy_(1, batch.slot_mapping, k_new)
+    v_cache.index_copy_(1, batch.slot_mapping, v_new)
+
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    nd = batch.num_decode
+    if nd:
+        group = num_heads // num_kv_heads
+        ctx = batch.max_ctx
+        keys = k_cache.index_select(1, batch.decode_slots).view(num_kv_heads * nd, ctx, head_dim)
+        values = v_cache.index_select(1, batch.decode_slots).view(num_kv_heads * nd, ctx, head_dim)
+        # [H, nd, D] -> [KVH * nd, group, D]: batch over (kv head, sequence), the group's heads as rows.
+        q = query[0, :, :nd].reshape(num_kv_heads, group, nd, head_dim).transpose(1, 2)
+        q = q.reshape(num_kv_heads * nd, group, head_dim)
+        scores = torch.baddbmm(batch.decode_bias, q, keys.transpose(1, 2), alpha=scale)
+        if scores.dtype in (torch.float16, torch.bfloat16):
+            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        o = torch.bmm(probs, values).view(num_kv_heads, nd, group, head_dim)
+        out[:nd] = o.transpose(0, 1).reshape(nd, num_heads, head_dim)
+    for chunk in batch.chunks:
+        q = query[:, :, chunk.start : chunk.end]
+        if chunk.context_slots is None:
+            k = k_new[None, :, chunk.start : chunk.end]
+            v = v_new[None, :, chunk.start : chunk.end]
+        else:
+            k = k_cache.index_select(1, chunk.context_slots)[None]
+            v = v_cache.index_select(1, chunk.context_slots)[None]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
+        )
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+@dataclass(slots=True, frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: object) -> KVShape:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Owns the model and the KV cache; `execute` runs one packed forward and returns the needed logits."""
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.shape = KVShape.of(model.config)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        s = self.shape
+        self.kv = torch.zeros(
+            s.num_layers, 2, s.num_kv_heads, num_blocks * block_size, s.head_dim, dtype=self.dtype, device=self.device
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (copy-on-write of a shared, partly filled block) in every layer."""
+        bs = self.block_size
+        for src, dst in copies:
+            self.kv[:, :, :, dst * bs : (dst + 1) * bs] = self.kv[:, :, :, src * bs : (src + 1) * bs]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]], sample_seqs: list[Sequence]) -> torch.Tensor:
+        """One forward over the scheduled tokens; returns logits [len(sample_seqs), vocab] (float32).
+
+        `scheduled` must list one-token entries first (the runner batches their attention);
+        `sample_seqs` are the scheduled sequences whose last scheduled token is their last token.
+        """
+        ids, positions, slots = [], [], []
+        sample_index = {}
+        chunks: list[Chunk] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        bs = self.block_size
+        num_decode = 0
+        offset = 0
+        for seq, n in scheduled:
+            start = seq.num_computed
+            end = start + n
+            table = seq.block_table
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if end == len(seq.token_ids):
+                sample_index[seq.request_id] = offset + n - 1
+            if n == 1:
+                num_decode += 1
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                chunks.append(self._chunk(offset, offset + n, start, table))
+            offset += n
+        dev = self.device
+        batch = PagedBatch(
+            kv=self.kv,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode=num_decode,
+            decode_slots=None,
+            decode_bias=None,
+            max_ctx=0,
+            chunks=chunks,
+        )
+        if num_decode:
+            self._decode_metadata(batch, decode_tables, decode_lens)
+        keep = torch.tensor([sample_index[s.request_id] for s in sample_seqs], dtype=torch.long, device=dev)
+        out = self.model(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
+            use_cache=False,
+            logits_to_keep=keep,
+            llmserve_batch=batch,
+        )
+        return out.logits[0].float()
+
+    def _chunk(self, q_start: int, q_end: int, ctx_start: int, table: list[int]) -> Chunk:
+        if ctx_start == 0:
+            return Chunk(q_start, q_end, None, None)
+        bs = self.block_size
+        ctx = ctx_start + (q_end - q_start)
+        dev = self.device
+        blocks = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev)
+        context_slots = (blocks[:, None] * bs + torch.arange(bs, device=dev)).view(-1)[:ctx]
+        q_pos = torch.arange(ctx_start, ctx, device=dev)
+        mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
+        return Chunk(q_start, q_end, context_slots, mask)
+
+    def _decode_metadata(self, batch: PagedBatch, tables: list[list[int]], lens: list[int]) -> None:
+        bs = self.block_size
+        dev = self.device
+        max_ctx = max(lens)
+        width = -(-max_ctx // bs)
+        padded = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
+        blocks = torch.tensor(padded, dtype=torch.long, device=dev)
+        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(tables), -1)[:, :max_ctx]
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        bias = torch.zeros(len(tables), max_ctx, dtype=self.dtype, device=dev)
+        bias.masked_fill_(torch.arange(max_ctx, device=dev)[None, :] >= lens_t[:, None], float("-inf"))
+        kvh = self.shape.num_kv_heads
+        batch.decode_slots = slots.reshape(-1)
+        batch.decode_bias = bias.repeat(kvh, 1).view(kvh * len(tables), 1, max_ctx)
+        batch.max_ctx = max_ctx

@@ -1,0 +1,226 @@
+"""Iteration-level scheduling: which sequences run in the next forward, and with how many tokens.
+
+There is no separate prefill or decode phase: each sequence's computed-token count catches up with its
+token count, at most `max_num_batched_tokens` tokens per step across the batch, so a long prompt is read
+in chunks while running streams keep getting one token per step. Running sequences are served first,
+oldest first; when blocks run out, idle sessions are evicted, then the newest running sequence is
+preempted (its blocks freed, recomputed later). Waiting sequences are admitted by priority, then age,
+reusing session and prefix-cached blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from llmserve.engine.block_pool import BlockPool, chain_hash
+from llmserve.engine.request import FinishReason, SeqStatus, Sequence
+from llmserve.engine.sessions import SessionStore
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: (sequence, number of new tokens to compute) and KV block copies to do first."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    # (source, destination) block copies, done before the forward; each source holds a reference
+    # until update() so that nothing reallocates it first.
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting heap and the running list; asks the block pool and the session store."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        sessions: SessionStore,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.pool = pool
+        self.sessions = sessions
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.running: list[Sequence] = []
+        self._waiting: list[tuple[int, int, Sequence]] = []
+        self._num_waiting = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (-seq.request.priority, seq.seq_no, seq))
+        self._num_waiting += 1
+
+    def waiting(self) -> list[Sequence]:
+        """Live waiting sequences (for aborts and deadline checks)."""
+        return [seq for _, _, seq in self._waiting if seq.status is SeqStatus.WAITING]
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        if self.enable_prefix_caching or len(self.sessions):
+            self.sessions.expire()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, n, out):
+                break  # seq itself was preempted: nothing newer is left
+            out.scheduled.append((seq, n))
+            budget -= n
+            i += 1
+
+        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            _, _, seq = self._waiting[0]
+            if seq.status is not SeqStatus.WAITING:
+                heapq.heappop(self._waiting)  # aborted while waiting
+                continue
+            n = self._admit(seq, budget, out)
+            if n == 0:
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput) -> list[Sequence]:
+        """Account the computed tokens; returns the sequences that caught up and need a new token."""
+        ready = []
+        for seq, n in out.scheduled:
+            before = seq.num_computed
+            seq.num_computed += n
+            if self.enable_prefix_caching:
+                self._register_full_blocks(seq, before)
+            if seq.num_computed == len(seq.token_ids):
+                ready.append(seq)
+        # The copies are done: drop the references that kept their sources alive.
+        self.pool.release(src for src, _ in out.copies)
+        return ready
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Retire a sequence: its blocks go to its session (if any, and the KV is sound) or back to the pool."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.WAITING:
+            self._num_waiting -= 1  # its heap entry is dropped lazily
+        else:
+            self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        session_id = seq.request.session_id
+        if session_id is not None and reason is not FinishReason.ERROR and seq.num_computed > 0:
+            keep = self.pool.blocks_for(seq.num_computed)
+            self.pool.release(seq.block_table[keep:])
+            self.sessions.retain(session_id, seq.token_ids[: seq.num_computed], seq.block_table[:keep])
+        else:
+            self.pool.release(seq.block_table)
+        seq.block_table = []
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and put it back at the head of its priority class."""
+        self.running.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.add(seq)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Give a running seq blocks for n more tokens, evicting sessions then preempting the newest."""
+        need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        while not self.pool.can_allocate(need):
+            if self.sessions.evict_one():
+                continue
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait."""
+        tokens = seq.token_ids
+        reused, shared, cow_src = self._find_reuse(seq)
+        # Hold the blocks to reuse (and the copy source) before anything can be evicted.
+        held = shared + ([cow_src] if cow_src is not None else [])
+        self.pool.acquire(held)
+        n = min(len(tokens) - reused, budget)
+        need = self.pool.blocks_for(reused + n) - len(shared)
+        if not self.pool.can_allocate(need) and not self.sessions.evict_until_free(need):
+            self.pool.release(held)
+            return 0
+        fresh = self.pool.allocate(need)
+        if cow_src is not None:
+            out.copies.append((cow_src, fresh[0]))
+        seq.block_table = shared + fresh
+        seq.num_computed = reused
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt = reused
+        return n
+
+    def _find_reuse(self, seq: Sequence) -> tuple[int, list[int], int | None]:
+        """(tokens whose KV can be reused, full blocks to share, block to copy for a partial last block).
+
+        At least one token is always left to compute, since its logits pick the next token.
+        """
+        tokens = seq.token_ids
+        bs = self.pool.block_size
+        limit = len(tokens) - 1
+        shared: list[int] = []
+        if self.enable_prefix_caching:
+            self._hash_blocks(seq, limit // bs)
+            for block_hash in seq.block_hashes[: limit // bs]:
+                block = self.pool.lookup(block_hash)
+                if block is None:
+                    break
+                shared.append(block)
+        session_id = seq.request.session_id
+        if session_id is not None:
+            matched, blocks = self.sessions.match(session_id, tokens)
+            matched = min(matched, limit)
+            if matched > len(shared) * bs:
+                full = matched // bs
+                cow = blocks[full] if matched % bs else None
+                return matched, blocks[:full], cow
+        return len(shared) * bs, shared, None
+
+    def _hash_blocks(self, seq: Sequence, num_full: int) -> None:
+        bs = self.pool.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_full:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def _register_full_blocks(self, seq: Sequence, computed_before: int) -> None:
+        bs = self.pool.block_size
+        num_full = seq.num_computed // bs
+        self._hash_blocks(seq, num_full)
+        for i in range(computed_before // bs, num_full):
+            if self.pool.block_hash[seq.block_table[i]] is None:
+                self.pool.register(seq.block_table[i], seq.block_hashes[i])

@@ -1,0 +1,149 @@
+"""Session id -> the KV blocks of that conversation so far, held in the shared block pool.
+
+A session holds one reference on each of its blocks, so its KV survives between calls. Sessions are
+evicted least recently used first: when running requests need blocks, when there are more than
+`max_sessions`, when they hold more than their share of the pool, or when idle past the TTL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from llmserve.engine.block_pool import BlockPool
+
+
+@dataclass(slots=True)
+class Session:
+    """The tokens whose KV the session's blocks hold, in order; len(blocks) == blocks_for(len(token_ids))."""
+
+    session_id: str
+    token_ids: list[int]
+    blocks: list[int]
+    last_used: float
+    last_used_wall: float
+
+
+class SessionStore:
+    """LRU map of session id to retained blocks. Pure book-keeping over a BlockPool."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        ttl_s: float,
+        max_sessions: int,
+        max_pool_fraction: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pool = pool
+        self._ttl_s = ttl_s
+        self._max_sessions = max_sessions
+        self._max_blocks = int(pool.num_blocks * max_pool_fraction)
+        self._clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._num_blocks_held = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    @property
+    def num_blocks_held(self) -> int:
+        return self._num_blocks_held
+
+    def get(self, session_id: str) -> Session | None:
+        """The session without touching its LRU position."""
+        return self._sessions.get(session_id)
+
+    def owners(self) -> list[list[int]]:
+        """Every session's block list, for BlockPool.check()."""
+        return [s.blocks for s in self._sessions.values()]
+
+    def match(self, session_id: str, token_ids: Sequence[int]) -> tuple[int, list[int]]:
+        """Longest common prefix of `token_ids` with the session's tokens, and the blocks that hold it.
+
+        Marks the session as used. The caller must acquire() the returned blocks before anything else
+        touches the pool; the last block may be only partly covered by the prefix.
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            return 0, []
+        self._touch(session)
+        cached = session.token_ids
+        limit = min(len(cached), len(token_ids))
+        n = 0
+        while n < limit and cached[n] == token_ids[n]:
+            n += 1
+        return n, session.blocks[: self._pool.blocks_for(n)]
+
+    def retain(self, session_id: str, token_ids: list[int], blocks: list[int]) -> None:
+        """Make the session hold `blocks` (whose references the caller hands over) for `token_ids`.
+
+        Replaces whatever the session held before: the last call to finish wins.
+        """
+        if len(blocks) != self._pool.blocks_for(len(token_ids)):
+            raise ValueError("blocks do not match the token count")
+        self.delete(session_id)
+        now = self._clock()
+        session = Session(session_id, token_ids, blocks, now, time.time())
+        self._sessions[session_id] = session
+        self._num_blocks_held += len(blocks)
+        self.enforce_limits(keep=session_id)
+
+    def delete(self, session_id: str) -> bool:
+        """Free the session's references now. Returns whether it existed."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self._num_blocks_held -= len(session.blocks)
+        self._pool.release(session.blocks)
+        return True
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used session; False if there is none."""
+        if not self._sessions:
+            return False
+        self.delete(next(iter(self._sessions)))
+        return True
+
+    def evict_until_free(self, num_blocks: int) -> bool:
+        """Evict LRU sessions until the pool can allocate `num_blocks`; True if it now can."""
+        while not self._pool.can_allocate(num_blocks):
+            if not self.evict_one():
+                return False
+        return True
+
+    def expire(self) -> int:
+        """Drop sessions idle for longer than the TTL; returns how many."""
+        deadline = self._clock() - self._ttl_s
+        expired = 0
+        while self._sessions:
+            oldest = next(iter(self._sessions.values()))
+            if oldest.last_used > deadline:
+                break
+            self.delete(oldest.session_id)
+            expired += 1
+        return expired
+
+    def enforce_limits(self, keep: str | None = None) -> None:
+        """Evict LRU sessions past max_sessions or the pool share, never the one named `keep`."""
+        while len(self._sessions) > self._max_sessions or self._num_blocks_held > self._max_blocks:
+            victim = next(iter(self._sessions))
+            if victim == keep:
+                if len(self._sessions) == 1:
+                    # The only session is over the share on its own: drop it rather than hold the pool.
+                    self.delete(victim)
+                    return
+                self._sessions.move_to_end(victim)
+                continue
+            self.delete(victim)
+
+    def _touch(self, session: Session) -> None:
+        session.last_used = self._clock()
+        session.last_used_wall = time.time()
+        self._sessions.move_to_end(session.session_id)
