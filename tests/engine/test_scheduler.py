@@ -52,9 +52,11 @@ class EngineBooks(RuleBasedStateMachine):
         session=st.sampled_from([None, "a", "b", "c", "d"]),
     )
     def add(self, head: list[int], tail: list[int], max_new: int, session: str | None) -> None:
+        self.add_prompt(head + tail, max_new, session)
+
+    def add_prompt(self, prompt: list[int], max_new: int, session: str | None) -> None:
         if len(self.live) >= 8:
             return
-        prompt = head + tail
         if self.pool.blocks_for(len(prompt) + max_new) > self.pool.num_blocks:
             return  # the engine rejects these before they reach the scheduler
         self.n += 1
@@ -65,6 +67,15 @@ class EngineBooks(RuleBasedStateMachine):
         self.scheduler.add(seq)
         self.live.append(seq)
 
+    @precondition(lambda self: len(self.sessions) > 0)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def follow_up(self, data: st.DataObject, extra: list[int]) -> None:
+        """The next turn of a conversation: the session's tokens (maybe cut short, as if edited) plus more."""
+        session_id = data.draw(st.sampled_from([s for s in "abcd" if s in self.sessions]))
+        cached = self.sessions.get(session_id).token_ids
+        cut = data.draw(st.integers(0, len(cached)))
+        self.add_prompt(cached[:cut] + extra, 3, session_id)
+
     @rule(token=st.integers(0, 3))
     def step(self, token: int) -> None:
         out = self.scheduler.schedule()
@@ -73,6 +84,9 @@ class EngineBooks(RuleBasedStateMachine):
         for seq, n in out.scheduled:
             assert n >= 1 and seq.status is SeqStatus.RUNNING
             assert len(seq.block_table) >= self.pool.blocks_for(seq.num_computed + n)
+            # The blocks this step writes into belong to this sequence alone (copy on write).
+            for block in seq.block_table[seq.num_computed // BLOCK_SIZE : self.pool.blocks_for(seq.num_computed + n)]:
+                assert self.pool.ref_count[block] == 1
         assert out.num_tokens <= self.scheduler.max_num_batched_tokens
         ready = self.scheduler.update(out)
         for seq in ready:
