@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._waiting: list[tuple[int, int, Sequence]] = []
         self._num_waiting = 0
+        self.num_preemptions = 0
 
     @property
     def num_waiting(self) -> int:
@@ -145,6 +146,7 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.add(seq)
 
     # -- helpers ---------------------------------------------------------------------------------
