@@ -1,0 +1,37 @@
+"""Channel options shared by the sync and async clients: plaintext or TLS (optionally mutual)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+@dataclass(slots=True, frozen=True)
+class TLS:
+    """TLS settings. No root certificates: the system's. A private key and certificate chain: mutual TLS."""
+
+    root_certificates: bytes | None = None
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+
+    @classmethod
+    def from_files(
+        cls, ca: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None
+    ) -> TLS:
+        """Read PEM files: `ca` to verify the server, `cert` and `key` to identify this client."""
+        if (cert is None) != (key is None):
+            raise ValueError("a client certificate needs its key, and the other way round")
+
+        def read(path: str | Path | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return cls(read(ca), read(key), read(cert))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+
+# Long streams are normal here: keep idle connections alive through proxies, within what servers allow.
+DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 60_000),)

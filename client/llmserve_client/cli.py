@@ -1,0 +1,138 @@
+"""`llmserve-client` / `python -m llmserve_client`: talk to an llmserve server from a shell.
+
+    llmserve-client generate "Tell me a joke" --max-new-tokens 64     # prints text as it streams
+    llmserve-client generate "What is 2+2?" --chat --json             # one JSON line per response message
+    llmserve-client health                                            # exit status 0 only when SERVING
+    llmserve-client model-info
+    llmserve-client tokenize "Hello world"
+
+Exit status: 0 on success, 1 when the server answered with an error (or health is not SERVING), 2 for usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import json_format
+
+from llmserve_client.channel import TLS
+from llmserve_client.client import Client
+
+DEFAULT_TARGET = "localhost:50051"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve-client", description="Client for the llmserve gRPC service.")
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("LLMSERVE_TARGET", DEFAULT_TARGET),
+        help=f"server host:port [env LLMSERVE_TARGET; default {DEFAULT_TARGET}]",
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
+    parser.add_argument("--tls", action="store_true", help="use TLS (implied by --ca-cert/--cert)")
+    parser.add_argument("--ca-cert", help="PEM file of root certificates to verify the server")
+    parser.add_argument("--cert", help="PEM client certificate chain (mutual TLS; needs --key)")
+    parser.add_argument("--key", help="PEM client private key (mutual TLS)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="stream a completion")
+    gen.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    gen.add_argument("--system", help="with --chat: a system message before it")
+    gen.add_argument("--session", default="", help="session id: reuse the conversation's cache across calls")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="default: the server's")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--request-id", default="")
+    gen.add_argument("--json", action="store_true", help="print each response message as one line of JSON")
+    gen.add_argument("--stats", action="store_true", help="print usage and timing to stderr at the end")
+
+    health = commands.add_parser("health", help="grpc.health.v1 check; exit 0 only when SERVING")
+    health.add_argument("--service", default="", help="service name (default: the whole server)")
+
+    commands.add_parser("model-info", help="print the served model's description as JSON")
+
+    tok = commands.add_parser("tokenize", help="print the token ids as JSON")
+    tok.add_argument("text")
+    tok.add_argument("--chat", action="store_true", help="tokenize as a user message (chat template)")
+    return parser
+
+
+def _tls(args: argparse.Namespace) -> TLS | None:
+    if args.cert or args.key or args.ca_cert:
+        return TLS.from_files(ca=args.ca_cert, cert=args.cert, key=args.key)
+    return TLS() if args.tls else None
+
+
+def _generate(client: Client, args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        source = {"messages": [*messages, {"role": "user", "content": prompt}]}
+    else:
+        source = {"prompt": prompt}
+    last = None
+    for response in client.generate(
+        **source,
+        timeout=args.timeout,
+        session_id=args.session,
+        request_id=args.request_id,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    ):
+        if args.json:
+            print(json_format.MessageToJson(response, indent=None), flush=True)
+        else:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+        last = response
+    if not args.json:
+        sys.stdout.write("\n")
+    if args.stats and last is not None:
+        reason = last.DESCRIPTOR.fields_by_name["finish_reason"].enum_type.values_by_number[last.finish_reason].name
+        u, t = last.usage, last.timing
+        print(
+            f"[{last.request_id}] finish={reason.removeprefix('FINISH_REASON_').lower()} "
+            f"prompt_tokens={u.prompt_tokens} cached={u.cached_prompt_tokens} completion_tokens={u.completion_tokens} "
+            f"ttft={t.time_to_first_token_seconds * 1e3:.0f}ms total={t.total_seconds * 1e3:.0f}ms",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        with Client(args.address, timeout=args.timeout, tls=_tls(args)) as client:
+            if args.command == "generate":
+                return _generate(client, args)
+            if args.command == "health":
+                status = client.health(args.service)
+                print(status)
+                return 0 if status == "SERVING" else 1
+            if args.command == "model-info":
+                print(json_format.MessageToJson(client.model_info(), indent=2))
+                return 0
+            messages = [{"role": "user", "content": args.text}] if args.chat else None
+            text = None if args.chat else args.text
+            print(json.dumps({"token_ids": client.tokenize(text, messages=messages)}))
+            return 0
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,102 @@
+"""Building a GenerateRequest from plain Python arguments (shared by the sync and async clients)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
+
+Message = Mapping[str, str] | tuple[str, str] | pb.ChatMessage
+
+
+def chat_input(messages: Iterable[Message]) -> pb.ChatInput:
+    """A ChatInput from {"role": ..., "content": ...} dicts, (role, content) pairs or ChatMessage protos."""
+    chat = pb.ChatInput()
+    for m in messages:
+        if isinstance(m, pb.ChatMessage):
+            chat.messages.append(m)
+        elif isinstance(m, Mapping):
+            chat.messages.add(role=m["role"], content=m["content"])
+        else:
+            role, content = m
+            chat.messages.add(role=role, content=content)
+    return chat
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: Iterable[Message] | None = None,
+    token_ids: Sequence[int] | None = None,
+    request_id: str = "",
+    session_id: str = "",
+    max_new_tokens: int | None = None,
+    min_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float | None = None,
+    min_p: float = 0.0,
+    repetition_penalty: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    include_stop_sequence: bool = False,
+    ignore_eos: bool = False,
+    return_token_ids: bool = False,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    return_prompt_token_ids: bool = False,
+    priority: int = 0,
+) -> pb.GenerateRequest:
+    """A GenerateRequest; exactly one of `prompt` (text), `messages` (chat) or `token_ids` must be given.
+
+    Arguments left at their defaults leave the field unset, so the server's defaults apply (greedy,
+    the server's max_new_tokens). The server validates ranges; see generate.proto for each field.
+    """
+    inputs = {"prompt": prompt, "messages": messages, "token_ids": token_ids}
+    given = [name for name, value in inputs.items() if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of prompt, messages or token_ids (got {', '.join(given) or 'none'})")
+    request = pb.GenerateRequest(request_id=request_id, session_id=session_id, priority=priority)
+    if prompt is not None:
+        request.text = prompt
+    elif messages is not None:
+        request.chat.CopyFrom(chat_input(messages))
+    else:
+        request.token_ids.ids.extend(token_ids)
+
+    s = request.sampling
+    s.temperature = temperature
+    s.top_k = top_k
+    s.min_p = min_p
+    if top_p is not None:
+        s.top_p = top_p
+    if repetition_penalty is not None:
+        s.repetition_penalty = repetition_penalty
+    if seed is not None:
+        s.seed = seed
+
+    st = request.stopping
+    if max_new_tokens is not None:
+        st.max_new_tokens = max_new_tokens
+    st.min_new_tokens = min_new_tokens
+    st.stop_sequences.extend(stop)
+    st.stop_token_ids.extend(stop_token_ids)
+    st.include_stop_sequence = include_stop_sequence
+    st.ignore_eos = ignore_eos
+
+    r = request.response
+    r.token_ids = return_token_ids
+    r.logprobs = logprobs
+    r.top_logprobs = top_logprobs
+    r.prompt_token_ids = return_prompt_token_ids
+    return request
+
+
+def tokenize_request(text: str | None = None, *, messages: Iterable[Message] | None = None) -> pb.TokenizeRequest:
+    """A TokenizeRequest for text or a conversation (exactly one)."""
+    if (text is None) == (messages is None):
+        raise ValueError("give exactly one of text or messages")
+    if text is not None:
+        return pb.TokenizeRequest(text=text)
+    return pb.TokenizeRequest(chat=chat_input(messages))

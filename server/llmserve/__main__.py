@@ -1,0 +1,30 @@
+"""`python -m llmserve`: flags -> config -> serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from llmserve.config import from_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # No code path may reach a model hub: set before transformers is imported anywhere.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    config = from_args(argv)
+    logging.basicConfig(
+        level=config.server.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from llmserve.app import run
+
+    asyncio.run(run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

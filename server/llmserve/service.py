@@ -1,0 +1,383 @@
+"""The GenerateService servicer: protobuf in, engine request out; engine deltas in, protobuf out.
+
+It knows nothing of blocks or batches. Its own work is what only the edge can do: tokenize the input,
+fill in server defaults, admit or refuse a stream, tie the call's deadline and cancellation to the engine
+request, and log one line per request. Errors are raised as exceptions (`InvalidRequest`, `QueueFull`,
+`EngineDead`, `ServiceError`); the interceptor in app.py turns them into gRPC statuses with `status_for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf import timestamp_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
+from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+
+from llmserve.config import ServerConfig
+from llmserve.engine.request import (
+    Delta,
+    EngineDead,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    QueueFull,
+    SamplingParams,
+    StoppingParams,
+    TokenLogprob,
+)
+
+if TYPE_CHECKING:
+    from llmserve.engine.core import AsyncEngine
+
+log = logging.getLogger("llmserve.requests")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
+
+# Engine field names -> the request field a caller sees (the input field is filled in per request).
+_FIELD_PATHS = {
+    "temperature": "sampling.temperature",
+    "top_k": "sampling.top_k",
+    "top_p": "sampling.top_p",
+    "min_p": "sampling.min_p",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "seed": "sampling.seed",
+    "max_new_tokens": "stopping.max_new_tokens",
+    "min_new_tokens": "stopping.min_new_tokens",
+    "stop_sequences": "stopping.stop_sequences",
+    "stop_token_ids": "stopping.stop_token_ids",
+    "top_logprobs": "response.top_logprobs",
+    "prompt_token_ids": "token_ids.ids",
+}
+
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+class ServiceError(Exception):
+    """A refusal decided by the service itself (loading, draining, overloaded, not found...)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status_for(exc: BaseException) -> status_pb2.Status | None:
+    """The google.rpc.Status a known error maps to; None for anything else (a bug: gRPC reports UNKNOWN)."""
+    if isinstance(exc, InvalidRequest):
+        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.reason)
+        status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc))
+        status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+        return status
+    if isinstance(exc, QueueFull):
+        return status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=f"engine queue is full: {exc}")
+    if isinstance(exc, EngineDead):
+        return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=f"engine is dead: {exc}")
+    if isinstance(exc, ServiceError):
+        return status_pb2.Status(code=exc.code.value[0], message=exc.message)
+    return None
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    """Serves llmserve.v1.GenerateService; answers UNAVAILABLE until `attach()` hands it a started engine."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self._config = config
+        self._engine: AsyncEngine | None = None
+        self._draining = False
+        self._in_flight: set[str] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def attach(self, engine: AsyncEngine) -> None:
+        """Start serving with `engine` (already started and warmed up)."""
+        self._engine = engine
+
+    def begin_drain(self) -> None:
+        """Refuse new Generate streams from now on; those in flight go on."""
+        self._draining = True
+
+    @property
+    def num_streams(self) -> int:
+        """Generate streams in flight."""
+        return len(self._in_flight)
+
+    async def wait_idle(self) -> None:
+        """Return once no Generate stream is in flight."""
+        await self._idle.wait()
+
+    def _ready_engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self._engine
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        engine = self._ready_engine()
+        if self._draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if len(self._in_flight) >= self._config.max_concurrent_streams:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self._in_flight)} Generate streams in flight, the server's limit; retry later",
+            )
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._in_flight:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+        self._in_flight.add(request_id)
+        self._idle.clear()
+        record = _RequestLog(request_id, time.monotonic())
+        try:
+            gen_request = await self._to_generation_request(engine, request, request_id, context.time_remaining())
+            record.prompt_tokens = len(gen_request.prompt_token_ids)
+            if self._config.log_prompts:
+                record.prompt = _input_text(request)
+            async for response in self._stream(engine, gen_request, request, record):
+                yield response
+            record.status = "OK"
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            raise
+        except Exception as exc:
+            status = status_for(exc)
+            record.status = _CODE_NAMES[status.code] if status else type(exc).__name__
+            raise
+        finally:
+            self._in_flight.discard(request_id)
+            if not self._in_flight:
+                self._idle.set()
+            record.emit()
+
+    async def _stream(
+        self, engine: AsyncEngine, gen_request: GenerationRequest, request: pb.GenerateRequest, record: _RequestLog
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Yield one response per delta; raise for endings that are not a normal finish."""
+        options = request.response
+        prompt_ids = gen_request.prompt_token_ids if options.prompt_token_ids else ()
+        try:
+            # aclosing: a cancel while we wait on the client still closes (and so aborts) the engine request.
+            async with contextlib.aclosing(engine.generate(gen_request)) as deltas:
+                async for delta in deltas:
+                    record.observe(delta)
+                    if delta.finish_reason is FinishReason.DEADLINE:
+                        raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+                    yield _to_response(delta, options, prompt_ids)
+                    prompt_ids = ()
+                    if delta.finish_reason is FinishReason.CANCELLED:
+                        raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server cancelled the request (shutdown)")
+                    if delta.finish_reason is FinishReason.ERROR:
+                        raise ServiceError(grpc.StatusCode.INTERNAL, f"generation failed: {delta.error}")
+        except InvalidRequest as exc:
+            raise _for_caller(exc, request) from None
+
+    async def _to_generation_request(
+        self, engine: AsyncEngine, request: pb.GenerateRequest, request_id: str, time_remaining: float | None
+    ) -> GenerationRequest:
+        prompt_ids = await _prompt_token_ids(engine.tokenizer, request)
+        s, st = request.sampling, request.stopping
+        try:
+            sampling = SamplingParams(
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p if s.HasField("top_p") else 1.0,
+                min_p=s.min_p,
+                repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+                seed=s.seed if s.HasField("seed") else None,
+            )
+            if st.HasField("max_new_tokens"):
+                max_new_tokens = st.max_new_tokens
+            else:
+                info = engine.model_info
+                room = info.context_length - len(prompt_ids)
+                # At least 1, so that a prompt that fills the context is reported as such by the engine.
+                max_new_tokens = max(1, min(self._config.default_max_new_tokens, info.max_new_tokens, room))
+            stopping = StoppingParams(
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=st.min_new_tokens,
+                stop_sequences=tuple(st.stop_sequences),
+                stop_token_ids=tuple(st.stop_token_ids),
+                include_stop_sequence=st.include_stop_sequence,
+                ignore_eos=st.ignore_eos,
+            )
+            return GenerationRequest(
+                request_id=request_id,
+                prompt_token_ids=tuple(prompt_ids),
+                sampling=sampling,
+                stopping=stopping,
+                session_id=request.session_id or None,
+                deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+                priority=request.priority,
+                logprobs=request.response.logprobs or request.response.top_logprobs > 0,
+                top_logprobs=request.response.top_logprobs,
+            )
+        except InvalidRequest as exc:
+            raise _for_caller(exc, request) from None
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        tokenizer = self._ready_engine().tokenizer
+        ids = await _prompt_token_ids(tokenizer, request)
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        info = self._ready_engine().model_info
+        return pb.GetModelInfoResponse(
+            name=info.name,
+            context_length=info.context_length,
+            max_new_tokens=info.max_new_tokens,
+            dtype=info.dtype,
+            device=info.device,
+            vocab_size=info.vocab_size,
+            default_max_new_tokens=self._config.default_max_new_tokens,
+        )
+
+    async def GetSession(
+        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetSessionResponse:
+        engine = self._ready_engine()
+        if not request.session_id:
+            raise InvalidRequest("session_id", "must not be empty")
+        info = engine.get_session(request.session_id)
+        if info is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
+        last_used = timestamp_pb2.Timestamp()
+        last_used.FromNanoseconds(int(info.last_used * 1e9))
+        return pb.GetSessionResponse(session_id=info.session_id, cached_tokens=info.cached_tokens, last_used=last_used)
+
+    async def DeleteSession(
+        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteSessionResponse:
+        engine = self._ready_engine()
+        if not request.session_id:
+            raise InvalidRequest("session_id", "must not be empty")
+        return pb.DeleteSessionResponse(deleted=engine.delete_session(request.session_id))
+
+
+def _for_caller(exc: InvalidRequest, request: pb.GenerateRequest) -> InvalidRequest:
+    """Re-name an engine field after the request field the caller set."""
+    if exc.field == "prompt":
+        path = request.WhichOneof("input") or "input"
+    else:
+        path = _FIELD_PATHS.get(exc.field, exc.field)
+    return InvalidRequest(path, exc.reason)
+
+
+async def _prompt_token_ids(tokenizer: Any, request: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
+    """Token ids of the request's input: text and chat go through the tokenizer, off the event loop."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        choices = " or ".join(request.DESCRIPTOR.oneofs_by_name["input"].fields_by_name)
+        raise InvalidRequest("input", f"set one of {choices}")
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if tokenizer is None:
+        raise InvalidRequest(kind, "the model has no tokenizer: send token_ids")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequest("text", "must not be empty")
+        return await asyncio.to_thread(tokenizer.encode, request.text)
+    return await asyncio.to_thread(_chat_token_ids, tokenizer, request.chat.messages)
+
+
+def _chat_token_ids(tokenizer: Any, messages: Sequence[pb.ChatMessage]) -> list[int]:
+    if not messages:
+        raise InvalidRequest("chat.messages", "must not be empty")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("chat", "the model has no chat template: send text or token_ids")
+    turns = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template itself rejects the conversation (e.g. roles must alternate)
+        raise InvalidRequest("chat.messages", f"the chat template rejects it: {exc}") from exc
+    # The template already wrote the special tokens it wants.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _input_text(request: pb.GenerateRequest) -> str:
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        return request.text
+    if kind == "chat":
+        return " | ".join(f"{m.role}: {m.content}" for m in request.chat.messages)
+    return f"<{len(request.token_ids.ids)} token ids>"
+
+
+def _to_response(delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence[int]) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, prompt_token_ids=prompt_ids)
+    if options.token_ids:
+        response.token_ids.extend(delta.token_ids)
+    if delta.logprobs:
+        response.logprobs.extend(_logprob_pb(lp) for lp in delta.logprobs)
+    if delta.finish_reason is not None:
+        response.finish_reason = pb.FinishReason.Value(f"FINISH_REASON_{delta.finish_reason.name}")
+    if delta.usage is not None:
+        u = delta.usage
+        response.usage.SetInParent()
+        response.usage.prompt_tokens = u.prompt_tokens
+        response.usage.cached_prompt_tokens = u.cached_prompt_tokens
+        response.usage.completion_tokens = u.completion_tokens
+    if delta.timing is not None:
+        t = delta.timing
+        response.timing.SetInParent()
+        response.timing.queue_seconds = t.queue_s
+        response.timing.time_to_first_token_seconds = t.ttft_s
+        response.timing.total_seconds = t.total_s
+    if delta.seed is not None:
+        response.seed = delta.seed
+    return response
+
+
+def _logprob_pb(lp: TokenLogprob) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_logprobs=top)
+
+
+@dataclass(slots=True)
+class _RequestLog:
+    """What the one log line per Generate call says."""
+
+    request_id: str
+    start: float
+    first_token: float | None = None
+    prompt_tokens: int = 0
+    cached: int = 0
+    completion: int = 0
+    finish: str = "-"
+    status: str = "UNKNOWN"
+    prompt: str | None = None
+
+    def observe(self, delta: Delta) -> None:
+        if delta.token_ids and self.first_token is None:
+            self.first_token = time.monotonic()
+        self.completion += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish = delta.finish_reason.value
+        if delta.usage is not None:
+            self.prompt_tokens = delta.usage.prompt_tokens
+            self.cached = delta.usage.cached_prompt_tokens
+            self.completion = delta.usage.completion_tokens
+
+    def emit(self) -> None:
+        duration_ms = (time.monotonic() - self.start) * 1e3
+        ttft = "-" if self.first_token is None else f"{(self.first_token - self.start) * 1e3:.1f}"
+        line = (
+            f"request_id={self.request_id} status={self.status} finish={self.finish} "
+            f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached} completion_tokens={self.completion} "
+            f"ttft_ms={ttft} duration_ms={duration_ms:.1f}"
+        )
+        if self.prompt is not None:
+            line += f" prompt={self.prompt!r}"
+        log.info(line)
