@@ -53,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default="")
-    gen.add_argument("--json", action="store_true", help="print each response message as one line of JSON")
+    gen.add_argument(
+        "--json", action="store_true", help="print each response message as one line of JSON (proto field names)"
+    )
     gen.add_argument("--stats", action="store_true", help="print usage and timing to stderr at the end")
 
     health = commands.add_parser("health", help="grpc.health.v1 check; exit 0 only when SERVING")
@@ -95,7 +97,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     ):
         if args.json:
-            print(json_format.MessageToJson(response, indent=None), flush=True)
+            print(json_format.MessageToJson(response, indent=None, preserving_proto_field_name=True), flush=True)
         else:
             sys.stdout.write(response.text)
             sys.stdout.flush()
@@ -125,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(status)
                 return 0 if status == "SERVING" else 1
             if args.command == "model-info":
-                print(json_format.MessageToJson(client.model_info(), indent=2))
+                print(json_format.MessageToJson(client.model_info(), indent=2, preserving_proto_field_name=True))
                 return 0
             messages = [{"role": "user", "content": args.text}] if args.chat else None
             text = None if args.chat else args.text

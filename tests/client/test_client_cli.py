@@ -1,0 +1,78 @@
+"""The client CLI as a subprocess, against a real in-process server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from harness import ServerThread
+from llmserve_client import Client
+
+
+def cli(server: ServerThread, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "llmserve_client", "--address", server.address, "--timeout", "60", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+
+
+def test_generate_prints_the_completion(server: ServerThread) -> None:
+    out = cli(server, "generate", "Once upon a time", "--max-new-tokens", "10", "--ignore-eos", "--stats")
+    assert out.returncode == 0, out.stderr
+    with Client(server.address, timeout=30) as client:
+        expected = client.generate_text("Once upon a time", max_new_tokens=10, ignore_eos=True)
+    assert out.stdout == expected + "\n"
+    assert "finish=length" in out.stderr and "completion_tokens=10" in out.stderr
+
+
+def test_generate_streams_before_the_answer_is_complete(server: ServerThread) -> None:
+    cmd = [sys.executable, "-m", "llmserve_client", "--address", server.address]
+    cmd += ["generate", "Once upon a time", "--max-new-tokens", "900", "--ignore-eos"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = os.read(proc.stdout.fileno(), 1)  # blocks until the first text arrives
+        assert first
+        assert proc.poll() is None, "text arrived before generation ended"
+        assert server.engine.num_running == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 5
+    while server.engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.engine.num_running == 0, "a killed client's request is aborted"
+
+
+def test_generate_json_prints_one_message_per_line(server: ServerThread) -> None:
+    out = cli(server, "generate", "What is the capital of France?", "--chat", "--max-new-tokens", "6", "--json")
+    assert out.returncode == 0, out.stderr
+    messages = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(messages) >= 2
+    assert messages[-1]["finish_reason"].startswith("FINISH_REASON_")
+    assert messages[-1]["usage"]["prompt_tokens"] > 8  # the chat template's tokens are in the prompt
+
+
+def test_health_model_info_tokenize(server: ServerThread) -> None:
+    out = cli(server, "health")
+    assert (out.returncode, out.stdout) == (0, "SERVING\n")
+    out = cli(server, "model-info")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["vocab_size"] == 49152
+    out = cli(server, "tokenize", "Hello world")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"token_ids": [19556, 905]}
+
+
+def test_errors_exit_one_with_the_status(server: ServerThread) -> None:
+    out = cli(server, "generate", "hi", "--temperature", "-1")
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT: sampling.temperature" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "llmserve_client", "--address", "127.0.0.1:1", "--timeout", "2", "health"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1
+    assert "UNAVAILABLE" in out.stderr or "DEADLINE_EXCEEDED" in out.stderr

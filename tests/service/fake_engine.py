@@ -1,0 +1,139 @@
+"""A stand-in for llmserve.engine.core.AsyncEngine with the same interface and no model.
+
+It lets the service tests force what the real engine rarely does on demand: a full queue, a dead engine,
+a failed forward. Each request "generates" token ids prompt[-1]+1, +2, ... (mod vocab), one per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from llmserve.engine.request import (
+    Delta,
+    EngineDead,
+    FinishReason,
+    GenerationRequest,
+    QueueFull,
+    Timing,
+    TokenLogprob,
+    Usage,
+)
+
+
+@dataclass(slots=True)
+class FakeModelInfo:
+    name: str = "fake"
+    context_length: int = 256
+    max_new_tokens: int = 255
+    dtype: str = "float32"
+    device: str = "cpu"
+    vocab_size: int = 1000
+
+
+class FakeTokenizer:
+    """Characters are tokens: id = code point (mod vocab); enough to exercise text and chat inputs."""
+
+    chat_template = "fake"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 1000 for c in text]
+
+    def apply_chat_template(self, turns: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
+        return "".join(f"<{t['role']}>{t['content']}" for t in turns) + "<assistant>"
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
+
+class FakeEngine:
+    """Knobs: `step_s` per token, `queue_full`, `dead_reason`, `fail_after` (tokens before an ERROR finish)."""
+
+    def __init__(self, step_s: float = 0.005) -> None:
+        self.step_s = step_s
+        self.queue_full = False
+        self.dead_reason: str | None = None
+        self.fail_after: int | None = None
+        self.tokenizer = FakeTokenizer()
+        self.model_info = FakeModelInfo()
+        self.started = False
+        self.aborted: list[str] = []
+        self._running: set[str] = set()
+        self._sessions: dict[str, int] = {}
+
+    @property
+    def dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    num_waiting = 0
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.started = False
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def get_session(self, session_id: str):  # noqa: ANN201 - SessionInfo-like
+        from types import SimpleNamespace
+
+        if session_id not in self._sessions:
+            return None
+        return SimpleNamespace(session_id=session_id, cached_tokens=self._sessions[session_id], last_used=time.time())
+
+    def delete_session(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        if self.dead:
+            raise EngineDead(self.dead_reason)
+        request.validate(self.model_info.vocab_size, self.model_info.context_length)
+        if self.queue_full:
+            raise QueueFull("fake queue is full")
+        rid = request.request_id
+        arrival = time.monotonic()
+        self._running.add(rid)
+        finished = False
+        try:
+            last = request.prompt_token_ids[-1]
+            for i in range(1, request.stopping.max_new_tokens + 1):
+                await asyncio.sleep(self.step_s)
+                if request.deadline is not None and time.monotonic() >= request.deadline:
+                    finished = True
+                    yield self._final(request, FinishReason.DEADLINE, i - 1, arrival)
+                    return
+                token = (last + i) % self.model_info.vocab_size
+                delta = Delta(rid, [token], chr(token))
+                if request.logprobs:
+                    top = [(token, -0.5), (token + 1, -1.5)][: request.top_logprobs]
+                    delta.logprobs = [TokenLogprob(token, -0.5, top)]
+                if self.fail_after is not None and i > self.fail_after:
+                    finished = True
+                    yield self._final(request, FinishReason.ERROR, i - 1, arrival, error="fake forward failed")
+                    return
+                if i == request.stopping.max_new_tokens:
+                    finished = True
+                    final = self._final(request, FinishReason.LENGTH, i, arrival)
+                    delta.finish_reason, delta.usage, delta.timing = final.finish_reason, final.usage, final.timing
+                    if request.session_id:
+                        self._sessions[request.session_id] = len(request.prompt_token_ids) + i
+                yield delta
+        finally:
+            self._running.discard(rid)
+            if not finished:
+                self.abort(rid)
+
+    def _final(
+        self, request: GenerationRequest, reason: FinishReason, n: int, arrival: float, error: str | None = None
+    ) -> Delta:
+        elapsed = time.monotonic() - arrival
+        usage = Usage(len(request.prompt_token_ids), 0, n)
+        return Delta(request.request_id, [], "", None, reason, usage, Timing(0.0, self.step_s, elapsed), None, error)

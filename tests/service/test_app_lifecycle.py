@@ -1,0 +1,141 @@
+"""The process: `python -m llmserve` as a subprocess (health at start, SIGTERM drain, exit 0), and reflection."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from fake_engine import FakeEngine
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from harness import ENGINE_LANDED, ServerThread, needs_engine, tiny_model
+from llmserve_client import build_request, pb
+from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_reflection_lists_the_services() -> None:
+    srv = ServerThread(FakeEngine()).start()
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            services = ProtoReflectionDescriptorDatabase(channel).get_services()
+            assert "llmserve.v1.GenerateService" in services
+            assert "grpc.health.v1.Health" in services
+    finally:
+        srv.stop()
+
+
+def test_reflection_can_be_turned_off() -> None:
+    srv = ServerThread(FakeEngine(), reflection=False).start()
+    try:
+        with grpc.insecure_channel(srv.address) as channel, pytest.raises(grpc.RpcError) as err:
+            ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model and its tokenizer saved as a local transformers folder, for `--model`."""
+    if not ENGINE_LANDED:
+        pytest.skip("waiting for llmserve.engine.core to land")
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    loaded = tiny_model()
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return folder
+
+
+class ServerProcess:
+    """`python -m llmserve` in a subprocess; its stderr (the log) is collected on a thread."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "llmserve", "--address", "127.0.0.1:0", *args]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if match := re.search(pattern, line):
+                return match
+        raise AssertionError(f"no log line matching {pattern!r}; log:\n{''.join(self.log)}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def server_process(tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    process = ServerProcess("--model", str(tiny_model_dir), "--grace-period", "30", "--kv-cache-tokens", "8192")
+    yield process
+    process.kill()
+
+
+@needs_engine
+def test_sigterm_drains_in_flight_streams_and_exits_zero(server_process: ServerProcess) -> None:
+    port = int(server_process.wait_for(r"listening on .* \(port (\d+)\)", timeout=60).group(1))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        # Health, watched from the moment the port is open: NOT_SERVING while loading, then SERVING.
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+        statuses = []
+        for response in watch:
+            statuses.append(response.status)
+            if response.status == SERVING:
+                break
+        assert statuses[0] == NOT_SERVING or statuses == [SERVING], statuses
+        assert statuses[-1] == SERVING
+
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        call = stub.Generate(build_request("Once upon a time", max_new_tokens=300, ignore_eos=True), timeout=60)
+        received = [next(call)]
+        server_process.proc.send_signal(signal.SIGTERM)
+
+        assert next(watch).status == NOT_SERVING
+        received += list(call)  # the stream in flight finishes within the grace period
+        assert received[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert received[-1].usage.completion_tokens == 300
+
+    assert server_process.proc.wait(timeout=30) == 0
+    log = "".join(server_process.log)
+    assert "received SIGTERM" in log
+    assert re.search(r"request_id=\w+ status=OK finish=length prompt_tokens=\d+ .*completion_tokens=300", log)
+    assert "Once upon a time" not in log, "prompts are not logged unless --log-prompts"
+
+
+@needs_engine
+def test_sigint_with_nothing_in_flight_exits_promptly(server_process: ServerProcess) -> None:
+    server_process.wait_for(r"serving ", timeout=120)
+    started = time.monotonic()
+    server_process.proc.send_signal(signal.SIGINT)
+    assert server_process.proc.wait(timeout=30) == 0
+    assert time.monotonic() - started < 10

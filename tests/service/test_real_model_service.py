@@ -1,0 +1,28 @@
+"""The default model (SmolLM2-135M-Instruct) behind the real server: a chat answer streams and is right."""
+
+from __future__ import annotations
+
+import pytest
+from harness import ServerThread, needs_engine
+from llmserve.engine.config import EngineConfig
+from llmserve.models import load_model
+from llmserve_client import Client, pb
+
+pytestmark = [pytest.mark.real_model, needs_engine]
+
+
+def test_chat_capital_of_france_streams_paris() -> None:
+    from llmserve.engine.core import AsyncEngine
+
+    engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, cuda_graphs=False))
+    srv = ServerThread(engine).start()
+    try:
+        with Client(srv.address, timeout=120) as client:
+            messages = [{"role": "user", "content": "What is the capital of France?"}]
+            responses = list(client.generate(messages=messages, max_new_tokens=32))
+    finally:
+        srv.stop()
+    answer = "".join(r.text for r in responses)
+    assert len(responses) >= 2, "the answer streams"
+    assert responses[-1].finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_LENGTH)
+    assert "Paris" in answer, answer

@@ -1,0 +1,67 @@
+"""Flags and LLMSERVE_* environment variables -> Config."""
+
+from __future__ import annotations
+
+import pytest
+from llmserve.config import DEFAULT_ADDRESS, Config, from_args
+from llmserve.engine.config import EngineConfig
+
+
+def test_defaults() -> None:
+    config = from_args([], env={})
+    assert config == Config()
+    assert config.server.address == DEFAULT_ADDRESS == "0.0.0.0:50051"
+    assert config.server.reflection and not config.server.log_prompts
+    assert config.engine == EngineConfig()
+
+
+def test_flags() -> None:
+    config = from_args(
+        [
+            "--model", "/models/x.gguf", "--device", "cuda:1", "--dtype", "bfloat16",
+            "--host", "127.0.0.1", "--port", "6000",
+            "--kv-cache-tokens", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+            "--block-size", "32", "--session-ttl", "60", "--max-sessions", "10", "--session-pool-fraction", "0.5",
+            "--no-prefix-caching", "--max-concurrent-streams", "3", "--grace-period", "2.5",
+            "--log-prompts", "--no-reflection", "--no-cuda-graphs",
+        ],
+        env={},
+    )  # fmt: skip
+    assert config.model.spec == "/models/x.gguf"
+    assert (config.model.device, config.model.dtype) == ("cuda:1", "bfloat16")
+    assert config.server.address == "127.0.0.1:6000"
+    assert config.server.max_concurrent_streams == 3
+    assert config.server.grace_period_s == 2.5
+    assert config.server.log_prompts and not config.server.reflection
+    e = config.engine
+    assert (e.kv_cache_tokens, e.max_num_seqs, e.max_num_batched_tokens, e.block_size) == (4096, 8, 256, 32)
+    assert (e.session_ttl_s, e.max_sessions, e.session_pool_fraction) == (60.0, 10, 0.5)
+    assert not e.enable_prefix_caching and not e.cuda_graphs
+
+
+def test_address_wins_over_host_and_port() -> None:
+    assert from_args(["--address", "[::1]:7000", "--port", "1"], env={}).server.address == "[::1]:7000"
+
+
+def test_environment_variables_and_flags_over_them() -> None:
+    env = {"LLMSERVE_MAX_NUM_SEQS": "4", "LLMSERVE_NO_REFLECTION": "true", "LLMSERVE_PORT": "7001"}
+    config = from_args([], env=env)
+    assert config.engine.max_num_seqs == 4
+    assert not config.server.reflection
+    assert config.server.address.endswith(":7001")
+    assert from_args(["--max-num-seqs", "9"], env=env).engine.max_num_seqs == 9
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--max-num-seqs", "0"], {}),
+        (["--session-pool-fraction", "1.5"], {}),
+        (["--grace-period", "-1"], {}),
+        ([], {"LLMSERVE_MAX_NUM_SEQS": "many"}),
+        ([], {"LLMSERVE_NO_REFLECTION": "perhaps"}),
+    ],
+)
+def test_bad_values_are_refused(argv: list[str], env: dict[str, str]) -> None:
+    with pytest.raises(SystemExit):
+        from_args(argv, env=env)

@@ -1,0 +1,215 @@
+"""Error statuses: validation (real engine), admission control, and engine failures forced with a fake engine."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from fake_engine import FakeEngine
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+from harness import CONTEXT_LENGTH, ENGINE_LANDED, ServerThread, tiny_engine, wait_until
+from llmserve_client import build_request, pb
+from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+
+
+def _status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str, list[str]]:
+    """Code, message and the BadRequest field violations' fields."""
+    fields = []
+    status = rpc_status.from_call(err)
+    if status is not None:
+        for detail in status.details:
+            bad = error_details_pb2.BadRequest()
+            if detail.Unpack(bad):
+                fields += [v.field for v in bad.field_violations]
+    return err.code(), err.details(), fields
+
+
+def _first_error(stub, request: pb.GenerateRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stub.Generate(request, timeout=30):
+            pass
+    return err.value
+
+
+def _health(channel: grpc.Channel, service: str = "") -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+INVALID = [
+    ("sampling.temperature", build_request("hi", temperature=-1.0)),
+    ("sampling.top_p", build_request("hi", top_p=0.0)),
+    ("sampling.top_p", build_request("hi", top_p=1.5)),
+    ("sampling.top_k", build_request("hi", top_k=-1)),
+    ("sampling.min_p", build_request("hi", min_p=2.0)),
+    ("sampling.repetition_penalty", build_request("hi", repetition_penalty=0.0)),
+    ("sampling.seed", build_request("hi", temperature=1.0, seed=-5)),
+    ("stopping.max_new_tokens", build_request("hi", max_new_tokens=CONTEXT_LENGTH + 10)),
+    ("stopping.max_new_tokens", build_request("hi", max_new_tokens=0)),
+    ("stopping.min_new_tokens", build_request("hi", max_new_tokens=4, min_new_tokens=8)),
+    ("stopping.stop_sequences", build_request("hi", stop=[""])),
+    ("stopping.stop_token_ids", build_request("hi", stop_token_ids=[10**6])),
+    ("response.top_logprobs", build_request("hi", top_logprobs=21)),
+    ("text", build_request("")),
+    ("text", build_request("hello " * (CONTEXT_LENGTH + 50))),
+    ("token_ids", build_request(token_ids=[5] * (CONTEXT_LENGTH + 1))),
+    ("token_ids.ids", build_request(token_ids=[1, -3, 2])),
+    ("token_ids.ids", build_request(token_ids=[49152])),
+    ("chat.messages", build_request(messages=[])),
+    ("input", pb.GenerateRequest()),
+]
+
+
+@pytest.mark.parametrize(("field", "request_pb"), INVALID, ids=[f"{f}-{i}" for i, (f, _) in enumerate(INVALID)])
+def test_invalid_request_names_the_field(server: ServerThread, stub, channel, field: str, request_pb) -> None:
+    code, message, fields = _status(_first_error(stub, request_pb))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message.startswith(f"{field}: ")
+    assert fields == [field]
+    assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+    assert server.engine.num_running == 0
+
+
+def test_session_rpcs_need_a_session_id(stub) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetSession(pb.GetSessionRequest(), timeout=5)
+    assert _status(err.value)[::2] == (grpc.StatusCode.INVALID_ARGUMENT, ["session_id"])
+
+
+def test_tokenize_needs_input(stub) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Tokenize(pb.TokenizeRequest(), timeout=5)
+    assert _status(err.value)[::2] == (grpc.StatusCode.INVALID_ARGUMENT, ["input"])
+
+
+# -- admission control: the server's own limit on concurrent streams ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited() -> Iterator[ServerThread]:
+    if not ENGINE_LANDED:
+        pytest.skip("waiting for llmserve.engine.core to land")
+    srv = ServerThread(tiny_engine(), max_concurrent_streams=2).start()
+    yield srv
+    srv.stop()
+
+
+def test_resource_exhausted_beyond_max_concurrent_streams(limited: ServerThread) -> None:
+    with grpc.insecure_channel(limited.address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        long = build_request("Once upon a time", max_new_tokens=900, ignore_eos=True)
+        calls = [stub.Generate(long, timeout=60) for _ in range(2)]
+        for call in calls:
+            next(call)  # both are in flight
+        code, message, _ = _status(_first_error(stub, build_request("hi", max_new_tokens=2)))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 Generate streams" in message
+        for call in calls:
+            call.cancel()
+        assert wait_until(lambda: limited.server.servicer.num_streams == 0, timeout=5)
+        assert list(stub.Generate(build_request("hi", max_new_tokens=2), timeout=30))[-1].finish_reason
+
+
+# -- engine failures, forced with the fake engine -------------------------------------------------------------
+
+
+@pytest.fixture
+def fake() -> Iterator[ServerThread]:
+    srv = ServerThread(FakeEngine()).start()
+    yield srv
+    srv.stop()
+
+
+def _fake_stub(srv: ServerThread) -> tuple[grpc.Channel, generate_pb2_grpc.GenerateServiceStub]:
+    channel = grpc.insecure_channel(srv.address)
+    return channel, generate_pb2_grpc.GenerateServiceStub(channel)
+
+
+def test_engine_queue_full_is_resource_exhausted(fake: ServerThread) -> None:
+    fake.engine.queue_full = True
+    channel, stub = _fake_stub(fake)
+    with channel:
+        assert _first_error(stub, build_request("hi")).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_dead_engine_is_unavailable_and_not_serving(fake: ServerThread) -> None:
+    fake.engine.dead_reason = "the GPU fell off the bus"
+    channel, stub = _fake_stub(fake)
+    with channel:
+        err = _first_error(stub, build_request("hi"))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "GPU fell off" in err.details()
+        assert wait_until(lambda: _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+
+
+def test_failed_generation_sends_what_it_has_then_internal(fake: ServerThread) -> None:
+    fake.engine.fail_after = 3
+    channel, stub = _fake_stub(fake)
+    with channel:
+        received = []
+        with pytest.raises(grpc.RpcError) as err:
+            for response in stub.Generate(build_request("hi", max_new_tokens=10), timeout=10):
+                received.append(response)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "fake forward failed" in err.value.details()
+        assert "".join(r.text for r in received)
+        assert received[-1].finish_reason == pb.FINISH_REASON_ERROR
+
+
+def test_duplicate_request_id_in_flight_is_already_exists(fake: ServerThread) -> None:
+    channel, stub = _fake_stub(fake)
+    with channel:
+        first = stub.Generate(build_request("hi", max_new_tokens=200, request_id="same"), timeout=10)
+        next(first)
+        err = _first_error(stub, build_request("hi", request_id="same"))
+        assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+        first.cancel()
+
+
+def test_unavailable_while_the_model_loads() -> None:
+    srv = ServerThread(FakeEngine()).start(serve=False)
+    try:
+        channel, stub = _fake_stub(srv)
+        with channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert _health(channel, "llmserve.v1.GenerateService") == health_pb2.HealthCheckResponse.NOT_SERVING
+            err = _first_error(stub, build_request("hi"))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            assert "loading" in err.details()
+            srv.serve()
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            assert list(stub.Generate(build_request("hi", max_new_tokens=2), timeout=10))
+    finally:
+        srv.stop()
+
+
+def test_drain_finishes_in_flight_streams_and_refuses_new_ones(fake: ServerThread) -> None:
+    channel, stub = _fake_stub(fake)
+    with channel:
+        call = stub.Generate(build_request("hi", max_new_tokens=100), timeout=30)  # ~0.5 s of fake steps
+        next(call)
+        stopping = threading.Thread(target=fake.run, args=(fake.server.stop(10.0),))
+        stopping.start()
+        assert wait_until(lambda: _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+        assert _first_error(stub, build_request("hi")).code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(call)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        stopping.join(timeout=10)
+        assert not stopping.is_alive()
+    fake.server = None  # already stopped
+
+
+def test_drain_cancels_streams_past_the_grace_period(fake: ServerThread) -> None:
+    fake.engine.step_s = 0.05
+    channel, stub = _fake_stub(fake)
+    with channel:
+        call = stub.Generate(build_request("hi", max_new_tokens=200), timeout=30)  # ~10 s of fake steps
+        next(call)
+        fake.run(fake.server.stop(0.3))
+        with pytest.raises(grpc.RpcError):
+            list(call)
+        assert fake.engine.num_running == 0
+    fake.server = None
