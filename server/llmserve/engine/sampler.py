@@ -1,0 +1,268 @@
+"""Batched next-token sampling with per-request seeds.
+
+One call per engine step picks one token for each row of a [rows, vocab] logits tensor. Greedy rows take
+the argmax (bit-for-bit what transformers' greedy search picks). Sampled rows follow transformers' order:
+repetition penalty, blocked ids, temperature, top-k, top-p, min-p, then an inverse-CDF draw with one
+uniform number from the row's own generator.
+
+Batch invariance is the point of the design: a seeded request gets the same tokens whatever else shares
+its batch. So randomness never comes from a shared RNG, and a row's arithmetic only uses kernels that
+treat rows independently and in a fixed order (elementwise ops, softmax, cumsum, max, top-k values,
+searchsorted). Generic sum reductions are avoided, because PyTorch splits a short batch's reduction across
+threads and so changes its rounding with the batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from llmserve.engine.request import SamplingParams, TokenLogprob
+
+# Top-p candidate bins: float32 bits >> 20 keep the exponent and 3 mantissa bits; probabilities <= 1.0
+# have bit patterns <= 0x3F800000, so their bins are < 1024.
+_BIN_SHIFT = 20
+_N_BINS = 1024
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs about one request for one step.
+
+    `generator` must be set for sampled rows (temperature > 0); it may live on the CPU or on the logits'
+    device (the latter avoids a copy). `token_ids` (prompt + generated) is only read for the repetition
+    penalty. `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: Sequence[int]
+    blocked_token_ids: Sequence[int]
+    logprobs: bool
+    top_logprobs: int
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Pick one token per row of `logits` ([len(rows), vocab], any device and float dtype).
+
+    Returns the chosen ids, and per row a TokenLogprob when `row.logprobs` (log-softmax of the raw logits:
+    the chosen id's logprob and the `top_logprobs` best as (id, logprob), descending), else None.
+    Raises ValueError when the shapes disagree or a sampled row has no generator. `logits` is not modified.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [{len(rows)}, vocab], got {list(logits.shape)}")
+    if not rows:
+        return [], []
+    if all(_plain_greedy(row) for row in rows):
+        return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+
+    device = logits.device
+    x = logits.to(torch.float32, copy=True)
+    _apply_repetition_penalty(x, rows)
+    _apply_blocked(x, rows)
+
+    chosen = torch.empty(len(rows), dtype=torch.long, device=device)
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if greedy:
+        idx = _index(greedy, device)
+        chosen[idx] = x[idx].argmax(dim=-1)
+    if sampled:
+        idx = _index(sampled, device)
+        # All rows sampling is the common case: hand over x itself instead of a copy of it.
+        sub = x if len(sampled) == len(rows) else x[idx]
+        chosen[idx] = _draw(sub, [rows[i] for i in sampled])
+    token_ids = chosen.tolist()
+    return token_ids, _logprobs(logits, rows, chosen)
+
+
+def _plain_greedy(row: SampleRow) -> bool:
+    return row.params.greedy and row.params.repetition_penalty == 1.0 and not row.blocked_token_ids and not row.logprobs
+
+
+def _index(positions: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _apply_repetition_penalty(x: torch.Tensor, rows: list[SampleRow]) -> None:
+    """transformers' RepetitionPenaltyLogitsProcessor, for all penalised rows in one gather/scatter.
+
+    A token seen several times is written several times with the same value, so duplicates are harmless.
+    """
+    penalised = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0 and row.token_ids]
+    if not penalised:
+        return
+    lengths = torch.tensor([len(rows[i].token_ids) for i in penalised])
+    cols = torch.tensor(list(chain.from_iterable(rows[i].token_ids for i in penalised)), dtype=torch.long)
+    row_idx = torch.repeat_interleave(torch.tensor(penalised, dtype=torch.long), lengths)
+    penalty = torch.repeat_interleave(torch.tensor([rows[i].params.repetition_penalty for i in penalised]), lengths)
+    row_idx, cols, penalty = (t.to(x.device, non_blocking=True) for t in (row_idx, cols, penalty))
+    seen = x[row_idx, cols]
+    x[row_idx, cols] = torch.where(seen > 0, seen / penalty, seen * penalty)
+
+
+def _apply_blocked(x: torch.Tensor, rows: list[SampleRow]) -> None:
+    blocked = [i for i, row in enumerate(rows) if row.blocked_token_ids]
+    if not blocked:
+        return
+    lengths = torch.tensor([len(rows[i].blocked_token_ids) for i in blocked])
+    cols = torch.tensor(list(chain.from_iterable(rows[i].blocked_token_ids for i in blocked)), dtype=torch.long)
+    row_idx = torch.repeat_interleave(torch.tensor(blocked, dtype=torch.long), lengths)
+    x[row_idx.to(x.device, non_blocking=True), cols.to(x.device, non_blocking=True)] = float("-inf")
+
+
+def _draw(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Sample one id per row of `x` ([m, vocab] float32, owned by us: modified in place)."""
+    # Uniforms first, so that a missing generator fails before any work.
+    uniforms = torch.stack([_uniform(row, j, x.device) for j, row in enumerate(rows)])
+    weights = warped_weights(x, [row.params for row in rows])
+    # Inverse CDF over unnormalised weights: the first index whose running total exceeds u * total.
+    cdf = weights.cumsum_(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, uniforms.unsqueeze(1) * total, right=True)
+    # u * total can round up to total; the last token with weight is then the right answer.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(picked, last).squeeze(1)
+
+
+def warped_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, in transformers' order, for rows of float32 logits `x`
+    (modified in place). Returns [m, vocab] sampling weights: proportional to the warped distribution,
+    zero for every token filtered out, not necessarily summing to one."""
+    device = x.device
+    vocab = x.shape[1]
+    n = len(params)
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    x.div_(temperature.to(device, non_blocking=True).unsqueeze(1))
+
+    sel = _select([j for j, p in enumerate(params) if 0 < p.top_k < vocab], n, device)
+    if sel is not None:
+        ks = [params[j].top_k for j in _positions(sel, n)]
+        sub = x[sel]
+        kth = sub.topk(max(ks), dim=-1).values.gather(1, _column(ks, torch.long, device) - 1)
+        # Ties with the k-th value stay in, as in transformers' TopKLogitsWarper.
+        _store(x, sel, sub.masked_fill_(sub < kth, float("-inf")))
+
+    probs = torch.softmax(x, dim=-1)
+    sel = _select([j for j, p in enumerate(params) if p.top_p < 1.0], n, device)
+    if sel is not None:
+        ps = _column([params[j].top_p for j in _positions(sel, n)], torch.float32, device)
+        sub = probs[sel]
+        _store(probs, sel, sub.masked_fill_(sub < nucleus_floor(sub, ps), 0.0))
+
+    sel = _select([j for j, p in enumerate(params) if p.min_p > 0.0], n, device)
+    if sel is not None:
+        scale = _column([params[j].min_p for j in _positions(sel, n)], torch.float32, device)
+        sub = probs[sel]
+        # Relative to the row's best token, so top-p having left the row unnormalised does not matter.
+        _store(probs, sel, sub.masked_fill_(sub < sub.amax(dim=-1, keepdim=True) * scale, 0.0))
+    return probs
+
+
+def _select(positions: list[int], n: int, device: torch.device) -> torch.Tensor | slice | None:
+    """Rows to work on: None for none, a slice (a view, no copy) for all, else an index tensor."""
+    if not positions:
+        return None
+    if len(positions) == n:
+        return slice(None)
+    return _index(positions, device)
+
+
+def _positions(sel: torch.Tensor | slice, n: int) -> list[int]:
+    return list(range(n)) if isinstance(sel, slice) else sel.tolist()
+
+
+def _store(dest: torch.Tensor, sel: torch.Tensor | slice, sub: torch.Tensor) -> None:
+    # A slice selected a view that was updated in place; an index selected a copy that must go back.
+    if not isinstance(sel, slice):
+        dest[sel] = sub
+
+
+def _column(values: list[float] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
+
+
+def _uniform(row: SampleRow, j: int, device: torch.device) -> torch.Tensor:
+    generator = row.generator
+    if generator is None:
+        raise ValueError(f"sampled row {j} (temperature {row.params.temperature}) has no generator")
+    return torch.rand((), generator=generator, device=generator.device).to(device, non_blocking=True)
+
+
+def nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row ([m, vocab] probabilities, [m, 1] top_p), the probability of the least likely token in the
+    smallest top set whose mass reaches top_p. Keeping every token at or above it keeps the nucleus, and
+    ties with its last token (transformers would keep an arbitrary subset of those ties).
+
+    The answer depends only on the row's values sorted descending, so it is the same whatever the batch,
+    the device or the candidate set. Masses are summed in float64: in float32 the running sum over
+    thousands of tokens drifts enough to move the cut. On CUDA a full sort is cheap; on the CPU sorting
+    49152 values per row costs milliseconds, so candidates are narrowed first (see `_candidates`).
+    """
+    ordered = None if probs.is_cuda else _candidates(probs, top_p)
+    if ordered is None:
+        ordered = probs.sort(dim=-1, descending=True).values
+        cum = ordered.double().cumsum(dim=-1)
+    else:
+        cum = ordered.double().cumsum(dim=-1)
+        if bool((cum[:, -1:] < top_p).any()):
+            # Histogram rounding left a nucleus outside its candidates (an empty slack bin): sort it all.
+            ordered = probs.sort(dim=-1, descending=True).values
+            cum = ordered.double().cumsum(dim=-1)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+    # A token is in the nucleus while the mass strictly before it is below top_p; the best one always is.
+    n_keep = (before < top_p).sum(dim=-1, keepdim=True)
+    return ordered.gather(1, n_keep - 1)
+
+
+def _candidates(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """Each row's tokens that may be in its nucleus, sorted descending and zero-padded to a common width;
+    None when that would be most of the vocabulary anyway.
+
+    A histogram of the probabilities over 1/8-octave bins (the float's exponent and 3 mantissa bits, so
+    one shift) gives each row the highest bin edge above which the mass reaches top_p; every token at or
+    above the bin below that is a candidate. The spare bin absorbs the histogram's float32 rounding, and
+    the candidates are rarely more than ~1.2x the nucleus.
+    """
+    m, vocab = probs.shape
+    # For non-negative floats the bit pattern orders like the value, so the shifted bits are monotone bins.
+    bins = (probs.view(torch.int32) >> _BIN_SHIFT).long()
+    mass = torch.zeros(m, _N_BINS, dtype=probs.dtype).scatter_add_(1, bins, probs)
+    from_top = mass.flip(-1).cumsum(dim=-1)
+    short = (from_top < top_p).sum(dim=-1, keepdim=True)  # bins from the top whose mass is still short of top_p
+    lowest = (_N_BINS - 2 - short).clamp_(min=0)
+    keep = bins >= lowest
+    counts = keep.sum(dim=-1).tolist()
+    if max(counts) > vocab // 2:
+        return None
+    picked = torch.split(probs[keep], counts)
+    padded = torch.nn.utils.rnn.pad_sequence(list(picked), batch_first=True)
+    return padded.sort(dim=-1, descending=True).values
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SampleRow], chosen: torch.Tensor) -> list[TokenLogprob | None]:
+    wanted = [i for i, row in enumerate(rows) if row.logprobs]
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if not wanted:
+        return out
+    idx = _index(wanted, logits.device)
+    logp = torch.log_softmax(logits[idx].float(), dim=-1)
+    chosen_logp = logp.gather(1, chosen[idx].unsqueeze(1)).squeeze(1).tolist()
+    n_top = max(rows[i].top_logprobs for i in wanted)
+    top_values: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if n_top > 0:
+        top = logp.topk(min(n_top, logp.shape[1]), dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    chosen_ids = chosen[idx].tolist()
+    for j, i in enumerate(wanted):
+        n = rows[i].top_logprobs
+        out[i] = TokenLogprob(
+            token_id=chosen_ids[j],
+            logprob=chosen_logp[j],
+            top=list(zip(top_ids[j][:n], top_values[j][:n], strict=True)),
+        )
+    return out

@@ -1,0 +1,318 @@
+"""Tests for llmserve.engine.sampler: greedy exactness, per-request seeds, warpers against transformers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from llmserve.engine.request import SamplingParams
+from llmserve.engine.sampler import SampleRow, _apply_repetition_penalty, nucleus_floor, sample, warped_weights
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+GREEDY = SamplingParams()
+
+
+def row(
+    params: SamplingParams = GREEDY,
+    seed: int | None = None,
+    *,
+    token_ids: tuple[int, ...] = (),
+    blocked: tuple[int, ...] = (),
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    device: str = "cpu",
+) -> SampleRow:
+    generator = None
+    if not params.greedy:
+        generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
+    return SampleRow(params, generator, list(token_ids), list(blocked), logprobs, top_logprobs)
+
+
+def hf_warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """transformers' warper chain for one row of logits, as `generate` orders it."""
+    scores = logits.clone().unsqueeze(0)
+    scores = TemperatureLogitsWarper(p.temperature)(None, scores)
+    if p.top_k:
+        scores = TopKLogitsWarper(p.top_k)(None, scores)
+    if p.top_p < 1.0:
+        scores = TopPLogitsWarper(p.top_p)(None, scores)
+    if p.min_p > 0.0:
+        scores = MinPLogitsWarper(p.min_p)(None, scores)
+    return scores.squeeze(0)
+
+
+params_strategy = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]),
+    top_k=st.sampled_from([0, 0, 1, 5, 40]),
+    top_p=st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.99]),
+    min_p=st.sampled_from([0.0, 0.0, 0.05, 0.3]),
+    repetition_penalty=st.sampled_from([1.0, 1.0, 1.3, 0.8]),
+)
+
+
+# --- greedy -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax_even_with_ties(device: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(16, 1000).to(dtype).to(device)
+    logits[3, 10] = logits[3, 500] = 100.0  # a tie: the first index wins, as in transformers' argmax
+    ids, logprobs = sample(logits, [row() for _ in range(16)])
+    assert ids == logits.float().argmax(dim=-1).tolist()
+    assert ids[3] == 10
+    assert logprobs == [None] * 16
+
+
+def test_greedy_with_penalty_and_blocked_ids_matches_transformers() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, 300)
+    history = [[1, 2, 3, 3], [5], [], [7, 8]]
+    rows = [row(SamplingParams(repetition_penalty=1.5), token_ids=tuple(h), blocked=(9,)) for h in history]
+    ids, _ = sample(logits, rows)
+    for i, h in enumerate(history):
+        scores = logits[i : i + 1].clone()
+        if h:
+            scores = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([h]), scores)
+        scores[0, 9] = -math.inf
+        assert ids[i] == int(scores.argmax())
+
+
+def test_input_logits_are_not_modified() -> None:
+    logits = torch.randn(3, 100)
+    before = logits.clone()
+    sample(logits, [row(SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.2), 1, token_ids=(1, 2))] * 3)
+    assert torch.equal(logits, before)
+
+
+# --- seeds ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    target=params_strategy.filter(lambda p: not p.greedy),
+    others=st.lists(params_strategy, min_size=0, max_size=6),
+    position=st.integers(0, 6),
+    seed=st.integers(0, 2**63 - 1),
+    vocab=st.sampled_from([7, 100, 3000]),
+    ties=st.booleans(),
+    data_seed=st.integers(0, 1000),
+)
+def test_same_seed_same_tokens_whatever_the_batch(target, others, position, seed, vocab, ties, data_seed) -> None:
+    gen = torch.Generator().manual_seed(data_seed)
+    steps = 4
+    logits = torch.randn(steps, len(others) + 1, vocab, generator=gen) * 3
+    if ties:  # bfloat16 logits, as CUDA serving produces, have many exact ties
+        logits = logits.bfloat16().float()
+    history = (1, 2, 2, 5)
+    position = min(position, len(others))
+
+    alone = row(target, seed, token_ids=history)
+    alone_ids = [sample(logits[s, position : position + 1], [alone])[0][0] for s in range(steps)]
+
+    batched = row(target, seed, token_ids=history)
+    batch_rows = [row(p, i, token_ids=(3,), blocked=(0,)) for i, p in enumerate(others)]
+    batch_rows.insert(position, batched)
+    batch_ids = [sample(logits[s], batch_rows)[0][position] for s in range(steps)]
+    assert batch_ids == alone_ids
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_seed_same_tokens_at_full_vocab(device: str) -> None:
+    torch.manual_seed(2)
+    logits = (torch.randn(8, 49152) * 4).to(device)
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=0, min_p=0.01, repetition_penalty=1.1)
+    alone = [sample(logits[i : i + 1], [row(params, 42, token_ids=(5, 6), device=device)])[0][0] for i in range(8)]
+    batch = sample(logits, [row(params, 42, token_ids=(5, 6), device=device) for _ in range(8)])[0]
+    assert batch == alone
+
+
+def test_different_seeds_differ() -> None:
+    logits = torch.zeros(1, 1000)
+    ids = {sample(logits, [row(SamplingParams(temperature=1.0), s)])[0][0] for s in range(20)}
+    assert len(ids) > 10
+
+
+def test_sampled_row_without_generator_raises() -> None:
+    bad = SampleRow(SamplingParams(temperature=1.0), None, [], [], False, 0)
+    with pytest.raises(ValueError, match="no generator"):
+        sample(torch.zeros(1, 10), [bad])
+
+
+def test_shape_mismatch_raises() -> None:
+    with pytest.raises(ValueError, match="logits must be"):
+        sample(torch.zeros(2, 10), [row()])
+
+
+# --- warpers ----------------------------------------------------------------------------------------------
+
+
+def test_top_k_one_and_tiny_top_p_and_min_p_one_are_greedy() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(8, 5000) * 2
+    greedy = logits.argmax(dim=-1).tolist()
+    for params in (
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=2.0, min_p=1.0),
+    ):
+        for seed in range(5):
+            assert sample(logits, [row(params, seed + i) for i in range(8)])[0] == greedy
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    params=params_strategy.filter(lambda p: not p.greedy),
+    scale=st.sampled_from([0.5, 3.0, 10.0]),
+    vocab=st.sampled_from([50, 2000]),
+    data_seed=st.integers(0, 10_000),
+)
+def test_warped_distribution_matches_transformers(params, scale, vocab, data_seed) -> None:
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(data_seed)) * scale
+    ours = warped_weights(logits.clone(), [params])[0]
+    theirs = torch.softmax(hf_warp(logits[0], params), dim=-1)
+    # Kept sets may only differ on exact ties at a cut, which random floats do not produce.
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours / ours.sum(), theirs, rtol=1e-4, atol=1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.sampled_from([2, 10, 500, 49152]),
+    scale=st.sampled_from([0.1, 1.0, 5.0, 30.0]),
+    top_p=st.floats(0.01, 0.999),
+    ties=st.booleans(),
+    data_seed=st.integers(0, 10_000),
+)
+def test_nucleus_floor_cpu_candidates_equal_a_full_sort(rows, vocab, scale, top_p, ties, data_seed) -> None:
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(data_seed)) * scale
+    if ties:
+        logits = logits.bfloat16().float()
+    probs = torch.softmax(logits, dim=-1)
+    ps = torch.full((rows, 1), top_p)
+    ordered = probs.sort(dim=-1, descending=True).values
+    before = torch.cat([torch.zeros(rows, 1, dtype=torch.float64), ordered.double().cumsum(dim=-1)[:, :-1]], dim=1)
+    expected = ordered.gather(1, (before < ps).sum(dim=-1, keepdim=True) - 1)
+    assert torch.equal(nucleus_floor(probs, ps), expected)
+
+
+def test_top_p_matches_transformers_on_real_shaped_logits() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(4, 49152) * 3
+    for top_p in (0.5, 0.9, 0.95):
+        ours = warped_weights(logits.clone(), [SamplingParams(temperature=1.0, top_p=top_p)] * 4) > 0
+        theirs = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
+        # Over thousands of kept tokens, float32 softmax's rounding of the total (~1e-6) can move the cut
+        # by one token either way; anything more would be a real disagreement.
+        assert (ours != theirs).sum(dim=-1).max() <= 1
+
+
+def test_min_p_keeps_only_tokens_near_the_best() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    params = SamplingParams(temperature=1.0, min_p=0.25)  # keeps p >= 0.125: tokens 0 and 1
+    seen = {sample(logits, [row(params, s)])[0][0] for s in range(200)}
+    assert seen == {0, 1}
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(3, 100) * 3
+    histories = [[1, 5, 5, 99, 0], [2], [50, 51, 52]]
+    penalties = [1.3, 0.7, 2.0]
+    rows = [
+        row(SamplingParams(repetition_penalty=p), token_ids=tuple(h)) for h, p in zip(histories, penalties, strict=True)
+    ]
+    ours = logits.clone()
+    _apply_repetition_penalty(ours, rows)
+    for i, (h, p) in enumerate(zip(histories, penalties, strict=True)):
+        theirs = RepetitionPenaltyLogitsProcessor(p)(torch.tensor([h]), logits[i : i + 1].clone())
+        assert torch.equal(ours[i : i + 1], theirs)
+
+
+def test_blocked_ids_are_never_chosen() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(1, 20)
+    blocked = tuple(logits[0].topk(3).indices.tolist())
+    for params in (SamplingParams(), SamplingParams(temperature=5.0), SamplingParams(temperature=1.0, top_k=4)):
+        for seed in range(100):
+            token = sample(logits, [row(params, seed, blocked=blocked)])[0][0]
+            assert token not in blocked
+
+
+def test_temperature_sampling_frequencies_follow_softmax() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5]])
+    temperature = 0.8
+    expected = torch.softmax(logits[0] / temperature, dim=-1)
+    n = 20_000
+    # One row per draw, each with its own seed, as the engine would give independent requests.
+    rows = [row(SamplingParams(temperature=temperature), seed) for seed in range(n)]
+    ids, _ = sample(logits.expand(n, -1), rows)
+    counts = torch.bincount(torch.tensor(ids), minlength=8).double()
+    chi2 = float(((counts - n * expected.double()) ** 2 / (n * expected.double())).sum())
+    assert chi2 < 24.3  # chi-square, 7 degrees of freedom, p = 0.001
+
+
+def test_top_k_sampling_only_picks_from_the_top_k_in_proportion() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    n = 10_000
+    rows = [row(SamplingParams(temperature=1.0, top_k=2), seed) for seed in range(n)]
+    ids, _ = sample(logits.expand(n, -1), rows)
+    counts = torch.bincount(torch.tensor(ids), minlength=5)
+    assert counts[2:].sum() == 0
+    assert abs(counts[0].item() / n - 1 / (1 + math.exp(-1))) < 0.02
+
+
+# --- logprobs ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_log_softmax_with_sorted_top(device: str) -> None:
+    torch.manual_seed(7)
+    logits = (torch.randn(3, 400) * 2).to(device)
+    rows = [
+        row(SamplingParams(), logprobs=True, top_logprobs=5),
+        row(SamplingParams(temperature=0.5, repetition_penalty=1.5), 3, token_ids=(1, 2), device=device),
+        row(
+            SamplingParams(temperature=2.0, top_k=10),
+            4,
+            logprobs=True,
+            top_logprobs=20,
+            blocked=(0,),
+            device=device,
+        ),
+    ]
+    ids, logprobs = sample(logits, rows)
+    reference = torch.log_softmax(logits.float().cpu(), dim=-1)
+    assert logprobs[1] is None
+    for i in (0, 2):
+        lp = logprobs[i]
+        assert lp is not None and lp.token_id == ids[i]
+        assert lp.logprob == pytest.approx(reference[i, ids[i]].item(), abs=1e-5)
+        assert len(lp.top) == rows[i].top_logprobs
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        for token, value in lp.top:
+            assert value == pytest.approx(reference[i, token].item(), abs=1e-5)
+        assert lp.top[0][0] == int(reference[i].argmax())
+
+
+def test_logprobs_without_top() -> None:
+    logits = torch.randn(1, 50)
+    _, logprobs = sample(logits, [row(logprobs=True)])
+    assert logprobs[0] is not None and logprobs[0].top == []
