@@ -6,40 +6,8 @@ import os
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-TINY_VOCAB = 512
-
-
-def tiny_config(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positions: int = 2048) -> PretrainedConfig:
-    """A two-layer model of the given family with grouped-query attention where the family has it."""
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "mistral":
-        return MistralConfig(**common, sliding_window=None)
-    if family == "qwen2":
-        return Qwen2Config(**common)
-    if family == "qwen3":
-        return Qwen3Config(**common, head_dim=16)
-    if family == "gpt2":
-        return GPT2Config(
-            vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=1, eos_token_id=2
-        )
-    raise ValueError(family)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import FinishReason, GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
-from tests.conftest import TINY_VOCAB, tiny_config
+from tests.tiny import TINY_VOCAB, tiny_config
 
 
 def reference(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
@@ -86,7 +86,7 @@ async def test_greedy_equals_generate(concurrency: int, kv_tokens: int) -> None:
     config = EngineConfig(block_size=16, kv_cache_tokens=kv_tokens, max_num_seqs=32, max_num_batched_tokens=256)
     outputs, engine = await run_all(loaded, config, prompts, max_new, jitter_s=0.5)
     mismatched = [i for i in range(len(prompts)) if outputs[i] != expected[i]]
-    assert not mismatched, f"{len(mismatched)} of {len(prompts)} differ, e.g. prompt length {len(prompts[mismatched[0]])}"
+    assert not mismatched, f"{len(mismatched)} of {len(prompts)} differ, first: prompt of {len(prompts[mismatched[0]])}"
     if concurrency == 64:
         assert engine.core.scheduler.num_preemptions > 0
     engine.core.pool.clear_cache()
@@ -97,7 +97,6 @@ async def test_preemption_really_happens_and_stays_exact() -> None:
     """A pool that holds about two of these requests at a time: sequences get preempted and recomputed."""
     loaded = tiny()
     prompts = random_prompts(6, 300, seed=7)
-    max_new = [20] * 6
     expected = [reference(loaded.model, p, 20) for p in prompts]
     config = EngineConfig(block_size=8, kv_cache_tokens=700, max_num_seqs=6, max_num_batched_tokens=128)
     engine = AsyncEngine(loaded, config)
@@ -146,4 +145,28 @@ async def test_real_model_greedy_equals_generate(real_model: LoadedModel) -> Non
     expected = [reference(real_model.model, p, 16) for p in prompts]
     config = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=256)
     outputs, _ = await run_all(real_model, config, prompts, [16] * len(prompts), jitter_s=0.0)
+    assert outputs == expected
+
+
+async def test_padded_decode_path_equals_generate() -> None:
+    """The bucketed, padded decode forward that CUDA graphs capture, run eagerly here on the CPU."""
+    from llmserve.engine.cuda_graphs import DecodeGraphs
+
+    loaded = tiny()
+    prompts = random_prompts(5, 300, seed=11)
+    expected = [reference(loaded.model, p, 10) for p in prompts]
+    config = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=512)
+    engine = AsyncEngine(loaded, config)
+    runner = engine.core.runner
+    runner.graphs = DecodeGraphs(runner, max_batch=8, max_ctx=engine.core.max_model_len, capture=False)
+    await engine.start()
+    try:
+        requests = [
+            GenerationRequest(f"g{i}", tuple(p), stopping=StoppingParams(10, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+        outputs = await asyncio.gather(*(collect(engine, r) for r in requests))
+    finally:
+        await engine.shutdown()
+    assert runner.graphs._graphs, "no decode step went through the padded path"
     assert outputs == expected

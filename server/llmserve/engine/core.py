@@ -110,7 +110,14 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size)
+        self.runner = ModelRunner(
+            loaded.model,
+            num_blocks,
+            config.block_size,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         self.lock = threading.Lock()  # guards scheduler/sessions/pool against the front end's session calls
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -285,7 +292,9 @@ class EngineCore:
             text = pushed.text
             if reason is None and pushed.stop_sequence is not None:
                 reason = FinishReason.STOP_SEQUENCE
-        if reason is None and (seq.num_generated >= stopping.max_new_tokens or len(seq.token_ids) >= self.max_model_len):
+        if reason is None and (
+            seq.num_generated >= stopping.max_new_tokens or len(seq.token_ids) >= self.max_model_len
+        ):
             reason = FinishReason.LENGTH
         delta = Delta(seq.request_id, [token_id], text, [lp] if lp is not None else None)
         if reason is None:
@@ -295,7 +304,9 @@ class EngineCore:
             delta.text += live.detok.flush()
         self._finish(live, reason, delta=delta)
 
-    def _finish(self, live: _Live, reason: FinishReason, *, delta: Delta | None = None, error: str | None = None) -> None:
+    def _finish(
+        self, live: _Live, reason: FinishReason, *, delta: Delta | None = None, error: str | None = None
+    ) -> None:
         """Retire a live request (caller holds the lock) and deliver its final delta."""
         seq = live.seq
         self.scheduler.finish(seq, reason)

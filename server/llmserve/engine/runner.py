@@ -124,20 +124,37 @@ class KVShape:
 
 
 class ModelRunner:
-    """Owns the model and the KV cache; `execute` runs one packed forward and returns the needed logits."""
+    """Owns the model and the KV cache; `execute` runs one packed forward and returns the needed logits.
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    The cache has one block more than the pool hands out: a scratch block that padded rows write to.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        *,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+    ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
         self.shape = KVShape.of(model.config)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         s = self.shape
-        self.kv = torch.zeros(
-            s.num_layers, 2, s.num_kv_heads, num_blocks * block_size, s.head_dim, dtype=self.dtype, device=self.device
-        )
+        slots = (num_blocks + 1) * block_size
+        self.kv = torch.zeros(s.num_layers, 2, s.num_kv_heads, slots, s.head_dim, dtype=self.dtype, device=self.device)
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from llmserve.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (copy-on-write of a shared, partly filled block) in every layer."""
@@ -158,7 +175,6 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         bs = self.block_size
-        num_decode = 0
         offset = 0
         for seq, n in scheduled:
             start = seq.num_computed
@@ -170,12 +186,17 @@ class ModelRunner:
             if end == len(seq.token_ids):
                 sample_index[seq.request_id] = offset + n - 1
             if n == 1:
-                num_decode += 1
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
                 chunks.append(self._chunk(offset, offset + n, start, table))
             offset += n
+        num_decode = len(decode_lens)
+        all_decode = num_decode == len(ids) and len(sample_seqs) == num_decode
+        if all_decode and self.graphs is not None and self.graphs.covers(num_decode, max(decode_lens)):
+            logits = self.graphs.run(ids, positions, slots, decode_tables, decode_lens)
+            rows = [sample_index[s.request_id] for s in sample_seqs]
+            return logits[torch.tensor(rows, device=self.device)] if rows != list(range(len(rows))) else logits
         dev = self.device
         batch = PagedBatch(
             kv=self.kv,
@@ -187,16 +208,40 @@ class ModelRunner:
             chunks=chunks,
         )
         if num_decode:
-            self._decode_metadata(batch, decode_tables, decode_lens)
+            batch.max_ctx = max(decode_lens)
+            batch.decode_slots, batch.decode_bias = self.decode_tensors(decode_tables, decode_lens, batch.max_ctx)
         keep = torch.tensor([sample_index[s.request_id] for s in sample_seqs], dtype=torch.long, device=dev)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
+        return self.forward(input_ids, position_ids, keep, batch)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: PagedBatch
+    ) -> torch.Tensor:
+        """The model on a packed row; logits of the `keep` positions (all when None) as float32."""
         out = self.model(
-            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
+            input_ids=input_ids,
+            position_ids=position_ids,
             use_cache=False,
-            logits_to_keep=keep,
+            logits_to_keep=0 if keep is None else keep,
             llmserve_batch=batch,
         )
         return out.logits[0].float()
+
+    def decode_tensors(self, tables: list[list[int]], lens: list[int], ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather slots [len(tables) * ctx] and additive mask [kv_heads * len(tables), 1, ctx] for decode rows."""
+        bs = self.block_size
+        dev = self.device
+        width = -(-ctx // bs)
+        scratch = self.scratch_block
+        padded = [t[:width] + [scratch] * (width - min(len(t), width)) for t in tables]
+        blocks = torch.tensor(padded, dtype=torch.long, device=dev)
+        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(tables), -1)[:, :ctx]
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        bias = torch.zeros(len(tables), ctx, dtype=self.dtype, device=dev)
+        bias.masked_fill_(torch.arange(ctx, device=dev)[None, :] >= lens_t[:, None], float("-inf"))
+        kvh = self.shape.num_kv_heads
+        return slots.reshape(-1), bias.repeat(kvh, 1).view(kvh * len(tables), 1, ctx)
 
     def _chunk(self, q_start: int, q_end: int, ctx_start: int, table: list[int]) -> Chunk:
         if ctx_start == 0:
@@ -209,19 +254,3 @@ class ModelRunner:
         q_pos = torch.arange(ctx_start, ctx, device=dev)
         mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
         return Chunk(q_start, q_end, context_slots, mask)
-
-    def _decode_metadata(self, batch: PagedBatch, tables: list[list[int]], lens: list[int]) -> None:
-        bs = self.block_size
-        dev = self.device
-        max_ctx = max(lens)
-        width = -(-max_ctx // bs)
-        padded = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
-        blocks = torch.tensor(padded, dtype=torch.long, device=dev)
-        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(tables), -1)[:, :max_ctx]
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        bias = torch.zeros(len(tables), max_ctx, dtype=self.dtype, device=dev)
-        bias.masked_fill_(torch.arange(max_ctx, device=dev)[None, :] >= lens_t[:, None], float("-inf"))
-        kvh = self.shape.num_kv_heads
-        batch.decode_slots = slots.reshape(-1)
-        batch.decode_bias = bias.repeat(kvh, 1).view(kvh * len(tables), 1, max_ctx)
-        batch.max_ctx = max_ctx
