@@ -20,10 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
-from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 from llmserve.config import Config, ServerConfig
 from llmserve.service import SERVICE_NAME, GenerateServicer, status_for
+from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
     from llmserve.engine.core import AsyncEngine

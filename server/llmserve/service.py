@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf import timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
-from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
-from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 from llmserve.config import ServerConfig
 from llmserve.engine.request import (
@@ -35,6 +33,8 @@ from llmserve.engine.request import (
     StoppingParams,
     TokenLogprob,
 )
+from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
+from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
     from llmserve.engine.core import AsyncEngine
@@ -124,21 +124,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        engine = self._ready_engine()
-        if self._draining:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        if len(self._in_flight) >= self._config.max_concurrent_streams:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self._in_flight)} Generate streams in flight, the server's limit; retry later",
-            )
         request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self._in_flight:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
-        self._in_flight.add(request_id)
-        self._idle.clear()
         record = _RequestLog(request_id, time.monotonic())
+        admitted = False
         try:
+            engine = self._admit(request_id)
+            admitted = True
             gen_request = await self._to_generation_request(engine, request, request_id, context.time_remaining())
             record.prompt_tokens = len(gen_request.prompt_token_ids)
             if self._config.log_prompts:
@@ -155,10 +146,27 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             record.status = _CODE_NAMES[status.code] if status else type(exc).__name__
             raise
         finally:
-            self._in_flight.discard(request_id)
-            if not self._in_flight:
-                self._idle.set()
+            if admitted:
+                self._in_flight.discard(request_id)
+                if not self._in_flight:
+                    self._idle.set()
             record.emit()
+
+    def _admit(self, request_id: str) -> AsyncEngine:
+        """Count a new stream in, or refuse it (loading, draining, at the limit, duplicate id)."""
+        engine = self._ready_engine()
+        if self._draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if len(self._in_flight) >= self._config.max_concurrent_streams:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self._in_flight)} Generate streams in flight, the server's limit; retry later",
+            )
+        if request_id in self._in_flight:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+        self._in_flight.add(request_id)
+        self._idle.clear()
+        return engine
 
     async def _stream(
         self, engine: AsyncEngine, gen_request: GenerationRequest, request: pb.GenerateRequest, record: _RequestLog

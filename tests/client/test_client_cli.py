@@ -9,6 +9,7 @@ import sys
 import time
 
 from harness import ServerThread
+
 from llmserve_client import Client
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from harness import ServerThread, smollm2_tokenizer, wait_until
+
 from llmserve_client import TLS, AsyncClient, Client, build_request, pb
 
 PROMPT = "Once upon a time, in a land far away,"

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from harness import ENGINE_LANDED, ServerThread, tiny_engine
+
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 

@@ -16,11 +16,12 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from transformers import LlamaConfig
+
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
 from llmserve.engine.config import EngineConfig
 from llmserve.models import LoadedModel, from_config, load_model
-from transformers import LlamaConfig
 
 T = TypeVar("T")
 

@@ -19,6 +19,7 @@ from fake_engine import FakeEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from harness import ENGINE_LANDED, ServerThread, needs_engine, tiny_model
+
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 

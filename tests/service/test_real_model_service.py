@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from harness import ServerThread, needs_engine
+
 from llmserve.engine.config import EngineConfig
 from llmserve.models import load_model
 from llmserve_client import Client, pb

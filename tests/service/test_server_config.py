@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from llmserve.config import DEFAULT_ADDRESS, Config, from_args
 from llmserve.engine.config import EngineConfig
 

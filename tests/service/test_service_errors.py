@@ -12,6 +12,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from harness import CONTEXT_LENGTH, ENGINE_LANDED, ServerThread, tiny_engine, wait_until
+
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 

@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 from harness import CONTEXT_LENGTH, ServerThread, smollm2_tokenizer, wait_until
+
 from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve_client import build_request, pb
 
