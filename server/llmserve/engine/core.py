@@ -123,6 +123,8 @@ class EngineCore:
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}
         self._seq_no = 0
+        self._submitted = 0
+        self._drained = 0
         self._failures = 0
         self.dead_reason: str | None = None
         self.steps = 0
@@ -141,6 +143,7 @@ class EngineCore:
 
     def submit(self, request: GenerationRequest, deliver: Callable[[Delta], None]) -> None:
         """Queue a validated request; `deliver` is called (on the step thread) with each delta."""
+        self._submitted += 1  # written by the submitting thread only; _drained by the step thread only
         self._inbox.put(("add", (request, deliver, time.monotonic())))
         self._wake.set()
 
@@ -165,7 +168,8 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        """Requests submitted and not yet running (still in the inbox or in the scheduler's queue)."""
+        return self.scheduler.num_waiting + self._submitted - self._drained
 
     # -- the step thread -------------------------------------------------------------------------
 
@@ -203,15 +207,19 @@ class EngineCore:
             token_ids, logprobs = sample(logits, [self._sample_row(seq) for seq in to_sample])
         except Exception as exc:  # a bad batch must not take the server down
             log.exception("forward failed for %d requests", len(out.scheduled))
+            error = f"{type(exc).__name__}: {exc}"
+            self._failures += 1
+            if self._failures >= MAX_CONSECUTIVE_FAILURES:
+                # Set before the batch hears of its failure, so that callers see a dead engine at once.
+                self.dead_reason = f"{MAX_CONSECUTIVE_FAILURES} consecutive failed steps, last: {error}"
             with self.lock:
-                self.scheduler.update(out)  # releases copy sources; the KV of this step is discarded below
+                self.scheduler.update(out)  # releases copy sources; the failed requests' KV is dropped below
                 for seq, _ in out.scheduled:
                     live = self._live.get(seq.request_id)
                     if live is not None:
-                        self._finish(live, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
-            self._failures += 1
-            if self._failures >= MAX_CONSECUTIVE_FAILURES:
-                self._die(f"{MAX_CONSECUTIVE_FAILURES} consecutive failed steps, last: {exc!r}")
+                        self._finish(live, FinishReason.ERROR, error=error)
+            if self.dead_reason is not None:
+                self._die(self.dead_reason)
             return
         self._failures = 0
         self.steps += 1
@@ -230,6 +238,7 @@ class EngineCore:
             except queue.Empty:
                 return
             if kind == "add":
+                self._drained += 1
                 request, deliver, arrival = payload
                 self._add(request, deliver, arrival)
             elif kind == "abort":

@@ -1,0 +1,218 @@
+"""The engine's front end and step loop: seeds, validation, cancellation, failures, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import AsyncEngine
+from llmserve.engine.request import (
+    EngineDead,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    QueueFull,
+    SamplingParams,
+    StoppingParams,
+)
+from llmserve.models import from_config
+from tests.tiny import tiny_config
+
+CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
+
+
+@pytest.fixture
+async def engine():
+    loaded = from_config(tiny_config(max_positions=512), dtype=torch.float64)
+    eng = AsyncEngine(loaded, CONFIG)
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+async def run(engine: AsyncEngine, request: GenerationRequest) -> tuple[list[int], list]:
+    tokens, deltas = [], []
+    async for delta in engine.generate(request):
+        tokens.extend(delta.token_ids)
+        deltas.append(delta)
+    return tokens, deltas
+
+
+def req(
+    rid: str, prompt: list[int], *, max_new: int = 16, sampling: SamplingParams | None = None, **kw
+) -> GenerationRequest:
+    stopping = kw.pop("stopping", StoppingParams(max_new_tokens=max_new, ignore_eos=True))
+    return GenerationRequest(rid, tuple(prompt), sampling=sampling or SamplingParams(), stopping=stopping, **kw)
+
+
+async def test_seeded_sampling_is_the_same_alone_and_in_any_batch(engine: AsyncEngine) -> None:
+    sampling = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+    prompt = list(range(3, 40))
+    alone, _ = await run(engine, req("alone", prompt, sampling=sampling))
+    others = [
+        req(f"o{i}", list(range(i, i + 5 + 7 * i)), sampling=SamplingParams(temperature=1.0, seed=i)) for i in range(7)
+    ]
+    results = await asyncio.gather(
+        run(engine, req("batched", prompt, sampling=sampling)), *(run(engine, o) for o in others)
+    )
+    assert results[0][0] == alone
+    different_seed, _ = await run(
+        engine, req("other", prompt, sampling=SamplingParams(temperature=0.9, top_k=50, seed=99))
+    )
+    assert different_seed != alone
+
+
+async def test_final_delta_reports_usage_timing_and_seed(engine: AsyncEngine) -> None:
+    tokens, deltas = await run(engine, req("u", [5, 6, 7], max_new=5, sampling=SamplingParams(temperature=1.0)))
+    last = deltas[-1]
+    assert last.finish_reason is FinishReason.LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 5) and len(tokens) == 5
+    assert last.seed is not None
+    assert 0 <= last.timing.queue_s <= last.timing.ttft_s <= last.timing.total_s
+    assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+async def test_logprobs_and_top_n(engine: AsyncEngine) -> None:
+    _, deltas = await run(engine, req("lp", [5, 6, 7], max_new=3, logprobs=True, top_logprobs=5))
+    lps = [lp for d in deltas for lp in (d.logprobs or [])]
+    assert len(lps) == 3
+    for lp in lps:
+        assert len(lp.top) == 5 and lp.top[0][0] == lp.token_id  # greedy picks the most likely
+        assert lp.logprob <= 0 and [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+async def test_stop_token_and_eos_and_min_new_tokens(engine: AsyncEngine) -> None:
+    greedy, _ = await run(engine, req("g", [9, 8, 7], max_new=12))
+    stop_at = greedy[4]
+    first = greedy.index(stop_at)
+    tokens, deltas = await run(
+        engine, req("s", [9, 8, 7], stopping=StoppingParams(max_new_tokens=12, stop_token_ids=(stop_at,)))
+    )
+    assert tokens == greedy[: first + 1] and deltas[-1].finish_reason is FinishReason.STOP_TOKEN
+    tokens, _ = await run(
+        engine, req("m", [9, 8, 7], stopping=StoppingParams(12, min_new_tokens=first + 2, stop_token_ids=(stop_at,)))
+    )
+    assert stop_at not in tokens[: first + 2]
+    # EOS is honoured unless ignore_eos: make the model's first greedy token the EOS id.
+    engine.core.loaded.eos_token_ids = (greedy[0],)
+    tokens, deltas = await run(engine, req("e", [9, 8, 7], stopping=StoppingParams(max_new_tokens=12)))
+    assert tokens == greedy[:1] and deltas[-1].finish_reason is FinishReason.EOS
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(sampling=SamplingParams(temperature=-0.5)), "temperature"),
+        (dict(sampling=SamplingParams(top_p=0.0)), "top_p"),
+        (dict(sampling=SamplingParams(top_p=1.5)), "top_p"),
+        (dict(sampling=SamplingParams(top_k=-1)), "top_k"),
+        (dict(stopping=StoppingParams(max_new_tokens=0)), "max_new_tokens"),
+        (dict(stopping=StoppingParams(max_new_tokens=600)), "max_new_tokens"),
+        (dict(prompt=[]), "prompt"),
+        (dict(prompt=[1] * 600), "prompt"),
+        (dict(prompt=[10**6]), "prompt_token_ids"),
+        (dict(top_logprobs=21), "top_logprobs"),
+    ],
+)
+async def test_bad_input_is_rejected_naming_the_field(engine: AsyncEngine, kwargs: dict, field: str) -> None:
+    prompt = kwargs.pop("prompt", [1, 2, 3])
+    request = GenerationRequest("bad", tuple(prompt), **kwargs)
+    with pytest.raises(InvalidRequest) as info:
+        await run(engine, request)
+    assert info.value.field == field
+    assert engine.num_running == 0 and engine.num_waiting == 0
+
+
+async def test_request_that_never_fits_the_pool_is_rejected() -> None:
+    loaded = from_config(tiny_config(), dtype=torch.float32)
+    eng = AsyncEngine(loaded, EngineConfig(block_size=16, kv_cache_tokens=64))
+    with pytest.raises(InvalidRequest) as info:
+        async for _ in eng.generate(req("big", [1] * 60, max_new=10)):
+            pass
+    assert info.value.field == "max_new_tokens" and "KV pool" in info.value.reason
+
+
+async def test_cancelled_consumer_frees_its_blocks_within_an_iteration(engine: AsyncEngine) -> None:
+    pool = engine.core.pool
+    stream = engine.generate(req("c", list(range(100)), max_new=400))
+    first = await stream.__anext__()
+    assert first.token_ids
+    await stream.aclose()
+    deadline = time.monotonic() + 5
+    while (engine.num_running or pool.num_free != pool.num_blocks) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert engine.num_running == 0 and pool.num_free == pool.num_blocks
+
+
+async def test_task_cancellation_aborts_the_request(engine: AsyncEngine) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(req("t", [1, 2, 3], max_new=400)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(500):
+        if engine.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_running == 0
+
+
+async def test_deadline_finishes_the_request(engine: AsyncEngine) -> None:
+    tokens, deltas = await run(engine, req("d", [1, 2, 3], max_new=400, deadline=time.monotonic() + 0.05))
+    assert deltas[-1].finish_reason is FinishReason.DEADLINE and len(tokens) < 400
+
+
+async def test_a_failed_forward_fails_its_batch_and_the_engine_keeps_serving(engine: AsyncEngine) -> None:
+    runner = engine.core.runner
+    real = runner.execute
+    calls = 0
+
+    def flaky(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    runner.execute = flaky
+    _, deltas = await run(engine, req("f1", [1, 2, 3]))
+    assert deltas[-1].finish_reason is FinishReason.ERROR and "boom" in deltas[-1].error
+    tokens, deltas = await run(engine, req("f2", [1, 2, 3], max_new=4))
+    assert deltas[-1].finish_reason is FinishReason.LENGTH and len(tokens) == 4
+    assert not engine.dead
+
+
+async def test_an_engine_that_cannot_recover_marks_itself_dead(engine: AsyncEngine) -> None:
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("device lost")
+
+    engine.core.runner.execute = broken
+    for i in range(3):
+        _, deltas = await run(engine, req(f"x{i}", [1, 2, 3]))
+        assert deltas[-1].finish_reason is FinishReason.ERROR
+    assert engine.dead and "device lost" in engine.dead_reason
+    with pytest.raises(EngineDead):
+        await run(engine, req("after", [1, 2, 3]))
+
+
+async def test_queue_full_past_max_waiting() -> None:
+    loaded = from_config(tiny_config(), dtype=torch.float32)
+    eng = AsyncEngine(loaded, EngineConfig(block_size=16, kv_cache_tokens=4096, max_waiting=2))
+    # Not started: nothing leaves the queue.
+    waiting = [asyncio.create_task(run(eng, req(f"w{i}", [1, 2]))) for i in range(2)]
+    await asyncio.sleep(0.05)
+    assert eng.num_waiting == 2
+    with pytest.raises(QueueFull):
+        await run(eng, req("q", [1, 2]))
+    for task in waiting:
+        task.cancel()
