@@ -287,7 +287,7 @@ async def _prompt_token_ids(tokenizer: Any, request: pb.GenerateRequest | pb.Tok
     """Token ids of the request's input: text and chat go through the tokenizer, off the event loop."""
     kind = request.WhichOneof("input")
     if kind is None:
-        choices = " or ".join(request.DESCRIPTOR.oneofs_by_name["input"].fields_by_name)
+        choices = ", ".join(field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
         raise InvalidRequest("input", f"set one of {choices}")
     if kind == "token_ids":
         return list(request.token_ids.ids)
