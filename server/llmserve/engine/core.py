@@ -153,6 +153,7 @@ class EngineCore:
 
     def get_session(self, session_id: str) -> SessionInfo | None:
         with self.lock:
+            self.sessions.expire()
             session = self.sessions.get(session_id)
             if session is None:
                 return None

@@ -1,0 +1,196 @@
+"""Session KV reuse and prefix caching: reuse never changes outputs, and memory stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import AsyncEngine
+from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams
+from llmserve.models import from_config
+from tests.tiny import TINY_VOCAB, tiny_config
+
+BASE = dict(block_size=8, max_num_seqs=16, max_num_batched_tokens=128)
+
+
+def loaded_tiny():
+    return from_config(tiny_config(max_positions=1024), dtype=torch.float64)
+
+
+async def run(engine: AsyncEngine, rid: str, prompt: list[int], max_new: int, session: str | None = None):
+    request = GenerationRequest(
+        rid, tuple(prompt), stopping=StoppingParams(max_new_tokens=max_new, ignore_eos=True), session_id=session
+    )
+    tokens: list[int] = []
+    last: Delta | None = None
+    async for delta in engine.generate(request):
+        tokens.extend(delta.token_ids)
+        last = delta
+    assert last is not None and last.finish_reason is FinishReason.LENGTH, last and last.error
+    return tokens, last.usage
+
+
+class Engines:
+    """A warm engine with sessions and a cold one with no reuse at all, on the same weights."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        loaded = loaded_tiny()
+        self.warm = AsyncEngine(loaded, config)
+        cold_loaded = from_config(tiny_config(max_positions=1024), dtype=torch.float64)
+        cold_loaded.model.load_state_dict(loaded.model.state_dict())
+        self.cold = AsyncEngine(cold_loaded, EngineConfig(**BASE, kv_cache_tokens=8192, enable_prefix_caching=False))
+
+    async def __aenter__(self) -> Engines:
+        await self.warm.start()
+        await self.cold.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.warm.shutdown()
+        await self.cold.shutdown()
+
+
+turns = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, TINY_VOCAB - 1), min_size=1, max_size=60),  # the new user turn
+        st.integers(1, 12),  # answer length
+        st.integers(0, 30),  # how many tokens of history to keep (0 = all): an edited history
+    ),
+    min_size=2,
+    max_size=4,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(conversation=turns, prefix_caching=st.booleans())
+def test_reuse_gives_exactly_the_cold_output(conversation: list, prefix_caching: bool) -> None:
+    async def body() -> None:
+        config = EngineConfig(**BASE, kv_cache_tokens=4096, enable_prefix_caching=prefix_caching)
+        async with Engines(config) as engines:
+            history: list[int] = []
+            for i, (user, answer_len, cut) in enumerate(conversation):
+                if cut and i % 2 == 1:
+                    history = history[: max(0, len(history) - cut)]  # partial match: diverges mid-history
+                prompt = history + user
+                warm, usage = await run(engines.warm, f"w{i}", prompt, answer_len, session="conv")
+                cold, _ = await run(engines.cold, f"c{i}", prompt, answer_len)
+                assert warm == cold
+                if i > 0 and not cut:
+                    assert usage.cached_prompt_tokens >= len(history) - 1
+                history = prompt + warm
+
+    asyncio.run(body())
+
+
+async def test_turn_two_reuses_turn_one_prompt_and_answer() -> None:
+    config = EngineConfig(**BASE, kv_cache_tokens=4096)
+    async with Engines(config) as engines:
+        first = list(range(10, 110))
+        answer, usage1 = await run(engines.warm, "t1", first, 20, session="s")
+        assert usage1.cached_prompt_tokens == 0
+        second = first + answer + [7, 8, 9]
+        _, usage2 = await run(engines.warm, "t2", second, 5, session="s")
+        assert usage2.cached_prompt_tokens >= 0.95 * (len(first) + len(answer))
+        info = engines.warm.get_session("s")
+        assert info.cached_tokens == len(second) + 5 - 1
+
+
+async def test_prefix_cache_shares_a_system_prompt_without_sessions() -> None:
+    async with Engines(EngineConfig(**BASE, kv_cache_tokens=4096)) as engines:
+        system = list(range(200, 264))  # 64 tokens: 8 full blocks
+        await run(engines.warm, "a", system + [1, 2, 3], 4)
+        tokens, usage = await run(engines.warm, "b", system + [4, 5], 4)
+        assert usage.cached_prompt_tokens == 64
+        cold, _ = await run(engines.cold, "b-cold", system + [4, 5], 4)
+        assert tokens == cold
+
+
+async def test_sessions_are_evicted_lru_and_live_requests_never_suffer() -> None:
+    # 40 blocks of 8: each session below holds ~8 blocks, so five of them cannot all stay.
+    config = EngineConfig(**BASE, kv_cache_tokens=320, session_pool_fraction=1.0, enable_prefix_caching=False)
+    async with Engines(config) as engines:
+        eng = engines.warm
+        for i in range(6):
+            await run(eng, f"s{i}", [i + 1] * 60, 4, session=f"s{i}")
+        assert eng.get_session("s5") is not None
+        assert eng.get_session("s0") is None  # least recently used went first
+        kept = [i for i in range(6) if eng.get_session(f"s{i}") is not None]
+        assert kept == list(range(6 - len(kept), 6))
+        # A request needing nearly the whole pool: sessions make way, nothing is preempted.
+        before = eng.core.scheduler.num_preemptions
+        tokens, _ = await run(eng, "big", list(range(1, 280)), 30)
+        assert len(tokens) == 30 and eng.core.scheduler.num_preemptions == before
+        cold, _ = await run(engines.cold, "big-cold", list(range(1, 280)), 30)
+        assert tokens == cold
+
+
+async def test_session_limits_ttl_and_delete() -> None:
+    config = EngineConfig(**BASE, kv_cache_tokens=4096, session_ttl_s=0.3, max_sessions=2)
+    async with Engines(config) as engines:
+        eng = engines.warm
+        pool = eng.core.pool
+        for i in range(3):
+            await run(eng, f"m{i}", [i + 5] * 30, 3, session=f"m{i}")
+        assert eng.get_session("m0") is None and eng.get_session("m2") is not None  # max_sessions=2
+        assert eng.delete_session("m2") is True and eng.get_session("m2") is None
+        assert eng.delete_session("m2") is False
+        await asyncio.sleep(0.4)
+        assert eng.get_session("m1") is None  # idle past the TTL
+        pool.clear_cache()
+        assert pool.num_free == pool.num_blocks
+
+
+async def test_two_concurrent_calls_on_one_session() -> None:
+    async with Engines(EngineConfig(**BASE, kv_cache_tokens=4096)) as engines:
+        base = list(range(30, 75))  # 45 tokens: the last block is partly filled
+        answer, _ = await run(engines.warm, "first", base, 6, session="x")
+        history = base + answer
+        prompts = [history + [1, 2, 3], history[:-4] + [9] * 12]
+        lengths = [8, 20]
+        results = await asyncio.gather(
+            *(
+                run(engines.warm, f"c{i}", p, n, session="x")
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+            )
+        )
+        for (tokens, usage), prompt, n in zip(results, prompts, lengths, strict=True):
+            cold, _ = await run(engines.cold, f"cold{n}", prompt, n)
+            assert tokens == cold
+            assert usage.cached_prompt_tokens > 0
+        # The session keeps whichever finished last: the longer answer.
+        info = engines.warm.get_session("x")
+        assert info.cached_tokens == len(prompts[1]) + lengths[1] - 1
+
+
+@pytest.mark.real_model
+async def test_real_model_conversation_reuse_equals_cold(real_model) -> None:
+    from tests.engine.test_exactness import reference
+
+    tok = real_model.tokenizer
+    questions = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
+    config = EngineConfig(block_size=16, kv_cache_tokens=8192, max_num_seqs=4, max_num_batched_tokens=256)
+    warm = AsyncEngine(real_model, config)
+    await warm.start()
+    messages: list[dict[str, str]] = []
+    try:
+        for i, question in enumerate(questions):
+            messages.append({"role": "user", "content": question})
+            encoded = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+            prompt = list(encoded["input_ids"])
+            answer, usage = await run(warm, f"q{i}", prompt, 24, session="chat")
+            real_model.model.set_attn_implementation("sdpa")
+            try:
+                cold = reference(real_model.model, prompt, 24)
+            finally:
+                real_model.model.set_attn_implementation("llmserve_paged")
+            assert answer == cold
+            if i:
+                assert usage.cached_prompt_tokens > 0.8 * len(prompt) - 16
+            messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
+    finally:
+        await warm.shutdown()
