@@ -91,6 +91,13 @@ def _stream_with_status(behaviour: Callable[..., AsyncIterator[Any]]) -> Callabl
     return wrapped
 
 
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    """TLS from PEM files; with a client CA, clients must present a certificate it signed."""
+    key, chain = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
+    client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca, require_client_auth=bool(client_ca))
+
+
 class LLMServer:
     """One gRPC server: binds at construction, serves health and reflection from `start()`, and
     GenerateService once `serve(engine)` has started the engine."""
@@ -109,7 +116,10 @@ class LLMServer:
         if config.reflection:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self._server)
-        self.port = self._server.add_insecure_port(config.address)
+        if config.tls_cert is not None:
+            self.port = self._server.add_secure_port(config.address, _server_credentials(config))
+        else:
+            self.port = self._server.add_insecure_port(config.address)
         self.engine: AsyncEngine | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -117,7 +127,8 @@ class LLMServer:
         """Start answering: health NOT_SERVING, GenerateService UNAVAILABLE until `serve()`."""
         await self._set_health(_NOT_SERVING)  # the aio health servicer starts out SERVING
         await self._server.start()
-        log.info("listening on %s (port %d)", self.config.address, self.port)
+        scheme = "TLS" if self.config.tls_cert else "plaintext"
+        log.info("listening on %s (port %d, %s)", self.config.address, self.port, scheme)
 
     async def serve(self, engine: AsyncEngine) -> None:
         """Start and warm up `engine`, then serve it and report SERVING."""

@@ -40,6 +40,10 @@ class ServerConfig:
     reflection: bool = True
     log_prompts: bool = False
     log_level: str = "INFO"
+    # PEM files. A certificate and key serve TLS; a client CA as well requires client certificates (mTLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -153,6 +157,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     g.switch("--no-reflection", "turn off gRPC server reflection")
     g.switch("--log-prompts", "log prompt text with each request (debugging only)")
     g.value("--log-level", str.upper, server.log_level, "DEBUG, INFO, WARNING or ERROR")
+    g.value("--tls-cert", str, None, "PEM certificate chain: serve TLS (needs --tls-key); unset: plaintext")
+    g.value("--tls-key", str, None, "PEM private key of --tls-cert")
+    g.value("--tls-client-ca", str, None, "PEM root certificates: require client certificates signed by them")
 
     g = _Flags(parser.add_argument_group("engine"), env)
     g.value(
@@ -197,7 +204,12 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 
 def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Parse flags (sys.argv[1:] when None) over environment defaults into a Config."""
-    args = build_parser(env).parse_args(argv)
+    parser = build_parser(env)
+    args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
     address = args.address or f"{args.host}:{args.port}"
     return Config(
         server=ServerConfig(
@@ -208,6 +220,9 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             reflection=not args.no_reflection,
             log_prompts=args.log_prompts,
             log_level=args.log_level,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
         ),
         model=ModelConfig(spec=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir),
         engine=EngineConfig(

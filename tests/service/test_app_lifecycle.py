@@ -104,7 +104,7 @@ def server_process(tiny_model_dir: Path) -> Iterator[ServerProcess]:
 
 @needs_engine
 def test_sigterm_drains_in_flight_streams_and_exits_zero(server_process: ServerProcess) -> None:
-    port = int(server_process.wait_for(r"listening on .* \(port (\d+)\)", timeout=60).group(1))
+    port = int(server_process.wait_for(r"listening on .* \(port (\d+),", timeout=60).group(1))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         # Health, watched from the moment the port is open: NOT_SERVING while loading, then SERVING.
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)

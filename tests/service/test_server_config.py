@@ -66,3 +66,12 @@ def test_environment_variables_and_flags_over_them() -> None:
 def test_bad_values_are_refused(argv: list[str], env: dict[str, str]) -> None:
     with pytest.raises(SystemExit):
         from_args(argv, env=env)
+
+
+def test_tls_flags() -> None:
+    config = from_args(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"], env={})
+    assert (config.server.tls_cert, config.server.tls_key, config.server.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
+    with pytest.raises(SystemExit):
+        from_args(["--tls-cert", "c.pem"], env={})
+    with pytest.raises(SystemExit):
+        from_args(["--tls-client-ca", "ca.pem"], env={})
