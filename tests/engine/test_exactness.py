@@ -137,10 +137,13 @@ async def test_real_model_greedy_equals_generate(real_model: LoadedModel) -> Non
     tok = real_model.tokenizer
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        list(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
         for q in questions
     ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
     real_model.model.set_attn_implementation("sdpa")
     expected = [reference(real_model.model, p, 16) for p in prompts]
     config = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=256)
