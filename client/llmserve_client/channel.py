@@ -33,5 +33,12 @@ class TLS:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
 
+def channel_credentials(tls: TLS | bool | None) -> grpc.ChannelCredentials | None:
+    """Credentials for a client's `tls` argument: None (plaintext) for None/False, system roots for True."""
+    if not tls:
+        return None
+    return (tls if isinstance(tls, TLS) else TLS()).credentials()
+
+
 # Long streams are normal here: keep idle connections alive through proxies, within what servers allow.
 DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 60_000),)

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from llmserve_client import health
-from llmserve_client.channel import DEFAULT_OPTIONS, TLS
+from llmserve_client.channel import DEFAULT_OPTIONS, TLS, channel_credentials
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from llmserve_client.request import Message, build_request, tokenize_request
@@ -34,8 +34,8 @@ class Client:
     ) -> None:
         self.target = target
         self.timeout = timeout
-        if tls:
-            creds = (tls if isinstance(tls, TLS) else TLS()).credentials()
+        creds = channel_credentials(tls)
+        if creds is not None:
             self._channel = grpc.secure_channel(target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)

@@ -195,43 +195,40 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     ) -> GenerationRequest:
         prompt_ids = await _prompt_token_ids(engine.tokenizer, request)
         s, st = request.sampling, request.stopping
-        try:
-            sampling = SamplingParams(
-                temperature=s.temperature,
-                top_k=s.top_k,
-                top_p=s.top_p if s.HasField("top_p") else 1.0,
-                min_p=s.min_p,
-                repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-                seed=s.seed if s.HasField("seed") else None,
-            )
-            if st.HasField("max_new_tokens"):
-                max_new_tokens = st.max_new_tokens
-            else:
-                info = engine.model_info
-                room = info.context_length - len(prompt_ids)
-                # At least 1, so that a prompt that fills the context is reported as such by the engine.
-                max_new_tokens = max(1, min(self._config.default_max_new_tokens, info.max_new_tokens, room))
-            stopping = StoppingParams(
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=st.min_new_tokens,
-                stop_sequences=tuple(st.stop_sequences),
-                stop_token_ids=tuple(st.stop_token_ids),
-                include_stop_sequence=st.include_stop_sequence,
-                ignore_eos=st.ignore_eos,
-            )
-            return GenerationRequest(
-                request_id=request_id,
-                prompt_token_ids=tuple(prompt_ids),
-                sampling=sampling,
-                stopping=stopping,
-                session_id=request.session_id or None,
-                deadline=None if time_remaining is None else time.monotonic() + time_remaining,
-                priority=request.priority,
-                logprobs=request.response.logprobs or request.response.top_logprobs > 0,
-                top_logprobs=request.response.top_logprobs,
-            )
-        except InvalidRequest as exc:
-            raise _for_caller(exc, request) from None
+        sampling = SamplingParams(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            seed=s.seed if s.HasField("seed") else None,
+        )
+        if st.HasField("max_new_tokens"):
+            max_new_tokens = st.max_new_tokens
+        else:
+            info = engine.model_info
+            room = info.context_length - len(prompt_ids)
+            # At least 1, so that a prompt that fills the context is reported as such by the engine.
+            max_new_tokens = max(1, min(self._config.default_max_new_tokens, info.max_new_tokens, room))
+        stopping = StoppingParams(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=st.min_new_tokens,
+            stop_sequences=tuple(st.stop_sequences),
+            stop_token_ids=tuple(st.stop_token_ids),
+            include_stop_sequence=st.include_stop_sequence,
+            ignore_eos=st.ignore_eos,
+        )
+        return GenerationRequest(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt_ids),
+            sampling=sampling,
+            stopping=stopping,
+            session_id=request.session_id or None,
+            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+            priority=request.priority,
+            logprobs=request.response.logprobs or request.response.top_logprobs > 0,
+            top_logprobs=request.response.top_logprobs,
+        )
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         tokenizer = self._ready_engine().tokenizer
