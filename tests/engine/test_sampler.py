@@ -103,6 +103,7 @@ def test_input_logits_are_not_modified() -> None:
 # --- seeds ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     target=params_strategy.filter(lambda p: not p.greedy),
@@ -113,20 +114,23 @@ def test_input_logits_are_not_modified() -> None:
     ties=st.booleans(),
     data_seed=st.integers(0, 1000),
 )
-def test_same_seed_same_tokens_whatever_the_batch(target, others, position, seed, vocab, ties, data_seed) -> None:
+def test_same_seed_same_tokens_whatever_the_batch(
+    device, target, others, position, seed, vocab, ties, data_seed
+) -> None:
     gen = torch.Generator().manual_seed(data_seed)
     steps = 4
     logits = torch.randn(steps, len(others) + 1, vocab, generator=gen) * 3
     if ties:  # bfloat16 logits, as CUDA serving produces, have many exact ties
         logits = logits.bfloat16().float()
+    logits = logits.to(device)
     history = (1, 2, 2, 5)
     position = min(position, len(others))
 
-    alone = row(target, seed, token_ids=history)
+    alone = row(target, seed, token_ids=history, device=device)
     alone_ids = [sample(logits[s, position : position + 1], [alone])[0][0] for s in range(steps)]
 
-    batched = row(target, seed, token_ids=history)
-    batch_rows = [row(p, i, token_ids=(3,), blocked=(0,)) for i, p in enumerate(others)]
+    batched = row(target, seed, token_ids=history, device=device)
+    batch_rows = [row(p, i, token_ids=(3,), blocked=(0,), device=device) for i, p in enumerate(others)]
     batch_rows.insert(position, batched)
     batch_ids = [sample(logits[s], batch_rows)[0][position] for s in range(steps)]
     assert batch_ids == alone_ids
