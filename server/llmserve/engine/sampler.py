@@ -65,16 +65,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     _apply_blocked(x, rows)
 
     chosen = torch.empty(len(rows), dtype=torch.long, device=device)
-    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    greedy = _select([i for i, row in enumerate(rows) if row.params.greedy], len(rows), device)
+    if greedy is not None:
+        chosen[greedy] = x[greedy].argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if greedy:
-        idx = _index(greedy, device)
-        chosen[idx] = x[idx].argmax(dim=-1)
-    if sampled:
-        idx = _index(sampled, device)
-        # All rows sampling is the common case: hand over x itself instead of a copy of it.
-        sub = x if len(sampled) == len(rows) else x[idx]
-        chosen[idx] = _draw(sub, [rows[i] for i in sampled])
+    sel = _select(sampled, len(rows), device)
+    if sel is not None:
+        chosen[sel] = _draw(x[sel], [rows[i] for i in sampled])
     token_ids = chosen.tolist()
     return token_ids, _logprobs(logits, rows, chosen)
 
@@ -116,7 +113,7 @@ def _apply_blocked(x: torch.Tensor, rows: list[SampleRow]) -> None:
 
 def _draw(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Sample one id per row of `x` ([m, vocab] float32, owned by us: modified in place)."""
-    # Uniforms first, so that a missing generator fails before any work.
+    # Uniforms first, so that a missing generator fails before the warping work.
     uniforms = torch.stack([_uniform(row, j, x.device) for j, row in enumerate(rows)])
     weights = warped_weights(x, [row.params for row in rows])
     # Inverse CDF over unnormalised weights: the first index whose running total exceeds u * total.
@@ -125,7 +122,8 @@ def _draw(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     picked = torch.searchsorted(cdf, uniforms.unsqueeze(1) * total, right=True)
     # u * total can round up to total; the last token with weight is then the right answer.
     last = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(picked, last).squeeze(1)
+    # The clamp only matters for a row of NaNs (non-finite logits): a bad token beats an out-of-range id.
+    return torch.minimum(picked, last).squeeze(1).clamp_(max=x.shape[1] - 1)
 
 
 def warped_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -248,20 +246,21 @@ def _logprobs(logits: torch.Tensor, rows: list[SampleRow], chosen: torch.Tensor)
     out: list[TokenLogprob | None] = [None] * len(rows)
     if not wanted:
         return out
-    idx = _index(wanted, logits.device)
-    logp = torch.log_softmax(logits[idx].float(), dim=-1)
-    chosen_logp = logp.gather(1, chosen[idx].unsqueeze(1)).squeeze(1).tolist()
+    sel = _select(wanted, len(rows), logits.device)
+    logp = torch.log_softmax(logits[sel].float(), dim=-1)
+    chosen_ids = chosen[sel]
+    chosen_logp = logp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
     n_top = max(rows[i].top_logprobs for i in wanted)
     top_values: list[list[float]] = [[] for _ in wanted]
     top_ids: list[list[int]] = [[] for _ in wanted]
     if n_top > 0:
         top = logp.topk(min(n_top, logp.shape[1]), dim=-1)
         top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    chosen_ids = chosen[idx].tolist()
+    chosen_list = chosen_ids.tolist()
     for j, i in enumerate(wanted):
         n = rows[i].top_logprobs
         out[i] = TokenLogprob(
-            token_id=chosen_ids[j],
+            token_id=chosen_list[j],
             logprob=chosen_logp[j],
             top=list(zip(top_ids[j][:n], top_values[j][:n], strict=True)),
         )
