@@ -198,46 +198,53 @@ def nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     The answer depends only on the row's values sorted descending, so it is the same whatever the batch,
     the device or the candidate set. Masses are summed in float64: in float32 the running sum over
     thousands of tokens drifts enough to move the cut. On CUDA a full sort is cheap; on the CPU sorting
-    49152 values per row costs milliseconds, so candidates are narrowed first (see `_candidates`).
+    49152 values per row costs milliseconds, so only candidates are sorted (see `_candidates`).
     """
-    ordered = None if probs.is_cuda else _candidates(probs, top_p)
-    if ordered is None:
-        ordered = probs.sort(dim=-1, descending=True).values
-        cum = ordered.double().cumsum(dim=-1)
-    else:
-        cum = ordered.double().cumsum(dim=-1)
-        if bool((cum[:, -1:] < top_p).any()):
-            # Histogram rounding left a nucleus outside its candidates (an empty slack bin): sort it all.
-            ordered = probs.sort(dim=-1, descending=True).values
-            cum = ordered.double().cumsum(dim=-1)
+    if not probs.is_cuda:
+        found = _candidates(probs, top_p)
+        if found is not None:
+            n_keep, cum = _nucleus_size(found, top_p)
+            # Candidates are the top of each row's order: once their mass reaches top_p, every token past
+            # them has at least top_p before it, so the nucleus is the same as over the whole row.
+            if bool((cum[:, -1:] >= top_p).all()):
+                return found.gather(1, n_keep - 1)
+    ordered = probs.sort(dim=-1, descending=True).values
+    return ordered.gather(1, _nucleus_size(ordered, top_p)[0] - 1)
+
+
+def _nucleus_size(ordered: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of each row's sorted values are in its nucleus, and the running mass (float64)."""
+    cum = ordered.double().cumsum(dim=-1)
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
     # A token is in the nucleus while the mass strictly before it is below top_p; the best one always is.
-    n_keep = (before < top_p).sum(dim=-1, keepdim=True)
-    return ordered.gather(1, n_keep - 1)
+    return (before < top_p).sum(dim=-1, keepdim=True), cum
 
 
 def _candidates(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
-    """Each row's tokens that may be in its nucleus, sorted descending and zero-padded to a common width;
-    None when that would be most of the vocabulary anyway.
+    """The top of each row that should hold its nucleus, sorted descending and zero-padded to a common
+    width; None when that would be most of the vocabulary anyway.
 
-    A histogram of the probabilities over 1/8-octave bins (the float's exponent and 3 mantissa bits, so
-    one shift) gives each row the highest bin edge above which the mass reaches top_p; every token at or
-    above the bin below that is a candidate. The spare bin absorbs the histogram's float32 rounding, and
-    the candidates are rarely more than ~1.2x the nucleus.
+    Two value thresholds, so the candidates are always a prefix of the row's descending order. First,
+    tokens at or below (1 - top_p) / vocab together weigh at most 1 - top_p and are never in a nucleus.
+    Then a histogram of the survivors over 1/8-octave bins (the float's exponent and 3 mantissa bits: one
+    shift) finds the bin where the mass from the top reaches top_p; the candidates are that bin and up, plus
+    one spare bin against the histogram's float32 rounding (the caller checks the result anyway).
     """
     m, vocab = probs.shape
+    rows, cols = (probs > (1.0 - top_p) / vocab).nonzero(as_tuple=True)
+    values = probs[rows, cols]
     # For non-negative floats the bit pattern orders like the value, so the shifted bits are monotone bins.
-    bins = (probs.view(torch.int32) >> _BIN_SHIFT).long()
-    mass = torch.zeros(m, _N_BINS, dtype=probs.dtype).scatter_add_(1, bins, probs)
-    from_top = mass.flip(-1).cumsum(dim=-1)
-    short = (from_top < top_p).sum(dim=-1, keepdim=True)  # bins from the top whose mass is still short of top_p
-    lowest = (_N_BINS - 2 - short).clamp_(min=0)
-    keep = bins >= lowest
-    counts = keep.sum(dim=-1).tolist()
-    if max(counts) > vocab // 2:
+    bins = (values.view(torch.int32) >> _BIN_SHIFT).long()
+    mass = torch.zeros(m * _N_BINS, dtype=probs.dtype).index_add_(0, rows * _N_BINS + bins, values)
+    from_top = mass.view(m, _N_BINS).flip(-1).cumsum(dim=-1)
+    short = (from_top < top_p).sum(dim=-1)  # bins from the top whose mass is still short of top_p
+    keep = bins >= (_N_BINS - 2 - short).clamp_(min=0)[rows]
+    rows, values = rows[keep], values[keep]
+    sizes = torch.bincount(rows, minlength=m).tolist()
+    if max(sizes) > vocab // 2:
         return None
-    picked = torch.split(probs[keep], counts)
-    padded = torch.nn.utils.rnn.pad_sequence(list(picked), batch_first=True)
+    # nonzero() lists row by row, so splitting by the counts gives each row its candidates.
+    padded = torch.nn.utils.rnn.pad_sequence(list(torch.split(values, sizes)), batch_first=True)
     return padded.sort(dim=-1, descending=True).values
 
 
