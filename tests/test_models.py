@@ -145,7 +145,7 @@ def test_local_folder_loads(tmp_path: Path) -> None:
     built = from_config(tiny_llama(), seed=3)
     built.model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    loaded = load_model(str(folder), device="cpu", dtype="float64")
+    loaded = load_model(folder, device="cpu", dtype="float64")
     assert loaded.name == "tiny-llama"
     assert loaded.dtype == torch.float64 and next(loaded.model.parameters()).dtype == torch.float64
     assert loaded.context_length == 256 and loaded.vocab_size == 64
