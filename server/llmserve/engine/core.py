@@ -197,7 +197,8 @@ class EngineCore:
         if not out.scheduled:
             self.scheduler.update(out)
             return
-        out.scheduled.sort(key=lambda item: item[1] != 1)  # one-token queries first: the runner batches them
+        # One-token queries first, shortest context first: the runner batches them by length.
+        out.scheduled.sort(key=lambda item: (item[1] != 1, item[0].num_computed))
         to_sample = [seq for seq, n in out.scheduled if seq.num_computed + n == len(seq.token_ids)]
         for seq, _ in out.scheduled:
             if seq.first_scheduled is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.engine.runner import ModelRunner, PagedBatch
+from llmserve.engine.runner import DecodeGroup, ModelRunner, PagedBatch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -71,8 +71,8 @@ class DecodeGraphs:
         entry.positions[0].copy_(torch.tensor(positions + [0] * pad))
         entry.batch.slot_mapping.copy_(torch.tensor(slots + [scratch_slot] * pad))
         decode_slots, bias = runner.decode_tensors(tables + [[runner.scratch_block]] * pad, lens + [1] * pad, ctx)
-        entry.batch.decode_slots.copy_(decode_slots)
-        entry.batch.decode_bias.copy_(bias)
+        entry.batch.decode[0].slots.copy_(decode_slots)
+        entry.batch.decode[0].bias.copy_(bias)
         if entry.graph is None:
             return runner.forward(entry.input_ids, entry.positions, None, entry.batch)[:n]
         entry.graph.replay()
@@ -85,10 +85,15 @@ class DecodeGraphs:
         batch = PagedBatch(
             kv=runner.kv,
             slot_mapping=torch.zeros(bp, dtype=torch.long, device=dev),
-            num_decode=bp,
-            decode_slots=torch.zeros(bp * ctx, dtype=torch.long, device=dev),
-            decode_bias=torch.zeros(kvh * bp, 1, ctx, dtype=runner.dtype, device=dev),
-            max_ctx=ctx,
+            decode=[
+                DecodeGroup(
+                    0,
+                    bp,
+                    torch.zeros(bp * ctx, dtype=torch.long, device=dev),
+                    torch.zeros(kvh * bp, 1, ctx, dtype=runner.dtype, device=dev),
+                    ctx,
+                )
+            ],
             chunks=[],
         )
         input_ids = torch.zeros(1, bp, dtype=torch.long, device=dev)
@@ -98,7 +103,7 @@ class DecodeGraphs:
             return entry
         # Point every padded row at the scratch slot so warm-up and capture write nowhere that matters.
         batch.slot_mapping.fill_(runner.scratch_block * runner.block_size)
-        batch.decode_slots.fill_(runner.scratch_block * runner.block_size)
+        batch.decode[0].slots.fill_(runner.scratch_block * runner.block_size)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -1,0 +1,192 @@
+"""One-shot CUDA check of the engine, for a lent GPU: correctness first, then what CUDA graphs buy.
+
+1. Exactness on CUDA: a tiny float64 Llama, greedy, engine (CUDA graphs on) vs transformers' generate.
+2. bf16, random weights in SmolLM2-135M's shape: agreement of the engine's greedy tokens with generate's.
+3. Decode throughput, bf16, CUDA graphs on vs off, SmolLM2-135M and 1B-class shapes, same run.
+
+Writes a JSON and a markdown summary to --out. Needs no tokenizer, no weights and no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "server"), str(ROOT)]
+
+from llmserve.engine.config import EngineConfig  # noqa: E402
+from llmserve.engine.core import AsyncEngine  # noqa: E402
+from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
+from llmserve.models import LoadedModel, from_config, random_model  # noqa: E402
+
+
+def reference(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+async def run_engine(loaded: LoadedModel, config: EngineConfig, prompts: list[list[int]], max_new: int):
+    engine = AsyncEngine(loaded, config)
+    await engine.start()
+
+    async def one(i: int) -> tuple[list[int], float | None, float]:
+        request = GenerationRequest(f"r{i}", tuple(prompts[i]), stopping=StoppingParams(max_new, ignore_eos=True))
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        first = None
+        async for delta in engine.generate(request):
+            if first is None and delta.token_ids:
+                first = time.perf_counter() - t0
+            tokens.extend(delta.token_ids)
+        return tokens, first, time.perf_counter() - t0
+
+    try:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        wall = time.perf_counter() - t0
+    finally:
+        await engine.shutdown()
+    graphs = engine.core.runner.graphs
+    return results, wall, engine.core.steps, (len(graphs._graphs) if graphs else 0)
+
+
+def prompts_for(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+DEVICE = "cuda"
+MODELS: dict[str, LoadedModel] = {}
+
+
+def shaped(shape: str) -> LoadedModel:
+    """Random weights of a real shape, built once per run (a 1B model takes a while to initialise)."""
+    if shape not in MODELS:
+        dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+        MODELS[shape] = random_model(shape, dtype=dtype, device=DEVICE)
+    return MODELS[shape]
+
+
+def exactness_fp64() -> dict:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    loaded = from_config(config, dtype=torch.float64, device=DEVICE)
+    prompts = prompts_for(24, (1, 700), 512, seed=1)
+    loaded.model.set_attn_implementation("sdpa")
+    expected = [reference(loaded.model, p, 20) for p in prompts]
+    engine_config = EngineConfig(block_size=16, kv_cache_tokens=20000, max_num_seqs=32, max_num_batched_tokens=512)
+    results, _, steps, graphs = asyncio.run(run_engine(loaded, engine_config, prompts, 20))
+    equal = sum(r[0] == e for r, e in zip(results, expected, strict=True))
+    return {"requests": len(prompts), "equal": equal, "steps": steps, "graphs_captured": graphs}
+
+
+def agreement_bf16() -> dict:
+    loaded = shaped("smollm2-135m")
+    prompts = prompts_for(8, (16, 300), loaded.vocab_size, seed=2)
+    loaded.model.set_attn_implementation("sdpa")
+    expected = [reference(loaded.model, p, 16) for p in prompts]
+    config = EngineConfig(block_size=16, kv_cache_tokens=20000, max_num_seqs=16, max_num_batched_tokens=1024)
+    results, _, _, graphs = asyncio.run(run_engine(loaded, config, prompts, 16))
+    agree = []
+    for (tokens, _, _), ref in zip(results, expected, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(tokens, ref, strict=True)) if a != b), len(ref))
+        agree.append(n)
+    return {"requests": len(prompts), "tokens_agreeing_before_first_difference": agree, "graphs_captured": graphs}
+
+
+def throughput(shape: str, concurrency: int, max_new: int, graphs: bool) -> dict:
+    loaded = shaped(shape)
+    prompts = prompts_for(concurrency, (32, 1024), loaded.vocab_size, seed=3)
+    config = EngineConfig(
+        block_size=16,
+        kv_cache_memory_fraction=0.5,
+        max_num_seqs=max(concurrency, 8),
+        max_num_batched_tokens=4096,
+        cuda_graphs=graphs,
+    )
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    results, wall, steps, captured = asyncio.run(run_engine(loaded, config, prompts, max_new))
+    ttft = sorted(r[1] for r in results)
+    out_tokens = sum(len(r[0]) for r in results)
+    return {
+        "shape": shape,
+        "concurrency": concurrency,
+        "cuda_graphs": graphs,
+        "graphs_captured": captured,
+        "output_tokens": out_tokens,
+        "wall_s": round(wall, 3),
+        "output_tokens_per_s": round(out_tokens / wall, 1),
+        "steps": steps,
+        "ms_per_step": round(1000 * wall / max(steps, 1), 2),
+        "ttft_p50_s": round(ttft[len(ttft) // 2], 4),
+        "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-new", type=int, default=128)
+    parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    parser.add_argument("--shapes", default="smollm2-135m,llama-1b")
+    parser.add_argument("--concurrency", default="1,32,64")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
+    report: dict = {"torch": torch.__version__, "device": name}
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    steps = [
+        ("exactness_fp64", exactness_fp64),
+        ("agreement_bf16", agreement_bf16),
+    ]
+    for shape in args.shapes.split(","):
+        for concurrency in [int(c) for c in args.concurrency.split(",")]:
+            for graphs in (False, True):
+                key = f"throughput_{shape}_c{concurrency}_{'graphs' if graphs else 'eager'}"
+                steps.append((key, lambda s=shape, c=concurrency, g=graphs: throughput(s, c, args.max_new, g)))
+    for name, fn in steps:
+        t0 = time.perf_counter()
+        try:
+            report[name] = fn()
+        except Exception as exc:  # record and go on: one shot at the device
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        report[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(name, json.dumps(report[name]), flush=True)
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
