@@ -1,0 +1,1 @@
+"""The benchmark ladder for llmserve: see benchmarks/run.py."""

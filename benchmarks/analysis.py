@@ -1,0 +1,95 @@
+"""From raw runs to the figures the report shows: points per concurrency, ratios, the issue's targets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.loadgen import compose_fifo
+from benchmarks.metrics import PointSummary, ratio, relative_spread, summarize
+from benchmarks.roofline import Roofline
+from benchmarks.runner import SystemRun
+from benchmarks.settings import Plan
+
+
+def system_points(run: SystemRun, plan: Plan) -> dict[int, PointSummary]:
+    """Every measured point, plus composed points for single-worker systems above their batch size."""
+    by_concurrency = {m.schedule.concurrency: m for m in run.measurements}
+    points = {c: summarize(run.system, m) for c, m in by_concurrency.items()}
+    g = run.group_size
+    base = by_concurrency.get(g) if g else None
+    if base is not None:
+        for c in plan.concurrencies:
+            if c > g and c % g == 0:
+                points[c] = summarize(run.system, compose_fifo(base, c, g))
+    return dict(sorted(points.items()))
+
+
+@dataclass(slots=True)
+class Target:
+    """One of issue 5's targets: the measured value, the bar, and whether the gap exceeds the noise."""
+
+    name: str
+    value: float | None
+    bar: str
+    met: bool | None
+    noise: float | None
+
+
+def targets(points: dict[str, dict[int, PointSummary]], main: int, roof: Roofline | None) -> list[Target]:
+    def get(system: str, figure: str) -> float | None:
+        p = points.get(system, {}).get(main)
+        return p.mean.get(figure) if p else None
+
+    def noise(*systems: str, figure: str = "output_tokens_per_s") -> float | None:
+        spreads = [relative_spread(points[s][main], figure) for s in systems if main in points.get(s, {})]
+        spreads = [x for x in spreads if x is not None]
+        return max(spreads) if spreads else None
+
+    tps = "output_tokens_per_s"
+    out: list[Target] = []
+    r = ratio(get("llmserve", tps), get("dynamic", tps))
+    out.append(
+        Target(
+            "llmserve / dynamic batching, output tokens/s",
+            r,
+            ">= 2.5",
+            None if r is None else r >= 2.5,
+            noise("llmserve", "dynamic"),
+        )
+    )
+    r = ratio(get("llmserve", tps), get("hf_continuous", tps))
+    out.append(
+        Target(
+            "llmserve / transformers CB, output tokens/s",
+            r,
+            ">= 4",
+            None if r is None else r >= 4,
+            noise("llmserve", "hf_continuous"),
+        )
+    )
+    if roof is not None:
+        r = ratio(get("llmserve", tps), roof.max_decode_tokens_per_s)
+        out.append(
+            Target("llmserve / decode-step roofline", r, ">= 0.5", None if r is None else r >= 0.5, noise("llmserve"))
+        )
+    r = ratio(get("llmserve_grpc", tps), get("llmserve", tps))
+    out.append(
+        Target(
+            "gRPC / in-process, output tokens/s",
+            r,
+            ">= 0.9",
+            None if r is None else r >= 0.9,
+            noise("llmserve", "llmserve_grpc"),
+        )
+    )
+    r = ratio(get("llmserve", "ttft_p99_s"), get("dynamic", "ttft_p99_s"))
+    out.append(
+        Target(
+            "llmserve / dynamic batching, TTFT P99",
+            r,
+            "<= 0.333",
+            None if r is None else r <= 1 / 3,
+            noise("llmserve", "dynamic", figure="ttft_p99_s"),
+        )
+    )
+    return out

@@ -1,0 +1,40 @@
+"""Peak memory of a process: the kernel's RSS high-water mark (VmHWM), which can be reset between points.
+
+On CUDA the figure that matters is the allocator's peak on the device, read in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+
+
+def reset_peak(pid: int, device: torch.device) -> None:
+    """Start a new high-water mark for `pid` (and for the CUDA allocator, when in-process on CUDA)."""
+    if device.type == "cuda" and pid == os.getpid():
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass  # not Linux, or not allowed: the peak then covers the process's whole life
+
+
+def peak_bytes(pid: int, device: torch.device) -> int | None:
+    """Peak memory since the last reset: CUDA allocator peak in-process on CUDA, else peak RSS of `pid`."""
+    if device.type == "cuda" and pid == os.getpid():
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if pid == os.getpid():
+        scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    return None

@@ -1,0 +1,151 @@
+"""Figures from records: per-window throughput and latency percentiles, spreads, ratios.
+
+What each window counts (all on token timestamps, so partly finished requests count their tokens):
+- output tokens/s: tokens stamped inside the window, over its length;
+- requests/s: requests that finished inside the window;
+- TTFT: requests submitted after the warm-up whose first token came inside the window (plus any composed
+  queue wait), so the start-up transient is left out;
+- inter-token latency: gaps between consecutive tokens of a request, the later token inside the window;
+- end-to-end latency: requests that finished inside the window (plus any composed queue wait).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+
+from benchmarks.loadgen import Measurement
+
+FIGURES = (
+    "requests_per_s",
+    "output_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "e2e_p50_s",
+    "e2e_p99_s",
+)
+
+
+@dataclass(slots=True)
+class WindowStats:
+    """One measurement window's figures; latencies are None when the window saw no sample."""
+
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    e2e_p50_s: float | None
+    e2e_p99_s: float | None
+    completed: int
+    ttft_samples: int
+    errors: int
+
+
+@dataclass(slots=True)
+class PointSummary:
+    """One system at one concurrency: the mean over windows and the spread (max - min) of each figure."""
+
+    system: str
+    concurrency: int
+    windows: list[WindowStats]
+    mean: dict[str, float | None]
+    spread: dict[str, float | None]
+    peak_memory_bytes: int | None
+    composed_from: int | None
+
+    def to_json(self) -> dict:
+        return {
+            "system": self.system,
+            "concurrency": self.concurrency,
+            "windows": [asdict(w) for w in self.windows],
+            "mean": self.mean,
+            "spread": self.spread,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "composed_from_concurrency": self.composed_from,
+        }
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between order statistics; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def window_stats(measurement: Measurement, index: int) -> WindowStats:
+    start = measurement.window_starts[index]
+    end = start + measurement.window_s
+    warm_end = measurement.window_starts[0]
+    tokens = 0
+    ttft: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
+    completed = errors = 0
+    for r in measurement.records:
+        times = r.token_times
+        tokens += sum(1 for t in times if start <= t < end)
+        itl.extend(b - a for a, b in zip(times, times[1:], strict=False) if start <= b < end)
+        if times and start <= times[0] < end and r.submit >= warm_end:
+            ttft.append(times[0] - r.submit + r.composed_wait)
+        if r.error is None and r.end is not None and start <= r.end < end:
+            completed += 1
+            e2e.append(r.end - r.submit + r.composed_wait)
+        elif r.error is not None and start <= r.submit < end:
+            errors += 1
+    return WindowStats(
+        requests_per_s=completed / measurement.window_s,
+        output_tokens_per_s=tokens / measurement.window_s,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        itl_p50_s=percentile(itl, 50),
+        itl_p99_s=percentile(itl, 99),
+        e2e_p50_s=percentile(e2e, 50),
+        e2e_p99_s=percentile(e2e, 99),
+        completed=completed,
+        ttft_samples=len(ttft),
+        errors=errors,
+    )
+
+
+def summarize(system: str, measurement: Measurement) -> PointSummary:
+    windows = [window_stats(measurement, i) for i in range(len(measurement.window_starts))]
+    mean: dict[str, float | None] = {}
+    spread: dict[str, float | None] = {}
+    for name in FIGURES:
+        values = [getattr(w, name) for w in windows if getattr(w, name) is not None]
+        mean[name] = sum(values) / len(values) if values else None
+        spread[name] = max(values) - min(values) if len(values) > 1 else None
+    return PointSummary(
+        system,
+        measurement.schedule.concurrency,
+        windows,
+        mean,
+        spread,
+        measurement.peak_memory_bytes,
+        measurement.composed_from,
+    )
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    """value / base, or None when either is missing or the base is zero."""
+    if value is None or base is None or base == 0:
+        return None
+    return value / base
+
+
+def relative_spread(summary: PointSummary, name: str) -> float | None:
+    """Spread of a figure as a fraction of its mean: a difference between systems below this is noise."""
+    return ratio(summary.spread.get(name), summary.mean.get(name))
+
+
+def window_fields() -> list[str]:
+    return [f.name for f in fields(WindowStats)]

@@ -1,0 +1,270 @@
+"""Writes a run's results: `<name>.md` (tables and method), `<name>.json` (every figure), PNG plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from benchmarks.analysis import Target
+from benchmarks.metrics import PointSummary, ratio, relative_spread
+from benchmarks.plots import LABELS, plot_vs_concurrency
+from benchmarks.roofline import Roofline
+from benchmarks.runner import SystemRun
+from benchmarks.settings import BenchSettings
+
+
+@dataclass(slots=True)
+class BenchResult:
+    """Everything a report shows; `sessions` is the session benchmark's JSON and markdown, when it ran."""
+
+    name: str
+    command: str
+    settings: BenchSettings
+    machine: dict
+    mean_prompt_tokens: float
+    roofline: Roofline | None
+    runs: list[SystemRun]
+    points: dict[str, dict[int, PointSummary]]
+    targets: list[Target]
+    wall_s: float
+    sessions_json: dict | None = None
+    sessions_markdown: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def _s(value: float | None) -> str:
+    """Seconds, compactly."""
+    if value is None:
+        return "–"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _n(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _x(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.0f}%"
+
+
+def _mib(value: int | None) -> str:
+    return "–" if value is None else f"{value / 2**20:,.0f} MiB"
+
+
+def main_table(result: BenchResult) -> list[str]:
+    c = result.settings.plan.main.concurrency
+    base = {s: result.points.get(s, {}).get(c) for s in ("naive", "dynamic")}
+    rows = [
+        f"### {c} concurrent clients (mean of {result.settings.plan.main.windows} windows; "
+        "± is the spread between them)",
+        "",
+        "| system | req/s | output tok/s | TTFT P50 / P99 | ITL P50 / P99 | E2E P50 / P99 | peak memory "
+        "| × naive | × dynamic |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for system, by_c in result.points.items():
+        p = by_c.get(c)
+        if p is None:
+            continue
+        m, sp = p.mean, p.spread
+        tps = m["output_tokens_per_s"]
+        label = LABELS.get(system, system) + (" ¹" if p.composed_from is not None else "")
+        rows.append(
+            f"| {label} | {_n(m['requests_per_s'], 3)} | {_n(tps, 1)} ± {_n(sp['output_tokens_per_s'], 1)} "
+            f"| {_s(m['ttft_p50_s'])} / {_s(m['ttft_p99_s'])} | {_s(m['itl_p50_s'])} / {_s(m['itl_p99_s'])} "
+            f"| {_s(m['e2e_p50_s'])} / {_s(m['e2e_p99_s'])} | {_mib(p.peak_memory_bytes)} "
+            f"| {_x(ratio(tps, base['naive'].mean['output_tokens_per_s'] if base['naive'] else None))} "
+            f"| {_x(ratio(tps, base['dynamic'].mean['output_tokens_per_s'] if base['dynamic'] else None))} |"
+        )
+    rows += [
+        "",
+        "¹ single worker: service measured at its batch size (naive 1, dynamic "
+        f"{result.settings.dynamic_max_batch}); the queue wait at this concurrency is composed from the measured "
+        "service times (see Method). Throughput and ITL are measured as they are.",
+        "",
+        "Noise: relative spread between the two windows (a difference smaller than this is noise):",
+        "",
+        "| system | output tok/s | TTFT P99 | completed per window | errors |",
+        "|---|---|---|---|---|",
+    ]
+    for system, by_c in result.points.items():
+        p = by_c.get(c)
+        if p is None:
+            continue
+        done = ", ".join(str(w.completed) for w in p.windows)
+        errors = sum(w.errors for w in p.windows)
+        rows.append(
+            f"| {system} | {_pct(relative_spread(p, 'output_tokens_per_s'))} "
+            f"| {_pct(relative_spread(p, 'ttft_p99_s'))} | {done} | {errors} |"
+        )
+    return rows
+
+
+def sweep_table(result: BenchResult, figure: str, fmt) -> list[str]:
+    concurrencies = sorted({c for by_c in result.points.values() for c in by_c})
+    rows = ["| system | " + " | ".join(str(c) for c in concurrencies) + " |", "|---" * (len(concurrencies) + 1) + "|"]
+    for system, by_c in result.points.items():
+        cells = []
+        for c in concurrencies:
+            p = by_c.get(c)
+            mark = "¹" if p is not None and p.composed_from is not None else ""
+            cells.append(fmt(p.mean.get(figure)) + mark if p is not None else "")
+        rows.append(f"| {system} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def roofline_section(result: BenchResult) -> list[str]:
+    r = result.roofline
+    if r is None:
+        return []
+    pk = r.peak
+    engine = result.points.get("llmserve", {}).get(r.batch)
+    tps = engine.mean["output_tokens_per_s"] if engine else None
+    return [
+        "## Roofline",
+        "",
+        f"- Measured on {pk.device} ({pk.dtype}): matmul {pk.matmul_flops_per_s / 1e9:,.1f} GFLOP/s; "
+        f"read bandwidth {pk.read_bytes_per_s / 1e9:,.1f} GB/s (copy {pk.copy_bytes_per_s / 1e9:,.1f} GB/s, "
+        "read+write counted).",
+        f"- Decode step at {r.batch} sequences, mean context {r.mean_context:.0f} tokens: "
+        f"{r.flops_per_step / 1e9:,.2f} GFLOP ({r.matmul_params / 1e6:,.1f} M matmul weights × 2 × {r.batch}, "
+        f"plus attention) and {r.bytes_per_step / 2**20:,.0f} MiB read (weights once, plus the KV of {r.batch} "
+        "sequences).",
+        f"- Floor: {r.step_floor_s * 1000:.1f} ms per step ({r.bound}-bound), so at most "
+        f"**{r.max_decode_tokens_per_s:,.0f} decode tokens/s**.",
+        f"- llmserve at {r.batch} concurrent: {_n(tps, 1)} output tokens/s = "
+        f"**{_pct(ratio(tps, r.max_decode_tokens_per_s))} of that floor**.",
+        f"- Prefill is outside that floor but not outside the workload: each request's prompt costs "
+        f"{r.prefill_flops_per_request / 1e9:,.1f} GFLOP on average. Counting it at peak FLOP/s too, the "
+        f"ceiling is {r.max_output_tokens_per_s_with_prefill:,.1f} output tokens/s, of which llmserve reaches "
+        f"{_pct(ratio(tps, r.max_output_tokens_per_s_with_prefill))}.",
+        "",
+    ]
+
+
+def method_section(result: BenchResult) -> list[str]:
+    s = result.settings
+    w = s.workload
+    plan = s.plan
+    sweep = ", ".join(f"{x.concurrency} ({x.warmup_s:.0f} s + {x.window_s:.0f} s)" for x in plan.sweep)
+    return [
+        "## Method",
+        "",
+        f"- Workload: seed {w.seed}; chat prompts (random words in the model's chat template, or random ids "
+        f"without a tokenizer), log-uniform lengths {w.min_prompt}–{w.max_prompt} tokens "
+        f"(mean {result.mean_prompt_tokens:.0f}); {w.max_new_tokens} new tokens each, EOS ignored; greedy.",
+        f"- Closed loop: each client sends its next request when the last finishes; clients join over the first "
+        f"half of the warm-up. Main point: {plan.main.concurrency} clients, {plan.main.warmup_s:.0f} s warm-up, "
+        f"then {plan.main.windows} windows of {plan.main.window_s:.0f} s. Sweep (warm-up + window): {sweep}.",
+        "- Each output token is stamped when it reaches the client side. Per window: output tokens/s counts tokens "
+        "stamped in it; req/s counts requests finished in it; TTFT counts requests submitted after the warm-up "
+        "whose first token came in it; ITL is every gap between consecutive tokens of a request ending in it; "
+        "E2E counts requests finished in it. Requests still running at the end are aborted.",
+        "- Single workers (naive; dynamic batching) are measured for real at their batch size, where the worker is "
+        "always busy and nothing queues. With C clients such a worker runs the same groups back to back, so its "
+        "throughput and token gaps are unchanged and each request also waits for the C/batch − 1 groups ahead; "
+        "that wait is the sum of the measured service times of the groups before it (cyclically). Measuring it "
+        "directly would take C × service time per sample (minutes here).",
+        f"- Engines share sizes: KV cache {s.engine.kv_cache_tokens} tokens, {s.engine.max_num_batched_tokens} "
+        f"tokens per step, {s.engine.max_num_seqs} sequences. transformers' continuous batching runs with "
+        '"paged|eager" attention and 32-token pages (its fastest on CPU in our trials).',
+        "- Peak memory: the kernel's RSS high-water mark of the serving process (the server subprocess for gRPC), "
+        "reset before each point; on CUDA the allocator's peak in-process (gRPC: server RSS).",
+        "- Each system runs in its own process, one after another, on the same machine.",
+        "",
+    ]
+
+
+def targets_section(result: BenchResult) -> list[str]:
+    rows = ["## Issue 5 targets", "", "| target | measured | bar | met | noise |", "|---|---|---|---|---|"]
+    for t in result.targets:
+        met = "–" if t.met is None else ("yes" if t.met else "no")
+        rows.append(f"| {t.name} | {_n(t.value)} | {t.bar} | {met} | ±{_pct(t.noise)} |")
+    return rows + [""]
+
+
+def to_markdown(result: BenchResult, plots: list[Path]) -> str:
+    s = result.settings
+    m = result.machine
+    lines = [
+        f"# llmserve benchmark: {result.name}",
+        "",
+        f"`{result.command}` — {m.get('date')} — whole run {result.wall_s / 60:.1f} min",
+        "",
+        f"Model {m.get('model')} ({s.dtype if s.dtype != 'auto' else m.get('dtype')}) on {m.get('device_name')}; "
+        f"torch {m.get('torch')}, transformers {m.get('transformers')}; load average before/after: "
+        f"{m.get('loadavg_before')} / {m.get('loadavg_after')}.",
+        "",
+    ]
+    lines += [f"> {note}" for note in result.notes] + ([""] if result.notes else [])
+    lines += main_table(result) + [""]
+    lines += ["### Output tokens/s by concurrency", ""] + sweep_table(result, "output_tokens_per_s", lambda v: _n(v, 1))
+    lines += ["", "### TTFT P99 by concurrency", ""] + sweep_table(result, "ttft_p99_s", _s) + [""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    lines += roofline_section(result) + targets_section(result)
+    if result.sessions_markdown:
+        lines += [result.sessions_markdown, ""]
+    lines += method_section(result)
+    failed = [r for r in result.runs if r.error]
+    if failed:
+        lines += ["## Failures", ""] + [f"- {r.system}: {r.error}" for r in failed] + [""]
+    lines += ["## Runs", "", "| system | wall | load avg before → after |", "|---|---|---|"]
+    for r in result.runs:
+        lines.append(f"| {r.system} | {r.wall_s:.0f} s | {_loads(r.loadavg_before)} → {_loads(r.loadavg_after)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _loads(values) -> str:
+    return " ".join(f"{v:.1f}" for v in values) if values else "–"
+
+
+def to_json(result: BenchResult) -> dict:
+    return {
+        "name": result.name,
+        "command": result.command,
+        "settings": json.loads(result.settings.to_json()),
+        "machine": result.machine,
+        "mean_prompt_tokens": result.mean_prompt_tokens,
+        "roofline": result.roofline.to_json() if result.roofline else None,
+        "points": {s: {str(c): p.to_json() for c, p in by_c.items()} for s, by_c in result.points.items()},
+        "targets": [asdict(t) for t in result.targets],
+        "runs": [
+            {k: v for k, v in asdict(r).items() if k != "measurements"}
+            | {"measured_concurrencies": [m.schedule.concurrency for m in r.measurements]}
+            for r in result.runs
+        ],
+        "sessions": result.sessions_json,
+        "wall_s": result.wall_s,
+        "notes": result.notes,
+    }
+
+
+def write(result: BenchResult, out_dir: Path) -> Path:
+    """Write the markdown, JSON and plots; returns the markdown's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = [
+        plot_vs_concurrency(
+            result.points,
+            "output_tokens_per_s",
+            "output tokens/s",
+            f"Throughput — {result.name}",
+            out_dir / f"{result.name}-throughput.png",
+        ),
+        plot_vs_concurrency(
+            result.points,
+            "ttft_p99_s",
+            "TTFT P99 (s)",
+            f"Time to first token, P99 — {result.name}",
+            out_dir / f"{result.name}-ttft-p99.png",
+            log_y=True,
+        ),
+    ]
+    (out_dir / f"{result.name}.json").write_text(json.dumps(to_json(result), indent=1))
+    md = out_dir / f"{result.name}.md"
+    md.write_text(to_markdown(result, plots))
+    return md

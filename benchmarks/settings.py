@@ -1,0 +1,99 @@
+"""Everything one benchmark run is configured by, in one frozen, JSON-serialisable place.
+
+`FULL` is what `make bench` runs (sized for about 15 minutes on the 2-core CPU machine); `QUICK` is a smoke
+run of under a minute with short prompts and few tokens; `TINY` is for the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+from benchmarks.loadgen import Schedule
+from benchmarks.workload import WorkloadSpec
+
+SYSTEMS = ("naive", "dynamic", "hf_continuous", "llmserve", "llmserve_grpc")
+
+
+@dataclass(slots=True, frozen=True)
+class Plan:
+    """The main point (measured over two windows) and the concurrency sweep (one window each).
+
+    Single-worker baselines are measured at their batch size with the main point's timing and composed
+    for higher concurrencies; see `loadgen.compose_fifo`.
+    """
+
+    main: Schedule
+    sweep: tuple[Schedule, ...]
+
+    def schedule_for(self, concurrency: int) -> Schedule:
+        for s in (self.main, *self.sweep):
+            if s.concurrency == concurrency:
+                return s
+        return replace(self.main, concurrency=concurrency)
+
+    @property
+    def concurrencies(self) -> list[int]:
+        return sorted({self.main.concurrency, *(s.concurrency for s in self.sweep)})
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSettings:
+    """Engine sizes shared by llmserve (in-process and gRPC) and transformers' continuous batching."""
+
+    kv_cache_tokens: int = 64 * (1024 + 128)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+
+
+@dataclass(slots=True, frozen=True)
+class BenchSettings:
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    workload: WorkloadSpec = WorkloadSpec()
+    plan: Plan = field(default_factory=lambda: FULL_PLAN)
+    engine: EngineSettings = EngineSettings()
+    dynamic_max_batch: int = 8
+    dynamic_max_wait_s: float = 0.020
+    roofline_quick: bool = False
+
+    def sized(self) -> BenchSettings:
+        """These settings with the engines' KV cache sized for the plan's worst case: every client of the
+        largest concurrency at the longest prompt plus all its new tokens (no system has to preempt)."""
+        w = self.workload
+        tokens = max(self.plan.concurrencies) * (w.max_prompt + w.max_new_tokens)
+        return replace(self, engine=replace(self.engine, kv_cache_tokens=tokens))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchSettings:
+        raw = json.loads(text)
+        plan = raw.pop("plan")
+        return cls(
+            workload=WorkloadSpec(**raw.pop("workload")),
+            plan=Plan(Schedule(**plan["main"]), tuple(Schedule(**s) for s in plan["sweep"])),
+            engine=EngineSettings(**raw.pop("engine")),
+            **raw,
+        )
+
+
+FULL_PLAN = Plan(
+    main=Schedule(concurrency=32, warmup_s=40.0, window_s=45.0, windows=2),
+    sweep=(
+        Schedule(concurrency=1, warmup_s=6.0, window_s=20.0),
+        Schedule(concurrency=4, warmup_s=10.0, window_s=25.0),
+        Schedule(concurrency=16, warmup_s=25.0, window_s=30.0),
+        Schedule(concurrency=64, warmup_s=50.0, window_s=40.0),
+    ),
+)
+QUICK_PLAN = Plan(main=Schedule(concurrency=8, warmup_s=3.0, window_s=3.0, windows=2), sweep=())
+TINY_PLAN = Plan(
+    main=Schedule(concurrency=4, warmup_s=0.3, window_s=0.5, windows=2),
+    sweep=(Schedule(concurrency=1, warmup_s=0.2, window_s=0.4),),
+)
+QUICK_WORKLOAD = WorkloadSpec(min_prompt=32, max_prompt=128, max_new_tokens=16)
+TINY_WORKLOAD = WorkloadSpec(min_prompt=8, max_prompt=32, max_new_tokens=8)

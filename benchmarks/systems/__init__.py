@@ -1,0 +1,1 @@
+"""The systems under test, one module each, all behind `benchmarks.systems.base.System`."""

@@ -1,0 +1,73 @@
+"""The whole benchmark pipeline on a tiny random model: every system, roofline, report, plots, sessions.
+
+Proves the benchmark code works; the figures mean nothing. The model is saved to a folder so that the gRPC
+server subprocess can load the same one by path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds `benchmarks`
+
+from benchmarks import run  # noqa: E402
+from llmserve.models import from_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    from_config(config, None, seed=0).model.save_pretrained(folder)
+    return folder
+
+
+def bench(model: Path, out: Path, *extra: str) -> dict:
+    argv = ["--plan", "tiny", "--model", str(model), "--device", "cpu", "--out-dir", str(out), "--name", "smoke"]
+    assert run.main([*argv, *extra]) == 0
+    for suffix in (".md", ".json", "-throughput.png", "-ttft-p99.png"):
+        assert (out / f"smoke{suffix}").stat().st_size > 0
+    return json.loads((out / "smoke.json").read_text())
+
+
+def test_in_process_systems(tiny_model: Path, tmp_path: Path) -> None:
+    systems = "naive,dynamic,hf_continuous,llmserve"
+    result = bench(tiny_model, tmp_path, "--systems", systems, "--isolation", "inline")
+    main = str(result["settings"]["plan"]["main"]["concurrency"])
+    for system in systems.split(","):
+        point = result["points"][system][main]
+        assert point["mean"]["output_tokens_per_s"] > 0, system
+        assert len(point["windows"]) == 2
+    # Single workers are composed above their batch size; the others are measured at every point.
+    assert result["points"]["naive"][main]["composed_from_concurrency"] == 1
+    assert result["points"]["llmserve"][main]["composed_from_concurrency"] is None
+    assert result["roofline"]["max_decode_tokens_per_s"] > 0
+    assert "### Output tokens/s by concurrency" in (tmp_path / "smoke.md").read_text()
+
+
+def test_grpc_and_sessions_in_their_own_processes(tiny_model: Path, tmp_path: Path) -> None:
+    result = bench(tiny_model, tmp_path, "--systems", "llmserve_grpc", "--sessions")
+    main = str(result["settings"]["plan"]["main"]["concurrency"])
+    assert result["points"]["llmserve_grpc"][main]["mean"]["output_tokens_per_s"] > 0
+    sessions = result["sessions"]
+    assert sessions is not None
+    on, off = sessions["multi_turn"]
+    assert on["reuse"] and on["hit_rate"] > 0.3
+    assert not off["reuse"] and off["cached_prompt_tokens"] == 0
+    assert all(c > 0 for c in sessions["long_history"]["cached_prompt_tokens"])
