@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -33,11 +35,13 @@ class TLS:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
 
-def channel_credentials(tls: TLS | bool | None) -> grpc.ChannelCredentials | None:
-    """Credentials for a client's `tls` argument: None (plaintext) for None/False, system roots for True."""
+def open_channel(target: str, tls: TLS | bool | None, options: Sequence[tuple[str, Any]], *, aio: bool) -> Any:
+    """A grpc (or grpc.aio) channel: plaintext for tls None/False, the system's roots for True, else `tls`."""
+    module = grpc.aio if aio else grpc
     if not tls:
-        return None
-    return (tls if isinstance(tls, TLS) else TLS()).credentials()
+        return module.insecure_channel(target, options=options)
+    credentials = (tls if isinstance(tls, TLS) else TLS()).credentials()
+    return module.secure_channel(target, credentials, options=options)
 
 
 # Long streams are normal here: keep idle connections alive through proxies, within what servers allow.

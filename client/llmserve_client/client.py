@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from llmserve_client import health
-from llmserve_client.channel import DEFAULT_OPTIONS, TLS, channel_credentials
+from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from llmserve_client.request import Message, build_request, tokenize_request
@@ -34,17 +34,9 @@ class Client:
     ) -> None:
         self.target = target
         self.timeout = timeout
-        creds = channel_credentials(tls)
-        if creds is not None:
-            self._channel = grpc.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
+        self._channel = open_channel(target, tls, options, aio=False)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
-        self._health_check = self._channel.unary_unary(
-            health.CHECK_METHOD,
-            request_serializer=health.HealthCheckRequest.SerializeToString,
-            response_deserializer=health.HealthCheckResponse.FromString,
-        )
+        self._health_check = health.check_method(self._channel)
 
     def close(self) -> None:
         self._channel.close()

@@ -6,6 +6,8 @@ They live in a private descriptor pool: a process that also imports grpc_health 
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 CHECK_METHOD = "/grpc.health.v1.Health/Check"
@@ -38,6 +40,15 @@ def _build() -> tuple[type, type]:
 
 
 HealthCheckRequest, HealthCheckResponse = _build()
+
+
+def check_method(channel: Any) -> Any:
+    """The Health/Check method of a grpc or grpc.aio channel, as a callable."""
+    return channel.unary_unary(
+        CHECK_METHOD,
+        request_serializer=HealthCheckRequest.SerializeToString,
+        response_deserializer=HealthCheckResponse.FromString,
+    )
 
 
 def status_name(response: object) -> str:
