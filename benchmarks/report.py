@@ -160,7 +160,8 @@ def method_section(result: BenchResult) -> list[str]:
         f"(mean {result.mean_prompt_tokens:.0f}); {w.max_new_tokens} new tokens each, EOS ignored; greedy.",
         f"- Closed loop: each client sends its next request when the last finishes; clients join over the first "
         f"half of the warm-up. Main point: {plan.main.concurrency} clients, {plan.main.warmup_s:.0f} s warm-up, "
-        f"then {plan.main.windows} windows of {plan.main.window_s:.0f} s. Sweep (warm-up + window): {sweep}.",
+        f"then {plan.main.windows} windows of {plan.main.window_s:.0f} s. Sweep (warm-up + window): {sweep}; "
+        f"swept: {', '.join(s.sweep_systems)} (the rest at the main point only).",
         "- Each output token is stamped when it reaches the client side. Per window: output tokens/s counts tokens "
         "stamped in it; req/s counts requests finished in it; TTFT counts requests submitted after the warm-up "
         "whose first token came in it; ITL is every gap between consecutive tokens of a request ending in it; "

@@ -35,6 +35,7 @@ import transformers  # noqa: E402
 from benchmarks import analysis, report, runner  # noqa: E402
 from benchmarks.roofline import measure_peak, roofline  # noqa: E402
 from benchmarks.settings import (  # noqa: E402
+    GPU_PLAN,
     QUICK_PLAN,
     QUICK_WORKLOAD,
     SYSTEMS,
@@ -51,12 +52,22 @@ RESULTS = ROOT / "benchmarks" / "results"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: short prompts, few tokens, short windows")
-    p.add_argument("--plan", choices=("full", "quick", "tiny"), default=None, help="tiny: for tests (implies --quick)")
+    p.add_argument(
+        "--plan",
+        choices=("full", "gpu", "quick", "tiny"),
+        default=None,
+        help="default: gpu on CUDA, else full; quick: as --quick; tiny: for tests",
+    )
     p.add_argument("--model", default=None, help="model spec for llmserve.models.load_model; unset: the default")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument(
+        "--sweep-grpc",
+        action="store_true",
+        help="sweep the gRPC system over concurrency too (the full CPU plan measures it at the main point only)",
+    )
     p.add_argument("--sessions", action="store_true", help="also run the session-reuse benchmark (issue 4)")
     p.add_argument(
         "--isolation",
@@ -78,6 +89,11 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         s = replace(s, workload=replace(TINY_WORKLOAD, seed=args.seed), plan=TINY_PLAN, roofline_quick=True)
     elif args.quick:
         s = replace(s, workload=replace(QUICK_WORKLOAD, seed=args.seed), plan=QUICK_PLAN)
+    elif args.plan == "gpu" or (args.plan is None and device.startswith("cuda")):
+        s = replace(s, plan=GPU_PLAN)
+    elif not args.sweep_grpc:
+        # Its cost over in-process is a question for the main point; sweeping it too would add ~4 minutes here.
+        s = replace(s, sweep_systems=tuple(n for n in SYSTEMS if n != "llmserve_grpc"))
     return s.sized()
 
 

@@ -40,12 +40,13 @@ class SystemRun:
     error: str | None = None
 
 
-def schedules_for(group_size: int | None, settings: BenchSettings) -> list[Schedule]:
-    """What to measure for real: every point, or, for a single worker of batch size g, the points below g
-    plus g itself with the main point's timing (the base that higher concurrencies are composed from)."""
+def schedules_for(name: str, group_size: int | None, settings: BenchSettings) -> list[Schedule]:
+    """What to measure for real: every point (only the main one for systems left out of the sweep), or,
+    for a single worker of batch size g, the points below g plus g itself with the main point's timing
+    (the base that higher concurrencies are composed from)."""
     plan = settings.plan
     if group_size is None:
-        return [plan.main, *plan.sweep]
+        return [plan.main, *plan.sweep] if name in settings.sweep_systems else [plan.main]
     below = sorted((s for s in (plan.main, *plan.sweep) if s.concurrency < group_size), key=lambda s: s.concurrency)
     return [*below, replace(plan.main, concurrency=group_size)]
 
@@ -100,7 +101,7 @@ async def measure(name: str, loaded: LoadedModel, settings: BenchSettings, log_d
         system = build_system(name, loaded, settings, log_dir)
         run.group_size = system.group_size
         await system.start()
-        for schedule in schedules_for(system.group_size, settings):
+        for schedule in schedules_for(name, system.group_size, settings):
             stream = RequestStream(maker, start=schedule.concurrency * STREAM_STRIDE)
             print(f"[{name}] concurrency {schedule.concurrency}: {schedule.total_s:.0f} s", file=sys.stderr, flush=True)
             run.measurements.append(await system.run(stream, schedule))

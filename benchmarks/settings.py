@@ -58,6 +58,7 @@ class BenchSettings:
     dynamic_max_batch: int = 8
     dynamic_max_wait_s: float = 0.020
     roofline_quick: bool = False
+    sweep_systems: tuple[str, ...] = SYSTEMS
 
     def sized(self) -> BenchSettings:
         """These settings with the engines' KV cache sized for the plan's worst case: every client of the
@@ -73,6 +74,7 @@ class BenchSettings:
     def from_json(cls, text: str) -> BenchSettings:
         raw = json.loads(text)
         plan = raw.pop("plan")
+        raw["sweep_systems"] = tuple(raw["sweep_systems"])
         return cls(
             workload=WorkloadSpec(**raw.pop("workload")),
             plan=Plan(Schedule(**plan["main"]), tuple(Schedule(**s) for s in plan["sweep"])),
@@ -81,14 +83,20 @@ class BenchSettings:
         )
 
 
+# About 15 minutes on the 2-core CPU machine with the gRPC system at the main point only (see run.py).
 FULL_PLAN = Plan(
-    main=Schedule(concurrency=32, warmup_s=40.0, window_s=45.0, windows=2),
+    main=Schedule(concurrency=32, warmup_s=30.0, window_s=35.0, windows=2),
     sweep=(
-        Schedule(concurrency=1, warmup_s=6.0, window_s=20.0),
-        Schedule(concurrency=4, warmup_s=10.0, window_s=25.0),
-        Schedule(concurrency=16, warmup_s=25.0, window_s=30.0),
-        Schedule(concurrency=64, warmup_s=50.0, window_s=40.0),
+        Schedule(concurrency=1, warmup_s=4.0, window_s=16.0),
+        Schedule(concurrency=4, warmup_s=8.0, window_s=20.0),
+        Schedule(concurrency=16, warmup_s=15.0, window_s=25.0),
+        Schedule(concurrency=64, warmup_s=30.0, window_s=30.0),
     ),
+)
+# An H200 does in seconds what takes minutes here; both GPU shapes must fit one ~10-minute script.
+GPU_PLAN = Plan(
+    main=Schedule(concurrency=32, warmup_s=4.0, window_s=6.0, windows=2),
+    sweep=tuple(Schedule(concurrency=c, warmup_s=2.0, window_s=5.0) for c in (1, 4, 16, 64)),
 )
 QUICK_PLAN = Plan(main=Schedule(concurrency=8, warmup_s=3.0, window_s=3.0, windows=2), sweep=())
 TINY_PLAN = Plan(
