@@ -1,7 +1,8 @@
 """Closed-loop load: C clients, each sending its next request as soon as its last one finishes.
 
 A measurement is a warm-up followed by `windows` back-to-back windows of `window_s` seconds. Clients join
-spread over the first half of the warm-up, so the run does not start with one synchronised burst, and are
+spread over the first half of the warm-up, so the run does not start with one synchronised burst (except for
+single-worker systems, see `closed_loop`), and are
 cancelled when the last window ends (each system aborts what it has in flight). Every output token carries
 its own timestamp, so each window's figures come from what happened inside that window.
 
@@ -80,19 +81,22 @@ class Measurement:
 Generate = Callable[[BenchRequest, RequestRecord], Awaitable[None]]
 
 
-async def closed_loop(generate: Generate, requests: Iterator[BenchRequest], schedule: Schedule) -> Measurement:
+async def closed_loop(
+    generate: Generate, requests: Iterator[BenchRequest], schedule: Schedule, ramp: bool = True
+) -> Measurement:
     """Run `schedule.concurrency` closed-loop clients against `generate` and return every record.
 
     `generate(request, record)` must fill `record.token_times` and set `record.end` on success, and must
-    abort its request when cancelled.
+    abort its request when cancelled. With `ramp` off all clients start at once: a single-worker batcher
+    must see them together, or its first, partial batches would persist as the closed loop's groups.
     """
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
     stop_at = t0 + schedule.total_s
-    ramp = schedule.warmup_s / 2
+    ramp_s = schedule.warmup_s / 2 if ramp else 0.0
 
     async def client(index: int) -> None:
-        await asyncio.sleep(ramp * index / schedule.concurrency)
+        await asyncio.sleep(ramp_s * index / schedule.concurrency)
         while time.perf_counter() < stop_at:
             request = next(requests)
             record = RequestRecord(request.request_id, len(request.prompt_ids), time.perf_counter())

@@ -159,7 +159,8 @@ def method_section(result: BenchResult) -> list[str]:
         f"without a tokenizer), log-uniform lengths {w.min_prompt}–{w.max_prompt} tokens "
         f"(mean {result.mean_prompt_tokens:.0f}); {w.max_new_tokens} new tokens each, EOS ignored; greedy.",
         f"- Closed loop: each client sends its next request when the last finishes; clients join over the first "
-        f"half of the warm-up. Main point: {plan.main.concurrency} clients, {plan.main.warmup_s:.0f} s warm-up, "
+        f"half of the warm-up (single workers: all at once). Main point: {plan.main.concurrency} clients, "
+        f"{plan.main.warmup_s:.0f} s warm-up, "
         f"then {plan.main.windows} windows of {plan.main.window_s:.0f} s. Sweep (warm-up + window): {sweep}; "
         f"swept: {', '.join(s.sweep_systems)} (the rest at the main point only).",
         "- Each output token is stamped when it reaches the client side. Per window: output tokens/s counts tokens "
