@@ -70,8 +70,9 @@ class IncrementalDetokenizer:
     """Turns a request's generated ids into text, a few ids at a time.
 
     Contract: without a stop hit, the concatenation of every `push(...).text` and `flush()` equals
-    `tokenizer.decode(all_ids, skip_special_tokens=...)` exactly, for decoders where appending tokens never
-    rewrites earlier text (byte-level BPE, SentencePiece/Metaspace; not `clean_up_tokenization_spaces`).
+    `tokenizer.decode(all_ids, skip_special_tokens=...)` exactly for byte-level BPE and SentencePiece-style
+    (Metaspace, byte fallback) tokenizers; not for `clean_up_tokenization_spaces`, which rewrites text
+    already streamed.
     With a stop hit, it equals that text cut right before the stop (right after it when
     `include_stop_sequence`), and nothing is emitted afterwards. Not thread-safe; one per request.
     """
