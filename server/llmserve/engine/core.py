@@ -313,6 +313,8 @@ class EngineCore:
             return
         if live.detok is not None and reason is not FinishReason.STOP_SEQUENCE:
             delta.text += live.detok.flush()
+            if live.detok.stopped_on is not None:  # the held-back tail completed a stop string
+                reason = FinishReason.STOP_SEQUENCE
         self._finish(live, reason, delta=delta)
 
     def _finish(
