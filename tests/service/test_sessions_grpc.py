@@ -1,0 +1,55 @@
+"""Session reuse seen through gRPC: turn 2 of a conversation reuses turn 1's prompt and answer."""
+
+from __future__ import annotations
+
+import pytest
+from harness import ServerThread, needs_engine, tiny_engine
+
+from llmserve.engine.config import EngineConfig
+from llmserve.models import load_model
+from llmserve_client import Client
+
+pytestmark = [needs_engine]
+
+
+def test_turn_two_reports_cached_prompt_tokens_for_turn_one() -> None:
+    srv = ServerThread(tiny_engine()).start()
+    try:
+        with Client(srv.address, timeout=60) as client:
+            prompt = list(range(100, 180))
+            first = list(
+                client.generate(
+                    token_ids=prompt, max_new_tokens=24, ignore_eos=True, session_id="conv", return_token_ids=True
+                )
+            )
+            answer = [t for r in first for t in r.token_ids]
+            usage1 = first[-1].usage
+            assert usage1.cached_prompt_tokens == 0 and len(answer) == 24
+            second = prompt + answer + [7, 8, 9]
+            last = list(client.generate(token_ids=second, max_new_tokens=4, ignore_eos=True, session_id="conv"))[-1]
+            assert last.usage.cached_prompt_tokens >= 0.95 * (usage1.prompt_tokens + usage1.completion_tokens)
+            # Another caller's session id shares nothing with this one.
+            other = list(client.generate(token_ids=second, max_new_tokens=4, ignore_eos=True, session_id="other"))
+            assert other[-1].usage.cached_prompt_tokens <= last.usage.cached_prompt_tokens
+    finally:
+        srv.stop()
+
+
+@pytest.mark.real_model
+def test_real_model_chat_turn_two_reuses_the_conversation() -> None:
+    from llmserve.engine.core import AsyncEngine
+
+    engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=8192, max_num_seqs=4, cuda_graphs=False))
+    srv = ServerThread(engine).start()
+    try:
+        with Client(srv.address, timeout=120) as client:
+            messages = [{"role": "user", "content": "What is the capital of France?"}]
+            first = list(client.generate(messages=messages, max_new_tokens=48, session_id="chat"))
+            answer = "".join(r.text for r in first)
+            usage1 = first[-1].usage
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
+            second = list(client.generate(messages=messages, max_new_tokens=24, session_id="chat"))
+            cached = second[-1].usage.cached_prompt_tokens
+            assert cached >= 0.95 * (usage1.prompt_tokens + usage1.completion_tokens), (cached, usage1)
+    finally:
+        srv.stop()
