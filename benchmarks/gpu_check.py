@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import sys
@@ -184,6 +185,7 @@ def main() -> None:
         report[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(name, json.dumps(report[name]), flush=True)
         (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 

@@ -13,6 +13,7 @@ chunks attend one sequence at a time.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from llmserve.engine.request import Sequence
+
+log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "llmserve_paged"
 
@@ -201,9 +204,15 @@ class ModelRunner:
         num_decode = len(decode_lens)
         all_decode = num_decode == len(ids) and len(sample_seqs) == num_decode
         if all_decode and self.graphs is not None and self.graphs.covers(num_decode, max(decode_lens)):
-            logits = self.graphs.run(ids, positions, slots, decode_tables, decode_lens)
-            rows = [sample_index[s.request_id] for s in sample_seqs]
-            return logits[torch.tensor(rows, device=self.device)] if rows != list(range(len(rows))) else logits
+            try:
+                logits = self.graphs.run(ids, positions, slots, decode_tables, decode_lens)
+            except RuntimeError:
+                # A model whose forward cannot be captured still serves, only without graphs.
+                log.exception("CUDA graph capture/replay failed; decoding eagerly from now on")
+                self.graphs = None
+            else:
+                rows = [sample_index[s.request_id] for s in sample_seqs]
+                return logits[torch.tensor(rows, device=self.device)] if rows != list(range(len(rows))) else logits
         dev = self.device
         batch = PagedBatch(
             kv=self.kv,
