@@ -13,9 +13,10 @@ queueing at higher concurrency is composed from the measured service times (see 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from benchmarks.workload import BenchRequest
 
@@ -26,7 +27,8 @@ class RequestRecord:
 
     `token_times` has one entry per output token, stamped when the token reached the client side.
     `group`/`started` are set by single-worker systems: the batch the request ran in and when that batch
-    began. `composed_wait` is queueing time added by `compose_fifo` (0 for measured runs).
+    began. `composed_wait` is queueing time added by `compose_fifo` (0 for measured runs). `warmup` marks a
+    client's shortened first request (see `closed_loop`): its tokens count, its latencies do not.
     """
 
     request_id: str
@@ -39,6 +41,7 @@ class RequestRecord:
     started: float | None = None
     composed_wait: float = 0.0
     error: str | None = None
+    warmup: bool = False
 
     @property
     def finished(self) -> bool:
@@ -82,24 +85,37 @@ Generate = Callable[[BenchRequest, RequestRecord], Awaitable[None]]
 
 
 async def closed_loop(
-    generate: Generate, requests: Iterator[BenchRequest], schedule: Schedule, ramp: bool = True
+    generate: Generate, requests: Iterator[BenchRequest], schedule: Schedule, spread: bool = True
 ) -> Measurement:
     """Run `schedule.concurrency` closed-loop clients against `generate` and return every record.
 
     `generate(request, record)` must fill `record.token_times` and set `record.end` on success, and must
-    abort its request when cancelled. With `ramp` off all clients start at once: a single-worker batcher
-    must see them together, or its first, partial batches would persist as the closed loop's groups.
+    abort its request when cancelled.
+
+    With `spread`, the run starts close to its steady state instead of in lockstep: clients join over the
+    first half of the warm-up, and client i's first request asks for only (i + 1) / C of the new tokens, so
+    completions (and the next arrivals) are spread over a request's lifetime from the start. Without it all
+    clients start at once with full requests, as a single-worker batcher needs: its first, partial batches
+    would otherwise persist as the closed loop's groups.
     """
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
     stop_at = t0 + schedule.total_s
-    ramp_s = schedule.warmup_s / 2 if ramp else 0.0
+    ramp_s = schedule.warmup_s / 2 if spread else 0.0
 
     async def client(index: int) -> None:
         await asyncio.sleep(ramp_s * index / schedule.concurrency)
+        first = spread
         while time.perf_counter() < stop_at:
             request = next(requests)
+            shortened = False
+            if first:
+                first = False
+                wanted = math.ceil(request.max_new_tokens * (index + 1) / schedule.concurrency)
+                if wanted < request.max_new_tokens:
+                    request, shortened = replace(request, max_new_tokens=wanted), True
             record = RequestRecord(request.request_id, len(request.prompt_ids), time.perf_counter())
+            record.warmup = shortened
             records.append(record)
             try:
                 await generate(request, record)

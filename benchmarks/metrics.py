@@ -7,6 +7,7 @@ What each window counts (all on token timestamps, so partly finished requests co
   queue wait), so the start-up transient is left out;
 - inter-token latency: gaps between consecutive tokens of a request, the later token inside the window;
 - end-to-end latency: requests that finished inside the window (plus any composed queue wait).
+Shortened first requests (see `loadgen.closed_loop`) count their tokens only.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def window_stats(measurement: Measurement, index: int) -> WindowStats:
         times = r.token_times
         tokens += sum(1 for t in times if start <= t < end)
         itl.extend(b - a for a, b in zip(times, times[1:], strict=False) if start <= b < end)
+        if r.warmup:
+            continue  # a shortened first request: its tokens count, its latencies would flatter
         if times and start <= times[0] < end and r.submit >= warm_end:
             ttft.append(times[0] - r.submit + r.composed_wait)
         if r.error is None and r.end is not None and start <= r.end < end:

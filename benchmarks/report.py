@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks import runner
 from benchmarks.analysis import Target
 from benchmarks.metrics import PointSummary, ratio, relative_spread
 from benchmarks.plots import LABELS, plot_vs_concurrency
@@ -158,8 +159,10 @@ def method_section(result: BenchResult) -> list[str]:
         f"- Workload: seed {w.seed}; chat prompts (random words in the model's chat template, or random ids "
         f"without a tokenizer), log-uniform lengths {w.min_prompt}–{w.max_prompt} tokens "
         f"(mean {result.mean_prompt_tokens:.0f}); {w.max_new_tokens} new tokens each, EOS ignored; greedy.",
-        f"- Closed loop: each client sends its next request when the last finishes; clients join over the first "
-        f"half of the warm-up (single workers: all at once). Main point: {plan.main.concurrency} clients, "
+        f"- Closed loop: each client sends its next request when the last finishes. To start near the steady "
+        "state rather than in lockstep, clients join over the first half of the warm-up and client i's first "
+        "request asks for only (i+1)/C of the tokens (those count for throughput, not latency); single workers "
+        f"start all at once with full requests. Main point: {plan.main.concurrency} clients, "
         f"{plan.main.warmup_s:.0f} s warm-up, "
         f"then {plan.main.windows} windows of {plan.main.window_s:.0f} s. Sweep (warm-up + window): {sweep}; "
         f"swept: {', '.join(s.sweep_systems)} (the rest at the main point only).",
@@ -168,7 +171,8 @@ def method_section(result: BenchResult) -> list[str]:
         "whose first token came in it; ITL is every gap between consecutive tokens of a request ending in it; "
         "E2E counts requests finished in it. Requests still running at the end are aborted.",
         "- Single workers (naive; dynamic batching) are measured for real at their batch size, where the worker is "
-        "always busy and nothing queues. With C clients such a worker runs the same groups back to back, so its "
+        f"always busy and nothing queues ({runner.BASE_WARMUP_S:.0f} s warm-up, then windows filling the main "
+        "point's time). With C clients such a worker runs the same groups back to back, so its "
         "throughput and token gaps are unchanged and each request also waits for the C/batch − 1 groups ahead; "
         "that wait is the sum of the measured service times of the groups before it (cyclically). Measuring it "
         "directly would take C × service time per sample (minutes here).",

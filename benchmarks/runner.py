@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from llmserve.models import LoadedModel, load_model
 # Each run's prompts start at concurrency * STREAM_STRIDE: runs at one concurrency see the same prompts in
 # every system, and no run meets a prompt (or its cached prefix) from another run.
 STREAM_STRIDE = 1_000_000
+BASE_WARMUP_S = 10.0
 
 
 @dataclass(slots=True)
@@ -48,7 +49,10 @@ def schedules_for(name: str, group_size: int | None, settings: BenchSettings) ->
     if group_size is None:
         return [plan.main, *plan.sweep] if name in settings.sweep_systems else [plan.main]
     below = sorted((s for s in (plan.main, *plan.sweep) if s.concurrency < group_size), key=lambda s: s.concurrency)
-    return [*below, replace(plan.main, concurrency=group_size)]
+    # A single worker is in its steady state from the first group on: spend the main point's time on windows.
+    warmup = min(plan.main.warmup_s, BASE_WARMUP_S)
+    window = (plan.main.total_s - warmup) / plan.main.windows
+    return [*below, Schedule(group_size, warmup, window, plan.main.windows)]
 
 
 def build_system(name: str, loaded: LoadedModel, settings: BenchSettings, log_dir: Path) -> System:

@@ -46,6 +46,6 @@ class System:
         """One closed-loop measurement, with the peak memory seen during it."""
         pid = self.memory_pid()
         memory.reset_peak(pid, self.device)
-        measurement = await closed_loop(self.generate, requests, schedule, ramp=self.group_size is None)
+        measurement = await closed_loop(self.generate, requests, schedule, spread=self.group_size is None)
         measurement.peak_memory_bytes = memory.peak_bytes(pid, self.device)
         return measurement
