@@ -29,6 +29,7 @@ class RequestRecord:
     `group`/`started` are set by single-worker systems: the batch the request ran in and when that batch
     began. `composed_wait` is queueing time added by `compose_fifo` (0 for measured runs). `warmup` marks a
     client's shortened first request (see `closed_loop`): its tokens count, its latencies do not.
+    `wanted_tokens` is how many tokens the request asked for.
     """
 
     request_id: str
@@ -42,6 +43,7 @@ class RequestRecord:
     composed_wait: float = 0.0
     error: str | None = None
     warmup: bool = False
+    wanted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -115,7 +117,7 @@ async def closed_loop(
                 if wanted < request.max_new_tokens:
                     request, shortened = replace(request, max_new_tokens=wanted), True
             record = RequestRecord(request.request_id, len(request.prompt_ids), time.perf_counter())
-            record.warmup = shortened
+            record.warmup, record.wanted_tokens = shortened, request.max_new_tokens
             records.append(record)
             try:
                 await generate(request, record)

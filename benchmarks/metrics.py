@@ -2,7 +2,9 @@
 
 What each window counts (all on token timestamps, so partly finished requests count their tokens):
 - output tokens/s: tokens stamped inside the window, over its length;
-- requests/s: requests that finished inside the window;
+- requests/s: requests' worth of tokens generated inside the window (each token is 1/N of a request that
+  asked for N), so partly finished requests count their share: with completions this bursty and windows
+  this short, counting completions alone would be mostly noise (completion counts are kept too);
 - TTFT: requests submitted after the warm-up whose first token came inside the window (plus any composed
   queue wait), so the start-up transient is left out;
 - inter-token latency: gaps between consecutive tokens of a request, the later token inside the window;
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from benchmarks.loadgen import Measurement
 
@@ -87,13 +89,17 @@ def window_stats(measurement: Measurement, index: int) -> WindowStats:
     end = start + measurement.window_s
     warm_end = measurement.window_starts[0]
     tokens = 0
+    request_share = 0.0
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
     completed = errors = 0
     for r in measurement.records:
         times = r.token_times
-        tokens += sum(1 for t in times if start <= t < end)
+        inside = sum(1 for t in times if start <= t < end)
+        tokens += inside
+        if inside:
+            request_share += inside / (r.wanted_tokens or len(times))
         itl.extend(b - a for a, b in zip(times, times[1:], strict=False) if start <= b < end)
         if r.warmup:
             continue  # a shortened first request: its tokens count, its latencies would flatter
@@ -105,7 +111,7 @@ def window_stats(measurement: Measurement, index: int) -> WindowStats:
         elif r.error is not None and start <= r.submit < end:
             errors += 1
     return WindowStats(
-        requests_per_s=completed / measurement.window_s,
+        requests_per_s=request_share / measurement.window_s,
         output_tokens_per_s=tokens / measurement.window_s,
         ttft_p50_s=percentile(ttft, 50),
         ttft_p99_s=percentile(ttft, 99),
@@ -148,7 +154,3 @@ def ratio(value: float | None, base: float | None) -> float | None:
 def relative_spread(summary: PointSummary, name: str) -> float | None:
     """Spread of a figure as a fraction of its mean: a difference between systems below this is noise."""
     return ratio(summary.spread.get(name), summary.mean.get(name))
-
-
-def window_fields() -> list[str]:
-    return [f.name for f in fields(WindowStats)]

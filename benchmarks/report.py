@@ -167,7 +167,9 @@ def method_section(result: BenchResult) -> list[str]:
         f"then {plan.main.windows} windows of {plan.main.window_s:.0f} s. Sweep (warm-up + window): {sweep}; "
         f"swept: {', '.join(s.sweep_systems)} (the rest at the main point only).",
         "- Each output token is stamped when it reaches the client side. Per window: output tokens/s counts tokens "
-        "stamped in it; req/s counts requests finished in it; TTFT counts requests submitted after the warm-up "
+        "stamped in it; req/s counts requests' worth of those tokens (a token is 1/N of a request asking for N; "
+        "completions alone are too bursty for windows this short, their counts are listed); TTFT counts "
+        "requests submitted after the warm-up "
         "whose first token came in it; ITL is every gap between consecutive tokens of a request ending in it; "
         "E2E counts requests finished in it. Requests still running at the end are aborted.",
         "- Single workers (naive; dynamic batching) are measured for real at their batch size, where the worker is "

@@ -31,6 +31,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from benchmarks.metrics import percentile
+from benchmarks.paths import ROOT, child_env
 from benchmarks.settings import BenchSettings, EngineSettings
 from benchmarks.workload import PLACEHOLDER, chat_frame, word_ids
 from llmserve.engine.config import EngineConfig
@@ -292,9 +293,8 @@ def run_isolated(settings: BenchSettings, work: Path, quick: bool) -> tuple[dict
     """Run the session benchmark in its own process (as run.py does for each system)."""
     settings_path, out_path = work / "sessions-settings.json", work / "sessions.json"
     settings_path.write_text(settings.to_json())
-    root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "benchmarks.sessions", "--settings", str(settings_path), "--out", str(out_path)]
-    proc = subprocess.run(cmd + (["--quick"] if quick else []), cwd=root, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    proc = subprocess.run(cmd + (["--quick"] if quick else []), cwd=ROOT, env=child_env())
     if proc.returncode != 0 or not out_path.exists():
         return None, f"## Session reuse (issue 4)\n\nFailed: the process exited with {proc.returncode}."
     result = json.loads(out_path.read_text())

@@ -95,8 +95,8 @@ FULL_PLAN = Plan(
 )
 # An H200 does in seconds what takes minutes here; both GPU shapes must fit one ~10-minute script.
 GPU_PLAN = Plan(
-    main=Schedule(concurrency=32, warmup_s=4.0, window_s=6.0, windows=2),
-    sweep=tuple(Schedule(concurrency=c, warmup_s=2.0, window_s=5.0) for c in (1, 4, 16, 64)),
+    main=Schedule(concurrency=32, warmup_s=3.0, window_s=5.0, windows=2),
+    sweep=tuple(Schedule(concurrency=c, warmup_s=1.5, window_s=4.0) for c in (1, 4, 16, 64)),
 )
 QUICK_PLAN = Plan(main=Schedule(concurrency=8, warmup_s=3.0, window_s=3.0, windows=2), sweep=())
 TINY_PLAN = Plan(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -113,12 +113,3 @@ def word_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if len(words) < 100:
         raise ValueError(f"tokenizer has only {len(words)} plain word tokens; cannot build prompts")
     return words
-
-
-def mean_prompt_length(maker: PromptMaker, count: int = 1000) -> float:
-    """Mean prompt length over the first `count` requests (the roofline's context length)."""
-    return sum(len(maker.request(k).prompt_ids) for k in range(count)) / count
-
-
-def lengths(requests: Sequence[BenchRequest]) -> list[int]:
-    return [len(r.prompt_ids) for r in requests]

@@ -4,7 +4,6 @@ the `llmserve_client.AsyncClient` library. Its cost over system 4 is what the se
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.loadgen import RequestRecord
+from benchmarks.paths import child_env
 from benchmarks.systems.base import System
 from benchmarks.workload import BenchRequest
 from llmserve.engine.config import EngineConfig
@@ -81,8 +81,7 @@ class GrpcSystem(System):
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the subprocess until stop()
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=child_env())
         log.close()
         self.client = AsyncClient(f"127.0.0.1:{self.port}")
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -36,6 +36,7 @@ def test_window_counts_only_what_happened_inside_it() -> None:
     w0, w1 = window_stats(m, 0), window_stats(m, 1)
     assert w0.output_tokens_per_s == pytest.approx(6 / 2.0)  # warm: 1.0, 1.5, 2.0; a: 1.5, 2.0, 2.5
     assert w1.output_tokens_per_s == pytest.approx(3 / 2.0)  # a: 3.0; b: 3.5, 3.75
+    assert w0.requests_per_s == pytest.approx((3 / 4 + 3 / 4) / 2.0)  # requests' worth of tokens
     assert w0.completed == 1 and w0.e2e_p50_s == pytest.approx(2.0)
     assert w0.ttft_samples == 1 and w0.ttft_p50_s == pytest.approx(0.5)
     assert w1.completed == 2 and w1.ttft_samples == 1 and w1.ttft_p50_s == pytest.approx(0.3)
