@@ -178,12 +178,13 @@ def method_section(result: BenchResult) -> list[str]:
         "throughput and token gaps are unchanged and each request also waits for the C/batch − 1 groups ahead; "
         "that wait is the sum of the measured service times of the groups before it (cyclically). Measuring it "
         "directly would take C × service time per sample (minutes here).",
-        f"- Engines share sizes: KV cache {s.engine.kv_cache_tokens} tokens, {s.engine.max_num_batched_tokens} "
-        f"tokens per step, {s.engine.max_num_seqs} sequences. transformers' continuous batching runs with "
-        '"paged|eager" attention and 32-token pages (its fastest on CPU in our trials).',
+        f"- llmserve (both): KV cache {s.engine.kv_cache_tokens} tokens, {s.engine.max_num_batched_tokens} tokens "
+        f"per step, {s.engine.max_num_seqs} sequences. transformers' continuous batching gets the same KV capacity; "
+        f'on the CPU it runs with "paged|eager" attention, 32-token pages and {s.hf_cpu_max_batch_tokens} tokens '
+        "per step, its fastest in our trials (see systems/hf_continuous.py).",
         "- Peak memory: the kernel's RSS high-water mark of the serving process (the server subprocess for gRPC), "
         "reset before each point; on CUDA the allocator's peak in-process (gRPC: server RSS).",
-        "- Each system runs in its own process, one after another, on the same machine.",
+        "- Each system runs in its own process (unless run inline), one after another, on the same machine.",
         "",
     ]
 

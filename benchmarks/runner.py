@@ -69,7 +69,8 @@ def build_system(name: str, loaded: LoadedModel, settings: BenchSettings, log_di
     if name == "hf_continuous":
         from benchmarks.systems.hf_continuous import HFContinuousSystem
 
-        return HFContinuousSystem(loaded, e.kv_cache_tokens, e.max_num_batched_tokens, e.max_num_seqs)
+        step = settings.hf_cpu_max_batch_tokens if loaded.device.type == "cpu" else None
+        return HFContinuousSystem(loaded, e.kv_cache_tokens, step, e.max_num_seqs)
     if name in ("llmserve", "llmserve_grpc"):
         from llmserve.engine.config import EngineConfig
 

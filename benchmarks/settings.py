@@ -57,6 +57,7 @@ class BenchSettings:
     engine: EngineSettings = EngineSettings()
     dynamic_max_batch: int = 8
     dynamic_max_wait_s: float = 0.020
+    hf_cpu_max_batch_tokens: int = 128  # transformers' CB's best on the 2-core CPU; see systems/hf_continuous.py
     roofline_quick: bool = False
     sweep_systems: tuple[str, ...] = SYSTEMS
 
