@@ -72,6 +72,15 @@ class _Live:
     eos_ids: frozenset[int]
 
 
+def sliding_window(config: object) -> int | None:
+    """The attention window a model config enables, if any (Mistral; Qwen2 with use_sliding_window)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if not window or not getattr(text, "use_sliding_window", True):
+        return None
+    return int(window)
+
+
 def size_pool(config: EngineConfig, shape: KVShape, dtype: torch.dtype, device: torch.device) -> int:
     """Number of KV blocks: from a token count, or a fraction of free memory."""
     per_block = shape.bytes_per_token(dtype) * config.block_size
@@ -94,6 +103,10 @@ class EngineCore:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.context_length, loaded.context_length)
+        window = sliding_window(loaded.model.config)
+        if window is not None:
+            # The paged attention attends over the whole context: stay where that equals the window's.
+            self.max_model_len = min(self.max_model_len, window)
         shape = KVShape.of(loaded.model.config)
         num_blocks = size_pool(config, shape, loaded.dtype, loaded.device)
         self.pool = BlockPool(num_blocks, config.block_size)
