@@ -9,15 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
+from benchmarks.labels import LABELS  # noqa: E402
 from benchmarks.metrics import PointSummary  # noqa: E402
-
-LABELS = {
-    "naive": "naive (generate, 1 at a time)",
-    "dynamic": "dynamic batching (8 / 20 ms)",
-    "hf_continuous": "transformers continuous batching",
-    "llmserve": "llmserve engine (in-process)",
-    "llmserve_grpc": "llmserve over gRPC",
-}
 
 
 def plot_vs_concurrency(

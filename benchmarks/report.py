@@ -8,8 +8,8 @@ from pathlib import Path
 
 from benchmarks import runner
 from benchmarks.analysis import Target
+from benchmarks.labels import LABELS
 from benchmarks.metrics import PointSummary, ratio, relative_spread
-from benchmarks.plots import LABELS, plot_vs_concurrency
 from benchmarks.roofline import Roofline
 from benchmarks.runner import SystemRun
 from benchmarks.settings import BenchSettings
@@ -206,7 +206,8 @@ def to_markdown(result: BenchResult, plots: list[Path]) -> str:
         f"`{result.command}` — {m.get('date')} — whole run {result.wall_s / 60:.1f} min",
         "",
         f"Model {m.get('model')} ({s.dtype if s.dtype != 'auto' else m.get('dtype')}) on {m.get('device_name')}; "
-        f"torch {m.get('torch')}, transformers {m.get('transformers')}; load average before/after: "
+        f"torch {m.get('torch')}, transformers {m.get('transformers')}, OMP_WAIT_POLICY "
+        f"{m.get('omp_wait_policy')} for every system; load average before/after: "
         f"{m.get('loadavg_before')} / {m.get('loadavg_after')}.",
         "",
     ]
@@ -253,27 +254,38 @@ def to_json(result: BenchResult) -> dict:
     }
 
 
-def write(result: BenchResult, out_dir: Path) -> Path:
-    """Write the markdown, JSON and plots; returns the markdown's path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plots = [
+def write_plots(result: BenchResult, out_dir: Path) -> list[Path]:
+    """The two plots; none (with a note) where matplotlib is missing, as it may be on a bare GPU machine."""
+    try:
+        from benchmarks.plots import plot_vs_concurrency
+    except ImportError as exc:
+        result.notes.append(f"No plots: {exc}.")
+        return []
+    stem = out_dir / result.name
+    return [
         plot_vs_concurrency(
             result.points,
             "output_tokens_per_s",
             "output tokens/s",
             f"Throughput — {result.name}",
-            out_dir / f"{result.name}-throughput.png",
+            Path(f"{stem}-throughput.png"),
         ),
         plot_vs_concurrency(
             result.points,
             "ttft_p99_s",
             "TTFT P99 (s)",
             f"Time to first token, P99 — {result.name}",
-            out_dir / f"{result.name}-ttft-p99.png",
+            Path(f"{stem}-ttft-p99.png"),
             log_y=True,
         ),
     ]
+
+
+def write(result: BenchResult, out_dir: Path) -> Path:
+    """Write the JSON, the plots and the markdown; returns the markdown's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{result.name}.json").write_text(json.dumps(to_json(result), indent=1))
+    plots = write_plots(result, out_dir)
     md = out_dir / f"{result.name}.md"
     md.write_text(to_markdown(result, plots))
     return md

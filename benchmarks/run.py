@@ -153,6 +153,7 @@ def machine_info(loaded: LoadedModel, isolation: str) -> dict:
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
         "isolation": isolation,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "loadavg_before": [round(x, 2) for x in os.getloadavg()],
     }
 
