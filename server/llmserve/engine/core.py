@@ -164,6 +164,16 @@ class EngineCore:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def wake(self) -> None:
+        """Make an idle step loop look at its inbox and stop flag now."""
+        self._wake.set()
+
+    def run_until(self, done: threading.Event) -> None:
+        """Step on the calling thread until `done` is set (the warm-up, before the step thread starts)."""
+        while not done.is_set():
+            self._drain_inbox()
+            self.step()
+
     def get_session(self, session_id: str) -> SessionInfo | None:
         with self.lock:
             self.sessions.expire()
@@ -420,7 +430,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Stop the step thread; requests still running end with CANCELLED."""
         self._stop.set()
-        self.core._wake.set()
+        self.core.wake()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
@@ -468,6 +478,4 @@ class AsyncEngine:
         request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
         done = threading.Event()
         self.core.submit(request, lambda d: d.finished and done.set())
-        self.core._drain_inbox()
-        while not done.is_set():
-            self.core.step()
+        self.core.run_until(done)
