@@ -45,10 +45,6 @@ class BlockPool:
         """Blocks that allocate() can hand out now (free plus evictable cached ones)."""
         return len(self._free) + len(self._cached)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 

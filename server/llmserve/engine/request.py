@@ -220,10 +220,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt
 
     @property
-    def generated_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt :]
-
-    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 

@@ -68,10 +68,6 @@ class Scheduler:
         heapq.heappush(self._waiting, (-seq.request.priority, seq.seq_no, seq))
         self._num_waiting += 1
 
-    def waiting(self) -> list[Sequence]:
-        """Live waiting sequences (for aborts and deadline checks)."""
-        return [seq for _, _, seq in self._waiting if seq.status is SeqStatus.WAITING]
-
     # -- one step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
