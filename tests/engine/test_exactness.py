@@ -74,17 +74,26 @@ def random_prompts(n: int, max_len: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("concurrency", "kv_tokens"),
-    [(1, 4096), (8, 4096), (64, 1600)],  # 1600 slots cannot hold 64 long prompts: preemption happens
+    ("concurrency", "kv_tokens", "native"),
+    [
+        (1, 4096, True),
+        (8, 4096, True),
+        (64, 1600, True),  # 1600 slots cannot hold 64 long prompts: preemption happens
+        (8, 4096, False),  # the torch decode path (CUDA, or where the CPU kernel cannot be built)
+        (64, 1600, False),
+    ],
 )
-async def test_greedy_equals_generate(concurrency: int, kv_tokens: int) -> None:
+async def test_greedy_equals_generate(concurrency: int, kv_tokens: int, native: bool) -> None:
     loaded = tiny()
     prompts = random_prompts(concurrency, 1000, seed=concurrency)
     rng = random.Random(concurrency)
     max_new = [rng.randint(1, 24) for _ in prompts]
     expected = [reference(loaded.model, p, m) for p, m in zip(prompts, max_new, strict=True)]
-    config = EngineConfig(block_size=16, kv_cache_tokens=kv_tokens, max_num_seqs=32, max_num_batched_tokens=256)
+    config = EngineConfig(
+        block_size=16, kv_cache_tokens=kv_tokens, max_num_seqs=32, max_num_batched_tokens=256, native_attention=native
+    )
     outputs, engine = await run_all(loaded, config, prompts, max_new, jitter_s=0.5)
+    assert (engine.core.runner.kernel is not None) == native
     mismatched = [i for i in range(len(prompts)) if outputs[i] != expected[i]]
     assert not mismatched, f"{len(mismatched)} of {len(prompts)} differ, first: prompt of {len(prompts[mismatched[0]])}"
     if concurrency == 64:
@@ -121,13 +130,16 @@ async def collect(engine: AsyncEngine, request: GenerationRequest) -> list[int]:
     return tokens
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen2", "qwen3"])
-async def test_other_families_equal_generate(family: str) -> None:
+async def test_other_families_equal_generate(family: str, native: bool) -> None:
     loaded = tiny(family)
     prompts = random_prompts(8, 300, seed=3)
     max_new = [12] * len(prompts)
     expected = [reference(loaded.model, p, 12) for p in prompts]
-    config = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=128)
+    config = EngineConfig(
+        block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=128, native_attention=native
+    )
     outputs, _ = await run_all(loaded, config, prompts, max_new, jitter_s=0.2)
     assert outputs == expected
 

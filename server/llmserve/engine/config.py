@@ -26,3 +26,4 @@ class EngineConfig:
     max_sessions: int = 4096
     session_pool_fraction: float = 0.8
     cuda_graphs: bool = True
+    native_attention: bool = True  # the compiled CPU decode-attention kernel (engine/native.py), where it builds

@@ -130,6 +130,7 @@ class EngineCore:
             cuda_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
+            native_decode=config.native_attention,
         )
         self.lock = threading.Lock()  # guards scheduler/sessions/pool against the front end's session calls
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()

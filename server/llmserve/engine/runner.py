@@ -6,9 +6,10 @@ new keys/values into the paged cache and attends over each sequence's blocks. Ev
 every sequence is packed into one row (batch size 1, explicit position ids), so a step is one forward
 whatever the mix of prompt chunks and single decode tokens.
 
-Attention reads the blocks by gathering each sequence's slots (index_select on a [kv_heads, slots, dim]
-cache): single-token (decode) queries are batched into one padded batched matmul per layer; multi-token
-chunks attend one sequence at a time.
+Single-token (decode) queries: on the CPU a compiled kernel (native.py) reads each sequence's blocks in
+place; elsewhere (CUDA, or where the kernel cannot be built) each sequence's slots are gathered
+(index_select on a [kv_heads, slots, dim] cache) into one padded batched matmul per group. Multi-token
+chunks gather their context and attend one sequence at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from llmserve.engine import native
 from llmserve.engine.request import Sequence
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,18 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class NativeDecode:
+    """One-token queries [0, num) of the packed row, for the CPU kernel: block tables and context lengths."""
+
+    kernel: native.PagedDecode
+    num: int
+    tables: torch.Tensor  # [num, max blocks] int32, padded with block 0 (never read past a length)
+    lens: torch.Tensor  # [num] int32
+    max_len: int
+    block_size: int
+
+
+@dataclass(slots=True)
 class PagedBatch:
     """Per-step attention metadata, built once and read by every layer."""
 
@@ -56,6 +70,7 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [tokens] where each new token's K/V goes
     decode: list[DecodeGroup]  # one-token queries come first in the row, grouped by context length
     chunks: list[Chunk]
+    native: NativeDecode | None = None  # replaces `decode` when the CPU kernel runs
 
 
 def paged_attention(
@@ -83,6 +98,10 @@ def paged_attention(
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     group = num_heads // num_kv_heads
+    nat = batch.native
+    if nat is not None:
+        q = query[0, :, : nat.num].transpose(0, 1)  # [num, H, D]
+        nat.kernel(q, k_cache, v_cache, nat.tables, nat.lens, nat.max_len, nat.block_size, scale, out[: nat.num])
     for dg in batch.decode:
         nd, ctx = dg.end - dg.start, dg.ctx
         keys = k_cache.index_select(1, dg.slots).view(num_kv_heads * nd, ctx, head_dim)
@@ -118,6 +137,7 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
 @dataclass(slots=True, frozen=True)
 class KVShape:
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
 
@@ -127,7 +147,7 @@ class KVShape:
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        return cls(text.num_hidden_layers, kv_heads, head_dim)
+        return cls(text.num_hidden_layers, heads, kv_heads, head_dim)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -148,6 +168,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
+        native_decode: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -160,6 +181,10 @@ class ModelRunner:
         s = self.shape
         slots = (num_blocks + 1) * block_size
         self.kv = torch.zeros(s.num_layers, 2, s.num_kv_heads, slots, s.head_dim, dtype=self.dtype, device=self.device)
+        self.kernel = None
+        if native_decode and self.device.type == "cpu" and self.dtype in native.PagedDecode.dtypes:
+            s = self.shape
+            self.kernel = native.load(s.head_dim, s.num_heads // s.num_kv_heads)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             from llmserve.engine.cuda_graphs import DecodeGraphs
@@ -215,11 +240,12 @@ class ModelRunner:
                 return logits[torch.tensor(rows, device=self.device)] if rows != list(range(len(rows))) else logits
         dev = self.device
         batch = PagedBatch(
-            kv=self.kv,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode=self._decode_groups(decode_tables, decode_lens),
-            chunks=chunks,
+            kv=self.kv, slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), decode=[], chunks=chunks
         )
+        if self.kernel is not None and num_decode:
+            batch.native = self._native_decode(decode_tables, decode_lens)
+        else:
+            batch.decode = self._decode_groups(decode_tables, decode_lens)
         keep = torch.tensor([sample_index[s.request_id] for s in sample_seqs], dtype=torch.long, device=dev)
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
@@ -245,6 +271,18 @@ class ModelRunner:
             groups.append(DecodeGroup(start, end, slots, bias, ctx))
             start = end
         return groups
+
+    def _native_decode(self, tables: list[list[int]], lens: list[int]) -> NativeDecode:
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return NativeDecode(
+            kernel=self.kernel,
+            num=len(lens),
+            tables=torch.tensor(padded, dtype=torch.int32),
+            lens=torch.tensor(lens, dtype=torch.int32),
+            max_len=max(lens),
+            block_size=self.block_size,
+        )
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: PagedBatch
