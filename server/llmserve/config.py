@@ -199,6 +199,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "largest share of the KV cache idle sessions may hold",
     )
     g.switch("--no-cuda-graphs", "turn off CUDA graphs for the decode step")
+    g.switch("--no-native-attention", "CPU: decode attention through torch instead of the compiled kernel")
+    g.switch("--no-packed-linear", "CPU float32: plain linear layers instead of packed oneDNN weights")
     return parser
 
 
@@ -238,5 +240,7 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             max_sessions=args.max_sessions,
             session_pool_fraction=args.session_pool_fraction,
             cuda_graphs=not args.no_cuda_graphs,
+            native_attention=not args.no_native_attention,
+            packed_linear=not args.no_packed_linear,
         ),
     )

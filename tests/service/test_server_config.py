@@ -24,7 +24,7 @@ def test_flags() -> None:
             "--kv-cache-tokens", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
             "--block-size", "32", "--session-ttl", "60", "--max-sessions", "10", "--session-pool-fraction", "0.5",
             "--no-prefix-caching", "--max-concurrent-streams", "3", "--grace-period", "2.5",
-            "--log-prompts", "--no-reflection", "--no-cuda-graphs",
+            "--log-prompts", "--no-reflection", "--no-cuda-graphs", "--no-native-attention", "--no-packed-linear",
         ],
         env={},
     )  # fmt: skip
@@ -38,6 +38,7 @@ def test_flags() -> None:
     assert (e.kv_cache_tokens, e.max_num_seqs, e.max_num_batched_tokens, e.block_size) == (4096, 8, 256, 32)
     assert (e.session_ttl_s, e.max_sessions, e.session_pool_fraction) == (60.0, 10, 0.5)
     assert not e.enable_prefix_caching and not e.cuda_graphs
+    assert not e.native_attention and not e.packed_linear
 
 
 def test_address_wins_over_host_and_port() -> None:

@@ -27,3 +27,4 @@ class EngineConfig:
     session_pool_fraction: float = 0.8
     cuda_graphs: bool = True
     native_attention: bool = True  # the compiled CPU decode-attention kernel (engine/native.py), where it builds
+    packed_linear: bool = True  # float32 CPU linears through oneDNN with weights packed once (engine/packed_linear.py)

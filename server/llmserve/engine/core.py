@@ -131,6 +131,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             native_decode=config.native_attention,
+            pack_linears=config.packed_linear,
         )
         self.lock = threading.Lock()  # guards scheduler/sessions/pool against the front end's session calls
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from llmserve.engine import native
+from llmserve.engine import native, packed_linear
 from llmserve.engine.request import Sequence
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,7 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         native_decode: bool = True,
+        pack_linears: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -181,6 +182,9 @@ class ModelRunner:
         s = self.shape
         slots = (num_blocks + 1) * block_size
         self.kv = torch.zeros(s.num_layers, 2, s.num_kv_heads, slots, s.head_dim, dtype=self.dtype, device=self.device)
+        self.num_packed_linears = 0
+        if pack_linears and packed_linear.available(self.device, self.dtype):
+            self.num_packed_linears = packed_linear.pack_linears(model)
         self.kernel = None
         if native_decode and self.device.type == "cpu" and self.dtype in native.PagedDecode.dtypes:
             s = self.shape

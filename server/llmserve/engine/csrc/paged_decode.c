@@ -58,6 +58,13 @@ static inline void CAT(FUNCTION, _scores)(const SCALAR *restrict qs, const SCALA
   }
 }
 
+/* Blocks lie anywhere in the cache, so the hardware prefetcher cannot see the next one coming: ask for it
+ * while the current one is being read. */
+static inline void CAT(FUNCTION, _prefetch)(const SCALAR *rows, int count) {
+  const char *p = (const char *)rows, *end = p + (long)count * HEAD_DIM * sizeof(SCALAR);
+  for (; p < end; p += 64) __builtin_prefetch(p);
+}
+
 int FUNCTION(const SCALAR *q, long q_seq, long q_head, const SCALAR *k, const SCALAR *v, long kv_head,
              const int *tables, long table_stride, const int *lens, int num_seqs, int num_kv_heads, int block_size,
              int max_len, double scale, SCALAR *out, int num_threads) {
@@ -81,24 +88,29 @@ int FUNCTION(const SCALAR *q, long q_seq, long q_head, const SCALAR *k, const SC
 
       for (int start = 0; start < len; start += block_size) {
         const int rows = len - start < block_size ? len - start : block_size;
-        const long base = (long)table[start / block_size] * block_size * HEAD_DIM;
-        CAT(FUNCTION, _scores)(qs, kh + base, rows, scores + start, max_len);
+        const int b = start / block_size;
+        if (start + block_size < len) CAT(FUNCTION, _prefetch)(kh + (long)table[b + 1] * block_size * HEAD_DIM, block_size);
+        CAT(FUNCTION, _scores)(qs, kh + (long)table[b] * block_size * HEAD_DIM, rows, scores + start, max_len);
       }
+      SCALAR inv_sum[GROUP];
       for (int g = 0; g < GROUP; ++g) {
         SCALAR *sg = scores + (long)g * max_len, top = sg[0], sum = 0;
+#pragma omp simd reduction(max : top)
         for (int j = 1; j < len; ++j) top = sg[j] > top ? sg[j] : top;
+#pragma omp simd reduction(+ : sum)
         for (int j = 0; j < len; ++j) {
           sg[j] = EXP(sg[j] - top);
           sum += sg[j];
         }
-        const SCALAR inv = 1 / sum;
-        for (int j = 0; j < len; ++j) sg[j] *= inv;
+        inv_sum[g] = 1 / sum; /* applied to the output, not to every score */
       }
 
       for (int i = 0; i < GROUP * HEAD_DIM; ++i) acc[i] = 0;
       for (int start = 0; start < len; start += block_size) {
         const int rows = len - start < block_size ? len - start : block_size;
-        const SCALAR *restrict values = vh + (long)table[start / block_size] * block_size * HEAD_DIM;
+        const int b = start / block_size;
+        if (start + block_size < len) CAT(FUNCTION, _prefetch)(vh + (long)table[b + 1] * block_size * HEAD_DIM, block_size);
+        const SCALAR *restrict values = vh + (long)table[b] * block_size * HEAD_DIM;
         for (int r = 0; r < rows; ++r)
           for (int g = 0; g < GROUP; ++g) {
             const SCALAR p = scores[(long)g * max_len + start + r];
@@ -107,7 +119,7 @@ int FUNCTION(const SCALAR *q, long q_seq, long q_head, const SCALAR *k, const SC
           }
       }
       SCALAR *o = out + ((long)s * num_heads + h * GROUP) * HEAD_DIM;
-      for (int i = 0; i < GROUP * HEAD_DIM; ++i) o[i] = acc[i];
+      for (int i = 0; i < GROUP * HEAD_DIM; ++i) o[i] = acc[i] * inv_sum[i / HEAD_DIM];
     }
     free(scores);
   }
