@@ -68,9 +68,9 @@ def targets(points: dict[str, dict[int, PointSummary]], main: int, roof: Rooflin
         )
     )
     if roof is not None:
-        r = ratio(get("llmserve", tps), roof.max_decode_tokens_per_s)
+        r = ratio(get("llmserve", tps), roof.max_output_tokens_per_s_with_prefill)
         out.append(
-            Target("llmserve / decode-step roofline", r, ">= 0.5", None if r is None else r >= 0.5, noise("llmserve"))
+            Target("llmserve / workload roofline", r, ">= 0.5", None if r is None else r >= 0.5, noise("llmserve"))
         )
     r = ratio(get("llmserve_grpc", tps), get("llmserve", tps))
     out.append(

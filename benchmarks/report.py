@@ -136,14 +136,15 @@ def roofline_section(result: BenchResult) -> list[str]:
         f"{r.flops_per_step / 1e9:,.2f} GFLOP ({r.matmul_params / 1e6:,.1f} M matmul weights × 2 × {r.batch}, "
         f"plus attention) and {r.bytes_per_step / 2**20:,.0f} MiB read (weights once, plus the KV of {r.batch} "
         "sequences).",
-        f"- Floor: {r.step_floor_s * 1000:.1f} ms per step ({r.bound}-bound), so at most "
-        f"**{r.max_decode_tokens_per_s:,.0f} decode tokens/s**.",
+        f"- Decode-step floor: {r.step_floor_s * 1000:.1f} ms per step ({r.bound}-bound), so at most "
+        f"{r.max_decode_tokens_per_s:,.0f} decode tokens/s if steps held nothing but decodes "
+        f"(llmserve: {_pct(ratio(tps, r.max_decode_tokens_per_s))} of it).",
+        f"- But every request also brings its prompt, {r.prefill_flops_per_request / 1e9:,.1f} GFLOP on average "
+        f"(LM head once), and at {r.batch} concurrent the steps carry those chunks too. Counting prefill at peak "
+        f"FLOP/s plus one decode-step share per generated token, the **workload floor is "
+        f"{r.max_output_tokens_per_s_with_prefill:,.1f} output tokens/s**.",
         f"- llmserve at {r.batch} concurrent: {_n(tps, 1)} output tokens/s = "
-        f"**{_pct(ratio(tps, r.max_decode_tokens_per_s))} of that floor**.",
-        f"- Prefill is outside that floor but not outside the workload: each request's prompt costs "
-        f"{r.prefill_flops_per_request / 1e9:,.1f} GFLOP on average. Counting it at peak FLOP/s too, the "
-        f"ceiling is {r.max_output_tokens_per_s_with_prefill:,.1f} output tokens/s, of which llmserve reaches "
-        f"{_pct(ratio(tps, r.max_output_tokens_per_s_with_prefill))}.",
+        f"**{_pct(ratio(tps, r.max_output_tokens_per_s_with_prefill))} of the workload floor**.",
         "",
     ]
 

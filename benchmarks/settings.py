@@ -90,8 +90,8 @@ FULL_PLAN = Plan(
     sweep=(
         Schedule(concurrency=1, warmup_s=4.0, window_s=16.0),
         Schedule(concurrency=4, warmup_s=8.0, window_s=20.0),
-        Schedule(concurrency=16, warmup_s=20.0, window_s=22.0),
-        Schedule(concurrency=64, warmup_s=45.0, window_s=25.0),
+        Schedule(concurrency=16, warmup_s=18.0, window_s=20.0),
+        Schedule(concurrency=64, warmup_s=40.0, window_s=20.0),
     ),
 )
 # An H200 does in seconds what takes minutes here; both GPU shapes must fit one ~10-minute script.
