@@ -1,8 +1,13 @@
 """The benchmark ladder for llmserve: see benchmarks/run.py."""
 
-import os
+import sys
+from pathlib import Path
 
-# Every system must run under the same OpenMP wait policy, and the llmserve server defaults to PASSIVE (see
-# llmserve/__init__.py): set it here, before any benchmark process loads torch, for all of them alike.
-# An explicit setting in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every system must run under the same OpenMP wait settings: importing llmserve applies the server's default
+# (see llmserve/__init__.py) before any benchmark process loads torch, for all of them alike. From a bare
+# checkout llmserve is not installed, so its folder goes on the path first (benchmarks/paths.py adds the rest).
+_SERVER = str(Path(__file__).resolve().parents[1] / "server")
+if _SERVER not in sys.path:
+    sys.path.insert(0, _SERVER)
+
+import llmserve  # noqa: E402, F401

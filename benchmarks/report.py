@@ -207,8 +207,9 @@ def to_markdown(result: BenchResult, plots: list[Path]) -> str:
         f"`{result.command}` — {m.get('date')} — whole run {result.wall_s / 60:.1f} min",
         "",
         f"Model {m.get('model')} ({s.dtype if s.dtype != 'auto' else m.get('dtype')}) on {m.get('device_name')}; "
-        f"torch {m.get('torch')}, transformers {m.get('transformers')}, OMP_WAIT_POLICY "
-        f"{m.get('omp_wait_policy')} for every system; load average before/after: "
+        f"torch {m.get('torch')}, transformers {m.get('transformers')}; OpenMP for every system alike: "
+        f"OMP_WAIT_POLICY {m.get('omp_wait_policy') or 'unset'}, GOMP_SPINCOUNT {m.get('gomp_spincount') or 'unset'}; "
+        "load average before/after: "
         f"{m.get('loadavg_before')} / {m.get('loadavg_after')}.",
         "",
     ]

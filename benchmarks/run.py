@@ -154,6 +154,7 @@ def machine_info(loaded: LoadedModel, isolation: str) -> dict:
         "torch_threads": torch.get_num_threads(),
         "isolation": isolation,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "loadavg_before": [round(x, 2) for x in os.getloadavg()],
     }
 

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# Tried in order: with glibc's vector exp (x86-64 glibc >= 2.22), then without.
+VARIANTS = (("-DVECTOR_EXP", "-lmvec"), ())
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64"}
 
 _lock = threading.Lock()
@@ -100,16 +102,18 @@ def _build(head_dim: int, group: int) -> PagedDecode | None:
         log.warning("no C compiler found: CPU decode attention uses the slower torch path")
         return None
     folder = tempfile.mkdtemp(prefix="llmserve-native-")
-    target = os.path.join(folder, "paged_decode.so")
-    command = [compiler, *FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", "-o", target, str(SOURCE), "-lm"]
     try:
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
-        library = ctypes.CDLL(target)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
+        detail: object = None
+        for variant in VARIANTS:
+            target = os.path.join(folder, f"paged_decode{len(variant)}.so")
+            command = [compiler, *FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", "-o", target, str(SOURCE)]
+            try:
+                subprocess.run([*command, *variant, "-lm"], check=True, capture_output=True, text=True, timeout=120)
+                return PagedDecode(ctypes.CDLL(target), head_dim, group)
+            except (OSError, subprocess.SubprocessError) as exc:
+                detail = getattr(exc, "stderr", "") or exc
         log.warning("building %s failed (%s): CPU decode attention uses the slower torch path", SOURCE.name, detail)
         return None
     finally:
-        # The loaded library stays mapped after its file is gone.
+        # A loaded library stays mapped after its file is gone.
         shutil.rmtree(folder, ignore_errors=True)
-    return PagedDecode(library, head_dim, group)

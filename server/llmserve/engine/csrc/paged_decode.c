@@ -22,6 +22,13 @@
 #include <math.h>
 #include <stdlib.h>
 
+#ifdef VECTOR_EXP
+/* glibc's libmvec has vector exp/expf; declaring them SIMD-callable lets the softmax loop use them without
+ * -ffast-math (which would also switch the whole process to flush-to-zero). Link with -lmvec. */
+float expf(float) __attribute__((__simd__("notinbranch")));
+double exp(double) __attribute__((__simd__("notinbranch")));
+#endif
+
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
