@@ -86,12 +86,12 @@ class BenchSettings:
 
 # About 15 minutes on the 2-core CPU machine with the gRPC system at the main point only (see run.py).
 FULL_PLAN = Plan(
-    main=Schedule(concurrency=32, warmup_s=40.0, window_s=30.0, windows=2),
+    main=Schedule(concurrency=32, warmup_s=36.0, window_s=30.0, windows=2),
     sweep=(
-        Schedule(concurrency=1, warmup_s=4.0, window_s=16.0),
+        Schedule(concurrency=1, warmup_s=4.0, window_s=14.0),
         Schedule(concurrency=4, warmup_s=8.0, window_s=20.0),
         Schedule(concurrency=16, warmup_s=18.0, window_s=20.0),
-        Schedule(concurrency=64, warmup_s=40.0, window_s=20.0),
+        Schedule(concurrency=64, warmup_s=36.0, window_s=20.0),
     ),
 )
 # An H200 does in seconds what takes minutes here; both GPU shapes must fit one ~10-minute script.
