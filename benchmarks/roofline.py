@@ -93,9 +93,8 @@ def _matmul_time(n: int, device: torch.device, dtype: torch.dtype, reps: int) ->
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = _best_time(lambda: torch.mm(a, b), device, reps)
     if packed_linear.available(device, dtype):  # what llmserve's CPU linears run on: the peak is the faster
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
-        onednn = _best_time(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), device, reps)
-        best = min(best, onednn)
+        packed = packed_linear.pack_weight(b, n)
+        best = min(best, _best_time(lambda: packed_linear.linear(a, packed), device, reps))
     return best
 
 

@@ -11,28 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds `benchmarks`
 
 from benchmarks import run  # noqa: E402
 from llmserve.models import from_config  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = tiny_config("llama", max_positions=512)
     folder = tmp_path_factory.mktemp("tiny-llama")
     from_config(config, None, seed=0).model.save_pretrained(folder)
     return folder

@@ -12,13 +12,10 @@ works, through the same packed layers).
 
 from __future__ import annotations
 
-import logging
 import types
 
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 _PACKED = "_llmserve_packed_weight"
 
@@ -35,8 +32,18 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout, tuned for `batch_hint` rows (any row count works)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias with a weight from `pack_weight`; x contiguous."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), getattr(self, _PACKED), self.bias, "none", [], "")
+    return linear(x.contiguous(), getattr(self, _PACKED), self.bias)
 
 
 @torch.inference_mode()
@@ -50,8 +57,7 @@ def pack_linears(model: nn.Module, batch_hint: int = 64) -> int:
     for module in model.modules():
         if type(module) is not nn.Linear or hasattr(module, _PACKED) or module.weight.dtype != torch.float32:
             continue
-        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_hint)
-        setattr(module, _PACKED, packed)
+        setattr(module, _PACKED, pack_weight(module.weight.detach(), batch_hint))
         module.forward = types.MethodType(_packed_forward, module)
         count += 1
     return count

@@ -187,7 +187,6 @@ class ModelRunner:
             self.num_packed_linears = packed_linear.pack_linears(model)
         self.kernel = None
         if native_decode and self.device.type == "cpu" and self.dtype in native.PagedDecode.dtypes:
-            s = self.shape
             self.kernel = native.load(s.head_dim, s.num_heads // s.num_kv_heads)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
