@@ -201,6 +201,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     g.switch("--no-cuda-graphs", "turn off CUDA graphs for the decode step")
     g.switch("--no-native-attention", "CPU: decode attention through torch instead of the compiled kernel")
     g.switch("--no-packed-linear", "CPU float32: plain linear layers instead of packed oneDNN weights")
+    g.switch("--no-fused-layers", "CPU: transformers' own layer forward instead of the fused one (Llama family)")
     return parser
 
 
@@ -242,5 +243,6 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             cuda_graphs=not args.no_cuda_graphs,
             native_attention=not args.no_native_attention,
             packed_linear=not args.no_packed_linear,
+            fused_layers=not args.no_fused_layers,
         ),
     )

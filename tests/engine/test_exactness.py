@@ -74,26 +74,33 @@ def random_prompts(n: int, max_len: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("concurrency", "kv_tokens", "native"),
+    ("concurrency", "kv_tokens", "native", "fused"),
     [
-        (1, 4096, True),
-        (8, 4096, True),
-        (64, 1600, True),  # 1600 slots cannot hold 64 long prompts: preemption happens
-        (8, 4096, False),  # the torch decode path (CUDA, or where the CPU kernel cannot be built)
-        (64, 1600, False),
+        (1, 4096, True, True),
+        (8, 4096, True, True),
+        (64, 1600, True, True),  # 1600 slots cannot hold 64 long prompts: preemption happens
+        (8, 4096, False, True),  # the torch decode path (CUDA, or where the CPU kernel cannot be built)
+        (8, 4096, True, False),  # transformers' own layers (other families, CUDA)
+        (64, 1600, False, False),
     ],
 )
-async def test_greedy_equals_generate(concurrency: int, kv_tokens: int, native: bool) -> None:
+async def test_greedy_equals_generate(concurrency: int, kv_tokens: int, native: bool, fused: bool) -> None:
     loaded = tiny()
     prompts = random_prompts(concurrency, 1000, seed=concurrency)
     rng = random.Random(concurrency)
     max_new = [rng.randint(1, 24) for _ in prompts]
     expected = [reference(loaded.model, p, m) for p, m in zip(prompts, max_new, strict=True)]
     config = EngineConfig(
-        block_size=16, kv_cache_tokens=kv_tokens, max_num_seqs=32, max_num_batched_tokens=256, native_attention=native
+        block_size=16,
+        kv_cache_tokens=kv_tokens,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        native_attention=native,
+        fused_layers=fused,
     )
     outputs, engine = await run_all(loaded, config, prompts, max_new, jitter_s=0.5)
     assert (engine.core.runner.kernel is not None) == native
+    assert (engine.core.runner.fused is not None) == fused
     mismatched = [i for i in range(len(prompts)) if outputs[i] != expected[i]]
     assert not mismatched, f"{len(mismatched)} of {len(prompts)} differ, first: prompt of {len(prompts[mismatched[0]])}"
     if concurrency == 64:
@@ -130,7 +137,7 @@ async def collect(engine: AsyncEngine, request: GenerationRequest) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", [True, False])  # with and without the fused layers (gpt2 never has them)
 @pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen2", "qwen3"])
 async def test_other_families_equal_generate(family: str, native: bool) -> None:
     loaded = tiny(family)
@@ -138,9 +145,15 @@ async def test_other_families_equal_generate(family: str, native: bool) -> None:
     max_new = [12] * len(prompts)
     expected = [reference(loaded.model, p, 12) for p in prompts]
     config = EngineConfig(
-        block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=128, native_attention=native
+        block_size=16,
+        kv_cache_tokens=4096,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        native_attention=native,
+        fused_layers=native,
     )
-    outputs, _ = await run_all(loaded, config, prompts, max_new, jitter_s=0.2)
+    outputs, engine = await run_all(loaded, config, prompts, max_new, jitter_s=0.2)
+    assert (engine.core.runner.fused is not None) == (native and family != "gpt2")
     assert outputs == expected
 
 

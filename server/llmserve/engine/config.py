@@ -28,3 +28,4 @@ class EngineConfig:
     cuda_graphs: bool = True
     native_attention: bool = True  # the compiled CPU decode-attention kernel (engine/native.py), where it builds
     packed_linear: bool = True  # float32 CPU linears through oneDNN with weights packed once (engine/packed_linear.py)
+    fused_layers: bool = True  # CPU Llama-family models through the fused forward (engine/fused_layers.py)

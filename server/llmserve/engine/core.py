@@ -132,6 +132,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             native_decode=config.native_attention,
             pack_linears=config.packed_linear,
+            fused_layers=config.fused_layers,
         )
         self.lock = threading.Lock()  # guards scheduler/sessions/pool against the front end's session calls
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()

@@ -1,10 +1,14 @@
-"""The CPU decode-attention kernel (csrc/paged_decode.c), compiled once per process with the system's C compiler.
+"""Compiled CPU kernels (csrc/), built once per process with the system's C compiler.
 
-Compiling takes about half a second and needs no torch headers. It is built once per process and per
-(head_dim, query heads per kv head), which the source takes as constants so that its inner loops vectorize
-fully; the library goes to a private temporary folder, so no stale build outlives a change of source,
-compiler or CPU. Where there is no compiler, or the build fails, `load()` returns None (logged) and the
-runner uses its torch path, which computes the same attention by gathering the context first.
+- `PagedDecode` (csrc/paged_decode.c): decode attention over the paged cache. Built per (head_dim, query
+  heads per kv head), which the source takes as constants so that its inner loops vectorize fully.
+- `FusedOps` (csrc/fused_ops.c): the elementwise parts of a Llama-family layer (RMSNorm, residual add plus
+  RMSNorm, rotary embedding, SiLU-and-multiply), used by fused_layers.py.
+
+Compiling takes about half a second and needs no torch headers. Libraries go to a private temporary
+folder, so no stale build outlives a change of source, compiler or CPU. Where there is no compiler, or the
+build fails, the loaders return None (logged) and the callers use their torch paths, which compute the
+same things.
 """
 
 from __future__ import annotations
@@ -22,14 +26,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "paged_decode.c"
+FUSED_SOURCE = CSRC / "fused_ops.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Tried in order: with glibc's vector exp (x86-64 glibc >= 2.22), then without.
 VARIANTS = (("-DVECTOR_EXP", "-lmvec"), ())
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64"}
 
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int], PagedDecode | None] = {}
+_loaded: dict[object, PagedDecode | FusedOps | None] = {}
 
 
 class PagedDecode:
@@ -86,33 +92,121 @@ class PagedDecode:
             raise MemoryError("paged_decode could not allocate its score buffer")
 
 
+_P, _L, _I, _D = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double
+_FUSED_SIGNATURES = {
+    "rms_norm": [_P, _L, _P, _P, _L, _L, _I, _D, _I],  # x, x row stride, w, out, out row stride, rows, dim, eps
+    "add_rms_norm": [_P, _P, _L, _P, _P, _L, _I, _D, _I],  # residual, x, x row stride, w, out, rows, dim, eps
+    "rotary": [_P, _L, _L, _I, _L, _P, _P, _L, _I, _I],  # x, tok/head strides, heads, tokens, cos, sin, cs stride, dim
+    "silu_mul": [_P, _P, _L, _I, _I],  # gate_up, out, rows, inter
+}  # each ends with the thread count
+
+
+class FusedOps:
+    """ctypes binding of csrc/fused_ops.c. Tensors are CPU float32 or float64, rows dim-contiguous; each
+    method checks what the C side relies on."""
+
+    dtypes = frozenset(_FUNCTIONS)
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fns = {}
+        for name, argtypes in _FUSED_SIGNATURES.items():
+            for dtype, suffix in ((torch.float32, "_f32"), (torch.float64, "_f64")):
+                fn = getattr(library, name + suffix)
+                fn.restype, fn.argtypes = None, argtypes
+                self._fns[name, dtype] = fn
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """w * x / sqrt(mean(x^2) + eps) over the last dim of x [rows, dim]; a new contiguous tensor."""
+        rows, dim = x.shape
+        _check_rows(x, weight)
+        out = torch.empty(rows, dim, dtype=x.dtype)
+        self._fns["rms_norm", x.dtype](
+            x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), dim, rows, dim, eps, torch.get_num_threads()
+        )
+        return out
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x in place (residual contiguous [rows, dim]), then rms_norm(residual) as a new tensor."""
+        rows, dim = residual.shape
+        _check_rows(x, weight)
+        if not residual.is_contiguous() or x.shape != residual.shape or residual.dtype != x.dtype:
+            raise ValueError("add_rms_norm needs a contiguous residual of the shape and dtype of x")
+        out = torch.empty(rows, dim, dtype=x.dtype)
+        self._fns["add_rms_norm", x.dtype](
+            residual.data_ptr(), x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, dim, eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [tokens, heads, dim] in place by cos/sin [tokens, dim] (contiguous), rotate-half form."""
+        tokens, heads, dim = x.shape
+        if x.stride(2) != 1 or dim % 2 or cos.shape != (tokens, dim) or sin.shape != cos.shape:
+            raise ValueError(f"rotary: x {tuple(x.shape)} needs cos/sin [{tokens}, {dim}] and an even, contiguous dim")
+        if not (cos.is_contiguous() and sin.is_contiguous()) or not x.dtype == cos.dtype == sin.dtype:
+            raise ValueError("rotary needs contiguous cos/sin of x's dtype")
+        self._fns["rotary", x.dtype](
+            x.data_ptr(), x.stride(0), x.stride(1), heads, tokens, cos.data_ptr(), sin.data_ptr(), dim, dim,
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate_up[:, :I]) * gate_up[:, I:] for a contiguous gate_up [rows, 2I]; a new tensor."""
+        rows, width = gate_up.shape
+        if not gate_up.is_contiguous() or width % 2 or gate_up.dtype not in self.dtypes:
+            raise ValueError("silu_mul needs a contiguous [rows, 2 * inter] tensor of float32 or float64")
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._fns["silu_mul", gate_up.dtype](
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+        )
+        return out
+
+
+def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu" or x.dtype not in FusedOps.dtypes:
+        raise ValueError("fused ops need CPU float32/float64 rows [rows, dim] with a contiguous dim")
+    if weight.shape != (x.shape[1],) or not weight.is_contiguous() or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be contiguous [{x.shape[1]}] of the rows' dtype")
+
+
 def load(head_dim: int, group: int) -> PagedDecode | None:
     """The kernel for this head size and GQA group, built on first use in this process; None where it
     cannot be built."""
     key = (head_dim, group)
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _build(head_dim, group)
+            library = compile_library(SOURCE, (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"))
+            _loaded[key] = None if library is None else PagedDecode(library, head_dim, group)
         return _loaded[key]
 
 
-def _build(head_dim: int, group: int) -> PagedDecode | None:
+def load_fused() -> FusedOps | None:
+    """The fused layer operations, built on first use in this process; None where they cannot be built."""
+    with _lock:
+        if "fused" not in _loaded:
+            library = compile_library(FUSED_SOURCE, ("-ffp-contract=off",))
+            _loaded["fused"] = None if library is None else FusedOps(library)
+        return _loaded["fused"]
+
+
+def compile_library(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL | None:
+    """`source` built as a shared library and loaded; None (with a warning) where that fails."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: CPU decode attention uses the slower torch path")
+        log.warning("no C compiler found: %s is replaced by a slower torch path", source.name)
         return None
     folder = tempfile.mkdtemp(prefix="llmserve-native-")
     try:
         detail: object = None
         for variant in VARIANTS:
-            target = os.path.join(folder, f"paged_decode{len(variant)}.so")
-            command = [compiler, *FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", "-o", target, str(SOURCE)]
+            target = os.path.join(folder, f"{source.stem}{len(variant)}.so")
+            command = [compiler, *FLAGS, *defines, "-o", target, str(source), *variant, "-lm"]
             try:
-                subprocess.run([*command, *variant, "-lm"], check=True, capture_output=True, text=True, timeout=120)
-                return PagedDecode(ctypes.CDLL(target), head_dim, group)
+                subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+                return ctypes.CDLL(target)
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = getattr(exc, "stderr", "") or exc
-        log.warning("building %s failed (%s): CPU decode attention uses the slower torch path", SOURCE.name, detail)
+        log.warning("building %s failed (%s): a slower torch path replaces it", source.name, detail)
         return None
     finally:
         # A loaded library stays mapped after its file is gone.

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from llmserve.engine import native, packed_linear
+from llmserve.engine.fused_layers import FusedForward
 from llmserve.engine.request import Sequence
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ class ModelRunner:
         max_model_len: int = 2048,
         native_decode: bool = True,
         pack_linears: bool = True,
+        fused_layers: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -183,7 +185,13 @@ class ModelRunner:
         slots = (num_blocks + 1) * block_size
         self.kv = torch.zeros(s.num_layers, 2, s.num_kv_heads, slots, s.head_dim, dtype=self.dtype, device=self.device)
         self.num_packed_linears = 0
-        if pack_linears and packed_linear.available(self.device, self.dtype):
+        pack = pack_linears and packed_linear.available(self.device, self.dtype)
+        self.fused = None
+        if fused_layers and self.device.type == "cpu":
+            self.fused = FusedForward.build(model, native.load_fused(), pack, paged_attention)
+        if self.fused is not None:
+            self.num_packed_linears = self.fused.num_packed
+        elif pack:
             self.num_packed_linears = packed_linear.pack_linears(model)
         self.kernel = None
         if native_decode and self.device.type == "cpu" and self.dtype in native.PagedDecode.dtypes:
@@ -291,6 +299,8 @@ class ModelRunner:
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: PagedBatch
     ) -> torch.Tensor:
         """The model on a packed row; logits of the `keep` positions (all when None) as float32."""
+        if self.fused is not None:
+            return self.fused(input_ids, position_ids, keep, batch)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,

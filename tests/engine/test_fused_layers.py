@@ -1,0 +1,118 @@
+"""The fused CPU forward (fused_layers.py, csrc/fused_ops.c) computes what transformers' layers compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from llmserve.engine import native
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.engine.fused_layers import FusedForward
+from llmserve.engine.runner import Chunk, ModelRunner, PagedBatch, paged_attention
+from llmserve.models import from_config
+from tests.tiny import TINY_VOCAB, tiny_config
+
+OPS = native.load_fused()
+pytestmark = pytest.mark.skipif(OPS is None, reason="no C compiler: the fused operations cannot be built")
+DTYPES = [torch.float32, torch.float64]
+TOLERANCE = {torch.float32: 2e-5, torch.float64: 1e-12}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> bool:
+    return (a - b).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_equal_transformers_rms_norm(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g, dtype=dtype)
+    x = torch.randn(37, 160, generator=g, dtype=dtype)[:, 10:106]  # rows with a stride, as q/k/v views have
+    residual, delta = torch.randn(37, 96, generator=g, dtype=dtype), torch.randn(37, 96, generator=g, dtype=dtype)
+    expected_sum = residual + delta
+    with torch.inference_mode():
+        # transformers' RMSNorm rounds through float32 even for float64 inputs; ours keeps the input's precision.
+        scale = 1.0 if dtype == torch.float32 else 1e6
+        assert close(OPS.rms_norm(x, norm.weight, 1e-5), norm(x), dtype, 10 * scale)
+        out = OPS.add_rms_norm(residual, delta, norm.weight, 1e-5)
+        assert torch.equal(residual, expected_sum)  # the residual stream is updated in place
+        assert close(out, norm(expected_sum), dtype, 10 * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_and_silu_mul_equal_transformers(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    tokens, heads, dim = 23, 5, 32
+    qkv = torch.randn(tokens, heads * dim + 40, generator=g, dtype=dtype)
+    rest = qkv[:, heads * dim :].clone()
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    cos, sin = torch.randn(tokens, dim, generator=g, dtype=dtype), torch.randn(tokens, dim, generator=g, dtype=dtype)
+    expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
+    OPS.rotary(q, cos, sin)
+    assert torch.equal(q, expected[0].transpose(0, 1))
+    assert torch.equal(qkv[:, heads * dim :], rest)  # the rest of the row is left alone
+    gate_up = torch.randn(tokens, 2 * 48, generator=g, dtype=dtype) * 4
+    assert close(OPS.silu_mul(gate_up), F.silu(gate_up[:, :48]) * gate_up[:, 48:], dtype, 10)
+
+
+def test_fused_ops_reject_layouts_they_cannot_read() -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="weight"):
+        OPS.rms_norm(x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        OPS.rms_norm(x.t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="cos/sin"):
+        OPS.rotary(x.view(4, 2, 4), torch.ones(4, 6), torch.ones(4, 6))
+    with pytest.raises(ValueError, match="silu_mul"):
+        OPS.silu_mul(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="residual"):
+        OPS.add_rms_norm(torch.randn(3, 8), x, torch.ones(8), 1e-6)
+
+
+def prefill_logits(runner: ModelRunner, ids: torch.Tensor, fused: bool) -> torch.Tensor:
+    """One sequence's whole prompt as one chunk, through the fused forward or the model's own."""
+    tokens = ids.shape[1]
+    batch = PagedBatch(
+        kv=runner.kv, slot_mapping=torch.arange(tokens), decode=[], chunks=[Chunk(0, tokens, None, None)]
+    )
+    positions = torch.arange(tokens)[None]
+    with torch.inference_mode():
+        if fused:
+            return runner.fused(ids, positions, None, batch)
+        return runner.model(input_ids=ids, position_ids=positions, use_cache=False, llmserve_batch=batch).logits[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fused_forward_gives_the_models_logits(family: str, dtype: torch.dtype) -> None:
+    """Every supported family, float32 (packed oneDNN linears) and float64: the same logits for a prompt."""
+    loaded = from_config(tiny_config(family), dtype=dtype)
+    runner = ModelRunner(loaded.model, num_blocks=16, block_size=16)
+    assert runner.fused is not None
+    ids = torch.randint(TINY_VOCAB, (1, 101), generator=torch.Generator().manual_seed(2))
+    fused, plain = prefill_logits(runner, ids, True), prefill_logits(runner, ids, False)
+    assert fused.shape == plain.shape == (101, TINY_VOCAB)
+    # float64 differs only where transformers' RMSNorm rounds through float32.
+    assert close(fused, plain.float(), dtype, 1.0 if dtype == torch.float32 else 1e6)
+
+
+def test_fused_forward_applies_only_where_it_can() -> None:
+    gpt2 = from_config(tiny_config("gpt2"), dtype=torch.float32)
+    assert FusedForward.build(gpt2.model, OPS, pack=False, attention=paged_attention) is None
+    gelu = tiny_config("llama")
+    gelu.hidden_act = "gelu"
+    model = from_config(gelu, dtype=torch.float32).model
+    assert FusedForward.build(model, OPS, pack=False, attention=paged_attention) is None
+    llama = from_config(tiny_config("llama"), dtype=torch.float32).model
+    assert FusedForward.build(llama, None, pack=False, attention=paged_attention) is None  # no compiled ops
+    assert FusedForward.build(llama.to(torch.bfloat16), OPS, pack=False, attention=paged_attention) is None
+
+
+def test_engine_switch() -> None:
+    on = EngineConfig(kv_cache_tokens=256)
+    off = EngineConfig(kv_cache_tokens=256, fused_layers=False)
+    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), on).runner.fused is not None
+    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), off).runner.fused is None
