@@ -30,6 +30,23 @@ log = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "llmserve_paged"
 
 
+# CPU: a long chunk's queries attend in blocks of this many rows, each to the keys up to its last query.
+# transformers' CPU flash attention does nearly the full square's work under a causal mask; blocks skip
+# most of the upper triangle. Measured (SmolLM2's heads, 464 queries after 16 cached tokens): one call
+# 6.8 ms, blocks of 64 rows 5.1 ms; 128 and 256 rows fall in between.
+QUERY_BLOCK = 64
+
+
+@dataclass(slots=True)
+class QueryBlock:
+    """Rows [start, end) of a chunk's queries, attending to the chunk's first `keys` context slots."""
+
+    start: int
+    end: int
+    keys: int
+    mask: torch.Tensor  # [end - start, keys] True where attending
+
+
 @dataclass(slots=True)
 class Chunk:
     """A multi-token query range [start, end) of the packed row and the cache slots of its whole context."""
@@ -38,6 +55,7 @@ class Chunk:
     end: int
     context_slots: torch.Tensor | None  # None: the chunk is the whole context (nothing cached before it)
     mask: torch.Tensor | None  # [q, ctx] True where attending; None when the plain causal mask applies
+    blocks: list[QueryBlock] | None = None  # CPU, long chunks: attend block by block (see QUERY_BLOCK)
 
 
 @dataclass(slots=True)
@@ -125,10 +143,22 @@ def paged_attention(
         else:
             k = k_cache.index_select(1, chunk.context_slots)[None]
             v = v_cache.index_select(1, chunk.context_slots)[None]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
-        )
-        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+        if chunk.blocks is None:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
+            )
+            out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+            continue
+        for block in chunk.blocks:
+            o = F.scaled_dot_product_attention(
+                q[:, :, block.start : block.end],
+                k[:, :, : block.keys],
+                v[:, :, : block.keys],
+                attn_mask=block.mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[chunk.start + block.start : chunk.start + block.end] = o[0].transpose(0, 1)
     return out[None], None
 
 
@@ -326,13 +356,21 @@ class ModelRunner:
         return slots.reshape(-1), bias.repeat(kvh, 1).view(kvh * len(tables), 1, ctx)
 
     def _chunk(self, q_start: int, q_end: int, ctx_start: int, table: list[int]) -> Chunk:
-        if ctx_start == 0:
-            return Chunk(q_start, q_end, None, None)
         bs = self.block_size
         ctx = ctx_start + (q_end - q_start)
         dev = self.device
-        blocks = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev)
-        context_slots = (blocks[:, None] * bs + torch.arange(bs, device=dev)).view(-1)[:ctx]
-        q_pos = torch.arange(ctx_start, ctx, device=dev)
-        mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
-        return Chunk(q_start, q_end, context_slots, mask)
+        chunk = Chunk(q_start, q_end, None, None)
+        if ctx_start > 0:
+            blocks = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev)
+            chunk.context_slots = (blocks[:, None] * bs + torch.arange(bs, device=dev)).view(-1)[:ctx]
+            q_pos = torch.arange(ctx_start, ctx, device=dev)
+            chunk.mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
+        if dev.type == "cpu" and q_end - q_start > QUERY_BLOCK:
+            positions = torch.arange(ctx)
+            chunk.blocks = []
+            for start in range(0, q_end - q_start, QUERY_BLOCK):
+                end = min(q_end - q_start, start + QUERY_BLOCK)
+                keys = ctx_start + end
+                mask = positions[None, :keys] <= positions[ctx_start + start : keys, None]
+                chunk.blocks.append(QueryBlock(start, end, keys, mask))
+        return chunk

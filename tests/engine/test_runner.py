@@ -1,0 +1,38 @@
+"""The runner's prompt-chunk attention equals plain causal attention over the whole context."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmserve.engine.runner import QUERY_BLOCK, ModelRunner, PagedBatch, paged_attention
+from llmserve.models import from_config
+from tests.tiny import tiny_config
+
+
+@pytest.mark.parametrize(("cached", "length"), [(0, 3 * QUERY_BLOCK + 5), (37, 2 * QUERY_BLOCK), (200, 17)])
+def test_chunk_attention_equals_causal_attention(cached: int, length: int) -> None:
+    """A chunk of `length` new tokens after `cached` ones whose keys/values are already in the cache, at
+    slots scattered over the pool: block-by-block attention (long chunks) equals one causal attention."""
+    heads, kv_heads, dim, block_size = 4, 2, 16, 16
+    runner = ModelRunner(from_config(tiny_config(), dtype=torch.float64).model, num_blocks=64, block_size=block_size)
+    g = torch.Generator().manual_seed(cached + length)
+    total = cached + length
+    table = torch.randperm(64, generator=g)[: -(-total // block_size)].tolist()
+    chunk = runner._chunk(0, length, cached, table)
+    assert (chunk.blocks is not None) == (length > QUERY_BLOCK)
+    keys = torch.randn(kv_heads, total, dim, generator=g, dtype=torch.float64)
+    values = torch.randn(kv_heads, total, dim, generator=g, dtype=torch.float64)
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(total)])
+    runner.kv[0, 0][:, slots[:cached]] = keys[:, :cached]
+    runner.kv[0, 1][:, slots[:cached]] = values[:, :cached]
+    query = torch.randn(1, heads, length, dim, generator=g, dtype=torch.float64)
+    batch = PagedBatch(kv=runner.kv, slot_mapping=slots[cached:], decode=[], chunks=[chunk])
+    layer = types.SimpleNamespace(layer_idx=0)
+    out, _ = paged_attention(layer, query, keys[None, :, cached:], values[None, :, cached:], None, llmserve_batch=batch)
+    causal = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
+    expected = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=causal, enable_gqa=True)
+    assert torch.allclose(out[0], expected[0].transpose(0, 1), atol=1e-12)
