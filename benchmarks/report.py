@@ -12,7 +12,7 @@ from benchmarks.labels import LABELS
 from benchmarks.metrics import PointSummary, ratio, relative_spread
 from benchmarks.roofline import Roofline
 from benchmarks.runner import SystemRun
-from benchmarks.settings import BenchSettings
+from benchmarks.settings import BASELINES, BenchSettings, Plan
 
 
 @dataclass(slots=True)
@@ -149,6 +149,13 @@ def roofline_section(result: BenchResult) -> list[str]:
     ]
 
 
+def baseline_timing(plan: Plan) -> str:
+    b = plan.baseline_main
+    if b is None:
+        return ""
+    return f" ({', '.join(BASELINES)}: {b.warmup_s:.0f} s warm-up, {b.windows} windows of {b.window_s:.0f} s)"
+
+
 def method_section(result: BenchResult) -> list[str]:
     s = result.settings
     w = s.workload
@@ -165,7 +172,8 @@ def method_section(result: BenchResult) -> list[str]:
         "request asks for only (i+1)/C of the tokens (those count for throughput, not latency); single workers "
         f"start all at once with full requests. Main point: {plan.main.concurrency} clients, "
         f"{plan.main.warmup_s:.0f} s warm-up, "
-        f"then {plan.main.windows} windows of {plan.main.window_s:.0f} s. Sweep (warm-up + window): {sweep}; "
+        f"then {plan.main.windows} windows of {plan.main.window_s:.0f} s{baseline_timing(plan)}. "
+        f"Sweep (warm-up + window): {sweep}; "
         f"swept: {', '.join(s.sweep_systems)} (the rest at the main point only).",
         "- Each output token is stamped when it reaches the client side. Per window: output tokens/s counts tokens "
         "stamped in it; req/s counts requests' worth of those tokens (a token is 1/N of a request asking for N; "

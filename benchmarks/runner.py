@@ -46,13 +46,14 @@ def schedules_for(name: str, group_size: int | None, settings: BenchSettings) ->
     for a single worker of batch size g, the points below g plus g itself with the main point's timing
     (the base that higher concurrencies are composed from)."""
     plan = settings.plan
+    main = plan.main_for(name)
     if group_size is None:
-        return [plan.main, *plan.sweep] if name in settings.sweep_systems else [plan.main]
-    below = sorted((s for s in (plan.main, *plan.sweep) if s.concurrency < group_size), key=lambda s: s.concurrency)
+        return [main, *plan.sweep] if name in settings.sweep_systems else [main]
+    below = sorted((s for s in (main, *plan.sweep) if s.concurrency < group_size), key=lambda s: s.concurrency)
     # A single worker is in its steady state from the first group on: spend the main point's time on windows.
-    warmup = min(plan.main.warmup_s, BASE_WARMUP_S)
-    window = (plan.main.total_s - warmup) / plan.main.windows
-    return [*below, Schedule(group_size, warmup, window, plan.main.windows)]
+    warmup = min(main.warmup_s, BASE_WARMUP_S)
+    window = (main.total_s - warmup) / main.windows
+    return [*below, Schedule(group_size, warmup, window, main.windows)]
 
 
 def build_system(name: str, loaded: LoadedModel, settings: BenchSettings, log_dir: Path) -> System:

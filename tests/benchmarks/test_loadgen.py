@@ -1,4 +1,4 @@
-"""benchmarks/loadgen.py and benchmarks/metrics.py on hand-made records: windows, composition, percentiles."""
+"""benchmarks/loadgen.py, metrics.py and the plan's timing on hand-made records: windows, composition, percentiles."""
 
 from __future__ import annotations
 
@@ -61,3 +61,19 @@ def test_compose_fifo_adds_the_wait_for_the_groups_ahead() -> None:
     assert compose_fifo(m, concurrency=1, group_size=1).records[0].composed_wait == 0.0
     with pytest.raises(ValueError):
         compose_fifo(m, concurrency=3, group_size=2)
+
+
+def test_baselines_get_their_own_main_timing_and_it_survives_json() -> None:
+    from benchmarks.runner import BASE_WARMUP_S, schedules_for
+    from benchmarks.settings import FULL_PLAN, BenchSettings
+
+    settings = BenchSettings(plan=FULL_PLAN)
+    base = FULL_PLAN.baseline_main
+    assert base is not None and base.total_s < FULL_PLAN.main.total_s
+    assert schedules_for("llmserve", None, settings)[0] == FULL_PLAN.main
+    assert schedules_for("hf_continuous", None, settings)[0] == base
+    # A single worker spends the baselines' main time on windows after a short warm-up, at its batch size.
+    single = schedules_for("dynamic", 8, settings)[-1]
+    assert (single.concurrency, single.warmup_s) == (8, BASE_WARMUP_S)
+    assert single.total_s == base.total_s
+    assert BenchSettings.from_json(settings.to_json()) == settings
