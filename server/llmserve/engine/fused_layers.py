@@ -107,7 +107,7 @@ class FusedForward:
         self.final_norm = _norm(base.norm)
         self.lm_head = FusedLinear.of([model.get_output_embeddings()], pack)
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.layers = [self._layer(layer, pack) for layer in base.layers[: config.num_hidden_layers]]
         self.num_packed = (4 * len(self.layers) + 1) if pack else 0
@@ -123,7 +123,10 @@ class FusedForward:
         config = model.config
         if ops is None or param.device.type != "cpu" or param.dtype not in ops.dtypes:
             return None
-        if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or config.hidden_act != "silu":
+        if (
+            getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES
+            or getattr(config, "hidden_act", None) != "silu"
+        ):
             return None
         base = getattr(model, "model", None)
         if not all(hasattr(base, n) for n in ("embed_tokens", "rotary_emb", "norm", "layers")):
