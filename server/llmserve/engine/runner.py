@@ -44,7 +44,7 @@ class QueryBlock:
     start: int
     end: int
     keys: int
-    mask: torch.Tensor  # [end - start, keys] True where attending
+    mask: torch.Tensor  # [end - start, keys] additive: 0 where attending, -inf elsewhere
 
 
 @dataclass(slots=True)
@@ -371,6 +371,8 @@ class ModelRunner:
             for start in range(0, q_end - q_start, QUERY_BLOCK):
                 end = min(q_end - q_start, start + QUERY_BLOCK)
                 keys = ctx_start + end
-                mask = positions[None, :keys] <= positions[ctx_start + start : keys, None]
+                hidden = positions[None, :keys] > positions[ctx_start + start : keys, None]
+                # Additive, in the model's dtype: a boolean mask is converted on every call, in every layer.
+                mask = torch.zeros(end - start, keys, dtype=self.dtype).masked_fill_(hidden, float("-inf"))
                 chunk.blocks.append(QueryBlock(start, end, keys, mask))
         return chunk
