@@ -13,16 +13,7 @@
  */
 #ifndef SCALAR
 
-#include <math.h>
-
-#ifdef VECTOR_EXP
-/* glibc's libmvec: see paged_decode.c. */
-float expf(float) __attribute__((__simd__("notinbranch")));
-double exp(double) __attribute__((__simd__("notinbranch")));
-#endif
-
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
+#include "common.h"
 
 /* Below this many elements an operation runs on the calling thread: waking the others costs more. */
 #define PARALLEL_MIN 65536

@@ -19,18 +19,9 @@
  */
 #ifndef SCALAR
 
-#include <math.h>
 #include <stdlib.h>
 
-#ifdef VECTOR_EXP
-/* glibc's libmvec has vector exp/expf; declaring them SIMD-callable lets the softmax loop use them without
- * -ffast-math (which would also switch the whole process to flush-to-zero). Link with -lmvec. */
-float expf(float) __attribute__((__simd__("notinbranch")));
-double exp(double) __attribute__((__simd__("notinbranch")));
-#endif
-
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
+#include "common.h"
 
 #if !defined(HEAD_DIM) || !defined(GROUP)
 #error "build with -DHEAD_DIM=<head dim> -DGROUP=<query heads per kv head>"
