@@ -54,7 +54,7 @@ class Chunk:
     start: int
     end: int
     context_slots: torch.Tensor | None  # None: the chunk is the whole context (nothing cached before it)
-    mask: torch.Tensor | None  # [q, ctx] True where attending; None when the plain causal mask applies
+    mask: torch.Tensor | None  # [q, ctx] True where attending; None for the plain causal mask, or with blocks
     blocks: list[QueryBlock] | None = None  # CPU, long chunks: attend block by block (see QUERY_BLOCK)
 
 
@@ -363,16 +363,22 @@ class ModelRunner:
         if ctx_start > 0:
             blocks = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev)
             chunk.context_slots = (blocks[:, None] * bs + torch.arange(bs, device=dev)).view(-1)[:ctx]
+        if dev.type == "cpu" and q_end - q_start > QUERY_BLOCK:
+            chunk.blocks = self._query_blocks(ctx_start, ctx)
+        elif ctx_start > 0:
             q_pos = torch.arange(ctx_start, ctx, device=dev)
             chunk.mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
-        if dev.type == "cpu" and q_end - q_start > QUERY_BLOCK:
-            positions = torch.arange(ctx)
-            chunk.blocks = []
-            for start in range(0, q_end - q_start, QUERY_BLOCK):
-                end = min(q_end - q_start, start + QUERY_BLOCK)
-                keys = ctx_start + end
-                hidden = positions[None, :keys] > positions[ctx_start + start : keys, None]
-                # Additive, in the model's dtype: a boolean mask is converted on every call, in every layer.
-                mask = torch.zeros(end - start, keys, dtype=self.dtype).masked_fill_(hidden, float("-inf"))
-                chunk.blocks.append(QueryBlock(start, end, keys, mask))
         return chunk
+
+    def _query_blocks(self, ctx_start: int, ctx: int) -> list[QueryBlock]:
+        """The queries of positions [ctx_start, ctx) in blocks of QUERY_BLOCK rows, each with its mask."""
+        positions = torch.arange(ctx)
+        blocks = []
+        for start in range(0, ctx - ctx_start, QUERY_BLOCK):
+            end = min(ctx - ctx_start, start + QUERY_BLOCK)
+            keys = ctx_start + end
+            hidden = positions[None, :keys] > positions[ctx_start + start : keys, None]
+            # Additive, in the model's dtype: a boolean mask is converted on every call, in every layer.
+            mask = torch.zeros(end - start, keys, dtype=self.dtype).masked_fill_(hidden, float("-inf"))
+            blocks.append(QueryBlock(start, end, keys, mask))
+        return blocks
