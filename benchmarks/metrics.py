@@ -8,7 +8,9 @@ What each window counts (all on token timestamps, so partly finished requests co
 - TTFT: requests submitted after the warm-up whose first token came inside the window (plus any composed
   queue wait), so the start-up transient is left out;
 - inter-token latency: gaps between consecutive tokens of a request, the later token inside the window;
-- end-to-end latency: requests that finished inside the window (plus any composed queue wait).
+- end-to-end latency: requests that finished inside the window (plus any composed queue wait);
+- the work served, for the roofline: the prompts (new and cached tokens) of requests whose first token came
+  inside the window, and the mean context (prompt plus tokens before) of the tokens generated in it.
 Shortened first requests (see `loadgen.closed_loop`) count their tokens only.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from benchmarks.loadgen import Measurement
 
@@ -47,6 +49,9 @@ class WindowStats:
     completed: int
     ttft_samples: int
     errors: int
+    window_s: float = 0.0
+    prefills: list[tuple[int, int]] = field(default_factory=list)  # (new, cached) prompt tokens
+    decode_context_mean: float | None = None
 
 
 @dataclass(slots=True)
@@ -94,12 +99,18 @@ def window_stats(measurement: Measurement, index: int) -> WindowStats:
     itl: list[float] = []
     e2e: list[float] = []
     completed = errors = 0
+    prefills: list[tuple[int, int]] = []
+    context_sum = 0
     for r in measurement.records:
         times = r.token_times
-        inside = sum(1 for t in times if start <= t < end)
-        tokens += inside
+        inside = [i for i, t in enumerate(times) if start <= t < end]  # token i had prompt + i tokens before it
+        tokens += len(inside)
+        context_sum += sum(r.prompt_tokens + i for i in inside)
+        if times and start <= times[0] < end:
+            cached = min(r.cached_prompt_tokens, r.prompt_tokens)
+            prefills.append((r.prompt_tokens - cached, cached))
         if inside:
-            request_share += inside / (r.wanted_tokens or len(times))
+            request_share += len(inside) / (r.wanted_tokens or len(times))
         itl.extend(b - a for a, b in zip(times, times[1:], strict=False) if start <= b < end)
         if r.warmup:
             continue  # a shortened first request: its tokens count, its latencies would flatter
@@ -122,6 +133,9 @@ def window_stats(measurement: Measurement, index: int) -> WindowStats:
         completed=completed,
         ttft_samples=len(ttft),
         errors=errors,
+        window_s=measurement.window_s,
+        prefills=prefills,
+        decode_context_mean=context_sum / tokens if tokens else None,
     )
 
 

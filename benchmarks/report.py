@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks import runner
-from benchmarks.analysis import Target
+from benchmarks.analysis import Target, floor_share
 from benchmarks.labels import LABELS
 from benchmarks.metrics import PointSummary, ratio, relative_spread
 from benchmarks.roofline import Roofline
@@ -126,26 +126,55 @@ def roofline_section(result: BenchResult) -> list[str]:
     pk = r.peak
     engine = result.points.get("llmserve", {}).get(r.batch)
     tps = engine.mean["output_tokens_per_s"] if engine else None
+    return (
+        [
+            "## Roofline",
+            "",
+            f"- Measured on {pk.device} ({pk.dtype}): matmul {pk.matmul_flops_per_s / 1e9:,.1f} GFLOP/s; "
+            f"read bandwidth {pk.read_bytes_per_s / 1e9:,.1f} GB/s (copy {pk.copy_bytes_per_s / 1e9:,.1f} GB/s, "
+            "read+write counted).",
+            f"- Decode step at {r.batch} sequences, mean context {r.mean_context:.0f} tokens: "
+            f"{r.flops_per_step / 1e9:,.2f} GFLOP ({r.matmul_params / 1e6:,.1f} M matmul weights × 2 × {r.batch}, "
+            f"plus attention) and {r.bytes_per_step / 2**20:,.0f} MiB read (weights once, plus the KV of {r.batch} "
+            "sequences).",
+            f"- Decode-step floor: {r.step_floor_s * 1000:.1f} ms per step ({r.bound}-bound), so at most "
+            f"{r.max_decode_tokens_per_s:,.0f} decode tokens/s if steps held nothing but decodes "
+            f"(llmserve: {_pct(ratio(tps, r.max_decode_tokens_per_s))} of it).",
+            f"- But every request also brings its prompt, {r.prefill_flops_per_request / 1e9:,.1f} GFLOP on average "
+            f"(LM head once), and at {r.batch} concurrent the steps carry those chunks too. Counting prefill at peak "
+            f"FLOP/s plus one decode-step share per generated token, the **workload floor is "
+            f"{r.max_output_tokens_per_s_with_prefill:,.1f} output tokens/s**.",
+            f"- llmserve at {r.batch} concurrent: {_n(tps, 1)} output tokens/s = "
+            f"{_pct(ratio(tps, r.max_output_tokens_per_s_with_prefill))} of the workload floor.",
+        ]
+        + (window_floor_lines(r, engine, result.mean_prompt_tokens) if engine else [])
+        + [""]
+    )
+
+
+def window_floor_lines(r: Roofline, engine: PointSummary, mean_prompt: float) -> list[str]:
+    """The floor of the work each window served, and llmserve's share of it (the issue's target)."""
+    shares, per_window = [], []
+    for w in engine.windows:
+        share = floor_share(r, w)
+        if share is None:
+            continue
+        shares.append(share)
+        prompts = [new + cached for new, cached in w.prefills]
+        mean = sum(prompts) / len(prompts) if prompts else 0.0
+        per_window.append(
+            f"{len(prompts)} prompts of mean {mean:.0f} tokens, mean context {w.decode_context_mean:.0f}: "
+            f"floor {share * w.window_s:.1f} s of {w.window_s:.0f} s = {_pct(share)}"
+        )
+    if not shares:
+        return []
     return [
-        "## Roofline",
-        "",
-        f"- Measured on {pk.device} ({pk.dtype}): matmul {pk.matmul_flops_per_s / 1e9:,.1f} GFLOP/s; "
-        f"read bandwidth {pk.read_bytes_per_s / 1e9:,.1f} GB/s (copy {pk.copy_bytes_per_s / 1e9:,.1f} GB/s, "
-        "read+write counted).",
-        f"- Decode step at {r.batch} sequences, mean context {r.mean_context:.0f} tokens: "
-        f"{r.flops_per_step / 1e9:,.2f} GFLOP ({r.matmul_params / 1e6:,.1f} M matmul weights × 2 × {r.batch}, "
-        f"plus attention) and {r.bytes_per_step / 2**20:,.0f} MiB read (weights once, plus the KV of {r.batch} "
-        "sequences).",
-        f"- Decode-step floor: {r.step_floor_s * 1000:.1f} ms per step ({r.bound}-bound), so at most "
-        f"{r.max_decode_tokens_per_s:,.0f} decode tokens/s if steps held nothing but decodes "
-        f"(llmserve: {_pct(ratio(tps, r.max_decode_tokens_per_s))} of it).",
-        f"- But every request also brings its prompt, {r.prefill_flops_per_request / 1e9:,.1f} GFLOP on average "
-        f"(LM head once), and at {r.batch} concurrent the steps carry those chunks too. Counting prefill at peak "
-        f"FLOP/s plus one decode-step share per generated token, the **workload floor is "
-        f"{r.max_output_tokens_per_s_with_prefill:,.1f} output tokens/s**.",
-        f"- llmserve at {r.batch} concurrent: {_n(tps, 1)} output tokens/s = "
-        f"**{_pct(ratio(tps, r.max_output_tokens_per_s_with_prefill))} of the workload floor**.",
-        "",
+        f"- That floor assumes the workload's mean prompt ({mean_prompt:.0f} tokens); the few dozen requests a "
+        "window serves average more or less. Each window's own work (the prompts whose first token came in it, "
+        "the tokens generated in it at their mean context) has its own floor: "
+        + "; ".join(per_window)
+        + f". **llmserve ran at {_pct(sum(shares) / len(shares))} of the roofline floor of the work it served**; "
+        "that is the share the target holds it to.",
     ]
 
 

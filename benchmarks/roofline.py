@@ -9,8 +9,14 @@ tokens/s the machine can give if steps held nothing but decodes.
 
 In this workload they do not: every request brings hundreds of prompt tokens per 128 generated, and at 32
 concurrent the engine's steps carry those prompt chunks too. The workload floor therefore adds each
-request's prefill at peak FLOP/s (every layer for each prompt token, attention to half the prompt on
-average, the LM head once) to its 128 shares of a decode step; that is the roofline the engine is held to.
+request's prefill at peak FLOP/s (every layer for each prompt token, causal attention to the tokens before
+it, the LM head once) to its 128 shares of a decode step.
+
+That floor is for the workload's average prompt. A measurement window serves whatever requests fall in it,
+and with log-uniform prompt lengths a few dozen requests can average well above or below the mean. So the
+share the engine is held to is taken per window, on the work that window served: `Roofline.work_floor_s`
+of the prompts whose first token came in it and of the tokens generated in it (at their own mean context),
+over the window's length.
 """
 
 from __future__ import annotations
@@ -51,9 +57,34 @@ class Roofline:
     max_decode_tokens_per_s: float
     prefill_flops_per_request: float
     max_output_tokens_per_s_with_prefill: float  # the workload floor's output tokens/s
+    # What work_floor_s needs: FLOPs per token without the LM head, the LM head's, attention FLOPs per
+    # (query, key) pair over all layers; bytes of the weights and of one token's K/V over all layers.
+    token_flops: float
+    head_flops: float
+    attention_flops_per_pair: float
+    weight_bytes: float
+    kv_bytes_per_token: float
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def prefill_flops(self, new: int, cached: int = 0) -> float:
+        """A causal prefill of `new` tokens after `cached` ones: every layer per token, each token attending
+        to everything before it and itself, the LM head once (for the token that samples)."""
+        pairs = new * cached + new * (new + 1) / 2
+        return new * self.token_flops + pairs * self.attention_flops_per_pair + self.head_flops
+
+    def decode_step_s(self, context: float) -> float:
+        """The floor of one decode step of `batch` sequences at mean context `context`."""
+        flops = self.batch * (self.token_flops + self.head_flops + context * self.attention_flops_per_pair)
+        nbytes = self.weight_bytes + self.batch * context * self.kv_bytes_per_token
+        return max(flops / self.peak.matmul_flops_per_s, nbytes / self.peak.read_bytes_per_s)
+
+    def work_floor_s(self, prefills: Sequence[tuple[int, int]], decode_tokens: int, context: float) -> float:
+        """The least time for some served work: prefills as (new, cached) prompt tokens at peak FLOP/s, plus
+        `decode_tokens` generated tokens at one batch share of a decode step at mean context `context`."""
+        prefill = sum(self.prefill_flops(new, cached) for new, cached in prefills)
+        return prefill / self.peak.matmul_flops_per_s + decode_tokens * self.decode_step_s(context) / self.batch
 
 
 def _sync(device: torch.device) -> None:
@@ -144,19 +175,13 @@ def roofline(
     config = config.get_text_config()
     mean_prompt = sum(prompt_lengths) / len(prompt_lengths)
     params = matmul_params(config)
+    head = 2.0 * config.hidden_size * config.vocab_size
     context = mean_prompt + new_tokens / 2
     flops = batch * (2.0 * params + attention_flops(config, context))
     nbytes = params * dtype_bytes + batch * context * kv_bytes_per_token(config, dtype_bytes)
     compute_s, memory_s = flops / peak.matmul_flops_per_s, nbytes / peak.read_bytes_per_s
     floor = max(compute_s, memory_s)
-    # Causal prefill of L tokens: every layer for each, attention to L/2 tokens on average, and the LM head
-    # only for the last one (the one that samples).
-    head = 2.0 * config.hidden_size * config.vocab_size
-    per_token = 2.0 * params - head
-    prefill = sum(n * (per_token + attention_flops(config, n / 2)) + head for n in prompt_lengths)
-    prefill /= len(prompt_lengths)
-    per_request_s = prefill / peak.matmul_flops_per_s + new_tokens * floor / batch
-    return Roofline(
+    roof = Roofline(
         peak=peak,
         batch=batch,
         mean_context=context,
@@ -166,6 +191,15 @@ def roofline(
         step_floor_s=floor,
         bound="compute" if compute_s >= memory_s else "memory",
         max_decode_tokens_per_s=batch / floor,
-        prefill_flops_per_request=prefill,
-        max_output_tokens_per_s_with_prefill=new_tokens / per_request_s,
+        prefill_flops_per_request=0.0,
+        max_output_tokens_per_s_with_prefill=0.0,
+        token_flops=2.0 * params - head,
+        head_flops=head,
+        attention_flops_per_pair=attention_flops(config, 1),
+        weight_bytes=float(params * dtype_bytes),
+        kv_bytes_per_token=float(kv_bytes_per_token(config, dtype_bytes)),
     )
+    roof.prefill_flops_per_request = sum(roof.prefill_flops(n) for n in prompt_lengths) / len(prompt_lengths)
+    per_request_s = roof.prefill_flops_per_request / peak.matmul_flops_per_s + new_tokens * floor / batch
+    roof.max_output_tokens_per_s_with_prefill = new_tokens / per_request_s
+    return roof

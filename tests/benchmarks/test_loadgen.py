@@ -45,6 +45,19 @@ def test_window_counts_only_what_happened_inside_it() -> None:
     assert s.spread["output_tokens_per_s"] == pytest.approx(abs(w0.output_tokens_per_s - w1.output_tokens_per_s))
 
 
+def test_window_records_the_work_it_served() -> None:
+    schedule = Schedule(concurrency=2, warmup_s=1.0, window_s=2.0, windows=2)
+    a = record("a", submit=0.0, first=0.5, gap=1.0, n=3)  # prompt 10; tokens 0.5, 1.5, 2.5
+    b = RequestRecord("b", 40, 1.0, [1.2, 3.5], 3.5, cached_prompt_tokens=30)  # 10 new + 30 cached
+    m = Measurement(schedule, [a, b], window_starts=[1.0, 3.0])
+    w0, w1 = window_stats(m, 0), window_stats(m, 1)
+    # Window 0: a's tokens 1 and 2 (contexts 11, 12), b's first (40); b's prompt began there, a's before.
+    assert w0.prefills == [(10, 30)]
+    assert w0.decode_context_mean == pytest.approx((11 + 12 + 40) / 3)
+    assert w0.window_s == 2.0
+    assert w1.prefills == [] and w1.decode_context_mean == pytest.approx(41)
+
+
 def test_compose_fifo_adds_the_wait_for_the_groups_ahead() -> None:
     schedule = Schedule(concurrency=1, warmup_s=0.0, window_s=10.0, windows=1)
     # Three back-to-back requests of 1 s, 2 s, 3 s service on a single worker.

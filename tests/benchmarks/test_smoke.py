@@ -47,6 +47,9 @@ def test_in_process_systems(tiny_model: Path, tmp_path: Path) -> None:
     assert result["points"]["naive"][main]["composed_from_concurrency"] == 1
     assert result["points"]["llmserve"][main]["composed_from_concurrency"] is None
     assert result["roofline"]["max_decode_tokens_per_s"] > 0
+    roof = next(t for t in result["targets"] if "roofline" in t["name"])
+    assert roof["value"] > 0  # from the windows' own work: every window records its prompts and contexts
+    assert all(w["prefills"] and w["decode_context_mean"] for w in result["points"]["llmserve"][main]["windows"])
     assert "### Output tokens/s by concurrency" in (tmp_path / "smoke.md").read_text()
 
 

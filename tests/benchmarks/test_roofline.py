@@ -1,0 +1,63 @@
+"""The roofline's arithmetic, and the share of it a window's own work is held to."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds `benchmarks`
+
+from benchmarks import roofline  # noqa: E402
+from benchmarks.analysis import floor_share, targets  # noqa: E402
+from benchmarks.metrics import PointSummary, WindowStats  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
+
+PEAK = roofline.MachinePeak("cpu", "float32", matmul_flops_per_s=100e9, read_bytes_per_s=20e9, copy_bytes_per_s=20e9)
+PROMPTS = [32, 100, 300, 1000]
+
+
+def roof() -> roofline.Roofline:
+    return roofline.roofline(tiny_config("llama", max_positions=2048), PEAK, 4, 32, PROMPTS, 128)
+
+
+def window(prefills: list[tuple[int, int]], tokens: int, context: float, seconds: float = 10.0) -> WindowStats:
+    return WindowStats(
+        tokens / seconds / 128, tokens / seconds, None, None, None, None, None, None, 0, 0, 0,
+        window_s=seconds, prefills=prefills, decode_context_mean=context,
+    )  # fmt: skip
+
+
+def test_prefill_of_a_prompt_in_two_parts_costs_the_same_as_in_one() -> None:
+    r = roof()
+    whole = r.prefill_flops(300)
+    assert r.prefill_flops(100) + r.prefill_flops(200, cached=100) - r.head_flops == pytest.approx(whole)
+    assert r.prefill_flops(300) > 300 * r.token_flops  # attention and the LM head on top of the layers
+
+
+def test_work_floor_of_the_average_work_is_the_workload_floor() -> None:
+    r = roof()
+    assert r.decode_step_s(r.mean_context) == pytest.approx(r.step_floor_s)
+    seconds = r.work_floor_s([(n, 0) for n in PROMPTS], 128 * len(PROMPTS), r.mean_context)
+    assert 128 * len(PROMPTS) / seconds == pytest.approx(r.max_output_tokens_per_s_with_prefill)
+
+
+def test_a_window_that_served_longer_prompts_has_a_higher_floor() -> None:
+    r = roof()
+    light = window([(100, 0)] * 8, 1024, 200.0)
+    heavy = window([(800, 0)] * 8, 1024, 900.0)  # the same tokens/s, more prompt work behind them
+    assert floor_share(r, heavy) > floor_share(r, light) > 0
+    assert floor_share(r, light) == pytest.approx(r.work_floor_s([(100, 0)] * 8, 1024, 200.0) / 10.0)
+    assert floor_share(r, window([], 0, None)) is None  # the window saw no tokens
+
+
+def test_the_roofline_target_is_the_mean_share_of_the_windows() -> None:
+    r = roof()
+    windows = [window([(300, 0)] * 8, 1024, 400.0), window([(600, 0)] * 8, 1024, 700.0)]
+    point = PointSummary("llmserve", 32, windows, {"output_tokens_per_s": 102.4}, {}, None, None)
+    target = next(t for t in targets({"llmserve": {32: point}}, 32, r) if "roofline" in t.name)
+    shares = [floor_share(r, w) for w in windows]
+    assert target.value == pytest.approx(sum(shares) / 2)
+    assert target.noise == pytest.approx((shares[1] - shares[0]) / target.value)
+    assert target.met == (target.value >= 0.5)
