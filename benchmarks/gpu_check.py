@@ -27,20 +27,7 @@ from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core import AsyncEngine  # noqa: E402
 from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
 from llmserve.models import LoadedModel, from_config, random_model  # noqa: E402
-
-
-def reference(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
-    ids = torch.tensor([prompt], device=next(model.parameters()).device)
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=None,
-        )
-    return out[0, len(prompt) :].tolist()
+from tests.tiny import greedy_reference, tiny_config  # noqa: E402
 
 
 async def run_engine(loaded: LoadedModel, config: EngineConfig, prompts: list[list[int]], max_new: int):
@@ -86,21 +73,11 @@ def shaped(shape: str) -> LoadedModel:
 
 
 def exactness_fp64() -> dict:
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
+    config = tiny_config("llama")
     loaded = from_config(config, dtype=torch.float64, device=DEVICE)
     prompts = prompts_for(24, (1, 700), 512, seed=1)
     loaded.model.set_attn_implementation("sdpa")
-    expected = [reference(loaded.model, p, 20) for p in prompts]
+    expected = [greedy_reference(loaded.model, p, 20) for p in prompts]
     engine_config = EngineConfig(block_size=16, kv_cache_tokens=20000, max_num_seqs=32, max_num_batched_tokens=512)
     results, _, steps, graphs = asyncio.run(run_engine(loaded, engine_config, prompts, 20))
     equal = sum(r[0] == e for r, e in zip(results, expected, strict=True))
@@ -111,7 +88,7 @@ def agreement_bf16() -> dict:
     loaded = shaped("smollm2-135m")
     prompts = prompts_for(8, (16, 300), loaded.vocab_size, seed=2)
     loaded.model.set_attn_implementation("sdpa")
-    expected = [reference(loaded.model, p, 16) for p in prompts]
+    expected = [greedy_reference(loaded.model, p, 16) for p in prompts]
     config = EngineConfig(block_size=16, kv_cache_tokens=20000, max_num_seqs=16, max_num_batched_tokens=1024)
     results, _, _, graphs = asyncio.run(run_engine(loaded, config, prompts, 16))
     agree = []

@@ -1,7 +1,9 @@
-"""Tiny random-weight model configs for tests: two layers, grouped-query attention where the family has it."""
+"""Tiny random-weight model configs for tests (two layers, grouped-query attention where the family has it), and
+transformers' own greedy generation as the reference the engine is held to."""
 
 from __future__ import annotations
 
+import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 TINY_VOCAB = 512
@@ -33,3 +35,18 @@ def tiny_config(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positio
         gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=1, eos_token_id=2)
         return GPT2Config(vocab_size=vocab_size, **gpt2)
     raise ValueError(family)
+
+
+def greedy_reference(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
+    """transformers' own greedy generation, one prompt alone, exactly `max_new` tokens."""
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),  # never infer a mask from a pad id that may occur in the prompt
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -16,22 +16,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import FinishReason, GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
-from tests.tiny import TINY_VOCAB, tiny_config
-
-
-def reference(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
-    """transformers' own greedy generation, one prompt alone."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),  # never infer a mask from a pad id that may occur in the prompt
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=None,
-        )
-    return out[0, len(prompt) :].tolist()
+from tests.tiny import TINY_VOCAB, greedy_reference, tiny_config
 
 
 async def run_all(
@@ -89,7 +74,7 @@ async def test_greedy_equals_generate(concurrency: int, kv_tokens: int, native: 
     prompts = random_prompts(concurrency, 1000, seed=concurrency)
     rng = random.Random(concurrency)
     max_new = [rng.randint(1, 24) for _ in prompts]
-    expected = [reference(loaded.model, p, m) for p, m in zip(prompts, max_new, strict=True)]
+    expected = [greedy_reference(loaded.model, p, m) for p, m in zip(prompts, max_new, strict=True)]
     config = EngineConfig(
         block_size=16,
         kv_cache_tokens=kv_tokens,
@@ -113,7 +98,7 @@ async def test_preemption_really_happens_and_stays_exact() -> None:
     """A pool that holds about two of these requests at a time: sequences get preempted and recomputed."""
     loaded = tiny()
     prompts = random_prompts(6, 300, seed=7)
-    expected = [reference(loaded.model, p, 20) for p in prompts]
+    expected = [greedy_reference(loaded.model, p, 20) for p in prompts]
     config = EngineConfig(block_size=8, kv_cache_tokens=700, max_num_seqs=6, max_num_batched_tokens=128)
     engine = AsyncEngine(loaded, config)
     await engine.start()
@@ -143,7 +128,7 @@ async def test_other_families_equal_generate(family: str, native: bool) -> None:
     loaded = tiny(family)
     prompts = random_prompts(8, 300, seed=3)
     max_new = [12] * len(prompts)
-    expected = [reference(loaded.model, p, 12) for p in prompts]
+    expected = [greedy_reference(loaded.model, p, 12) for p in prompts]
     config = EngineConfig(
         block_size=16,
         kv_cache_tokens=4096,
@@ -170,7 +155,7 @@ async def test_real_model_greedy_equals_generate(real_model: LoadedModel) -> Non
         for q in questions
     ]
     real_model.model.set_attn_implementation("sdpa")
-    expected = [reference(real_model.model, p, 16) for p in prompts]
+    expected = [greedy_reference(real_model.model, p, 16) for p in prompts]
     config = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=256)
     outputs, _ = await run_all(real_model, config, prompts, [16] * len(prompts), jitter_s=0.0)
     assert outputs == expected
@@ -182,7 +167,7 @@ async def test_padded_decode_path_equals_generate() -> None:
 
     loaded = tiny()
     prompts = random_prompts(5, 300, seed=11)
-    expected = [reference(loaded.model, p, 10) for p in prompts]
+    expected = [greedy_reference(loaded.model, p, 10) for p in prompts]
     config = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=512)
     engine = AsyncEngine(loaded, config)
     runner = engine.core.runner

@@ -13,7 +13,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams
 from llmserve.models import from_config
-from tests.tiny import TINY_VOCAB, tiny_config
+from tests.tiny import TINY_VOCAB, greedy_reference, tiny_config
 
 BASE = dict(block_size=8, max_num_seqs=16, max_num_batched_tokens=128)
 
@@ -169,7 +169,6 @@ async def test_two_concurrent_calls_on_one_session() -> None:
 
 @pytest.mark.real_model
 async def test_real_model_conversation_reuse_equals_cold(real_model) -> None:
-    from tests.engine.test_exactness import reference
 
     tok = real_model.tokenizer
     questions = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
@@ -185,7 +184,7 @@ async def test_real_model_conversation_reuse_equals_cold(real_model) -> None:
             answer, usage = await run(warm, f"q{i}", prompt, 24, session="chat")
             real_model.model.set_attn_implementation("sdpa")
             try:
-                cold = reference(real_model.model, prompt, 24)
+                cold = greedy_reference(real_model.model, prompt, 24)
             finally:
                 real_model.model.set_attn_implementation("llmserve_paged")
             assert answer == cold
