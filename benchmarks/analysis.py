@@ -29,7 +29,8 @@ def floor_share(roof: Roofline, window: WindowStats) -> float | None:
     if not window.window_s or window.decode_context_mean is None:
         return None
     tokens = round(window.output_tokens_per_s * window.window_s)
-    return roof.work_floor_s(window.prefills, tokens, window.decode_context_mean) / window.window_s
+    decoded = tokens - len(window.prefills)  # each of those prompts' prefill sampled its first token
+    return roof.work_floor_s(window.prefills, decoded, window.decode_context_mean) / window.window_s
 
 
 def floor_shares(roof: Roofline, point: PointSummary) -> list[float]:

@@ -142,7 +142,8 @@ def roofline_section(result: BenchResult) -> list[str]:
             f"(llmserve: {_pct(ratio(tps, r.max_decode_tokens_per_s))} of it).",
             f"- But every request also brings its prompt, {r.prefill_flops_per_request / 1e9:,.1f} GFLOP on average "
             f"(LM head once), and at {r.batch} concurrent the steps carry those chunks too. Counting prefill at peak "
-            f"FLOP/s plus one decode-step share per generated token, the **workload floor is "
+            f"FLOP/s (it samples the first new token) plus one decode-step share per other generated token, the "
+            f"**workload floor is "
             f"{r.max_output_tokens_per_s_with_prefill:,.1f} output tokens/s**.",
             f"- llmserve at {r.batch} concurrent: {_n(tps, 1)} output tokens/s = "
             f"{_pct(ratio(tps, r.max_output_tokens_per_s_with_prefill))} of the workload floor.",
@@ -171,7 +172,7 @@ def window_floor_lines(r: Roofline, engine: PointSummary, mean_prompt: float) ->
     return [
         f"- That floor assumes the workload's mean prompt ({mean_prompt:.0f} tokens); the few dozen requests a "
         "window serves average more or less. Each window's own work (the prompts whose first token came in it, "
-        "the tokens generated in it at their mean context) has its own floor: "
+        "the other tokens generated in it, at their mean context) has its own floor: "
         + "; ".join(per_window)
         + f". **llmserve ran at {_pct(sum(shares) / len(shares))} of the roofline floor of the work it served**; "
         "that is the share the target holds it to.",

@@ -10,13 +10,13 @@ tokens/s the machine can give if steps held nothing but decodes.
 In this workload they do not: every request brings hundreds of prompt tokens per 128 generated, and at 32
 concurrent the engine's steps carry those prompt chunks too. The workload floor therefore adds each
 request's prefill at peak FLOP/s (every layer for each prompt token, causal attention to the tokens before
-it, the LM head once) to its 128 shares of a decode step.
+it, the LM head once: that samples the first new token) to its 127 shares of a decode step for the others.
 
 That floor is for the workload's average prompt. A measurement window serves whatever requests fall in it,
 and with log-uniform prompt lengths a few dozen requests can average well above or below the mean. So the
 share the engine is held to is taken per window, on the work that window served: `Roofline.work_floor_s`
-of the prompts whose first token came in it and of the tokens generated in it (at their own mean context),
-over the window's length.
+of the prompts whose first token came in it and of the other tokens generated in it (at their own mean
+context), over the window's length.
 """
 
 from __future__ import annotations
@@ -200,6 +200,7 @@ def roofline(
         kv_bytes_per_token=float(kv_bytes_per_token(config, dtype_bytes)),
     )
     roof.prefill_flops_per_request = sum(roof.prefill_flops(n) for n in prompt_lengths) / len(prompt_lengths)
-    per_request_s = roof.prefill_flops_per_request / peak.matmul_flops_per_s + new_tokens * floor / batch
+    # The prefill's last position samples the first new token; each of the others takes a decode step.
+    per_request_s = roof.prefill_flops_per_request / peak.matmul_flops_per_s + (new_tokens - 1) * floor / batch
     roof.max_output_tokens_per_s_with_prefill = new_tokens / per_request_s
     return roof

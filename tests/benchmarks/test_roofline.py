@@ -39,7 +39,8 @@ def test_prefill_of_a_prompt_in_two_parts_costs_the_same_as_in_one() -> None:
 def test_work_floor_of_the_average_work_is_the_workload_floor() -> None:
     r = roof()
     assert r.decode_step_s(r.mean_context) == pytest.approx(r.step_floor_s)
-    seconds = r.work_floor_s([(n, 0) for n in PROMPTS], 128 * len(PROMPTS), r.mean_context)
+    # Each prefill samples its request's first token; the other 127 take decode steps.
+    seconds = r.work_floor_s([(n, 0) for n in PROMPTS], 127 * len(PROMPTS), r.mean_context)
     assert 128 * len(PROMPTS) / seconds == pytest.approx(r.max_output_tokens_per_s_with_prefill)
 
 
@@ -48,7 +49,8 @@ def test_a_window_that_served_longer_prompts_has_a_higher_floor() -> None:
     light = window([(100, 0)] * 8, 1024, 200.0)
     heavy = window([(800, 0)] * 8, 1024, 900.0)  # the same tokens/s, more prompt work behind them
     assert floor_share(r, heavy) > floor_share(r, light) > 0
-    assert floor_share(r, light) == pytest.approx(r.work_floor_s([(100, 0)] * 8, 1024, 200.0) / 10.0)
+    # 1,024 tokens, 8 of them sampled by the prefills: 1,016 decoded.
+    assert floor_share(r, light) == pytest.approx(r.work_floor_s([(100, 0)] * 8, 1016, 200.0) / 10.0)
     assert floor_share(r, window([], 0, None)) is None  # the window saw no tokens
 
 
