@@ -125,7 +125,7 @@ int FUNCTION(const SCALAR *q, long q_seq, long q_head, const SCALAR *k, const SC
         const int rows = len - start < block_size ? len - start : block_size;
         const int b = start / block_size;
         if (start + block_size < len) CAT(FUNCTION, _prefetch)(kh + (long)table[b + 1] * block_size * HEAD_DIM, block_size);
-        CAT(FUNCTION, _prefetch)(vh + (long)table[b] * block_size * HEAD_DIM, rows); /* for the value pass */
+        CAT(FUNCTION, _prefetch)(vh + (long)table[b] * block_size * HEAD_DIM, rows); /* the value pass reads it next */
         CAT(FUNCTION, _scores)(qs, kh + (long)table[b] * block_size * HEAD_DIM, rows, scores + start, max_len);
       }
       SCALAR inv_sum[GROUP];
@@ -145,7 +145,6 @@ int FUNCTION(const SCALAR *q, long q_seq, long q_head, const SCALAR *k, const SC
       for (int start = 0; start < len; start += block_size) {
         const int rows = len - start < block_size ? len - start : block_size;
         const int b = start / block_size;
-        if (start + block_size < len) CAT(FUNCTION, _prefetch)(vh + (long)table[b + 1] * block_size * HEAD_DIM, block_size);
         const SCALAR *restrict values = vh + (long)table[b] * block_size * HEAD_DIM;
         for (int r = 0; r < rows; ++r)
           for (int g = 0; g < GROUP; ++g) {
