@@ -42,11 +42,46 @@ class MachinePeak:
     copy_bytes_per_s: float
 
 
+@dataclass(slots=True, frozen=True)
+class ModelWork:
+    """What the model does per token, in FLOPs and bytes, for any mix of prefill and decode."""
+
+    token_flops: float  # every layer's matmuls for one token (the LM head not included)
+    head_flops: float  # the LM head for one token
+    attention_flops_per_pair: float  # one (query, key) pair over all layers
+    weight_bytes: float  # every matmul weight, read once per step
+    kv_bytes_per_token: float  # one token's K/V over all layers
+
+    @classmethod
+    def of(cls, config: PretrainedConfig, dtype_bytes: int) -> ModelWork:
+        params = matmul_params(config)
+        head = 2.0 * config.hidden_size * config.vocab_size
+        return cls(
+            token_flops=2.0 * params - head,
+            head_flops=head,
+            attention_flops_per_pair=attention_flops(config, 1),
+            weight_bytes=float(params * dtype_bytes),
+            kv_bytes_per_token=float(kv_bytes_per_token(config, dtype_bytes)),
+        )
+
+    def prefill_flops(self, new: int, cached: int = 0) -> float:
+        """A causal prefill of `new` tokens after `cached` ones: every layer per token, each token attending
+        to everything before it and itself, the LM head once (for the token that samples)."""
+        pairs = new * cached + new * (new + 1) / 2
+        return new * self.token_flops + pairs * self.attention_flops_per_pair + self.head_flops
+
+    def decode_step(self, batch: int, context: float) -> tuple[float, float]:
+        """FLOPs and bytes read of one decode step of `batch` sequences at mean context `context`."""
+        flops = batch * (self.token_flops + self.head_flops + context * self.attention_flops_per_pair)
+        return flops, self.weight_bytes + batch * context * self.kv_bytes_per_token
+
+
 @dataclass(slots=True)
 class Roofline:
     """The floor of one decode step of the workload and the ceilings it implies."""
 
     peak: MachinePeak
+    work: ModelWork
     batch: int
     mean_context: float
     matmul_params: int
@@ -57,34 +92,25 @@ class Roofline:
     max_decode_tokens_per_s: float
     prefill_flops_per_request: float
     max_output_tokens_per_s_with_prefill: float  # the workload floor's output tokens/s
-    # What work_floor_s needs: FLOPs per token without the LM head, the LM head's, attention FLOPs per
-    # (query, key) pair over all layers; bytes of the weights and of one token's K/V over all layers.
-    token_flops: float
-    head_flops: float
-    attention_flops_per_pair: float
-    weight_bytes: float
-    kv_bytes_per_token: float
 
     def to_json(self) -> dict:
         return asdict(self)
 
-    def prefill_flops(self, new: int, cached: int = 0) -> float:
-        """A causal prefill of `new` tokens after `cached` ones: every layer per token, each token attending
-        to everything before it and itself, the LM head once (for the token that samples)."""
-        pairs = new * cached + new * (new + 1) / 2
-        return new * self.token_flops + pairs * self.attention_flops_per_pair + self.head_flops
-
     def decode_step_s(self, context: float) -> float:
         """The floor of one decode step of `batch` sequences at mean context `context`."""
-        flops = self.batch * (self.token_flops + self.head_flops + context * self.attention_flops_per_pair)
-        nbytes = self.weight_bytes + self.batch * context * self.kv_bytes_per_token
-        return max(flops / self.peak.matmul_flops_per_s, nbytes / self.peak.read_bytes_per_s)
+        return _floor_s(self.peak, *self.work.decode_step(self.batch, context))[0]
 
     def work_floor_s(self, prefills: Sequence[tuple[int, int]], decode_tokens: int, context: float) -> float:
         """The least time for some served work: prefills as (new, cached) prompt tokens at peak FLOP/s, plus
         `decode_tokens` generated tokens at one batch share of a decode step at mean context `context`."""
-        prefill = sum(self.prefill_flops(new, cached) for new, cached in prefills)
+        prefill = sum(self.work.prefill_flops(new, cached) for new, cached in prefills)
         return prefill / self.peak.matmul_flops_per_s + decode_tokens * self.decode_step_s(context) / self.batch
+
+
+def _floor_s(peak: MachinePeak, flops: float, nbytes: float) -> tuple[float, str]:
+    """The least time for `flops` and `nbytes` on `peak`, and which of the two bounds it."""
+    compute_s, memory_s = flops / peak.matmul_flops_per_s, nbytes / peak.read_bytes_per_s
+    return (compute_s, "compute") if compute_s >= memory_s else (memory_s, "memory")
 
 
 def _sync(device: torch.device) -> None:
@@ -173,34 +199,24 @@ def roofline(
 ) -> Roofline:
     """The decode-step floor at `batch` sequences of mean context `mean(prompt_lengths) + new_tokens / 2`."""
     config = config.get_text_config()
-    mean_prompt = sum(prompt_lengths) / len(prompt_lengths)
-    params = matmul_params(config)
-    head = 2.0 * config.hidden_size * config.vocab_size
-    context = mean_prompt + new_tokens / 2
-    flops = batch * (2.0 * params + attention_flops(config, context))
-    nbytes = params * dtype_bytes + batch * context * kv_bytes_per_token(config, dtype_bytes)
-    compute_s, memory_s = flops / peak.matmul_flops_per_s, nbytes / peak.read_bytes_per_s
-    floor = max(compute_s, memory_s)
-    roof = Roofline(
+    work = ModelWork.of(config, dtype_bytes)
+    context = sum(prompt_lengths) / len(prompt_lengths) + new_tokens / 2
+    flops, nbytes = work.decode_step(batch, context)
+    floor, bound = _floor_s(peak, flops, nbytes)
+    prefill = sum(work.prefill_flops(n) for n in prompt_lengths) / len(prompt_lengths)
+    # The prefill's last position samples the first new token; each of the others takes a decode step.
+    per_request_s = prefill / peak.matmul_flops_per_s + (new_tokens - 1) * floor / batch
+    return Roofline(
         peak=peak,
+        work=work,
         batch=batch,
         mean_context=context,
-        matmul_params=params,
+        matmul_params=matmul_params(config),
         flops_per_step=flops,
         bytes_per_step=nbytes,
         step_floor_s=floor,
-        bound="compute" if compute_s >= memory_s else "memory",
+        bound=bound,
         max_decode_tokens_per_s=batch / floor,
-        prefill_flops_per_request=0.0,
-        max_output_tokens_per_s_with_prefill=0.0,
-        token_flops=2.0 * params - head,
-        head_flops=head,
-        attention_flops_per_pair=attention_flops(config, 1),
-        weight_bytes=float(params * dtype_bytes),
-        kv_bytes_per_token=float(kv_bytes_per_token(config, dtype_bytes)),
+        prefill_flops_per_request=prefill,
+        max_output_tokens_per_s_with_prefill=new_tokens / per_request_s,
     )
-    roof.prefill_flops_per_request = sum(roof.prefill_flops(n) for n in prompt_lengths) / len(prompt_lengths)
-    # The prefill's last position samples the first new token; each of the others takes a decode step.
-    per_request_s = roof.prefill_flops_per_request / peak.matmul_flops_per_s + (new_tokens - 1) * floor / batch
-    roof.max_output_tokens_per_s_with_prefill = new_tokens / per_request_s
-    return roof
