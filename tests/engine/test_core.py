@@ -20,6 +20,7 @@ from llmserve.engine.request import (
     StoppingParams,
 )
 from llmserve.models import from_config
+from tests.stepspy import StepSpy
 from tests.tiny import greedy_reference, tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
@@ -143,13 +144,14 @@ async def test_request_that_never_fits_the_pool_is_rejected() -> None:
 
 async def test_cancelled_consumer_frees_its_blocks_within_an_iteration(engine: AsyncEngine) -> None:
     pool = engine.core.pool
+    spy = StepSpy(engine.core, step_delay_s=0.01)  # 400 tokens take >= 4 s: finishing alone cannot pass
     stream = engine.generate(req("c", list(range(100)), max_new=400))
     first = await stream.__anext__()
     assert first.token_ids
+    cancelled_at = spy.num_steps
     await stream.aclose()
-    deadline = time.monotonic() + 5
-    while (engine.num_running or pool.num_free != pool.num_blocks) and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    assert (await asyncio.to_thread(spy.final, "c", 2.0)).finish_reason is FinishReason.CANCELLED
+    assert spy.steps_with("c", since=cancelled_at) <= 2
     assert engine.num_running == 0 and pool.num_free == pool.num_blocks
 
 
@@ -160,15 +162,15 @@ async def test_task_cancellation_aborts_the_request(engine: AsyncEngine) -> None
         async for _ in engine.generate(req("t", [1, 2, 3], max_new=400)):
             started.set()
 
+    spy = StepSpy(engine.core, step_delay_s=0.01)
     task = asyncio.create_task(consume())
     await started.wait()
+    cancelled_at = spy.num_steps
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(500):
-        if engine.num_running == 0:
-            break
-        await asyncio.sleep(0.01)
+    assert (await asyncio.to_thread(spy.final, "t", 2.0)).finish_reason is FinishReason.CANCELLED
+    assert spy.steps_with("t", since=cancelled_at) <= 2
     assert engine.num_running == 0
 
 
@@ -336,3 +338,21 @@ async def test_extreme_sampling_values_never_fail_a_batch(engine: AsyncEngine) -
         for tokens, deltas in results:
             assert deltas[-1].finish_reason is FinishReason.LENGTH and len(tokens) == 8
     assert not engine.dead
+
+
+async def test_abort_stops_the_request_within_two_steps(engine: AsyncEngine) -> None:
+    """After abort, the engine schedules the request in at most the step under way and the next one, and its
+    final delta says CANCELLED; an engine that let it run would schedule it for hundreds more steps."""
+    spy = StepSpy(engine.core, step_delay_s=0.01)
+    stream = engine.generate(req("victim", list(range(40)), max_new=400))
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        for _ in range(3):
+            await stream.__anext__()
+    cancelled_at = spy.num_steps
+    await stream.aclose()  # aborts the request
+    final = await asyncio.to_thread(spy.final, "victim")
+    assert final is not None and final.finish_reason is FinishReason.CANCELLED
+    await asyncio.sleep(0.1)  # ten more steps' time: an ignored abort would show here
+    assert spy.steps_with("victim", since=cancelled_at) <= 2
+    assert final.usage.completion_tokens < 400
+    assert engine.num_running == 0
