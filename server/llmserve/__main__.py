@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
 from llmserve.config import from_args
+from llmserve.process import configure_process
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # No code path may reach a model hub: set before transformers is imported anywhere.
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    # Before torch and transformers are imported anywhere (see llmserve.process).
+    configure_process()
     config = from_args(argv)
     logging.basicConfig(
         level=config.server.log_level,

@@ -26,7 +26,7 @@ from llmserve.service import SERVICE_NAME, GenerateServicer, status_for
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.protocol import Engine
 
 log = logging.getLogger("llmserve")
 
@@ -120,7 +120,7 @@ class LLMServer:
             self.port = self._server.add_secure_port(config.address, _server_credentials(config))
         else:
             self.port = self._server.add_insecure_port(config.address)
-        self.engine: AsyncEngine | None = None
+        self.engine: Engine | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -130,7 +130,7 @@ class LLMServer:
         scheme = "TLS" if self.config.tls_cert else "plaintext"
         log.info("listening on %s (port %d, %s)", self.config.address, self.port, scheme)
 
-    async def serve(self, engine: AsyncEngine) -> None:
+    async def serve(self, engine: Engine) -> None:
         """Start and warm up `engine`, then serve it and report SERVING."""
         await engine.start()
         self.engine = engine
@@ -166,7 +166,7 @@ class LLMServer:
         for name in _HEALTH_NAMES:
             await self.health.set(name, status)
 
-    async def _watch_engine(self, engine: AsyncEngine) -> None:
+    async def _watch_engine(self, engine: Engine) -> None:
         while not engine.dead:
             await asyncio.sleep(_DEAD_POLL_S)
         log.error("engine is dead (%s): reporting NOT_SERVING", engine.dead_reason)
@@ -176,7 +176,7 @@ class LLMServer:
 async def run(config: Config) -> None:
     """Serve until SIGTERM or SIGINT, then drain and return."""
     # Imported here so that `--help` and config errors answer without loading torch.
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.async_engine import AsyncEngine
     from llmserve.models import load_model
 
     loop = asyncio.get_running_loop()

@@ -95,6 +95,16 @@ class _Flags:
         self._parser.add_argument(flag, action="store_true", default=value, help=f"{help_text} [env {name}]")
 
 
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -198,6 +208,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         engine.session_pool_fraction,
         "largest share of the KV cache idle sessions may hold",
     )
+    g.value(
+        "--cpu-kernels",
+        _one_of("auto", "require", "off"),
+        engine.cpu_kernels,
+        "CPU backend's compiled kernels (built at install time): auto (use them where installed, else warn and "
+        "run the torch paths), require (refuse to start without them), off",
+    )
     g.switch("--no-cuda-graphs", "turn off CUDA graphs for the decode step")
     g.switch("--no-native-attention", "CPU: decode attention through torch instead of the compiled kernel")
     g.switch("--no-packed-linear", "CPU float32: plain linear layers instead of packed oneDNN weights")
@@ -240,6 +257,7 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             session_ttl_s=args.session_ttl,
             max_sessions=args.max_sessions,
             session_pool_fraction=args.session_pool_fraction,
+            cpu_kernels=args.cpu_kernels,
             cuda_graphs=not args.no_cuda_graphs,
             native_attention=not args.no_native_attention,
             packed_linear=not args.no_packed_linear,

@@ -37,7 +37,7 @@ from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.protocol import Engine
 
 log = logging.getLogger("llmserve.requests")
 
@@ -61,6 +61,9 @@ _FIELD_PATHS = {
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+# How long a call whose request_id is still in flight waits for that stream to end (it may have just been
+# cancelled) before the id counts as a duplicate.
+REUSE_WAIT_S = 0.5
 
 
 class ServiceError(Exception):
@@ -93,13 +96,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def __init__(self, config: ServerConfig) -> None:
         self._config = config
-        self._engine: AsyncEngine | None = None
+        self._engine: Engine | None = None
         self._draining = False
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, asyncio.Event] = {}  # request_id -> set when that stream has ended
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def attach(self, engine: AsyncEngine) -> None:
+    def attach(self, engine: Engine) -> None:
         """Start serving with `engine` (already started and warmed up)."""
         self._engine = engine
 
@@ -116,7 +119,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Return once no Generate stream is in flight."""
         await self._idle.wait()
 
-    def _ready_engine(self) -> AsyncEngine:
+    def _ready_engine(self) -> Engine:
         if self._engine is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return self._engine
@@ -126,10 +129,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         record = _RequestLog(request_id, time.monotonic())
-        admitted = False
+        ended: asyncio.Event | None = None
         try:
-            engine = self._admit(request_id)
-            admitted = True
+            engine, ended = await self._admit(request_id)
             gen_request = await self._to_generation_request(engine, request, request_id, context.time_remaining())
             record.prompt_tokens = len(gen_request.prompt_token_ids)
             if self._config.log_prompts:
@@ -146,15 +148,27 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             record.status = _CODE_NAMES[status.code] if status else type(exc).__name__
             raise
         finally:
-            if admitted:
-                self._in_flight.discard(request_id)
+            if ended is not None:
+                ended.set()
+                del self._in_flight[request_id]
                 if not self._in_flight:
                     self._idle.set()
             record.emit()
 
-    def _admit(self, request_id: str) -> AsyncEngine:
-        """Count a new stream in, or refuse it (loading, draining, at the limit, duplicate id)."""
+    async def _admit(self, request_id: str) -> tuple[Engine, asyncio.Event]:
+        """Count a new stream in, or refuse it (loading, draining, at the limit, duplicate id). Returns the
+        engine and the event to set when the stream ends."""
         engine = self._ready_engine()
+        while (previous := self._in_flight.get(request_id)) is not None:
+            # A caller that cancels a call and reuses its id at once sends the new call right behind the
+            # cancellation, which reaches the old handler a moment later: let it end before calling the id a
+            # duplicate.
+            try:
+                await asyncio.wait_for(previous.wait(), REUSE_WAIT_S)
+            except TimeoutError:
+                raise ServiceError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+                ) from None
         if self._draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if len(self._in_flight) >= self._config.max_concurrent_streams:
@@ -162,14 +176,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self._in_flight)} Generate streams in flight, the server's limit; retry later",
             )
-        if request_id in self._in_flight:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
-        self._in_flight.add(request_id)
+        ended = self._in_flight[request_id] = asyncio.Event()
         self._idle.clear()
-        return engine
+        return engine, ended
 
     async def _stream(
-        self, engine: AsyncEngine, gen_request: GenerationRequest, request: pb.GenerateRequest, record: _RequestLog
+        self, engine: Engine, gen_request: GenerationRequest, request: pb.GenerateRequest, record: _RequestLog
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Yield one response per delta; raise for endings that are not a normal finish."""
         options = request.response
@@ -191,7 +203,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise _for_caller(exc, request) from None
 
     async def _to_generation_request(
-        self, engine: AsyncEngine, request: pb.GenerateRequest, request_id: str, time_remaining: float | None
+        self, engine: Engine, request: pb.GenerateRequest, request_id: str, time_remaining: float | None
     ) -> GenerationRequest:
         prompt_ids = await _prompt_token_ids(engine.tokenizer, request)
         s, st = request.sampling, request.stopping
@@ -247,6 +259,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             device=info.device,
             vocab_size=info.vocab_size,
             default_max_new_tokens=self._config.default_max_new_tokens,
+            backend=info.backend,
+            sliding_window=info.sliding_window,
         )
 
     async def GetSession(

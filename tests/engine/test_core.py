@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
+from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import (
     EngineDead,
     FinishReason,
@@ -180,8 +180,8 @@ async def test_deadline_finishes_the_request(engine: AsyncEngine) -> None:
 
 
 async def test_a_failed_forward_fails_its_batch_and_the_engine_keeps_serving(engine: AsyncEngine) -> None:
-    runner = engine.core.runner
-    real = runner.execute
+    backend = engine.core.backend
+    real = backend.execute
     calls = 0
 
     def flaky(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -191,7 +191,7 @@ async def test_a_failed_forward_fails_its_batch_and_the_engine_keeps_serving(eng
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
-    runner.execute = flaky
+    backend.execute = flaky
     _, deltas = await run(engine, req("f1", [1, 2, 3]))
     assert deltas[-1].finish_reason is FinishReason.ERROR and "boom" in deltas[-1].error
     tokens, deltas = await run(engine, req("f2", [1, 2, 3], max_new=4))
@@ -203,7 +203,7 @@ async def test_an_engine_that_cannot_recover_marks_itself_dead(engine: AsyncEngi
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("device lost")
 
-    engine.core.runner.execute = broken
+    engine.core.backend.execute = broken
     for i in range(3):
         _, deltas = await run(engine, req(f"x{i}", [1, 2, 3]))
         assert deltas[-1].finish_reason is FinishReason.ERROR
@@ -255,14 +255,14 @@ async def test_a_failed_forward_leaves_nothing_in_the_prefix_cache() -> None:
     eng = AsyncEngine(loaded, CONFIG)
     await eng.start()
     try:
-        runner = eng.core.runner
-        real = runner.execute
+        backend = eng.core.backend
+        real = backend.execute
 
         def fail_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            runner.execute = real
+            backend.execute = real
             raise RuntimeError("boom")
 
-        runner.execute = fail_once
+        backend.execute = fail_once
         _, deltas = await run(eng, req("failed", prompt, max_new=4))
         assert deltas[-1].finish_reason is FinishReason.ERROR
         tokens, deltas = await run(eng, req("after", prompt, max_new=8))
@@ -275,9 +275,9 @@ async def test_a_failed_forward_leaves_nothing_in_the_prefix_cache() -> None:
 
 async def test_a_sampling_failure_fails_its_request_alone(engine: AsyncEngine, monkeypatch) -> None:  # noqa: ANN001
     """One row whose sampling raises ends ERROR; the rest of the batch gets exactly its tokens."""
-    import llmserve.engine.core as core_module
+    import llmserve.engine.sampler as sampler_module
 
-    real = core_module.sample
+    real = sampler_module.sample
 
     def picky(logits, rows):  # noqa: ANN001, ANN202
         if any(row.params.seed == 666 for row in rows):
@@ -286,7 +286,7 @@ async def test_a_sampling_failure_fails_its_request_alone(engine: AsyncEngine, m
 
     prompts = {f"ok{i}": list(range(i + 2, i + 12)) for i in range(4)}
     alone = {rid: (await run(engine, req(rid + "-alone", p, max_new=12)))[0] for rid, p in prompts.items()}
-    monkeypatch.setattr(core_module, "sample", picky)
+    monkeypatch.setattr(sampler_module, "sample", picky)  # sample_each calls it for the batch, then per row
     bad = req("bad", [7, 8, 9], max_new=12, sampling=SamplingParams(temperature=1.0, seed=666))
     results = await asyncio.gather(
         run(engine, bad), *(run(engine, req(rid, p, max_new=12)) for rid, p in prompts.items())

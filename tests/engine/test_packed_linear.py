@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.engine import packed_linear
+from llmserve.engine.backends.cpu import packed_linear
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
@@ -41,8 +41,8 @@ def test_packed_model_gives_the_same_logits(family: str) -> None:
 
 def test_engine_packs_float32_only_and_can_be_told_not_to() -> None:
     on, off = EngineConfig(kv_cache_tokens=256), EngineConfig(kv_cache_tokens=256, packed_linear=False)
-    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), on).runner.num_packed_linears > 0
-    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), off).runner.num_packed_linears == 0
+    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), on).backend.num_packed_linears > 0
+    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), off).backend.num_packed_linears == 0
     f64 = from_config(tiny_config(), dtype=torch.float64)
-    assert EngineCore(f64, on).runner.num_packed_linears == 0
+    assert EngineCore(f64, on).backend.num_packed_linears == 0
     assert packed_linear.pack_linears(f64.model) == 0

@@ -18,8 +18,9 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llmserve.engine.block_pool import BlockPool
+from llmserve.engine.plan import StepPlan
 from llmserve.engine.request import FinishReason, GenerationRequest, SeqStatus, Sequence, StoppingParams
-from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sessions import SessionStore
 
 BLOCK_SIZE = 4
@@ -98,7 +99,7 @@ class EngineBooks(RuleBasedStateMachine):
         cut = data.draw(st.integers(0, len(cached)))
         self.add_prompt(cached[:cut] + extra, 3, session_id)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
         """One schedule() call, checked for admission order and the running-count limit."""
         waiting = [seq for seq in self.live if seq.status is SeqStatus.WAITING]
         out = self.scheduler.schedule()
@@ -126,15 +127,19 @@ class EngineBooks(RuleBasedStateMachine):
             self.kv[dst] = list(self.kv[src])
         for src, dst in out.copies:
             assert self.pool.ref_count[src] >= 1 and self.pool.ref_count[dst] == 1
-        for seq, n in out.scheduled:
+        for entry in out.seqs:
+            seq, n = entry.seq, entry.num_tokens
             assert n >= 1 and seq.status is SeqStatus.RUNNING
+            assert entry.start == seq.num_computed and list(entry.token_ids) == seq.token_ids[entry.start : entry.end]
+            # It samples exactly when the step reaches its last token.
+            assert (entry.sample is not None) == (entry.end == len(seq.token_ids))
             assert len(seq.block_table) >= self.pool.blocks_for(seq.num_computed + n)
             # The blocks this step writes into belong to this sequence alone (copy on write).
             for block in seq.block_table[seq.num_computed // BLOCK_SIZE : self.pool.blocks_for(seq.num_computed + n)]:
                 assert self.pool.ref_count[block] == 1
         assert out.num_tokens <= self.scheduler.max_num_batched_tokens
-        for seq, n in out.scheduled:
-            self.write(seq, n)
+        for entry in out.seqs:
+            self.write(entry.seq, entry.num_tokens)
         ready = self.scheduler.update(out)
         for seq in ready:
             seq.token_ids.append(token)
@@ -150,12 +155,12 @@ class EngineBooks(RuleBasedStateMachine):
         if copied:
             for src, dst in out.copies:
                 self.kv[dst] = list(self.kv[src])
-        for seq, n in out.scheduled:
-            self.write(seq, n, garbage=True)
+        for entry in out.seqs:
+            self.write(entry.seq, entry.num_tokens, garbage=True)
         self.scheduler.abandon(out)
-        for seq, _ in out.scheduled:
-            self.scheduler.finish(seq, FinishReason.ERROR)
-            self.live.remove(seq)
+        for entry in out.seqs:
+            self.scheduler.finish(entry.seq, FinishReason.ERROR)
+            self.live.remove(entry.seq)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams
 from llmserve.models import from_config
 from tests.tiny import TINY_VOCAB, greedy_reference, tiny_config

@@ -50,7 +50,7 @@ def tiny_model(seed: int = 0) -> LoadedModel:
 
 def tiny_engine(**overrides: Any) -> Any:
     """A real AsyncEngine (not started) over tiny_model()."""
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.async_engine import AsyncEngine
 
     settings = dict(kv_cache_tokens=32768, max_num_seqs=16, max_num_batched_tokens=512, cuda_graphs=False)
     settings.update(overrides)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -212,3 +214,44 @@ def test_drain_cancels_streams_past_the_grace_period(fake: ServerThread) -> None
             list(call)
         assert fake.engine.num_running == 0
     fake.server = None
+
+
+def test_a_cancelled_calls_request_id_is_reusable_at_once(server: ServerThread) -> None:
+    """Cancel a stream and reuse its id right away, as a retrying client does: the new call is served. (The
+    asyncio client sends the new call right behind the cancellation; about 1 in 100 got ALREADY_EXISTS.)"""
+
+    async def calls() -> None:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            for i in range(100):
+                long = build_request("hi", max_new_tokens=400, ignore_eos=True, request_id="again")
+                call = stub.Generate(long, timeout=30)
+                await call.read()
+                call.cancel()
+                again = stub.Generate(build_request("hi", max_new_tokens=2, request_id="again"), timeout=30)
+                responses = [response async for response in again]
+                assert responses[-1].request_id == "again" and responses[-1].usage.completion_tokens >= 1, i
+
+    asyncio.run(calls())
+
+
+def test_a_request_id_in_flight_waits_for_its_stream_to_end_before_it_is_a_duplicate() -> None:
+    """The admission itself: an id whose stream ends within the wait is admitted; one that stays is not."""
+    from llmserve.config import ServerConfig
+    from llmserve.service import REUSE_WAIT_S, GenerateServicer, ServiceError
+
+    async def body() -> None:
+        servicer = GenerateServicer(ServerConfig())
+        servicer.attach(FakeEngine())
+        _, first = await servicer._admit("x")
+        asyncio.get_running_loop().call_later(0.05, first.set)  # the cancelled stream's handler ends
+        asyncio.get_running_loop().call_later(0.05, servicer._in_flight.pop, "x")
+        _, second = await servicer._admit("x")
+        assert second is not first and servicer._in_flight["x"] is second
+        started = time.monotonic()
+        with pytest.raises(ServiceError) as err:
+            await servicer._admit("x")  # the second stream goes on
+        assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert time.monotonic() - started >= REUSE_WAIT_S * 0.9
+
+    asyncio.run(body())

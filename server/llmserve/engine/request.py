@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -187,6 +188,23 @@ class Delta:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs about one request for one step.
+
+    `generator` must be set for sampled rows (not `params.greedy`); it may live on the CPU or on the logits'
+    device (the latter avoids a copy). `token_ids` (prompt + generated) is only read for the repetition
+    penalty. `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: Seq[int]
+    blocked_token_ids: Seq[int]
+    logprobs: bool
+    top_logprobs: int
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -217,9 +235,26 @@ class Sequence:
     seed: int | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    stop_ids: frozenset[int] = frozenset()  # the request's stop token ids
+    eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)
+
+    def sample_row(self) -> SampleRow:
+        """What the sampler needs for this sequence's next token."""
+        request = self.request
+        blocked: frozenset[int] = frozenset()
+        if self.num_generated < request.stopping.min_new_tokens:
+            blocked = self.stop_ids | self.eos_ids
+        return SampleRow(
+            params=request.sampling,
+            generator=self.generator,
+            token_ids=self.token_ids,
+            blocked_token_ids=tuple(blocked),
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+        )
 
     @property
     def request_id(self) -> str:

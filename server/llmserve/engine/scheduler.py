@@ -11,26 +11,11 @@ reusing session and prefix-cached blocks.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 
 from llmserve.engine.block_pool import BlockPool, chain_hash
+from llmserve.engine.plan import SeqStep, StepPlan
 from llmserve.engine.request import FinishReason, SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's work: (sequence, number of new tokens to compute) and KV block copies to do first."""
-
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    # (source, destination) block copies, done before the forward; each source holds a reference
-    # until update() so that nothing reallocates it first.
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
@@ -70,8 +55,12 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepPlan:
+        """The next step: running sequences first (oldest first), then waiting ones by priority and age.
+
+        The plan's block tables are the sequences' own lists: read them before the next schedule().
+        """
+        out = StepPlan()
         budget = self.max_num_batched_tokens
         if self.enable_prefix_caching or len(self.sessions):
             self.sessions.expire()
@@ -82,7 +71,7 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n, out):
                 break  # seq itself was preempted: nothing newer is left
-            out.scheduled.append((seq, n))
+            out.seqs.append(_step(seq, n))
             budget -= n
             i += 1
 
@@ -98,25 +87,26 @@ class Scheduler:
             self._num_waiting -= 1
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append((seq, n))
+            out.seqs.append(_step(seq, n))
             budget -= n
         return out
 
-    def update(self, out: SchedulerOutput) -> list[Sequence]:
+    def update(self, plan: StepPlan) -> list[Sequence]:
         """Account the computed tokens; returns the sequences that caught up and need a new token."""
         ready = []
-        for seq, n in out.scheduled:
+        for step in plan.seqs:
+            seq = step.seq
             before = seq.num_computed
-            seq.num_computed += n
+            seq.num_computed += len(step.token_ids)
             if self.enable_prefix_caching:
                 self._register_full_blocks(seq, before)
             if seq.num_computed == len(seq.token_ids):
                 ready.append(seq)
         # The copies are done: drop the references that kept their sources alive.
-        self.pool.release(src for src, _ in out.copies)
+        self.pool.release(src for src, _ in plan.copies)
         return ready
 
-    def abandon(self, out: SchedulerOutput) -> None:
+    def abandon(self, out: StepPlan) -> None:
         """A step whose forward failed: nothing was computed, so no block is registered as holding a prefix
         (its KV may be unwritten or half-written); only the copy sources are let go."""
         self.pool.release(src for src, _ in out.copies)
@@ -152,7 +142,7 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+    def _grow(self, seq: Sequence, n: int, out: StepPlan) -> bool:
         """Give a running seq blocks for n more tokens, evicting sessions then preempting the newest."""
         need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
         while not self.pool.can_allocate(need):
@@ -166,7 +156,7 @@ class Scheduler:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def _admit(self, seq: Sequence, budget: int, out: StepPlan) -> int:
         """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait."""
         tokens = seq.token_ids
         reused, shared, cow_src = self._find_reuse(seq)
@@ -227,3 +217,11 @@ class Scheduler:
         for i in range(computed_before // bs, num_full):
             if self.pool.block_hash[seq.block_table[i]] is None:
                 self.pool.register(seq.block_table[i], seq.block_hashes[i])
+
+
+def _step(seq: Sequence, n: int) -> SeqStep:
+    """Seq's share of the plan: its next n tokens; it samples when they reach its last token."""
+    start = seq.num_computed
+    end = start + n
+    sample = seq.sample_row() if end == len(seq.token_ids) else None
+    return SeqStep(seq, start, seq.token_ids[start:end], seq.block_table, sample)
