@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from harness import ServerThread
 
 from llmserve_client import Client
@@ -104,3 +105,24 @@ def test_interactive_chat_on_a_terminal(server: ServerThread) -> None:
         os.close(master)
     with Client(server.address, timeout=60) as client:
         assert client.get_session("tty-1").history_turns == 1
+
+
+@pytest.mark.real_model
+def test_real_model_chat_remembers_the_name() -> None:
+    """The issue's example on the default model: the second answer names Ana and equals the full resend's."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.core import AsyncEngine
+    from llmserve.models import load_model
+
+    engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=2048, max_num_seqs=4, cuda_graphs=False))
+    srv = ServerThread(engine).start()
+    try:
+        turns = ["My name is Ana.", "What is my name? Reply with just the name."]
+        out = cli(srv, "chat", "--max-new-tokens", "48", stdin="\n".join(turns) + "\n")
+        assert out.returncode == 0, out.stderr
+        first = resend(srv, [("user", turns[0])], max_new_tokens=48)
+        second = resend(srv, [("user", turns[0]), ("assistant", first), ("user", turns[1])], max_new_tokens=48)
+        assert "Ana" in second
+        assert out.stdout == f"{first}\n{second}\n"
+    finally:
+        srv.stop()

@@ -258,3 +258,64 @@ def test_limits_end_histories_and_name_their_flags() -> None:
             assert code == grpc.StatusCode.NOT_FOUND and "--max-sessions" in message
     finally:
         srv.stop()
+
+
+# -- the default model (SmolLM2-135M-Instruct), greedy ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[tuple[Client, ServerThread]]:
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.core import AsyncEngine
+    from llmserve.models import load_model
+
+    # The same 1,024-token pool as the tiny model's: the filler evicts every idle session.
+    engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=POOL_TOKENS, max_num_seqs=4, cuda_graphs=False))
+    srv = ServerThread(engine).start()
+    with Client(srv.address, timeout=180) as c:
+        yield c, srv
+    srv.stop()
+
+
+ANA = ["My name is Ana.", "What is my name? Reply with just the name."]
+
+
+@pytest.mark.real_model
+def test_real_model_remembers_the_name_in_append_mode(real: tuple[Client, ServerThread]) -> None:
+    client, _ = real
+    first = list(client.chat(ANA[0], session_id="real-ana", new=True, max_new_tokens=48))
+    answer1 = "".join(r.text for r in first)
+    second = list(client.chat(ANA[1], session_id="real-ana", max_new_tokens=48))
+    answer2 = "".join(r.text for r in second)
+    full = client.generate_text(
+        messages=[("user", ANA[0]), ("assistant", answer1), ("user", ANA[1])], max_new_tokens=48
+    )
+    assert "Ana" in answer2 and answer2 == full, (answer2, full)
+    usage1 = first[-1].usage
+    assert second[-1].usage.cached_prompt_tokens >= 0.95 * (usage1.prompt_tokens + usage1.completion_tokens)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    "system, messages, evict_before",
+    [
+        (None, ["What is the capital of France?", "And of Italy?", "Which of the two is bigger?"], 2),
+        ("You are a terse assistant.", ["Name a prime number.", "Another one, larger."], 1),
+    ],
+)
+def test_real_model_append_equals_full_resend(
+    real: tuple[Client, ServerThread], system: str | None, messages: list[str], evict_before: int
+) -> None:
+    client, srv = real
+    session = new_session()
+    history = [("system", system)] if system else []
+    for i, message in enumerate(messages):
+        if i == evict_before:
+            evict_idle_sessions(client, srv, session)
+        history.append(("user", message))
+        options = dict(max_new_tokens=12, return_token_ids=True)
+        append = client.chat(message, session_id=session, new=i == 0, system=system if i == 0 else None, **options)
+        ids = [t for r in append for t in r.token_ids]
+        full_ids, text, _ = run(client, build_request(messages=history, **options))
+        assert ids == full_ids, (i, message)
+        history.append(("assistant", text))
