@@ -195,7 +195,12 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     g.switch("--no-prefix-caching", "turn off automatic prefix caching")
     ttl_help = "seconds an idle session's cache and history are kept"
     g.value("--session-ttl", _non_negative_float, engine.session_ttl_s, ttl_help)
-    g.value("--max-sessions", _positive_int, engine.max_sessions, "most sessions kept (caches and, counted apart, histories)")
+    g.value(
+        "--max-sessions",
+        _positive_int,
+        engine.max_sessions,
+        "most sessions kept (caches and, counted apart, histories)",
+    )
     g.value(
         "--session-pool-fraction",
         _fraction,

@@ -350,17 +350,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return turn.prompt_ids, turn
 
     async def _begin_turn(self, engine: AsyncEngine, request: pb.GenerateRequest, turn: Turn) -> None:
+        """Tell the turn its prompt: the input as it is, or in append mode the held history and the new input."""
         kind = request.WhichOneof("input")
         tokenizer = engine.tokenizer
+        if not turn.continues:
+            ids = await _prompt_token_ids(tokenizer, request)
+            if kind == "chat":
+                turn.begin(HistoryInput.CHAT, ids, [(m.role, m.content) for m in request.chat.messages])
+            else:
+                turn.begin(HistoryInput.TOKENS, ids)
+            return
         if kind == "chat":
             new = [(m.role, m.content) for m in request.chat.messages]
-            if turn.continues and not new:
+            if not new:
                 raise InvalidRequest("chat.messages", "must not be empty")
-            messages = self._histories.continue_chat(turn, new) if turn.continues else new
+            messages = self._histories.continue_chat(turn, new)
+            # The whole conversation is rendered again, as a caller resending it would have it rendered.
             turns = [pb.ChatMessage(role=role, content=content) for role, content in messages]
-            ids = await asyncio.to_thread(_chat_token_ids, tokenizer, turns)
-            turn.begin(HistoryInput.CHAT, ids, messages)
-        elif turn.continues and kind == "text":
+            turn.begin(HistoryInput.CHAT, await asyncio.to_thread(_chat_token_ids, tokenizer, turns), messages)
+        elif kind == "text":
             if not request.text:
                 raise InvalidRequest("text", "must not be empty")
             if tokenizer is None:
@@ -368,15 +376,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             # No special tokens: the new text goes on in the middle of a conversation.
             new_ids = await asyncio.to_thread(tokenizer.encode, request.text, add_special_tokens=False)
             turn.begin(HistoryInput.TOKENS, self._histories.continue_tokens(turn, new_ids, "text"))
-        elif turn.continues and kind == "token_ids":
-            new_ids = list(request.token_ids.ids)
-            if not new_ids:
+        elif kind == "token_ids":
+            if not request.token_ids.ids:
                 raise InvalidRequest("token_ids.ids", "must not be empty")
-            turn.begin(HistoryInput.TOKENS, self._histories.continue_tokens(turn, new_ids, "token_ids"))
+            turn.begin(HistoryInput.TOKENS, self._histories.continue_tokens(turn, request.token_ids.ids, "token_ids"))
         else:
-            turn.begin(HistoryInput.TOKENS, await _prompt_token_ids(tokenizer, request))
-        if turn.continues:
-            self._histories.check_length(len(turn.prompt_ids))
+            await _prompt_token_ids(tokenizer, request)  # raises: no input
+        self._histories.check_length(len(turn.prompt_ids))
 
 
 def _for_caller(exc: InvalidRequest, request: pb.GenerateRequest) -> InvalidRequest:
