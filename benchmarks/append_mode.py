@@ -16,7 +16,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.metrics import percentile
 from llmserve.app import LLMServer
@@ -39,11 +39,11 @@ async def _serve(loaded: LoadedModel, config: EngineConfig, streams: int) -> LLM
 
 async def run_mode(
     loaded: LoadedModel, config: EngineConfig, spec: SessionsSpec, chat: ChatBuilder, append: bool
-) -> tuple[dict, list[list[list[int]]]]:
+) -> tuple[dict[str, Any], list[list[list[int]]]]:
     """One mode's run: its figures, and every session's output ids per turn."""
     server = await _serve(loaded, config, max(256, 2 * spec.sessions))
     client = AsyncClient(f"127.0.0.1:{server.port}")
-    rows: list[list[dict]] = [[] for _ in range(spec.sessions)]
+    rows: list[list[dict[str, Any]]] = [[] for _ in range(spec.sessions)]
     outputs: list[list[list[int]]] = [[] for _ in range(spec.sessions)]
 
     async def session(s: int) -> None:
@@ -52,11 +52,15 @@ async def run_mode(
         prompt = chat.opening(sid, random.Random(f"{spec.seed}/{sid}").randint(lo, hi))
         new = prompt
         for t in range(spec.turns):
-            options = dict(session_id=sid, max_new_tokens=spec.answer, ignore_eos=True, return_token_ids=True)
-            if append and t > 0:
-                request = build_request(token_ids=new, continue_session=True, **options)
-            else:
-                request = build_request(token_ids=prompt, **options)
+            continues = append and t > 0
+            request = build_request(
+                token_ids=new if continues else prompt,
+                session_id=sid,
+                continue_session=continues,
+                max_new_tokens=spec.answer,
+                ignore_eos=True,
+                return_token_ids=True,
+            )
             start = time.perf_counter()
             first = None
             ids: list[int] = []
@@ -90,7 +94,7 @@ async def run_mode(
     return summarize(rows, wall, append, spec), outputs
 
 
-def summarize(rows: list[list[dict]], wall: float, append: bool, spec: SessionsSpec) -> dict:
+def summarize(rows: list[list[dict[str, Any]]], wall: float, append: bool, spec: SessionsSpec) -> dict[str, Any]:
     flat = [r for session in rows for r in session]
     later = [r for session in rows for r in session[1:]]
     prompt_tokens = sum(r["prompt_tokens"] for r in flat)
@@ -118,14 +122,16 @@ def summarize(rows: list[list[dict]], wall: float, append: bool, spec: SessionsS
     }
 
 
-async def append_vs_resend(loaded: LoadedModel, config: EngineConfig, spec: SessionsSpec, chat: ChatBuilder) -> dict:
+async def append_vs_resend(
+    loaded: LoadedModel, config: EngineConfig, spec: SessionsSpec, chat: ChatBuilder
+) -> dict[str, Any]:
     """Both modes, resend first, on fresh servers; and whether their outputs agree token for token."""
     resend, resend_out = await run_mode(loaded, config, spec, chat, append=False)
     append, append_out = await run_mode(loaded, config, spec, chat, append=True)
     return {"modes": [resend, append], "same_outputs": resend_out == append_out}
 
 
-def to_markdown(result: dict, spec: dict, fmt: Callable[[float | None], str]) -> list[str]:
+def to_markdown(result: dict[str, Any], spec: dict[str, Any], fmt: Callable[[float | None], str]) -> list[str]:
     resend, append = result["modes"]
     turns = range(1, spec["turns"] + 1)
     lines = [

@@ -14,7 +14,7 @@ is the same as resending the whole conversation would give.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator
 from typing import TYPE_CHECKING, Any
 
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
@@ -65,7 +65,7 @@ class _ConversationState:
             self.last = response
             self.started = True
 
-    def reset(self, system: str | None) -> None:
+    def forget(self, system: str | None) -> None:
         self.started = False
         self.last = None
         if system is not None:
@@ -91,7 +91,7 @@ class Conversation(_ConversationState):
         super().__init__(session_id, system, resume, options)
         self.client = client
 
-    def send(self, message: str, **options: Any) -> Iterator[pb.GenerateResponse]:
+    def send(self, message: str, **options: Any) -> Generator[pb.GenerateResponse, None, None]:
         """Stream the answer to one user message. A turn cut short (error, cancel) leaves the history as it was."""
         for response in self.client.generate(self.request(message, options)):
             self.observe(response)
@@ -105,7 +105,7 @@ class Conversation(_ConversationState):
         """Forget the conversation on the server; the next turn starts a new one (with `system`, if given;
         "" drops the system message)."""
         self.client.delete_session(self.session_id)
-        super().reset(system)
+        self.forget(system)
 
     def stats(self) -> pb.GetSessionResponse | None:
         """What the server holds for the session (history turns and tokens, cached tokens); None: nothing."""
@@ -137,7 +137,7 @@ class AsyncConversation(_ConversationState):
 
     async def reset(self, system: str | None = None) -> None:
         await self.client.delete_session(self.session_id)
-        super().reset(system)
+        self.forget(system)
 
     async def stats(self) -> pb.GetSessionResponse | None:
         return await self.client.get_session(self.session_id)
