@@ -10,15 +10,13 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import ServerThread, needs_engine, tiny_engine, wait_until
+from harness import ServerThread, tiny_engine, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_service_errors import _status
 
 from llmserve.history import HistoryConfig
 from llmserve_client import Client, build_request, pb
-
-pytestmark = [needs_engine]
 
 # A pool of 1,024 tokens (the context): a 1,023-token filler prompt plus its one new token needs all of it,
 # so it evicts every idle session.
