@@ -9,6 +9,7 @@ import grpc
 
 from llmserve_client import health
 from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
+from llmserve_client.conversation import AsyncConversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from llmserve_client.request import Message, build_request, tokenize_request
@@ -60,6 +61,27 @@ class AsyncClient:
 
     async def generate_text(self, prompt: str | pb.GenerateRequest | None = None, **options: Any) -> str:
         return "".join([r.text async for r in self.generate(prompt, **options)])
+
+    async def chat(
+        self,
+        message: str,
+        *,
+        session_id: str,
+        new: bool = False,
+        system: str | None = None,
+        timeout: Any = _DEFAULT,
+        **options: Any,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream the answer to one user message of a held conversation (see Client.chat)."""
+        request = chat_request(message, session_id=session_id, new=new, system=system, **options)
+        async for response in self.generate(request, timeout=timeout):
+            yield response
+
+    def conversation(
+        self, session_id: str | None = None, *, system: str | None = None, resume: bool = False, **options: Any
+    ) -> AsyncConversation:
+        """An AsyncConversation under `session_id` (a new random one when None)."""
+        return AsyncConversation(self, session_id, system=system, resume=resume, **options)
 
     async def tokenize(
         self, text: str | None = None, *, messages: Iterable[Message] | None = None, timeout: Any = _DEFAULT

@@ -2,6 +2,7 @@
 
     llmserve-client generate "Tell me a joke" --max-new-tokens 64     # prints text as it streams
     llmserve-client generate "What is 2+2?" --chat --json             # one JSON line per response message
+    llmserve-client chat --session ana-1                              # a conversation held on the server
     llmserve-client health                                            # exit status 0 only when SERVING
     llmserve-client model-info
     llmserve-client tokenize "Hello world"
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf import json_format
 
+from llmserve_client import chat
 from llmserve_client.channel import TLS
 from llmserve_client.client import Client
 
@@ -44,7 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     gen.add_argument("--system", help="with --chat: a system message before it")
-    gen.add_argument("--session", default="", help="session id: reuse the conversation's cache across calls")
+    gen.add_argument("--session", default="", help="session id: the server keeps the conversation's cache and history")
+    gen.add_argument(
+        "--continue",
+        dest="continue_session",
+        action="store_true",
+        help="with --session: the prompt continues the session's history (send only the new turn)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=None, help="default: the server's")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -57,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print each response message as one line of JSON (proto field names)"
     )
     gen.add_argument("--stats", action="store_true", help="print usage and timing to stderr at the end")
+
+    chat.add_parser(commands)
 
     health = commands.add_parser("health", help="grpc.health.v1 check; exit 0 only when SERVING")
     health.add_argument("--service", default="", help="service name (default: the whole server)")
@@ -87,6 +97,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         **source,
         timeout=args.timeout,
         session_id=args.session,
+        continue_session=args.continue_session,
         request_id=args.request_id,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -117,11 +128,16 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate" and args.continue_session and not args.session:
+        parser.error("--continue needs --session")
     try:
         with Client(args.address, timeout=args.timeout, tls=_tls(args)) as client:
             if args.command == "generate":
                 return _generate(client, args)
+            if args.command == "chat":
+                return chat.run(client, args)
             if args.command == "health":
                 status = client.health(args.service)
                 print(status)

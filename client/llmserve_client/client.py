@@ -9,6 +9,7 @@ import grpc
 
 from llmserve_client import health
 from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
+from llmserve_client.conversation import Conversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from llmserve_client.request import Message, build_request, tokenize_request
@@ -65,6 +66,31 @@ class Client:
     def generate_text(self, prompt: str | pb.GenerateRequest | None = None, **options: Any) -> str:
         """The whole completion as one string (same arguments as generate)."""
         return "".join(r.text for r in self.generate(prompt, **options))
+
+    def chat(
+        self,
+        message: str,
+        *,
+        session_id: str,
+        new: bool = False,
+        system: str | None = None,
+        timeout: Any = _DEFAULT,
+        **options: Any,
+    ) -> Iterator[pb.GenerateResponse]:
+        """Stream the answer to one user message of the conversation held under `session_id`.
+
+        By default the message continues the session (append mode: the server prepends its history; a
+        session it holds nothing for is NOT_FOUND). `new=True` starts the conversation (with `system`, if
+        given), replacing whatever the session held. Other options as for generate.
+        """
+        request = chat_request(message, session_id=session_id, new=new, system=system, **options)
+        return self.generate(request, timeout=timeout)
+
+    def conversation(
+        self, session_id: str | None = None, *, system: str | None = None, resume: bool = False, **options: Any
+    ) -> Conversation:
+        """A Conversation under `session_id` (a new random one when None); see llmserve_client.conversation."""
+        return Conversation(self, session_id, system=system, resume=resume, **options)
 
     def tokenize(
         self, text: str | None = None, *, messages: Iterable[Message] | None = None, timeout: Any = _DEFAULT

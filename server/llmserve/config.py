@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.engine.config import EngineConfig
+from llmserve.history import HistoryConfig
 
 ENV_PREFIX = "LLMSERVE_"
 DEFAULT_ADDRESS = "0.0.0.0:50051"
@@ -44,6 +45,8 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # Session histories (append mode): TTL and count follow the engine's session flags.
+    history: HistoryConfig = field(default_factory=HistoryConfig)
 
 
 @dataclass(slots=True, frozen=True)
@@ -200,8 +203,14 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED",
     )
     g.switch("--no-prefix-caching", "turn off automatic prefix caching")
-    g.value("--session-ttl", _non_negative_float, engine.session_ttl_s, "seconds an idle session's cache is kept")
-    g.value("--max-sessions", _positive_int, engine.max_sessions, "most sessions kept")
+    ttl_help = "seconds an idle session's cache and history are kept"
+    g.value("--session-ttl", _non_negative_float, engine.session_ttl_s, ttl_help)
+    g.value(
+        "--max-sessions",
+        _positive_int,
+        engine.max_sessions,
+        "most sessions kept (caches and, counted apart, histories)",
+    )
     g.value(
         "--session-pool-fraction",
         _fraction,
@@ -215,11 +224,35 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "CPU backend's compiled kernels (built at install time): auto (use them where installed, else warn and "
         "run the torch paths), require (refuse to start without them), off",
     )
+    _history_flags(_Flags(parser.add_argument_group("session histories"), env))
     g.switch("--no-cuda-graphs", "turn off CUDA graphs for the decode step")
     g.switch("--no-native-attention", "CPU: decode attention through torch instead of the compiled kernel")
     g.switch("--no-packed-linear", "CPU float32: plain linear layers instead of packed oneDNN weights")
     g.switch("--no-fused-layers", "CPU: transformers' own layer forward instead of the fused one (Llama family)")
     return parser
+
+
+def _history_flags(g: _Flags) -> None:
+    history = HistoryConfig()
+    g.value(
+        "--max-session-tokens",
+        _positive_int,
+        history.max_tokens,
+        "most tokens a session's history may hold; a longer continued prompt is INVALID_ARGUMENT; unset: the context",
+    )
+    g.value(
+        "--session-history-mib",
+        _positive_float,
+        history.max_bytes / (1 << 20),
+        "memory cap of all held session histories in MiB (least recently used evicted first)",
+    )
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be > 0, got {value}")
+    return value
 
 
 def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -243,6 +276,12 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
+            history=HistoryConfig(
+                ttl_s=args.session_ttl,
+                max_sessions=args.max_sessions,
+                max_bytes=int(args.session_history_mib * (1 << 20)),
+                max_tokens=args.max_session_tokens,
+            ),
         ),
         model=ModelConfig(spec=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir),
         engine=EngineConfig(

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf import timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from llmserve.config import ServerConfig
@@ -33,6 +32,7 @@ from llmserve.engine.request import (
     StoppingParams,
     TokenLogprob,
 )
+from llmserve.history import HistoryBusy, HistoryInput, HistoryStore, NoHistory, Turn
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
@@ -64,6 +64,7 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 # How long a call whose request_id is still in flight waits for that stream to end (it may have just been
 # cancelled) before the id counts as a duplicate.
 REUSE_WAIT_S = 0.5
+_HISTORY_INPUT = {HistoryInput.CHAT: pb.HISTORY_INPUT_CHAT, HistoryInput.TOKENS: pb.HISTORY_INPUT_TOKENS}
 
 
 class ServiceError(Exception):
@@ -101,10 +102,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._in_flight: dict[str, asyncio.Event] = {}  # request_id -> set when that stream has ended
         self._idle = asyncio.Event()
         self._idle.set()
+        self._histories = HistoryStore(config.history)
 
     def attach(self, engine: Engine) -> None:
         """Start serving with `engine` (already started and warmed up)."""
         self._engine = engine
+        if self._config.history.max_tokens is None:
+            self._histories.max_tokens = engine.model_info.context_length
 
     def begin_drain(self) -> None:
         """Refuse new Generate streams from now on; those in flight go on."""
@@ -130,13 +134,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         record = _RequestLog(request_id, time.monotonic())
         ended: asyncio.Event | None = None
+        turn: Turn | None = None
         try:
             engine, ended = await self._admit(request_id)
-            gen_request = await self._to_generation_request(engine, request, request_id, context.time_remaining())
+            session_key = self._session_key(context, request.session_id) if request.session_id else None
+            prompt_ids, turn = await self._session_prompt(engine, request, request_id, session_key)
+            gen_request = self._to_generation_request(
+                engine, request, request_id, prompt_ids, session_key, context.time_remaining()
+            )
             record.prompt_tokens = len(gen_request.prompt_token_ids)
             if self._config.log_prompts:
                 record.prompt = _input_text(request)
-            async for response in self._stream(engine, gen_request, request, record):
+            async for response in self._stream(engine, gen_request, request, record, turn):
                 yield response
             record.status = "OK"
         except asyncio.CancelledError:
@@ -148,6 +157,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             record.status = _CODE_NAMES[status.code] if status else type(exc).__name__
             raise
         finally:
+            if turn is not None:
+                turn.release()
             if ended is not None:
                 ended.set()
                 del self._in_flight[request_id]
@@ -181,7 +192,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return engine, ended
 
     async def _stream(
-        self, engine: Engine, gen_request: GenerationRequest, request: pb.GenerateRequest, record: _RequestLog
+        self,
+        engine: Engine,
+        gen_request: GenerationRequest,
+        request: pb.GenerateRequest,
+        record: _RequestLog,
+        turn: Turn | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Yield one response per delta; raise for endings that are not a normal finish."""
         options = request.response
@@ -193,6 +209,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     record.observe(delta)
                     if delta.finish_reason is FinishReason.DEADLINE:
                         raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+                    if turn is not None:
+                        turn.observe(delta)  # writes the history before the caller sees the last message
                     yield _to_response(delta, options, prompt_ids)
                     prompt_ids = ()
                     if delta.finish_reason is FinishReason.CANCELLED:
@@ -202,10 +220,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except InvalidRequest as exc:
             raise _for_caller(exc, request) from None
 
-    async def _to_generation_request(
-        self, engine: Engine, request: pb.GenerateRequest, request_id: str, time_remaining: float | None
+    def _to_generation_request(
+        self,
+        engine: Engine,
+        request: pb.GenerateRequest,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        session_key: str | None,
+        time_remaining: float | None,
     ) -> GenerationRequest:
-        prompt_ids = await _prompt_token_ids(engine.tokenizer, request)
         s, st = request.sampling, request.stopping
         sampling = SamplingParams(
             temperature=s.temperature,
@@ -235,7 +258,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prompt_token_ids=tuple(prompt_ids),
             sampling=sampling,
             stopping=stopping,
-            session_id=request.session_id or None,
+            session_id=session_key,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
             priority=request.priority,
             logprobs=request.response.logprobs or request.response.top_logprobs > 0,
@@ -269,12 +292,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         engine = self._ready_engine()
         if not request.session_id:
             raise InvalidRequest("session_id", "must not be empty")
-        info = engine.get_session(request.session_id)
-        if info is None:
+        key = self._session_key(context, request.session_id)
+        info = engine.get_session(key)
+        held = self._histories.get(key)
+        if info is None and held is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
-        last_used = timestamp_pb2.Timestamp()
-        last_used.FromNanoseconds(int(info.last_used * 1e9))
-        return pb.GetSessionResponse(session_id=info.session_id, cached_tokens=info.cached_tokens, last_used=last_used)
+        response = pb.GetSessionResponse(session_id=request.session_id)
+        used = 0.0
+        if info is not None:
+            response.cached_tokens = info.cached_tokens
+            used = info.last_used
+        if held is not None:
+            response.history_turns = held.turns
+            response.history_tokens = len(held.token_ids)
+            response.history_input = _HISTORY_INPUT[held.kind]
+            used = max(used, held.last_used_wall)
+        response.last_used.FromNanoseconds(int(used * 1e9))
+        return response
 
     async def DeleteSession(
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
@@ -282,7 +316,87 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         engine = self._ready_engine()
         if not request.session_id:
             raise InvalidRequest("session_id", "must not be empty")
-        return pb.DeleteSessionResponse(deleted=engine.delete_session(request.session_id))
+        key = self._session_key(context, request.session_id)
+        held = self._histories.delete(key)
+        cached = engine.delete_session(key)
+        return pb.DeleteSessionResponse(deleted=held or cached)
+
+    # -- sessions: keys, histories and append mode (history.py holds the book-keeping) -------------
+
+    def _session_key(self, context: grpc.aio.ServicerContext, session_id: str) -> str:
+        """The key a caller's session id is stored under, in the engine's cache and in the history store.
+
+        Every session-id use goes through here, so that scoping sessions per caller identity changes one place.
+        """
+        return session_id
+
+    async def _session_prompt(
+        self, engine: Engine, request: pb.GenerateRequest, request_id: str, session_key: str | None
+    ) -> tuple[list[int], Turn | None]:
+        """The prompt's token ids, and the session turn that will record the history (None without a session).
+
+        In append mode (continue_session) the prompt is the held history followed by the new input.
+        """
+        if session_key is None:
+            if request.continue_session:
+                raise InvalidRequest("session_id", "must be set with continue_session")
+            return await _prompt_token_ids(engine.tokenizer, request), None
+        try:
+            turn = self._histories.start(session_key, request_id, continues=request.continue_session)
+        except NoHistory as exc:
+            why = f" ({exc.reason})" if exc.reason else ""
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"session {request.session_id!r} holds no history to continue{why}; "
+                "resend the whole conversation without continue_session to start it again",
+            ) from None
+        except HistoryBusy as exc:
+            raise ServiceError(
+                grpc.StatusCode.ABORTED,
+                f"session {request.session_id!r} is being continued by request {exc.request_id!r}; "
+                "retry once it has finished",
+            ) from None
+        try:
+            await self._begin_turn(engine, request, turn)
+        except BaseException:
+            turn.release()
+            raise
+        return turn.prompt_ids, turn
+
+    async def _begin_turn(self, engine: Engine, request: pb.GenerateRequest, turn: Turn) -> None:
+        """Tell the turn its prompt: the input as it is, or in append mode the held history and the new input."""
+        kind = request.WhichOneof("input")
+        tokenizer = engine.tokenizer
+        if not turn.continues:
+            ids = await _prompt_token_ids(tokenizer, request)
+            if kind == "chat":
+                turn.begin(HistoryInput.CHAT, ids, [(m.role, m.content) for m in request.chat.messages])
+            else:
+                turn.begin(HistoryInput.TOKENS, ids)
+            return
+        if kind == "chat":
+            new = [(m.role, m.content) for m in request.chat.messages]
+            if not new:
+                raise InvalidRequest("chat.messages", "must not be empty")
+            messages = self._histories.continue_chat(turn, new)
+            # The whole conversation is rendered again, as a caller resending it would have it rendered.
+            turns = [pb.ChatMessage(role=role, content=content) for role, content in messages]
+            turn.begin(HistoryInput.CHAT, await asyncio.to_thread(_chat_token_ids, tokenizer, turns), messages)
+        elif kind == "text":
+            if not request.text:
+                raise InvalidRequest("text", "must not be empty")
+            if tokenizer is None:
+                raise InvalidRequest("text", "the model has no tokenizer: send token_ids")
+            # No special tokens: the new text goes on in the middle of a conversation.
+            new_ids = await asyncio.to_thread(tokenizer.encode, request.text, add_special_tokens=False)
+            turn.begin(HistoryInput.TOKENS, self._histories.continue_tokens(turn, new_ids, "text"))
+        elif kind == "token_ids":
+            if not request.token_ids.ids:
+                raise InvalidRequest("token_ids.ids", "must not be empty")
+            turn.begin(HistoryInput.TOKENS, self._histories.continue_tokens(turn, request.token_ids.ids, "token_ids"))
+        else:
+            await _prompt_token_ids(tokenizer, request)  # raises: no input
+        self._histories.check_length(len(turn.prompt_ids))
 
 
 def _for_caller(exc: InvalidRequest, request: pb.GenerateRequest) -> InvalidRequest:

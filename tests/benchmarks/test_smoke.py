@@ -63,3 +63,10 @@ def test_grpc_and_sessions_in_their_own_processes(tiny_model: Path, tmp_path: Pa
     assert on["reuse"] and on["hit_rate"] > 0.3
     assert not off["reuse"] and off["cached_prompt_tokens"] == 0
     assert all(c > 0 for c in sessions["long_history"]["cached_prompt_tokens"])
+    append = sessions["append_mode"]
+    resend_mode, append_mode = append["modes"]
+    assert append["same_outputs"] and append_mode["mode"] == "append"
+    # Append mode sends the first turn whole, then only the new tokens: less than the resend from turn 2 on.
+    assert append_mode["bytes_per_turn"][0] == resend_mode["bytes_per_turn"][0]
+    later = zip(append_mode["bytes_per_turn"][1:], resend_mode["bytes_per_turn"][1:], strict=True)
+    assert all(a < r for a, r in later)
