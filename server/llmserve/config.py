@@ -44,6 +44,11 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # Operations: Prometheus /metrics port (0: off), the name sent back in x-llmserve-replica (None:
+    # host name and port), and OpenTelemetry tracing (configured by the OTEL_* variables).
+    metrics_port: int = 0
+    replica_name: str | None = None
+    tracing: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,6 +104,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a port number in [0, 65535], got {value}")
     return value
 
 
@@ -160,6 +172,16 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     g.value("--tls-cert", str, None, "PEM certificate chain: serve TLS (needs --tls-key); unset: plaintext")
     g.value("--tls-key", str, None, "PEM private key of --tls-cert")
     g.value("--tls-client-ca", str, None, "PEM root certificates: require client certificates signed by them")
+
+    g = _Flags(parser.add_argument_group("operations"), env)
+    g.value("--metrics-port", _port, server.metrics_port, "serve Prometheus metrics at :PORT/metrics (0: off)")
+    g.value(
+        "--replica-name",
+        str,
+        None,
+        "name returned in the x-llmserve-replica trailing metadata; unset: host name and port",
+    )
+    g.switch("--tracing", "OpenTelemetry spans for Generate calls, exported as the OTEL_* variables say")
 
     g = _Flags(parser.add_argument_group("engine"), env)
     g.value(
@@ -226,6 +248,9 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
+            metrics_port=args.metrics_port,
+            replica_name=args.replica_name,
+            tracing=args.tracing,
         ),
         model=ModelConfig(spec=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir),
         engine=EngineConfig(

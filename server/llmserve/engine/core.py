@@ -61,6 +61,25 @@ class SessionInfo:
     last_used: float  # unix time
 
 
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's book-keeping, for metrics: gauges now, and counters since start."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # referenced by running sequences or sessions
+    kv_blocks_cached: int  # unreferenced, kept for prefix reuse (allocatable)
+    block_size: int
+    sessions: int
+    session_blocks: int
+    preemptions: int
+    session_hits: int
+    session_misses: int
+    session_evictions: dict[str, int]
+    prefix_cache_hits: int
+
+
 @dataclass(slots=True, eq=False)
 class _Live:
     """A request inside the engine: its sequence, detokenizer and where its deltas go."""
@@ -192,6 +211,26 @@ class EngineCore:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        """Read without the lock (plain ints, each read atomically): a scrape never stalls a step."""
+        pool, sessions, scheduler = self.pool, self.sessions, self.scheduler
+        free = pool.num_free
+        return EngineStats(
+            running=self.num_running,
+            waiting=self.num_waiting,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_blocks - free,
+            kv_blocks_cached=pool.num_cached,
+            block_size=pool.block_size,
+            sessions=len(sessions),
+            session_blocks=sessions.num_blocks_held,
+            preemptions=scheduler.num_preemptions,
+            session_hits=scheduler.num_session_hits,
+            session_misses=scheduler.num_session_misses,
+            session_evictions=dict(sessions.evictions),
+            prefix_cache_hits=scheduler.num_prefix_cache_hits,
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -422,6 +461,9 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         return self.core.num_waiting
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
 
     async def start(self) -> None:
         """Warm up (one short generation, off the event loop), then start the step thread."""
