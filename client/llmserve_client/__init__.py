@@ -13,5 +13,17 @@ from llmserve_client.channel import TLS
 from llmserve_client.client import Client
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.request import build_request, chat_input, tokenize_request
+from llmserve_client.retry import NO_RETRY, CallInfo, Retry
 
-__all__ = ["AsyncClient", "Client", "TLS", "build_request", "chat_input", "pb", "tokenize_request"]
+__all__ = [
+    "NO_RETRY",
+    "AsyncClient",
+    "CallInfo",
+    "Client",
+    "Retry",
+    "TLS",
+    "build_request",
+    "chat_input",
+    "pb",
+    "tokenize_request",
+]
