@@ -43,7 +43,7 @@ $(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
 # Converts the default model once (cached under $$LLMSERVE_CACHE_DIR or ~/.cache/llmserve).
 model: $(STAMP_MODEL)
 $(STAMP_MODEL): $(STAMP_INSTALL)
-	HF_HUB_OFFLINE=1 $(PY) -c "from llmserve.models import load_model; m = load_model(); print('model ready:', m.name)"
+	HF_HUB_OFFLINE=1 $(PY) -m llmserve.models
 	@mkdir -p $(dir $@) && touch $@
 
 run: $(STAMP_MODEL)
