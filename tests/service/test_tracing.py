@@ -111,4 +111,3 @@ def test_a_clear_error_when_opentelemetry_is_missing(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # import fails as if not installed
     with pytest.raises(SystemExit, match=r"pip install 'llmserve\[tracing\]'"):
         tracing.from_env(environ={})
-
