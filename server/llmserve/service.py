@@ -146,7 +146,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             async for response in self._stream(engine, gen_request, request, record):
                 yield response
             record.status = "OK"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A caller that goes away cancels the handler, or, when gRPC notices it at a write, closes this
+            # generator (GeneratorExit); both are the caller's cancel (or its deadline).
             remaining = context.time_remaining()
             # The caller's own deadline timer fires first and cancels the call just before ours would.
             past = remaining is not None and remaining <= _DEADLINE_SLACK_S
