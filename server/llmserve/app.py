@@ -242,8 +242,11 @@ async def run(config: Config) -> None:
     try:
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
+            # Building the engine (KV allocation, weight packing, graph capture) takes seconds: off the loop,
+            # so that health keeps answering NOT_SERVING meanwhile.
+            engine = await asyncio.to_thread(AsyncEngine, loading.result(), config.engine)
             # Serve even when a signal came meanwhile: stop() below then shuts the engine down.
-            await server.serve(AsyncEngine(loading.result(), config.engine))
+            await server.serve(engine)
             await stopping
         else:
             log.info("stopping before the model finished loading")

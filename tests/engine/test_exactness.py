@@ -39,7 +39,7 @@ async def run_all(
         return tokens
 
     try:
-        outputs = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))), timeout=300)
+        outputs = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))), timeout=120)
     finally:
         await engine.shutdown()
     return list(outputs), engine
@@ -117,8 +117,9 @@ async def test_preemption_really_happens_and_stays_exact() -> None:
 
 async def collect(engine: AsyncEngine, request: GenerationRequest) -> list[int]:
     tokens: list[int] = []
-    async for delta in engine.generate(request):
-        tokens.extend(delta.token_ids)
+    async with asyncio.timeout(60):  # a stuck engine fails in a minute, not at pytest's timeout
+        async for delta in engine.generate(request):
+            tokens.extend(delta.token_ids)
     return tokens
 
 

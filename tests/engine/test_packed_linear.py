@@ -11,9 +11,16 @@ from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
 from tests.tiny import TINY_VOCAB, tiny_config
 
-pytestmark = pytest.mark.skipif(
-    not packed_linear.available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN linear"
-)
+# Decided without the function under test, so that a broken `available` fails here instead of skipping.
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+pytestmark = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN linear")
+
+
+def test_available_exactly_for_float32_on_the_cpu() -> None:
+    assert packed_linear.available(torch.device("cpu"), torch.float32)
+    assert not packed_linear.available(torch.device("cpu"), torch.float64)
+    assert not packed_linear.available(torch.device("cpu"), torch.bfloat16)
+    assert not packed_linear.available(torch.device("meta"), torch.float32)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2's q/k/v projections have biases

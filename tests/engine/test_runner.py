@@ -36,3 +36,17 @@ def test_chunk_attention_equals_causal_attention(cached: int, length: int) -> No
     causal = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
     expected = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=causal, enable_gqa=True)
     assert torch.allclose(out[0], expected[0].transpose(0, 1), atol=1e-12)
+
+
+def test_copy_blocks_copies_every_layers_keys_and_values_and_nothing_else() -> None:
+    runner = ModelRunner(from_config(tiny_config(), dtype=torch.float64).model, num_blocks=8, block_size=4)
+    runner.kv.copy_(torch.randn(runner.kv.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    before = runner.kv.clone()
+    runner.copy_blocks([(2, 5), (6, 0)])
+
+    def block(kv: torch.Tensor, b: int) -> torch.Tensor:  # every layer, K and V, every kv head
+        return kv[:, :, :, b * 4 : (b + 1) * 4]
+
+    assert torch.equal(block(runner.kv, 5), block(before, 2)) and torch.equal(block(runner.kv, 0), block(before, 6))
+    for b in (1, 2, 3, 4, 6, 7, 8):  # 8: the scratch block
+        assert torch.equal(block(runner.kv, b), block(before, b))

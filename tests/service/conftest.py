@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import ENGINE_LANDED, ServerThread, tiny_engine
+from harness import ServerThread, tiny_engine
 
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
@@ -14,8 +14,6 @@ from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     """A serving LLMServer over the real engine and the tiny model, shared by the tests of a module."""
-    if not ENGINE_LANDED:
-        pytest.skip("waiting for llmserve.engine.core to land")
     srv = ServerThread(tiny_engine()).start()
     yield srv
     srv.stop()

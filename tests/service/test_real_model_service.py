@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from harness import ServerThread, needs_engine
+from harness import ServerThread
 
 from llmserve.engine.config import EngineConfig
 from llmserve.models import load_model
 from llmserve_client import Client, pb
 
-pytestmark = [pytest.mark.real_model, needs_engine]
+pytestmark = [pytest.mark.real_model]
 
 
 def test_chat_capital_of_france_streams_paris() -> None:

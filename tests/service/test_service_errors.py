@@ -11,7 +11,7 @@ from fake_engine import FakeEngine
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
-from harness import CONTEXT_LENGTH, ENGINE_LANDED, ServerThread, tiny_engine, wait_until
+from harness import CONTEXT_LENGTH, ServerThread, tiny_engine, wait_until
 
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
@@ -91,8 +91,6 @@ def test_tokenize_needs_input(stub) -> None:
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[ServerThread]:
-    if not ENGINE_LANDED:
-        pytest.skip("waiting for llmserve.engine.core to land")
     srv = ServerThread(tiny_engine(), max_concurrent_streams=2).start()
     yield srv
     srv.stop()
