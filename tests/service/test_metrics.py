@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import ENGINE_LANDED, ServerThread, tiny_engine, wait_until
+from harness import ServerThread, tiny_engine, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve_client import build_request, pb
@@ -32,8 +32,6 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def metered() -> Iterator[tuple[ServerThread, int]]:
-    if not ENGINE_LANDED:
-        pytest.skip("waiting for llmserve.engine.core to land")
     port = free_port()
     srv = ServerThread(tiny_engine(), metrics_port=port, max_concurrent_streams=MAX_STREAMS).start()
     yield srv, port

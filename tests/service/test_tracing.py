@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import ENGINE_LANDED, ServerThread, tiny_engine
+from harness import ServerThread, tiny_engine
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -43,8 +43,6 @@ def exporter() -> InMemorySpanExporter:
 
 @pytest.fixture(scope="module")
 def traced(exporter: InMemorySpanExporter) -> Iterator[TracedServer]:
-    if not ENGINE_LANDED:
-        pytest.skip("waiting for llmserve.engine.core to land")
     srv = TracedServer(tiny_engine(), exporter).start()
     yield srv
     srv.stop()
