@@ -168,6 +168,10 @@ class Nginx:
                 self.proc.wait()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Three replicas behind nginx until Ctrl-C (`make demo`)."""
     import argparse
@@ -190,12 +194,22 @@ def main(argv: list[str] | None = None) -> int:
             nginx.start()
             print(f"nginx on {nginx.address} -> " + ", ".join(f"{r.name} {r.address}" for r in replicas))
             print("metrics: " + ", ".join(f"http://127.0.0.1:{r.metrics_port}/metrics" for r in replicas))
-            print(
-                f'try:  llmserve-client --address {nginx.address} generate "Hi, I am Ana." --chat --session ana --stats'
-            )
-            print("      (the same --session always prints the same replica=; another session may land elsewhere)")
+            if args.model and args.model.startswith("random:"):  # no tokenizer: token ids through the library
+                print(
+                    'try:  python -c "from llmserve_client import Client, CallInfo; info = CallInfo(); '
+                    f"c = Client('{nginx.address}'); list(c.generate(token_ids=[5, 6, 7], session_id='ana', "
+                    'max_new_tokens=4, info=info)); print(info.replica)"'
+                )
+            else:
+                print(
+                    f"try:  llmserve-client --address {nginx.address} "
+                    'generate "Hi, I am Ana." --chat --session ana --stats'
+                )
+            print("      (the same session always lands on the same replica; another may land elsewhere)")
             print("Ctrl-C stops everything.")
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            signal.signal(signal.SIGTERM, _interrupt)
+            while True:
+                signal.pause()
         except KeyboardInterrupt:
             pass
         finally:
