@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -13,8 +14,10 @@ from llmserve_client.conversation import AsyncConversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from llmserve_client.request import Message, build_request, tokenize_request
+from llmserve_client.retry import DEFAULT_RETRY, Attempts, CallInfo, Metadata, Retry, session_metadata
 
 _DEFAULT = object()
+T = TypeVar("T")
 
 
 class AsyncClient:
@@ -27,9 +30,11 @@ class AsyncClient:
         timeout: float | None = None,
         tls: TLS | bool | None = None,
         options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
+        retry: Retry = DEFAULT_RETRY,
     ) -> None:
         self.target = target
         self.timeout = timeout
+        self.retry = retry
         self._channel = open_channel(target, tls, options, aio=True)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._health_check = health.check_method(self._channel)
@@ -47,17 +52,35 @@ class AsyncClient:
         return self.timeout if timeout is _DEFAULT else timeout
 
     async def generate(
-        self, prompt: str | pb.GenerateRequest | None = None, *, timeout: Any = _DEFAULT, **options: Any
+        self,
+        prompt: str | pb.GenerateRequest | None = None,
+        *,
+        timeout: Any = _DEFAULT,
+        info: CallInfo | None = None,
+        **options: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the responses (see Client.generate). Closing the iterator or cancelling the task
         cancels the call on the server."""
         request = prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **options)
-        call = self._stub.Generate(request, timeout=self._timeout(timeout))
-        try:
-            async for response in call:
-                yield response
-        finally:
-            call.cancel()
+        attempts = Attempts(self.retry, self._timeout(timeout), info)
+        metadata = session_metadata(request.session_id)
+        while True:
+            call = self._stub.Generate(request, timeout=attempts.start(), metadata=metadata)
+            received = False
+            try:
+                async for response in call:
+                    received = True
+                    yield response
+                return
+            except grpc.RpcError as error:
+                delay = None if received else attempts.retry_after(error)
+                if delay is None:
+                    raise
+            finally:
+                call.cancel()
+                if call.done():
+                    attempts.info.record(await call.trailing_metadata())
+            await asyncio.sleep(delay)
 
     async def generate_text(self, prompt: str | pb.GenerateRequest | None = None, **options: Any) -> str:
         return "".join([r.text async for r in self.generate(prompt, **options)])
@@ -87,11 +110,11 @@ class AsyncClient:
         self, text: str | None = None, *, messages: Iterable[Message] | None = None, timeout: Any = _DEFAULT
     ) -> list[int]:
         request = tokenize_request(text, messages=messages)
-        response = await self._stub.Tokenize(request, timeout=self._timeout(timeout))
+        response = await self._unary(self._stub.Tokenize, request, timeout)
         return list(response.token_ids)
 
     async def model_info(self, *, timeout: Any = _DEFAULT) -> pb.GetModelInfoResponse:
-        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout))
+        return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
 
     async def health(self, service: str = "", *, timeout: Any = _DEFAULT) -> str:
         request = health.HealthCheckRequest(service=service)
@@ -100,7 +123,7 @@ class AsyncClient:
     async def get_session(self, session_id: str, *, timeout: Any = _DEFAULT) -> pb.GetSessionResponse | None:
         try:
             request = pb.GetSessionRequest(session_id=session_id)
-            return await self._stub.GetSession(request, timeout=self._timeout(timeout))
+            return await self._unary(self._stub.GetSession, request, timeout, session_metadata(session_id))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -108,4 +131,19 @@ class AsyncClient:
 
     async def delete_session(self, session_id: str, *, timeout: Any = _DEFAULT) -> bool:
         request = pb.DeleteSessionRequest(session_id=session_id)
-        return (await self._stub.DeleteSession(request, timeout=self._timeout(timeout))).deleted
+        metadata = session_metadata(session_id)
+        return (await self._stub.DeleteSession(request, timeout=self._timeout(timeout), metadata=metadata)).deleted
+
+    async def _unary(
+        self, method: Callable[..., Awaitable[T]], request: Any, timeout: Any, metadata: Metadata = ()
+    ) -> T:
+        """An idempotent unary call, retried as `self.retry` says."""
+        attempts = Attempts(self.retry, self._timeout(timeout))
+        while True:
+            try:
+                return await method(request, timeout=attempts.start(), metadata=metadata)
+            except grpc.RpcError as error:
+                delay = attempts.retry_after(error)
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)

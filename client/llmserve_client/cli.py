@@ -24,6 +24,7 @@ from google.protobuf import json_format
 from llmserve_client import chat
 from llmserve_client.channel import TLS
 from llmserve_client.client import Client
+from llmserve_client.retry import CallInfo
 
 DEFAULT_TARGET = "localhost:50051"
 
@@ -46,7 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     gen.add_argument("--system", help="with --chat: a system message before it")
-    gen.add_argument("--session", default="", help="session id: the server keeps the conversation's cache and history")
+    gen.add_argument(
+        "--session",
+        default="",
+        help="session id: the server keeps its cache and history (also sent as x-session-id for routing)",
+    )
     gen.add_argument(
         "--continue",
         dest="continue_session",
@@ -64,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--json", action="store_true", help="print each response message as one line of JSON (proto field names)"
     )
-    gen.add_argument("--stats", action="store_true", help="print usage and timing to stderr at the end")
+    gen.add_argument(
+        "--stats", action="store_true", help="print usage, timing and the replica that served it to stderr at the end"
+    )
 
     chat.add_parser(commands)
 
@@ -93,8 +100,10 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     else:
         source = {"prompt": prompt}
     last = None
+    info = CallInfo()
     for response in client.generate(
         **source,
+        info=info,
         timeout=args.timeout,
         session_id=args.session,
         continue_session=args.continue_session,
@@ -121,7 +130,8 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         print(
             f"[{last.request_id}] finish={reason.removeprefix('FINISH_REASON_').lower()} "
             f"prompt_tokens={u.prompt_tokens} cached={u.cached_prompt_tokens} completion_tokens={u.completion_tokens} "
-            f"ttft={t.time_to_first_token_seconds * 1e3:.0f}ms total={t.total_seconds * 1e3:.0f}ms",
+            f"ttft={t.time_to_first_token_seconds * 1e3:.0f}ms total={t.total_seconds * 1e3:.0f}ms "
+            f"replica={info.replica or '-'} attempts={info.attempts}",
             file=sys.stderr,
         )
     return 0

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -13,8 +14,10 @@ from llmserve_client.conversation import Conversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from llmserve_client.request import Message, build_request, tokenize_request
+from llmserve_client.retry import DEFAULT_RETRY, Attempts, CallInfo, Metadata, Retry, session_metadata
 
 _DEFAULT = object()  # "use the client's timeout", distinct from None ("no deadline")
+T = TypeVar("T")
 
 
 class Client:
@@ -23,6 +26,8 @@ class Client:
     `timeout` is the default deadline of every call in seconds (None: no deadline); each method takes its
     own `timeout` too. `tls`: None or False for plaintext, True for TLS with the system's roots, or a TLS
     object. Errors surface as grpc.RpcError (its .code() and .details() say what went wrong).
+    `retry`: how calls refused with UNAVAILABLE before any response are retried (see llmserve_client.retry;
+    NO_RETRY turns it off).
     """
 
     def __init__(
@@ -32,9 +37,11 @@ class Client:
         timeout: float | None = None,
         tls: TLS | bool | None = None,
         options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
+        retry: Retry = DEFAULT_RETRY,
     ) -> None:
         self.target = target
         self.timeout = timeout
+        self.retry = retry
         self._channel = open_channel(target, tls, options, aio=False)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._health_check = health.check_method(self._channel)
@@ -52,16 +59,35 @@ class Client:
         return self.timeout if timeout is _DEFAULT else timeout
 
     def generate(
-        self, prompt: str | pb.GenerateRequest | None = None, *, timeout: Any = _DEFAULT, **options: Any
+        self,
+        prompt: str | pb.GenerateRequest | None = None,
+        *,
+        timeout: Any = _DEFAULT,
+        info: CallInfo | None = None,
+        **options: Any,
     ) -> Iterator[pb.GenerateResponse]:
         """Stream the responses for a prompt (or `messages=` / `token_ids=`; see build_request for options),
-        or for a ready GenerateRequest. Closing the iterator early cancels the call on the server."""
+        or for a ready GenerateRequest. Closing the iterator early cancels the call on the server.
+        `info`, when given, is filled in with the attempts made and the replica that served the call."""
         request = prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **options)
-        call = self._stub.Generate(request, timeout=self._timeout(timeout))
-        try:
-            yield from call
-        finally:
-            call.cancel()  # no-op when the stream already ended
+        attempts = Attempts(self.retry, self._timeout(timeout), info)
+        metadata = session_metadata(request.session_id)
+        while True:
+            call = self._stub.Generate(request, timeout=attempts.start(), metadata=metadata)
+            received = False
+            try:
+                for response in call:
+                    received = True
+                    yield response
+                return
+            except grpc.RpcError as error:
+                delay = None if received else attempts.retry_after(error)
+                if delay is None:
+                    raise
+            finally:
+                call.cancel()  # no-op when the stream already ended
+                attempts.info.record(call.trailing_metadata())
+            time.sleep(delay)
 
     def generate_text(self, prompt: str | pb.GenerateRequest | None = None, **options: Any) -> str:
         """The whole completion as one string (same arguments as generate)."""
@@ -96,11 +122,11 @@ class Client:
         self, text: str | None = None, *, messages: Iterable[Message] | None = None, timeout: Any = _DEFAULT
     ) -> list[int]:
         """The token ids Generate would feed the model for this text or conversation."""
-        response = self._stub.Tokenize(tokenize_request(text, messages=messages), timeout=self._timeout(timeout))
+        response = self._unary(self._stub.Tokenize, tokenize_request(text, messages=messages), timeout)
         return list(response.token_ids)
 
     def model_info(self, *, timeout: Any = _DEFAULT) -> pb.GetModelInfoResponse:
-        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout))
+        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
 
     def health(self, service: str = "", *, timeout: Any = _DEFAULT) -> str:
         """The grpc.health.v1 status of the server ("") or a service: "SERVING", "NOT_SERVING", ..."""
@@ -110,7 +136,8 @@ class Client:
     def get_session(self, session_id: str, *, timeout: Any = _DEFAULT) -> pb.GetSessionResponse | None:
         """What the server caches for a session, or None when it caches nothing."""
         try:
-            return self._stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=self._timeout(timeout))
+            request = pb.GetSessionRequest(session_id=session_id)
+            return self._unary(self._stub.GetSession, request, timeout, session_metadata(session_id))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -119,4 +146,17 @@ class Client:
     def delete_session(self, session_id: str, *, timeout: Any = _DEFAULT) -> bool:
         """Free a session's cache; True when there was one."""
         request = pb.DeleteSessionRequest(session_id=session_id)
-        return self._stub.DeleteSession(request, timeout=self._timeout(timeout)).deleted
+        metadata = session_metadata(session_id)
+        return self._stub.DeleteSession(request, timeout=self._timeout(timeout), metadata=metadata).deleted
+
+    def _unary(self, method: Callable[..., T], request: Any, timeout: Any, metadata: Metadata = ()) -> T:
+        """An idempotent unary call, retried as `self.retry` says."""
+        attempts = Attempts(self.retry, self._timeout(timeout))
+        while True:
+            try:
+                return method(request, timeout=attempts.start(), metadata=metadata)
+            except grpc.RpcError as error:
+                delay = attempts.retry_after(error)
+                if delay is None:
+                    raise
+            time.sleep(delay)

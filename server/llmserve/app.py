@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,10 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from llmserve.config import Config, ServerConfig
+from llmserve.metrics import ServerMetrics
 from llmserve.service import SERVICE_NAME, GenerateServicer, status_for
+from llmserve.tracing import Tracing
+from llmserve.tracing import from_env as tracing_from_env
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
@@ -35,10 +39,15 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Health is reported for the whole server ("") and for the service by name.
 _HEALTH_NAMES = ("", SERVICE_NAME)
 _DEAD_POLL_S = 1.0
+REPLICA_KEY = "x-llmserve-replica"
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns the errors GenerateService raises into gRPC statuses (with google.rpc details) via `status_for`."""
+    """Turns the errors GenerateService raises into gRPC statuses (with google.rpc details) via `status_for`,
+    and ends every GenerateService call with `trailing_metadata` (the replica's name), whatever its status."""
+
+    def __init__(self) -> None:
+        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
 
     async def intercept_service(
         self,
@@ -50,13 +59,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _stream_with_status(handler.unary_stream),
+                _stream_with_status(handler.unary_stream, self.trailing_metadata),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _unary_with_status(handler.unary_unary),
+                _unary_with_status(handler.unary_unary, self.trailing_metadata),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -67,11 +76,19 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
     status = status_for(exc)
     if status is None:
         raise exc
-    await context.abort_with_status(rpc_status.to_status(status))
+    s = rpc_status.to_status(status)
+    # abort() replaces the trailing metadata set so far unless it is passed on.
+    await context.abort(
+        s.code, s.details, trailing_metadata=(*(context.trailing_metadata() or ()), *s.trailing_metadata)
+    )
 
 
-def _unary_with_status(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+Trailing = tuple[tuple[str, str], ...]
+
+
+def _unary_with_status(behaviour: Callable[..., Awaitable[Any]], trailing: Trailing) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        context.set_trailing_metadata(trailing)
         try:
             return await behaviour(request, context)
         except Exception as exc:  # noqa: BLE001 - _abort_for re-raises what it does not know
@@ -80,8 +97,11 @@ def _unary_with_status(behaviour: Callable[..., Awaitable[Any]]) -> Callable[...
     return wrapped
 
 
-def _stream_with_status(behaviour: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _stream_with_status(
+    behaviour: Callable[..., AsyncIterator[Any]], trailing: Trailing
+) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        context.set_trailing_metadata(trailing)
         try:
             async for response in behaviour(request, context):
                 yield response
@@ -102,10 +122,11 @@ class LLMServer:
     """One gRPC server: binds at construction, serves health and reflection from `start()`, and
     GenerateService once `serve(engine)` has started the engine."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, tracing: Tracing | None = None) -> None:
         self.config = config
+        errors = ErrorInterceptor()
         self._server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()],
+            interceptors=[errors],
             # Two servers on one port would split the traffic silently; fail to bind instead.
             options=[("grpc.so_reuseport", 0)],
         )
@@ -120,6 +141,13 @@ class LLMServer:
             self.port = self._server.add_secure_port(config.address, _server_credentials(config))
         else:
             self.port = self._server.add_insecure_port(config.address)
+        self.replica = config.replica_name or f"{socket.gethostname()}:{self.port}"
+        errors.trailing_metadata = ((REPLICA_KEY, self.replica),)
+        self.metrics = ServerMetrics(self.replica, lambda: self.servicer.num_streams) if config.metrics_port else None
+        self.tracing = tracing if tracing is not None or not config.tracing else tracing_from_env(self.replica)
+        for observer in (self.metrics, self.tracing):
+            if observer is not None:
+                self.servicer.add_observer(observer)
         self.engine: Engine | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -128,13 +156,18 @@ class LLMServer:
         await self._set_health(_NOT_SERVING)  # the aio health servicer starts out SERVING
         await self._server.start()
         scheme = "TLS" if self.config.tls_cert else "plaintext"
-        log.info("listening on %s (port %d, %s)", self.config.address, self.port, scheme)
+        log.info("listening on %s (port %d, %s) as replica %s", self.config.address, self.port, scheme, self.replica)
+        if self.metrics is not None:
+            host = self.config.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+            self.metrics.serve(host, self.config.metrics_port)
 
     async def serve(self, engine: Engine) -> None:
         """Start and warm up `engine`, then serve it and report SERVING."""
         await engine.start()
         self.engine = engine
         self.servicer.attach(engine)
+        if self.metrics is not None:
+            self.metrics.attach(engine)
         await self._set_health(_SERVING)
         self._watchdog = asyncio.create_task(self._watch_engine(engine))
         log.info("serving %s", engine.model_info)
@@ -145,6 +178,9 @@ class LLMServer:
         grace_s = self.config.grace_period_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         self.servicer.begin_drain()
+        # gRPC's own graceful stop closes the listener and sends GOAWAY now (streams in flight go on), so a
+        # proxy or balancer sends new calls to other replicas at once; the stop(0) below cancels what is left.
+        closing = asyncio.ensure_future(self._server.stop(grace_s))
         if self.servicer.num_streams:
             log.info("draining %d streams for up to %.1f s", self.servicer.num_streams, grace_s)
             waits = [asyncio.ensure_future(self.servicer.wait_idle())]
@@ -158,8 +194,13 @@ class LLMServer:
         if self._watchdog is not None:
             self._watchdog.cancel()
         await self._server.stop(0)  # cancels whatever is left, health watches included
+        await closing
         if self.engine is not None:
             await self.engine.shutdown()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
         log.info("stopped")
 
     async def _set_health(self, status: int) -> None:

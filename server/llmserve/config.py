@@ -47,6 +47,11 @@ class ServerConfig:
     tls_client_ca: str | None = None
     # Session histories (append mode): TTL and count follow the engine's session flags.
     history: HistoryConfig = field(default_factory=HistoryConfig)
+    # Operations: Prometheus /metrics port (0: off), the name sent back in x-llmserve-replica (None:
+    # host name and port), and OpenTelemetry tracing (configured by the OTEL_* variables).
+    metrics_port: int = 0
+    replica_name: str | None = None
+    tracing: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,6 +120,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a port number in [0, 65535], got {value}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -173,6 +185,16 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     g.value("--tls-cert", str, None, "PEM certificate chain: serve TLS (needs --tls-key); unset: plaintext")
     g.value("--tls-key", str, None, "PEM private key of --tls-cert")
     g.value("--tls-client-ca", str, None, "PEM root certificates: require client certificates signed by them")
+
+    g = _Flags(parser.add_argument_group("operations"), env)
+    g.value("--metrics-port", _port, server.metrics_port, "serve Prometheus metrics at :PORT/metrics (0: off)")
+    g.value(
+        "--replica-name",
+        str,
+        None,
+        "name returned in the x-llmserve-replica trailing metadata; unset: host name and port",
+    )
+    g.switch("--tracing", "OpenTelemetry spans for Generate calls, exported as the OTEL_* variables say")
 
     g = _Flags(parser.add_argument_group("engine"), env)
     g.value(
@@ -282,6 +304,9 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
                 max_bytes=int(args.session_history_mib * (1 << 20)),
                 max_tokens=args.max_session_tokens,
             ),
+            metrics_port=args.metrics_port,
+            replica_name=args.replica_name,
+            tracing=args.tracing,
         ),
         model=ModelConfig(spec=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir),
         engine=EngineConfig(

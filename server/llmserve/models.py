@@ -187,8 +187,9 @@ def random_model(
     device: torch.device | str,
     seed: int = 0,
 ) -> LoadedModel:
-    """Random weights in a known shape: "smollm2-135m" (the default model's exact dims) or "llama-1b"
-    (Llama-3.2-1B's dims). No tokenizer. Raises ValueError for an unknown shape."""
+    """Random weights in a known shape: "smollm2-135m" (the default model's exact dims), "llama-1b"
+    (Llama-3.2-1B's dims) or "tiny" (two layers of width 64, vocabulary 1024: for tests and demos).
+    No tokenizer. Raises ValueError for an unknown shape."""
     make = _SHAPES.get(shape)
     if make is None:
         raise ValueError(f"unknown random model shape {shape!r}; known: {', '.join(sorted(_SHAPES))}")
@@ -259,7 +260,23 @@ def _llama_1b() -> LlamaConfig:
     )
 
 
-_SHAPES = {"smollm2-135m": _smollm2_135m, "llama-1b": _llama_1b}
+def _tiny() -> LlamaConfig:
+    # Two layers of width 64: a replica that starts in seconds on a busy CPU (tests/deploy runs three).
+    return LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+_SHAPES = {"smollm2-135m": _smollm2_135m, "llama-1b": _llama_1b, "tiny": _tiny}
 
 
 def _is_converted(folder: Path, source_bytes: int) -> bool:
@@ -362,3 +379,24 @@ def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m llmserve.models [SPEC]`: load (converting and caching a GGUF once) the model a server would.
+
+    `make model` and the Dockerfile run it, so that the image holds the converted default model.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m llmserve.models", description=main.__doc__)
+    parser.add_argument("spec", nargs="?", default=None, help="model spec as for --model; default: the default model")
+    parser.add_argument("--cache-dir", default=None, help="conversion cache; default: $LLMSERVE_CACHE_DIR or ~/.cache")
+    args = parser.parse_args(argv)
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    loaded = load_model(args.spec, device="cpu", dtype="float32", cache_root=cache)
+    print(f"model ready: {loaded.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -33,6 +33,7 @@ from llmserve.engine.request import (
     TokenLogprob,
 )
 from llmserve.history import HistoryBusy, HistoryInput, HistoryStore, NoHistory, Turn
+from llmserve.observe import CallObserver, FinishedCall
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
@@ -65,6 +66,8 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 # cancelled) before the id counts as a duplicate.
 REUSE_WAIT_S = 0.5
 _HISTORY_INPUT = {HistoryInput.CHAT: pb.HISTORY_INPUT_CHAT, HistoryInput.TOKENS: pb.HISTORY_INPUT_TOKENS}
+# A cancel this close to the call's deadline is the deadline: the caller saw DEADLINE_EXCEEDED.
+_DEADLINE_SLACK_S = 0.1
 
 
 class ServiceError(Exception):
@@ -95,14 +98,19 @@ def status_for(exc: BaseException) -> status_pb2.Status | None:
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Serves llmserve.v1.GenerateService; answers UNAVAILABLE until `attach()` hands it a started engine."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, observers: Sequence[CallObserver] = ()) -> None:
         self._config = config
+        self._observers = list(observers)  # told about each Generate call once it ends (metrics, tracing)
         self._engine: Engine | None = None
         self._draining = False
         self._in_flight: dict[str, asyncio.Event] = {}  # request_id -> set when that stream has ended
         self._idle = asyncio.Event()
         self._idle.set()
         self._histories = HistoryStore(config.history)
+
+    def add_observer(self, observer: CallObserver) -> None:
+        """Tell `observer` about each Generate call from now on, once the call ends."""
+        self._observers.append(observer)
 
     def attach(self, engine: Engine) -> None:
         """Start serving with `engine` (already started and warmed up)."""
@@ -145,16 +153,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             record.prompt_tokens = len(gen_request.prompt_token_ids)
             if self._config.log_prompts:
                 record.prompt = _input_text(request)
+            record.queued = time.monotonic()
             async for response in self._stream(engine, gen_request, request, record, turn):
                 yield response
             record.status = "OK"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A caller that goes away cancels the handler, or, when gRPC notices it at a write, closes this
+            # generator (GeneratorExit); both are the caller's cancel (or its deadline).
             remaining = context.time_remaining()
-            record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            # The caller's own deadline timer fires first and cancels the call just before ours would.
+            past = remaining is not None and remaining <= _DEADLINE_SLACK_S
+            record.status = "DEADLINE_EXCEEDED" if past else "CANCELLED"
             raise
         except Exception as exc:
             status = status_for(exc)
             record.status = _CODE_NAMES[status.code] if status else type(exc).__name__
+            if isinstance(exc, (InvalidRequest, QueueFull, EngineDead)):
+                record.queued = None  # the engine refused it before taking it
             raise
         finally:
             if turn is not None:
@@ -165,6 +180,34 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if not self._in_flight:
                     self._idle.set()
             record.emit()
+            if self._observers:
+                self._tell_observers(record, bool(request.session_id), context)
+
+    def _tell_observers(self, record: _RequestLog, has_session: bool, context: grpc.aio.ServicerContext) -> None:
+        status = record.status if record.status in _CODE_NAMES.values() else "UNKNOWN"
+        finish = None if record.finish == "-" else record.finish
+        if finish is None and record.queued is not None:
+            finish = {"CANCELLED": "cancelled", "DEADLINE_EXCEEDED": "deadline"}.get(status)
+        call = FinishedCall(
+            code=status,
+            start=record.start,
+            end=time.monotonic(),
+            start_ns=record.start_ns,
+            queued=record.queued,
+            finish_reason=finish,
+            token_times=record.token_times,
+            prompt_tokens=record.prompt_tokens,
+            cached_prompt_tokens=record.cached,
+            completion_tokens=record.completion,
+            queue_s=record.queue_s,
+            has_session=has_session,
+            metadata=tuple(context.invocation_metadata() or ()),
+        )
+        for observer in self._observers:
+            try:
+                observer.call_finished(call)
+            except Exception:  # an observer's bug must not fail the call or the others
+                log.exception("call observer %r failed", observer)
 
     async def _admit(self, request_id: str) -> tuple[Engine, asyncio.Event]:
         """Count a new stream in, or refuse it (loading, draining, at the limit, duplicate id). Returns the
@@ -484,7 +527,11 @@ class _RequestLog:
 
     request_id: str
     start: float
+    start_ns: int = field(default_factory=time.time_ns)
     first_token: float | None = None
+    queued: float | None = None  # when handed to the engine
+    token_times: list[float] = field(default_factory=list)
+    queue_s: float | None = None
     prompt_tokens: int = 0
     cached: int = 0
     completion: int = 0
@@ -493,8 +540,11 @@ class _RequestLog:
     prompt: str | None = None
 
     def observe(self, delta: Delta) -> None:
-        if delta.token_ids and self.first_token is None:
-            self.first_token = time.monotonic()
+        if delta.token_ids:
+            now = time.monotonic()
+            self.token_times.append(now)
+            if self.first_token is None:
+                self.first_token = now
         self.completion += len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish = delta.finish_reason.value
@@ -502,6 +552,8 @@ class _RequestLog:
             self.prompt_tokens = delta.usage.prompt_tokens
             self.cached = delta.usage.cached_prompt_tokens
             self.completion = delta.usage.completion_tokens
+        if delta.timing is not None:
+            self.queue_s = delta.timing.queue_s
 
     def emit(self) -> None:
         duration_ms = (time.monotonic() - self.start) * 1e3

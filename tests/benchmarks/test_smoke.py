@@ -54,9 +54,12 @@ def test_in_process_systems(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def test_grpc_and_sessions_in_their_own_processes(tiny_model: Path, tmp_path: Path) -> None:
-    result = bench(tiny_model, tmp_path, "--systems", "llmserve_grpc", "--sessions")
+    result = bench(tiny_model, tmp_path, "--systems", "llmserve_grpc,llmserve_grpc_metrics", "--sessions")
     main = str(result["settings"]["plan"]["main"]["concurrency"])
     assert result["points"]["llmserve_grpc"][main]["mean"]["output_tokens_per_s"] > 0
+    assert result["points"]["llmserve_grpc_metrics"][main]["mean"]["output_tokens_per_s"] > 0
+    cost = next(t for t in result["targets"] if "metrics on / off" in t["name"])
+    assert cost["value"] > 0
     sessions = result["sessions"]
     assert sessions is not None
     on, off = sessions["multi_turn"]

@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from llmserve.engine.protocol import Engine, ModelInfo, SessionInfo
+from llmserve.engine.protocol import Engine, EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.request import (
     Delta,
     EngineDead,
@@ -71,6 +71,10 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def stats(self) -> EngineStats:
+        running = len(self._running)
+        return EngineStats(running, 0, 64, 0, 0, 16, len(self._sessions), 0, 0, 0, 0, {}, 0)
 
     def get_session(self, session_id: str) -> SessionInfo | None:
         if session_id not in self._sessions:

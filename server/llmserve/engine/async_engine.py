@@ -9,7 +9,7 @@ from typing import Any
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
-from llmserve.engine.protocol import ModelInfo, SessionInfo
+from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.request import Delta, EngineDead, GenerationRequest, QueueFull, StoppingParams
 from llmserve.models import LoadedModel
 
@@ -75,6 +75,9 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
 
     def get_session(self, session_id: str) -> SessionInfo | None:
         return self.core.get_session(session_id)

@@ -24,7 +24,7 @@ from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.plan import StepPlan
-from llmserve.engine.protocol import SessionInfo
+from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import (
     Delta,
     FinishReason,
@@ -178,6 +178,26 @@ class EngineCore:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        """Read without the lock (plain ints, each read atomically): a scrape never stalls a step."""
+        pool, sessions, scheduler = self.pool, self.sessions, self.scheduler
+        free = pool.num_free
+        return EngineStats(
+            running=self.num_running,
+            waiting=self.num_waiting,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_blocks - free,
+            kv_blocks_cached=pool.num_cached,
+            block_size=pool.block_size,
+            sessions=len(sessions),
+            session_blocks=sessions.num_blocks_held,
+            preemptions=scheduler.num_preemptions,
+            session_hits=scheduler.num_session_hits,
+            session_misses=scheduler.num_session_misses,
+            session_evictions=dict(sessions.evictions),
+            prefix_cache_hits=scheduler.num_prefix_cache_hits,
+        )
 
     @property
     def num_waiting(self) -> int:

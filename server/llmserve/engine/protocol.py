@@ -32,6 +32,25 @@ class SessionInfo:
     last_used: float  # unix time
 
 
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's book-keeping, for metrics: gauges now, and counters since start."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # referenced by running sequences or sessions
+    kv_blocks_cached: int  # unreferenced, kept for prefix reuse (allocatable)
+    block_size: int
+    sessions: int
+    session_blocks: int
+    preemptions: int
+    session_hits: int
+    session_misses: int
+    session_evictions: dict[str, int]
+    prefix_cache_hits: int
+
+
 class Engine(Protocol):
     """An engine the service can serve from. `generate` raises InvalidRequest, EngineDead or QueueFull before
     its first delta; closing the stream early aborts the request."""
@@ -57,6 +76,8 @@ class Engine(Protocol):
     async def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...
 
     def get_session(self, session_id: str) -> SessionInfo | None: ...
 

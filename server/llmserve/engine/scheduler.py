@@ -39,6 +39,11 @@ class Scheduler:
         self._waiting: list[tuple[int, int, Sequence]] = []
         self._num_waiting = 0
         self.num_preemptions = 0
+        # Counted once per request, at its first admission (for the metrics): requests with a session id
+        # that found it cached or not, and requests without a cached session that reused prefix-cached KV.
+        self.num_session_hits = 0
+        self.num_session_misses = 0
+        self.num_prefix_cache_hits = 0
 
     @property
     def num_waiting(self) -> int:
@@ -159,6 +164,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, out: StepPlan) -> int:
         """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait."""
         tokens = seq.token_ids
+        session_id = seq.request.session_id
+        had_session = session_id is not None and session_id in self.sessions
         reused, shared, cow_src = self._find_reuse(seq)
         # Hold the blocks to reuse (and the copy source) before anything can be evicted.
         held = shared + ([cow_src] if cow_src is not None else [])
@@ -175,6 +182,11 @@ class Scheduler:
         seq.num_computed = reused
         if seq.num_preemptions == 0:
             seq.num_cached_prompt = reused
+            if session_id is not None:
+                self.num_session_hits += had_session
+                self.num_session_misses += not had_session
+            if reused and not had_session:
+                self.num_prefix_cache_hits += 1
         return n
 
     def _find_reuse(self, seq: Sequence) -> tuple[int, list[int], int | None]:
