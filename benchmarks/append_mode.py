@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from benchmarks.metrics import percentile
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
-from llmserve.engine.config import EngineConfig
 from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
 from llmserve.models import LoadedModel
 from llmserve_client import AsyncClient, build_request
 

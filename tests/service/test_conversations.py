@@ -263,8 +263,8 @@ def test_limits_end_histories_and_name_their_flags() -> None:
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[tuple[Client, ServerThread]]:
-    from llmserve.engine.config import EngineConfig
     from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.config import EngineConfig
     from llmserve.models import load_model
 
     # The same 1,024-token pool as the tiny model's: the filler evicts every idle session.
