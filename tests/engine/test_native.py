@@ -94,3 +94,19 @@ def test_without_installed_kernels_auto_warns_once_and_require_refuses(
 def test_a_shape_without_a_compiled_kernel_decodes_in_torch() -> None:
     assert native.load(24, 3) is None  # head_dim 24 is not among the built pairs
     assert native.load(64, 3) is not None
+
+
+def test_building_the_engine_never_runs_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels come built with the install: loading them afresh and building an engine starts no process."""
+    import subprocess
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a process was started at engine start: {args}")
+
+    monkeypatch.setattr(native, "_libraries", {})
+    monkeypatch.setattr(subprocess, "Popen", no_compiler)
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    backend = EngineCore(
+        from_config(tiny_config("llama"), dtype=torch.float32), EngineConfig(kv_cache_tokens=256)
+    ).backend
+    assert backend.kernel is not None and backend.fused is not None

@@ -237,24 +237,29 @@ class Sequence:
     num_preemptions: int = 0
     stop_ids: frozenset[int] = frozenset()  # the request's stop token ids
     eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
+    _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)
 
     def sample_row(self) -> SampleRow:
-        """What the sampler needs for this sequence's next token."""
+        """What the sampler needs for this sequence's next token (the same object from step to step once
+        min_new_tokens no longer blocks anything: its token_ids is the live list)."""
+        if self._row is not None:
+            return self._row
         request = self.request
-        blocked: frozenset[int] = frozenset()
-        if self.num_generated < request.stopping.min_new_tokens:
-            blocked = self.stop_ids | self.eos_ids
-        return SampleRow(
+        blocking = self.num_generated < request.stopping.min_new_tokens
+        row = SampleRow(
             params=request.sampling,
             generator=self.generator,
             token_ids=self.token_ids,
-            blocked_token_ids=tuple(blocked),
+            blocked_token_ids=tuple(self.stop_ids | self.eos_ids) if blocking else (),
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
         )
+        if not blocking:
+            self._row = row
+        return row
 
     @property
     def request_id(self) -> str:

@@ -99,11 +99,12 @@ class Scheduler:
     def update(self, plan: StepPlan) -> list[Sequence]:
         """Account the computed tokens; returns the sequences that caught up and need a new token."""
         ready = []
+        bs = self.pool.block_size
         for step in plan.seqs:
             seq = step.seq
             before = seq.num_computed
             seq.num_computed += len(step.token_ids)
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and seq.num_computed // bs > before // bs:  # a block was filled
                 self._register_full_blocks(seq, before)
             if seq.num_computed == len(seq.token_ids):
                 ready.append(seq)
@@ -150,6 +151,8 @@ class Scheduler:
     def _grow(self, seq: Sequence, n: int, out: StepPlan) -> bool:
         """Give a running seq blocks for n more tokens, evicting sessions then preempting the newest."""
         need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        if need <= 0:
+            return True  # most decode steps: the last block has room
         while not self.pool.can_allocate(need):
             if self.sessions.evict_one():
                 continue

@@ -15,6 +15,7 @@ eagerly instead of from graphs; the CPU tests use that to check the padding and 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +104,7 @@ class DecodeGraphs:
         ids = [s.token_ids[0] for s in plan.seqs]
         positions = [s.start for s in plan.seqs]
         slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in plan.seqs]
-        tables = [list(s.block_table) for s in plan.seqs]
+        tables: list[Sequence[int]] = [s.block_table for s in plan.seqs]
         entry.input_ids[0].copy_(torch.tensor(ids + [0] * pad))
         entry.positions[0].copy_(torch.tensor(positions + [0] * pad))
         entry.batch.slot_mapping.copy_(torch.tensor(slots + [backend.kv.scratch_slot] * pad))

@@ -7,6 +7,7 @@ context with SDPA. The CPU and CUDA backends build on this one and change only t
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 
 import torch
@@ -77,30 +78,36 @@ class TorchPagedBackend:
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedBatch]:
         """The packed row: input ids, positions, the rows to keep logits of, and the attention metadata."""
+        entries = plan.seqs
         # One-token entries first, shortest context first: the decode attention batches them by length.
-        order = sorted(plan.seqs, key=lambda s: (len(s.token_ids) != 1, s.start))
+        order = sorted(range(len(entries)), key=lambda i: (len(entries[i].token_ids) != 1, entries[i].start))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_row: dict[int, int] = {}  # id(entry) -> its last token's row in the packed row
+        last_row = [0] * len(entries)  # each entry's last token's row in the packed row
         chunks: list[Chunk] = []
-        decode_tables: list[list[int]] = []
+        decode_tables: list[Sequence[int]] = []
         decode_lens: list[int] = []
         bs = self.block_size
         offset = 0
-        for entry in order:
-            start, end, table = entry.start, entry.end, entry.block_table
-            n = end - start
-            ids.extend(entry.token_ids)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            last_row[id(entry)] = offset + n - 1
-            if n == 1:
-                decode_tables.append(list(table))
-                decode_lens.append(end)
+        for i in order:
+            entry = entries[i]
+            start, table = entry.start, entry.block_table
+            n = len(entry.token_ids)
+            if n == 1:  # the common case, without the per-token loops
+                ids.append(entry.token_ids[0])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
             else:
+                end = start + n
+                ids.extend(entry.token_ids)
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 chunks.append(self.chunk(offset, offset + n, start, table))
             offset += n
+            last_row[i] = offset - 1
         dev = self.device
         batch = PagedBatch(
             kv=self.kv.tensor,
@@ -112,10 +119,10 @@ class TorchPagedBackend:
             batch.native = self.native_decode(decode_tables, decode_lens)
             if batch.native is None:
                 batch.decode = self.decode_groups(decode_tables, decode_lens)
-        keep = torch.tensor([last_row[id(s)] for s in plan.sampling], dtype=torch.long, device=dev)
+        keep = [last_row[i] for i, entry in enumerate(entries) if entry.sample is not None]
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
-        return input_ids, position_ids, keep, batch
+        return input_ids, position_ids, torch.tensor(keep, dtype=torch.long, device=dev), batch
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: PagedBatch
@@ -132,24 +139,25 @@ class TorchPagedBackend:
 
     # -- attention metadata ----------------------------------------------------------------------
 
-    def native_decode(self, tables: list[list[int]], lens: list[int]) -> NativeDecode | None:
+    def native_decode(self, tables: list[Sequence[int]], lens: list[int]) -> NativeDecode | None:
         """Decode rows for a kernel that reads the cache in place; None: gather them (`decode_groups`)."""
         return None
 
-    def decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+    def decode_groups(self, tables: list[Sequence[int]], lens: list[int]) -> list[DecodeGroup]:
         """All decode rows (sorted by context length) as one padded group: one kernel launch each."""
         ctx = max(lens)
         slots, bias = self.decode_tensors(tables, lens, ctx)
         return [DecodeGroup(0, len(lens), slots, bias, ctx)]
 
-    def decode_tensors(self, tables: list[list[int]], lens: list[int], ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_tensors(
+        self, tables: Sequence[Sequence[int]], lens: list[int], ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather slots [len(tables) * ctx] and additive mask [kv_heads * len(tables), 1, ctx] for decode rows."""
         bs = self.block_size
         dev = self.device
         width = -(-ctx // bs)
         scratch = self.kv.scratch_block
-        padded = [t[:width] + [scratch] * (width - min(len(t), width)) for t in tables]
-        blocks = torch.tensor(padded, dtype=torch.long, device=dev)
+        blocks = padded_tables(tables, width, scratch, torch.long).to(dev)
         slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(tables), -1)[:, :ctx]
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         bias = torch.zeros(len(tables), ctx, dtype=self.dtype, device=dev)
@@ -173,3 +181,17 @@ class TorchPagedBackend:
         dev = self.device
         blocks = torch.tensor(list(table[: -(-ctx // bs)]), dtype=torch.long, device=dev)
         return (blocks[:, None] * bs + torch.arange(bs, device=dev)).view(-1)[:ctx]
+
+
+def padded_tables(tables: Sequence[Sequence[int]], width: int, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    """Block tables as one [len(tables), width] CPU tensor, each cut or padded with `pad` to `width`.
+
+    Built in an array and wrapped without a copy: a nested list through torch.tensor costs 0.55 ms for 256
+    tables of 25 blocks, this 0.37 ms.
+    """
+    flat = array.array("q" if dtype == torch.long else "i")
+    for table in tables:
+        flat.extend(table[:width])
+        if len(table) < width:
+            flat.extend([pad] * (width - len(table)))
+    return torch.frombuffer(flat, dtype=dtype).view(len(tables), width)

@@ -12,6 +12,7 @@ The compiled parts are built at install time; `--cpu-kernels` says what happens 
 
 from __future__ import annotations
 
+import array
 import logging
 from collections.abc import Sequence
 
@@ -20,7 +21,7 @@ import torch
 from llmserve.engine.backends.attention import Chunk, DecodeGroup, NativeDecode, PagedBatch, QueryBlock, paged_attention
 from llmserve.engine.backends.cpu import native, packed_linear
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
-from llmserve.engine.backends.torch_paged import TorchPagedBackend
+from llmserve.engine.backends.torch_paged import TorchPagedBackend, padded_tables
 from llmserve.engine.config import EngineConfig
 from llmserve.models import LoadedModel
 
@@ -63,21 +64,20 @@ class CpuBackend(TorchPagedBackend):
         ]
         self.description = ", ".join(parts)
 
-    def native_decode(self, tables: list[list[int]], lens: list[int]) -> NativeDecode | None:
+    def native_decode(self, tables: list[Sequence[int]], lens: list[int]) -> NativeDecode | None:
         if self.kernel is None:
             return None
         width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
         return NativeDecode(
             kernel=self.kernel,
             num=len(lens),
-            tables=torch.tensor(padded, dtype=torch.int32),
-            lens=torch.tensor(lens, dtype=torch.int32),
+            tables=padded_tables(tables, width, 0, torch.int32),  # padding is never read past a length
+            lens=torch.frombuffer(array.array("i", lens), dtype=torch.int32),
             max_len=max(lens),
             block_size=self.block_size,
         )
 
-    def decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+    def decode_groups(self, tables: list[Sequence[int]], lens: list[int]) -> list[DecodeGroup]:
         """Decode rows (sorted by context length) in groups whose padding wastes at most ~1/3 of their reads."""
         groups: list[DecodeGroup] = []
         start, n = 0, len(lens)
