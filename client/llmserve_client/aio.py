@@ -132,7 +132,10 @@ class AsyncClient:
     async def delete_session(self, session_id: str, *, timeout: Any = _DEFAULT) -> bool:
         request = pb.DeleteSessionRequest(session_id=session_id)
         metadata = session_metadata(session_id)
-        return (await self._stub.DeleteSession(request, timeout=self._timeout(timeout), metadata=metadata)).deleted
+        response: pb.DeleteSessionResponse = await self._stub.DeleteSession(
+            request, timeout=self._timeout(timeout), metadata=metadata
+        )
+        return response.deleted
 
     async def _unary(
         self, method: Callable[..., Awaitable[T]], request: Any, timeout: Any, metadata: Metadata = ()

@@ -17,11 +17,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
-from llmserve_client import chat
+from llmserve_client import chat, pb
 from llmserve_client.channel import TLS
 from llmserve_client.client import Client
 from llmserve_client.retry import CallInfo
@@ -96,7 +97,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        source = {"messages": [*messages, {"role": "user", "content": prompt}]}
+        source: dict[str, Any] = {"messages": [*messages, {"role": "user", "content": prompt}]}
     else:
         source = {"prompt": prompt}
     last = None
@@ -125,7 +126,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     if not args.json:
         sys.stdout.write("\n")
     if args.stats and last is not None:
-        reason = last.DESCRIPTOR.fields_by_name["finish_reason"].enum_type.values_by_number[last.finish_reason].name
+        reason = pb.FinishReason.Name(last.finish_reason)
         u, t = last.usage, last.timing
         print(
             f"[{last.request_id}] finish={reason.removeprefix('FINISH_REASON_').lower()} "

@@ -126,7 +126,8 @@ class Client:
         return list(response.token_ids)
 
     def model_info(self, *, timeout: Any = _DEFAULT) -> pb.GetModelInfoResponse:
-        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+        response: pb.GetModelInfoResponse = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+        return response
 
     def health(self, service: str = "", *, timeout: Any = _DEFAULT) -> str:
         """The grpc.health.v1 status of the server ("") or a service: "SERVING", "NOT_SERVING", ..."""
@@ -137,7 +138,10 @@ class Client:
         """What the server caches for a session, or None when it caches nothing."""
         try:
             request = pb.GetSessionRequest(session_id=session_id)
-            return self._unary(self._stub.GetSession, request, timeout, session_metadata(session_id))
+            response: pb.GetSessionResponse = self._unary(
+                self._stub.GetSession, request, timeout, session_metadata(session_id)
+            )
+            return response
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -147,7 +151,10 @@ class Client:
         """Free a session's cache; True when there was one."""
         request = pb.DeleteSessionRequest(session_id=session_id)
         metadata = session_metadata(session_id)
-        return self._stub.DeleteSession(request, timeout=self._timeout(timeout), metadata=metadata).deleted
+        response: pb.DeleteSessionResponse = self._stub.DeleteSession(
+            request, timeout=self._timeout(timeout), metadata=metadata
+        )
+        return response.deleted
 
     def _unary(self, method: Callable[..., T], request: Any, timeout: Any, metadata: Metadata = ()) -> T:
         """An idempotent unary call, retried as `self.retry` says."""

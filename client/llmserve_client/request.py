@@ -101,6 +101,6 @@ def tokenize_request(text: str | None = None, *, messages: Iterable[Message] | N
     """A TokenizeRequest for text or a conversation (exactly one)."""
     if (text is None) == (messages is None):
         raise ValueError("give exactly one of text or messages")
-    if text is not None:
+    if messages is None:
         return pb.TokenizeRequest(text=text)
     return pb.TokenizeRequest(chat=chat_input(messages))

@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -55,7 +56,7 @@ class LoadedModel:
     `eos_token_ids` is the union of the tokenizer's and the generation config's EOS ids, in that order.
     """
 
-    model: torch.nn.Module
+    model: Any  # a transformers causal LM (PreTrainedModel); its attributes are dynamic
     tokenizer: PreTrainedTokenizerBase | None
     name: str
     dtype: torch.dtype
@@ -175,7 +176,9 @@ def from_config(
         torch.manual_seed(seed)
         # Draw on the target device: a GPU fills 1B parameters in milliseconds, no host copy needed.
         with torch.device(dev):
-            model = AutoModelForCausalLM.from_config(config, dtype=dt, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                config, dtype=dt, attn_implementation="sdpa"
+            )
     name = getattr(config, "name_or_path", "") or f"random-{config.model_type}"
     return _finish(model, tokenizer, name, dt, dev)
 
@@ -331,9 +334,10 @@ def _publish(partial: Path, target: Path, source_bytes: int) -> None:
 
 
 def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
-    ).to(device)
+    )
+    model = model.to(device)
     tokenizer = None
     if any((folder / f).is_file() for f in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -346,7 +350,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Load
 
 
 def _finish(
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: PreTrainedTokenizerBase | None,
     name: str,
     dtype: torch.dtype,

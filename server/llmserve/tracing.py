@@ -127,7 +127,8 @@ def _exporter(name: str, env: dict[str, str] | os._Environ[str]) -> SpanExporter
             if protocol.startswith("http"):
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPExporter
 
-                return HTTPExporter()
+                http: SpanExporter = HTTPExporter()
+                return http
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             return OTLPSpanExporter()

@@ -118,5 +118,10 @@ class AsyncEngine:
     def _warm_up(self) -> None:
         request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
         done = threading.Event()
-        self.core.submit(request, lambda d: d.finished and done.set())
+
+        def deliver(delta: Delta) -> None:
+            if delta.finished:
+                done.set()
+
+        self.core.submit(request, deliver)
         self.core.run_until(done)

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,7 +92,7 @@ class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded
         self.config = config
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer: Any = loaded.tokenizer  # a transformers tokenizer (its decode returns str here)
         self.max_model_len = min(config.max_model_len or loaded.context_length, loaded.context_length)
         self.sliding_window = sliding_window(loaded.model.config)
         if self.sliding_window is not None and self.sliding_window < self.max_model_len:

@@ -16,7 +16,7 @@ a time (on the CPU in blocks of query rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +104,7 @@ class PagedBatch:
 
 
 def paged_attention(
-    module: torch.nn.Module,
+    module: Any,  # the model's attention module: its layer_idx says which layer's cache
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

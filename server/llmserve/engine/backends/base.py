@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -38,7 +38,7 @@ class KVShape:
     head_dim: int
 
     @classmethod
-    def of(cls, config: object) -> KVShape:
+    def of(cls, config: Any) -> KVShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads

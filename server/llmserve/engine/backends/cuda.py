@@ -95,10 +95,11 @@ class DecodeGraphs:
         bs = backend.block_size
         n = len(plan.seqs)
         lens = [s.end for s in plan.seqs]
-        key = (bucket(n, self.batch_buckets), bucket(max(lens), self.ctx_buckets))
-        entry = self._graphs[key]
+        bp, ctx = bucket(n, self.batch_buckets), bucket(max(lens), self.ctx_buckets)
+        if bp is None or ctx is None:
+            raise ValueError(f"no graph bucket for {n} sequences at context {max(lens)}: check covers() first")
+        entry = self._graphs[bp, ctx]
         self.replays += 1
-        bp, ctx = key
         pad = bp - n
         scratch = backend.kv.scratch_block
         ids = [s.token_ids[0] for s in plan.seqs]
@@ -143,7 +144,7 @@ class DecodeGraphs:
         if not self.capture:
             return entry
         with torch.inference_mode():
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):

@@ -135,7 +135,8 @@ class TorchPagedBackend:
             logits_to_keep=0 if keep is None else keep,
             llmserve_batch=batch,
         )
-        return out.logits[0].float()
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
 
     # -- attention metadata ----------------------------------------------------------------------
 
