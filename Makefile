@@ -29,7 +29,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest proto proto-check lint buf bench bench-quick docker docker-cpu nginx demo clean
+.PHONY: venv install kernels model run test pytest mutation proto proto-check lint buf bench bench-quick docker docker-cpu nginx demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -66,6 +66,13 @@ test: proto-check lint model nginx pytest
 
 pytest: $(STAMP_KERNELS)
 	$(PY) -m pytest -q
+
+# Mutation testing with mutmut ([tool.mutmut] in pyproject.toml), on demand only: never part of `make test`.
+# One module at a time against the test files that cover it (tests/mutation.py); MODULES="block_pool sessions"
+# picks some (default: block_pool sessions scheduler sampler detokenizer core service). Scores: tests/MUTATION.md.
+MODULES ?=
+mutation: $(STAMP_KERNELS)
+	$(PY) tests/mutation.py $(MODULES)
 
 # protoc writes `from llmserve.v1 import generate_pb2`, which would resolve to the server package
 # `llmserve`; point it at the copy inside the client package instead.
@@ -123,4 +130,5 @@ demo: $(STAMP_MODEL) nginx
 	$(PY) -m tests.deploy.replicas $(if $(DEMO_MODEL),--model $(DEMO_MODEL))
 
 clean:
-	rm -rf .cache $(VENV) build dist server/llmserve/engine/backends/cpu/_*.so
+	rm -rf .cache $(VENV) build dist server/llmserve/engine/backends/cpu/_*.so mutants
+	test ! -L src || rm src

@@ -8,6 +8,13 @@ configure_process()  # as `python -m llmserve` does: before torch is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
+
+# make mutation (tests/mutation.py): the same examples for every mutant, none carried over from another mutant's
+# failure, and no shrinking (a failure is all a mutation run needs to know).
+settings.register_profile(
+    "mutation", derandomize=True, database=None, phases=[Phase.explicit, Phase.reuse, Phase.generate]
+)
 
 
 @pytest.fixture(scope="session")

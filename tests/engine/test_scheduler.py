@@ -288,3 +288,147 @@ def test_session_reuse_and_copy_on_write() -> None:
     assert tables["r3"][0] == held[0]
     assert copies == [(held[1], tables["r3"][1])] and tables["r3"][1] not in held
     pool.check(sessions.owners())
+
+
+# -- targeted cases: the counters the metrics read, and rules the state machine cannot see ----------------------------
+
+
+def books(
+    num_blocks: int = 32, *, max_seqs: int = 4, budget: int = 64, prefix: bool = True, ttl_s: float = 60.0
+) -> tuple[BlockPool, SessionStore, Scheduler, Clock]:
+    clock = Clock()
+    pool = BlockPool(num_blocks, BLOCK_SIZE)
+    sessions = SessionStore(pool, ttl_s=ttl_s, max_sessions=4, max_pool_fraction=1.0, clock=clock)
+    scheduler = Scheduler(
+        pool, sessions, max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_prefix_caching=prefix
+    )
+    return pool, sessions, scheduler, clock
+
+
+def new_seq(n: int, prompt: list[int], *, max_new: int = 2, session: str | None = None, priority: int = 0) -> Sequence:
+    request = GenerationRequest(
+        f"r{n}", tuple(prompt), stopping=StoppingParams(max_new_tokens=max_new), session_id=session, priority=priority
+    )
+    return Sequence(request, list(prompt), float(n), n)
+
+
+def drive(scheduler: Scheduler, *seqs: Sequence, add: bool = True, token: int = 3) -> None:
+    """Add the sequences (unless they are in already) and step until they finish (each after its max_new_tokens)."""
+    for seq in seqs if add else ():
+        scheduler.add(seq)
+    for _ in range(100):
+        if all(seq.status is SeqStatus.FINISHED for seq in seqs):
+            return
+        for ready in scheduler.update(scheduler.schedule()):
+            ready.token_ids.append(token)
+            if ready.num_generated >= ready.request.stopping.max_new_tokens:
+                scheduler.finish(ready, FinishReason.LENGTH)
+    raise AssertionError("the sequences did not finish")
+
+
+def test_counters_for_session_hits_misses_and_prefix_cache_hits() -> None:
+    _, _, scheduler, _ = books()
+    system = list(range(20, 32))  # three full blocks
+    drive(scheduler, new_seq(1, system + [1], session="s"))
+    assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (0, 1, 0)
+    drive(scheduler, new_seq(2, system + [1, 3, 5]))  # no session: the prefix cache
+    assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (0, 1, 1)
+    drive(scheduler, new_seq(3, system + [1, 3, 7], session="s"))
+    drive(scheduler, new_seq(4, system + [2], session="s"))
+    assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (2, 1, 1)
+    drive(scheduler, new_seq(5, [9, 9], session="t"), new_seq(6, [8, 8]))  # nothing to reuse: no hit at all
+    assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (2, 2, 1)
+
+
+def test_preemption_is_counted_and_a_preempted_sequence_is_not_counted_again() -> None:
+    pool, _, scheduler, _ = books(num_blocks=4, budget=16)
+    first, second = new_seq(1, list(range(8)), max_new=4), new_seq(2, list(range(50, 58)), max_new=4, session="a")
+    scheduler.add(first)
+    scheduler.add(second)
+    for ready in scheduler.update(scheduler.schedule()):  # both prompts fill the pool (2 blocks each)
+        ready.token_ids.append(7)
+    assert [s.seq_no for s in scheduler.running] == [1, 2] and pool.num_free == 0
+    plan = scheduler.schedule()  # first needs a third block: the newest running sequence makes way
+    assert plan.preempted == [second] and scheduler.num_preemptions == 1 and second.num_preemptions == 1
+    assert second.status is SeqStatus.WAITING and second.block_table == [] and second.num_computed == 0
+    assert scheduler.num_waiting == 1 and scheduler.has_work
+    scheduler.finish(first, FinishReason.CANCELLED)
+    drive(scheduler, second, add=False)
+    assert (scheduler.num_session_hits, scheduler.num_session_misses) == (0, 1)  # counted at its first admission
+    assert scheduler.num_preemptions == 1 and not scheduler.has_work and scheduler.num_waiting == 0
+
+
+def test_idle_sessions_expire_at_each_schedule_also_without_prefix_caching() -> None:
+    _, sessions, scheduler, clock = books(prefix=False, ttl_s=5.0)
+    drive(scheduler, new_seq(1, [1, 2, 3, 4, 5], session="s"))
+    assert "s" in sessions
+    clock.now += 6
+    scheduler.schedule()
+    assert "s" not in sessions and sessions.evictions["ttl"] == 1
+
+
+def test_a_request_that_computed_nothing_leaves_no_session() -> None:
+    pool, sessions, scheduler, _ = books()
+    waiting = new_seq(1, [1, 2, 3], session="s")
+    scheduler.add(waiting)
+    assert scheduler.num_waiting == 1
+    scheduler.finish(waiting, FinishReason.CANCELLED)
+    assert "s" not in sessions and scheduler.num_waiting == 0 and not scheduler.has_work
+    scheduler.finish(waiting, FinishReason.CANCELLED)  # a second finish changes nothing
+    assert scheduler.num_waiting == 0 and waiting.finish_reason is FinishReason.CANCELLED
+    assert scheduler.schedule().seqs == []  # its heap entry is dropped
+    failed = new_seq(2, [1, 2, 3, 4, 5], session="t")
+    scheduler.add(failed)
+    scheduler.update(scheduler.schedule())
+    scheduler.finish(failed, FinishReason.ERROR)  # computed, but its KV is not to be trusted
+    assert "t" not in sessions and pool.num_free == pool.num_blocks
+
+
+def test_a_finished_session_keeps_the_blocks_of_its_computed_tokens_only() -> None:
+    pool, sessions, scheduler, _ = books(prefix=False)
+    seq = new_seq(1, list(range(7)), max_new=2, session="s")
+    drive(scheduler, seq)  # 7 + 2 tokens, the last one never computed: 8 computed, two full blocks
+    assert sessions.get("s").token_ids == list(range(7)) + [3] and len(sessions.get("s").blocks) == 2
+    assert seq.block_table == [] and seq.finish_reason is FinishReason.LENGTH
+    pool.check(sessions.owners())
+
+
+def test_waiting_sequences_are_admitted_by_priority_then_age_within_max_num_seqs() -> None:
+    _, _, scheduler, _ = books(max_seqs=2)
+    seqs = [new_seq(1, [1, 2]), new_seq(2, [3, 4], priority=5), new_seq(3, [5, 6]), new_seq(4, [7, 8], priority=5)]
+    for seq in seqs:
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert [entry.seq.seq_no for entry in plan.seqs] == [2, 4] and scheduler.num_waiting == 2
+    scheduler.finish(seqs[1], FinishReason.CANCELLED)
+    plan = scheduler.schedule()
+    assert [entry.seq.seq_no for entry in plan.seqs] == [4, 1]
+
+
+def test_the_token_budget_chunks_a_long_prompt_and_serves_running_sequences_first() -> None:
+    _, _, scheduler, _ = books(budget=8)
+    short, long = new_seq(1, [1, 2, 3]), new_seq(2, list(range(100, 120)))
+    scheduler.add(short)
+    scheduler.add(long)
+    plan = scheduler.schedule()
+    assert [(e.seq.seq_no, e.start, e.num_tokens) for e in plan.seqs] == [(1, 0, 3), (2, 0, 5)]
+    assert plan.seqs[0].sample is not None and plan.seqs[1].sample is None
+    for ready in scheduler.update(plan):
+        ready.token_ids.append(9)
+    plan = scheduler.schedule()
+    assert [(e.seq.seq_no, e.start, e.num_tokens) for e in plan.seqs] == [(1, 3, 1), (2, 5, 7)]
+
+
+def test_an_abandoned_step_lets_go_of_its_copy_sources_and_registers_nothing() -> None:
+    pool, sessions, scheduler, _ = books()
+    drive(scheduler, new_seq(1, list(range(6)), session="s"))  # 6 + 2: the session holds 7 tokens, blocks 0-1
+    held = list(sessions.get("s").blocks)
+    seq = new_seq(2, list(range(6)) + [9, 9, 9, 9, 9], session="s")  # diverges inside the second block
+    scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert plan.copies == [(held[1], seq.block_table[1])] and pool.ref_count[held[1]] == 2
+    scheduler.abandon(plan)
+    assert pool.ref_count[held[1]] == 1
+    assert all(pool.block_hash[b] is None for b in seq.block_table[1:])
+    scheduler.finish(seq, FinishReason.ERROR)
+    pool.check(sessions.owners())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import hypothesis.strategies as st
 import pytest
@@ -10,8 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams
+from llmserve.engine.sessions import SessionStore
 from llmserve.models import from_config
 from tests.tiny import TINY_VOCAB, greedy_reference, tiny_config
 
@@ -194,3 +197,160 @@ async def test_real_model_conversation_reuse_equals_cold(real_model) -> None:
             messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
     finally:
         await warm.shutdown()
+
+
+# -- the session store on its own (book-keeping over a block pool, a fake clock) -------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def store(num_blocks: int = 16, *, ttl_s: float = 10.0, max_sessions: int = 4, fraction: float = 1.0):
+    pool = BlockPool(num_blocks, 4)
+    clock = Clock()
+    sessions = SessionStore(pool, ttl_s=ttl_s, max_sessions=max_sessions, max_pool_fraction=fraction, clock=clock)
+    return pool, sessions, clock
+
+
+def hold(pool: BlockPool, sessions: SessionStore, session_id: str, num_tokens: int) -> list[int]:
+    """A finished call handing the KV of `num_tokens` tokens to its session."""
+    blocks = pool.allocate(pool.blocks_for(num_tokens))
+    sessions.retain(session_id, list(range(num_tokens)), blocks)
+    return blocks
+
+
+def test_store_retains_matches_and_deletes() -> None:
+    pool, sessions, clock = store()
+    assert len(sessions) == 0 and "a" not in sessions and sessions.get("a") is None
+    assert sessions.match("a", [1, 2, 3]) == (0, [])
+    blocks = hold(pool, sessions, "a", 10)  # 3 blocks, the last one half full
+    assert len(sessions) == 1 and "a" in sessions and sessions.num_blocks_held == 3
+    session = sessions.get("a")
+    assert (session.session_id, session.token_ids, session.blocks) == ("a", list(range(10)), blocks)
+    assert session.last_used == clock.now and abs(session.last_used_wall - time.time()) < 60
+    assert sessions.owners() == [blocks]
+    pool.check(sessions.owners())
+    # The longest common prefix, and the blocks that hold it (the last one may be partly covered).
+    assert sessions.match("a", list(range(10))) == (10, blocks)
+    assert sessions.match("a", list(range(12))) == (10, blocks)
+    assert sessions.match("a", [0, 1, 2, 3, 4, 9]) == (5, blocks[:2])
+    assert sessions.match("a", [0, 1, 2, 3]) == (4, blocks[:1])
+    assert sessions.match("a", [7]) == (0, [])
+    assert sessions.delete("a") is True and sessions.delete("a") is False
+    assert len(sessions) == 0 and sessions.num_blocks_held == 0 and pool.num_free == pool.num_blocks
+    pool.check([])
+    assert sessions.evictions == {"memory": 0, "limit": 0, "ttl": 0}  # a delete is not an eviction
+
+
+def test_retain_replaces_what_the_session_held_and_checks_the_block_count() -> None:
+    pool, sessions, _ = store()
+    hold(pool, sessions, "a", 8)
+    newer = hold(pool, sessions, "a", 5)
+    assert sessions.get("a").blocks == newer and sessions.num_blocks_held == 2 and len(sessions) == 1
+    pool.check(sessions.owners())
+    with pytest.raises(ValueError, match="blocks do not match the token count"):
+        sessions.retain("b", [1, 2, 3, 4, 5], pool.allocate(1))
+    assert "b" not in sessions
+
+
+def test_match_and_retain_make_a_session_the_most_recently_used() -> None:
+    pool, sessions, clock = store()
+    for name in "abc":
+        hold(pool, sessions, name, 4)
+        clock.now += 1
+    sessions.match("a", [0])
+    assert sessions.get("a").last_used == clock.now
+    sessions.get("b")  # get() does not count as a use
+    assert sessions.evict_one() is True
+    assert "b" not in sessions and sessions.evictions["memory"] == 1
+    assert sessions.evict_one() is True and "c" not in sessions
+    assert sessions.evictions == {"memory": 2, "limit": 0, "ttl": 0}
+    assert sessions.evict_one() is True and sessions.evict_one() is False
+    assert sessions.evictions["memory"] == 3 and pool.num_free == pool.num_blocks
+
+
+def test_evict_until_free_evicts_only_as_many_sessions_as_needed() -> None:
+    pool, sessions, _ = store(num_blocks=8)
+    for name in "abcd":
+        hold(pool, sessions, name, 8)  # 2 blocks each: the pool is full
+    assert sessions.evict_until_free(0) is True and len(sessions) == 4
+    assert sessions.evict_until_free(3) is True
+    assert sorted(sessions._sessions) == ["c", "d"] and pool.num_free == 4
+    assert sessions.evictions["memory"] == 2
+    assert sessions.evict_until_free(9) is False and len(sessions) == 0
+    assert sessions.evictions["memory"] == 4
+
+
+def test_sessions_expire_after_the_ttl_idle() -> None:
+    pool, sessions, clock = store(ttl_s=10.0)
+    hold(pool, sessions, "a", 4)
+    clock.now += 5
+    hold(pool, sessions, "b", 4)
+    clock.now += 4.5
+    assert sessions.expire() == 0 and len(sessions) == 2
+    clock.now += 0.5  # "a" idle exactly the TTL
+    assert sessions.expire() == 1 and "a" not in sessions and "b" in sessions
+    assert sessions.evictions["ttl"] == 1
+    sessions.match("b", [0])  # a use restarts the clock
+    clock.now += 9
+    assert sessions.expire() == 0
+    hold(pool, sessions, "c", 4)
+    clock.now += 20
+    assert sessions.expire() == 2 and len(sessions) == 0
+    assert sessions.evictions == {"memory": 0, "limit": 0, "ttl": 3}
+    assert pool.num_free == pool.num_blocks
+
+
+def test_max_sessions_evicts_the_least_recently_used_never_the_new_one() -> None:
+    pool, sessions, clock = store(max_sessions=2)
+    hold(pool, sessions, "a", 4)
+    hold(pool, sessions, "b", 4)
+    assert len(sessions) == 2 and sessions.evictions["limit"] == 0
+    sessions.match("a", [0])
+    hold(pool, sessions, "c", 4)
+    assert sorted(sessions._sessions) == ["a", "c"] and sessions.evictions["limit"] == 1
+    hold(pool, sessions, "a", 4)  # retaining an existing session adds none
+    assert sorted(sessions._sessions) == ["a", "c"] and sessions.evictions["limit"] == 1
+    pool.check(sessions.owners())
+
+
+def test_the_pool_share_evicts_others_first_then_the_session_itself() -> None:
+    pool, sessions, _ = store(num_blocks=16, fraction=0.5)  # sessions may hold 8 blocks
+    hold(pool, sessions, "a", 16)  # 4 blocks
+    hold(pool, sessions, "b", 16)  # 8 held: exactly the share
+    assert len(sessions) == 2 and sessions.num_blocks_held == 8
+    hold(pool, sessions, "c", 4)  # 9 > 8: the oldest other session goes, never "c"
+    assert sorted(sessions._sessions) == ["b", "c"] and sessions.num_blocks_held == 5
+    assert sessions.evictions["limit"] == 1
+    hold(pool, sessions, "d", 30)  # 8 blocks alone: "b" and "c" make way
+    assert sorted(sessions._sessions) == ["d"] and sessions.num_blocks_held == 8
+    assert sessions.evictions["limit"] == 3
+    sessions.delete("d")
+    hold(pool, sessions, "e", 36)  # 9 blocks: over the share on its own, so not kept at all
+    assert len(sessions) == 0 and sessions.num_blocks_held == 0 and sessions.evictions["limit"] == 4
+    assert pool.num_free == pool.num_blocks
+    pool.check([])
+
+
+def test_the_session_kept_over_the_limit_keeps_its_place_among_the_others() -> None:
+    pool, sessions, clock = store(num_blocks=16, fraction=0.5, max_sessions=3)
+    hold(pool, sessions, "a", 8)
+    hold(pool, sessions, "b", 8)
+    sessions.match("a", [0])  # order now b, a
+    hold(pool, sessions, "c", 20)  # 5 blocks: 9 held, evict b (not c); then 7 held
+    assert sorted(sessions._sessions) == ["a", "c"] and sessions.evictions["limit"] == 1
+    sessions.enforce_limits(keep="a")  # nothing over a limit: nothing happens
+    assert sorted(sessions._sessions) == ["a", "c"]
+
+
+def test_a_share_that_rounds_down_counts_whole_blocks() -> None:
+    pool, sessions, _ = store(num_blocks=10, fraction=0.35)  # 3.5 -> 3 blocks
+    hold(pool, sessions, "a", 12)
+    assert "a" in sessions
+    hold(pool, sessions, "b", 4)
+    assert "a" not in sessions and "b" in sessions
