@@ -1,7 +1,8 @@
 """`make mutation`: mutmut over the book-keeping and control modules, one module at a time, each against the test
 files that cover it (so that a run fits a 2-core machine). Not part of `make test`.
 
-    python tests/mutation.py [MODULE ...]     # default: every module below, in this order
+    python tests/mutation.py [MODULE ...]           # default: every module below, in this order
+    python tests/mutation.py --again [MODULE ...]   # only the mutants that survived the module's last run
 
 mutmut is configured in pyproject.toml ([tool.mutmut]); this script links src -> server (mutmut names mutants after
 their path and knows only a src/ layout), narrows the test selection to the module's files, runs the module's
@@ -22,12 +23,17 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE_TESTS = "tests/engine"
 SERVICE_TESTS = "tests/service"
 
-# module -> (its file under server/llmserve, the test files that exercise it)
+# module -> (its file under server/llmserve, the pytest arguments that select the tests that exercise it). The
+# book-keeping runs without a model: its engine-level tests would only make each mutant slower.
 MODULES: dict[str, tuple[str, list[str]]] = {
     "block_pool": ("engine/block_pool.py", [f"{ENGINE_TESTS}/test_block_pool.py", f"{ENGINE_TESTS}/test_scheduler.py"]),
-    "sessions": ("engine/sessions.py", [f"{ENGINE_TESTS}/test_sessions.py", f"{ENGINE_TESTS}/test_scheduler.py"]),
-    "scheduler": ("engine/scheduler.py", [f"{ENGINE_TESTS}/test_scheduler.py", f"{ENGINE_TESTS}/test_sessions.py"]),
+    "sessions": (
+        "engine/sessions.py",
+        [f"{ENGINE_TESTS}/test_sessions.py", f"{ENGINE_TESTS}/test_scheduler.py", "-k", "scheduler or test_store_"],
+    ),
+    "scheduler": ("engine/scheduler.py", [f"{ENGINE_TESTS}/test_scheduler.py"]),
     "sampler": ("engine/sampler.py", [f"{ENGINE_TESTS}/test_sampler.py"]),
+    # Its real_model tests need only the default model's tokenizer.
     "detokenizer": ("engine/detokenizer.py", [f"{ENGINE_TESTS}/test_detokenizer.py"]),
     "core": ("engine/core.py", [f"{ENGINE_TESTS}/test_core.py"]),
     "service": (
@@ -37,11 +43,13 @@ MODULES: dict[str, tuple[str, list[str]]] = {
             f"{SERVICE_TESTS}/test_service_errors.py",
             f"{SERVICE_TESTS}/test_sessions_grpc.py",
             f"{SERVICE_TESTS}/test_conversations.py",
+            "-m",
+            "not real_model",
         ],
     ),
 }
-# mutmut's exit codes that count as the mutant detected (a test failed, crashed or hung).
-DETECTED = {"killed", "timeout", "segfault", "suspicious"}
+# mutmut statuses that count as the mutant detected: a test failed, crashed or hung ("suspicious" does not count).
+DETECTED = {"killed", "timeout", "segfault"}
 
 
 def module_name(file: str) -> str:
@@ -66,9 +74,15 @@ def prepare() -> None:
                 target.unlink()
 
 
-def run_one(name: str, jobs: int) -> None:
-    """Run in a process of its own: mutmut keeps its state in module globals."""
+def run_one(name: str, jobs: int, again: bool = False) -> None:
+    """Run in a process of its own: mutmut keeps its state in module globals. `again`: only the mutants that
+    survived the module's last run (mutants/NAME.survivors), e.g. after adding tests."""
     file, tests = MODULES[name]
+    survivors_file = ROOT / "mutants" / f"{name}.survivors"
+    names = survivors_file.read_text().split() if again else [f"{module_name(file)}.*"]
+    if not names:
+        print(f"{name}: no survivors to run again")
+        return
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     os.chdir(ROOT)
     from mutmut.__main__ import _run
@@ -79,7 +93,7 @@ def run_one(name: str, jobs: int) -> None:
     config().pytest_add_cli_args_test_selection = tests
     start = time.monotonic()
     try:
-        _run([f"{module_name(file)}.*"], jobs)
+        _run(names, jobs)
     except SystemExit as exc:
         if exc.code:
             raise
@@ -90,27 +104,32 @@ def run_one(name: str, jobs: int) -> None:
     data = SourceFileMutationData(path=Path("src/llmserve") / file)
     data.load()
     statuses = {key: status_by_exit_code[code] for key, code in data.exit_code_by_key.items()}
+    if again:
+        statuses = {key: statuses[key] for key in names}
     counts = Counter(statuses.values())
     detected = sum(counts[s] for s in DETECTED)
-    print(f"\n{name}: {detected} / {len(statuses)} mutants detected ({dict(counts)}), {wall:.0f} s wall")
-    for key, status in sorted(statuses.items()):
-        if status not in DETECTED:
-            print(f"  {status}: {key}")
+    what = "of the last run's survivors" if again else "mutants"
+    print(f"\n{name}: {detected} / {len(statuses)} {what} detected ({dict(counts)}), {wall:.0f} s wall")
+    survivors = sorted(key for key, status in statuses.items() if status not in DETECTED)
+    for key in survivors:
+        print(f"  {statuses[key]}: {key}")
+    survivors_file.write_text("".join(f"{key}\n" for key in survivors))
 
 
 def main(argv: list[str]) -> int:
     jobs = int(os.environ.get("MUTATION_JOBS", "2"))
     if argv[:1] == ["--one"]:
-        run_one(argv[1], jobs)
+        run_one(argv[2], jobs, again=argv[1] == "again")
         return 0
-    names = argv or list(MODULES)
+    again = argv[:1] == ["--again"]
+    names = argv[again:] or list(MODULES)
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         print(f"unknown module(s) {unknown}; choose from {list(MODULES)}", file=sys.stderr)
         return 2
     prepare()
     for name in names:
-        subprocess.run([sys.executable, __file__, "--one", name], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, __file__, "--one", "again" if again else "all", name], cwd=ROOT, check=True)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import EngineCore
 from llmserve.engine.request import (
     EngineDead,
     FinishReason,
@@ -18,6 +20,7 @@ from llmserve.engine.request import (
     QueueFull,
     SamplingParams,
     StoppingParams,
+    Usage,
 )
 from llmserve.models import from_config
 from tests.stepspy import StepSpy
@@ -356,3 +359,107 @@ async def test_abort_stops_the_request_within_two_steps(engine: AsyncEngine) -> 
     assert spy.steps_with("victim", since=cancelled_at) <= 2
     assert final.usage.completion_tokens < 400
     assert engine.num_running == 0
+
+
+# -- the step loop driven by hand (no thread): books, counters and the paths a live engine rarely takes ---------------
+
+
+def stepped_core(**overrides) -> EngineCore:  # noqa: ANN003
+    settings = dict(block_size=16, kv_cache_tokens=1024, max_num_seqs=4, max_num_batched_tokens=64)
+    settings.update(overrides)
+    return EngineCore(from_config(tiny_config(max_positions=512), dtype=torch.float32), EngineConfig(**settings))
+
+
+def serve(core: EngineCore, request: GenerationRequest, max_steps: int = 200) -> list:
+    """Submit and step on this thread until the request's final delta; returns every delta."""
+    deltas: list = []
+    core.submit(request, deltas.append)
+    for _ in range(max_steps):
+        core._drain_inbox()
+        if deltas and deltas[-1].finished:
+            return deltas
+        core.step()
+    raise AssertionError("no final delta")
+
+
+def test_stats_read_the_books() -> None:
+    core = stepped_core()
+    pool = core.pool
+    empty = core.stats()
+    assert (empty.running, empty.waiting, empty.kv_blocks_used, empty.kv_blocks_cached) == (0, 0, 0, 0)
+    assert (empty.kv_blocks_total, empty.block_size) == (pool.num_blocks, 16)
+    serve(core, req("s", list(range(3, 40)), max_new=4, session_id="conv"))  # 40 tokens computed: 3 blocks
+    serve(core, req("p", list(range(3, 40)), max_new=2))  # no session: reuses the 2 full blocks cached by "s"
+    stats = core.stats()
+    assert (stats.sessions, stats.session_blocks, stats.kv_blocks_used) == (1, 3, 3)
+    assert stats.kv_blocks_cached == pool.num_cached and pool.num_free == pool.num_blocks - 3
+    assert (stats.session_hits, stats.session_misses, stats.prefix_cache_hits) == (0, 1, 1)
+    assert stats.session_evictions == {"memory": 0, "limit": 0, "ttl": 0}
+    assert stats.session_evictions is not core.sessions.evictions  # a snapshot, not the live dict
+    core.submit(req("w", [1, 2, 3]), lambda delta: None)
+    assert core.stats().waiting == 1 and core.num_waiting == 1  # still in the inbox
+    core._drain_inbox()
+    assert core.stats().waiting == 1 and core.scheduler.num_waiting == 1  # now in the scheduler's queue
+    core.step()
+    stats = core.stats()
+    assert (stats.running, stats.waiting, stats.preemptions) == (1, 0, 0) and core.num_running == 1
+
+
+def test_sessions_are_read_and_deleted_under_the_books() -> None:
+    core = stepped_core()
+    assert core.get_session("conv") is None and core.delete_session("conv") is False
+    serve(core, req("s", list(range(3, 20)), max_new=3, session_id="conv"))
+    info = core.get_session("conv")
+    assert (info.session_id, info.cached_tokens) == ("conv", 19) and abs(info.last_used - time.time()) < 60
+    assert core.delete_session("conv") is True and core.get_session("conv") is None
+
+
+def test_only_consecutive_failed_steps_kill_the_engine() -> None:
+    core = stepped_core()
+    real = core.backend.execute
+    failing = [True, False, True, True]
+
+    def flaky(plan):  # noqa: ANN001, ANN202
+        if failing.pop(0) if failing else False:
+            raise RuntimeError("boom")
+        return real(plan)
+
+    core.backend.execute = flaky
+    reasons = [serve(core, req(f"r{i}", [1, 2, 3], max_new=1))[-1].finish_reason for i in range(4)]
+    assert reasons == [FinishReason.ERROR, FinishReason.LENGTH, FinishReason.ERROR, FinishReason.ERROR]
+    assert core.dead_reason is None and core._failures == 2 and core.steps == 1
+    core.backend.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("gone"))  # noqa: ARG005
+    final = serve(core, req("last", [1, 2, 3]))[-1]
+    assert final.finish_reason is FinishReason.ERROR and "gone" in final.error
+    assert core.dead_reason == "3 consecutive failed steps, last: RuntimeError: gone"
+
+
+def test_a_request_that_reaches_a_dead_engine_gets_its_error() -> None:
+    core = stepped_core()
+    core.dead_reason = "device lost"
+    deltas = serve(core, req("late", [1, 2, 3, 4]))
+    assert len(deltas) == 1 and deltas[0].token_ids == [] and deltas[0].error == "device lost"
+    assert deltas[0].finish_reason is FinishReason.ERROR and deltas[0].usage == Usage(4, 0, 0)
+    assert core.num_waiting == 0 and not core.scheduler.has_work
+
+
+def test_an_engine_that_is_stopped_cancels_what_is_left() -> None:
+    core = stepped_core()
+    deltas: list = []
+    core.submit(req("left", [1, 2, 3], max_new=50), deltas.append)
+    stop = threading.Event()
+    stop.set()
+    core.run(stop)  # drains the inbox, steps no more
+    assert [d.finish_reason for d in deltas] == [FinishReason.CANCELLED] and core.num_running == 0
+
+
+def test_sliding_window_is_read_where_the_config_enables_it() -> None:
+    from transformers import MistralConfig, Qwen2Config
+
+    from llmserve.engine.core import sliding_window
+
+    assert sliding_window(MistralConfig(sliding_window=256)) == 256
+    assert sliding_window(MistralConfig(sliding_window=None)) is None
+    assert sliding_window(Qwen2Config(sliding_window=128, use_sliding_window=False)) is None
+    assert sliding_window(Qwen2Config(sliding_window=128, use_sliding_window=True)) == 128
+    assert sliding_window(tiny_config()) is None

@@ -247,7 +247,7 @@ def test_store_retains_matches_and_deletes() -> None:
     assert sessions.evictions == {"memory": 0, "limit": 0, "ttl": 0}  # a delete is not an eviction
 
 
-def test_retain_replaces_what_the_session_held_and_checks_the_block_count() -> None:
+def test_store_retain_replaces_what_the_session_held_and_checks_the_block_count() -> None:
     pool, sessions, _ = store()
     hold(pool, sessions, "a", 8)
     newer = hold(pool, sessions, "a", 5)
@@ -258,7 +258,7 @@ def test_retain_replaces_what_the_session_held_and_checks_the_block_count() -> N
     assert "b" not in sessions
 
 
-def test_match_and_retain_make_a_session_the_most_recently_used() -> None:
+def test_store_match_and_retain_make_a_session_the_most_recently_used() -> None:
     pool, sessions, clock = store()
     for name in "abc":
         hold(pool, sessions, name, 4)
@@ -274,7 +274,7 @@ def test_match_and_retain_make_a_session_the_most_recently_used() -> None:
     assert sessions.evictions["memory"] == 3 and pool.num_free == pool.num_blocks
 
 
-def test_evict_until_free_evicts_only_as_many_sessions_as_needed() -> None:
+def test_store_evict_until_free_evicts_only_as_many_sessions_as_needed() -> None:
     pool, sessions, _ = store(num_blocks=8)
     for name in "abcd":
         hold(pool, sessions, name, 8)  # 2 blocks each: the pool is full
@@ -286,7 +286,7 @@ def test_evict_until_free_evicts_only_as_many_sessions_as_needed() -> None:
     assert sessions.evictions["memory"] == 4
 
 
-def test_sessions_expire_after_the_ttl_idle() -> None:
+def test_store_sessions_expire_after_the_ttl_idle() -> None:
     pool, sessions, clock = store(ttl_s=10.0)
     hold(pool, sessions, "a", 4)
     clock.now += 5
@@ -306,7 +306,7 @@ def test_sessions_expire_after_the_ttl_idle() -> None:
     assert pool.num_free == pool.num_blocks
 
 
-def test_max_sessions_evicts_the_least_recently_used_never_the_new_one() -> None:
+def test_store_max_sessions_evicts_the_least_recently_used_never_the_new_one() -> None:
     pool, sessions, clock = store(max_sessions=2)
     hold(pool, sessions, "a", 4)
     hold(pool, sessions, "b", 4)
@@ -319,7 +319,7 @@ def test_max_sessions_evicts_the_least_recently_used_never_the_new_one() -> None
     pool.check(sessions.owners())
 
 
-def test_the_pool_share_evicts_others_first_then_the_session_itself() -> None:
+def test_store_the_pool_share_evicts_others_first_then_the_session_itself() -> None:
     pool, sessions, _ = store(num_blocks=16, fraction=0.5)  # sessions may hold 8 blocks
     hold(pool, sessions, "a", 16)  # 4 blocks
     hold(pool, sessions, "b", 16)  # 8 held: exactly the share
@@ -337,7 +337,7 @@ def test_the_pool_share_evicts_others_first_then_the_session_itself() -> None:
     pool.check([])
 
 
-def test_the_session_kept_over_the_limit_keeps_its_place_among_the_others() -> None:
+def test_store_the_session_kept_over_the_limit_keeps_its_place_among_the_others() -> None:
     pool, sessions, clock = store(num_blocks=16, fraction=0.5, max_sessions=3)
     hold(pool, sessions, "a", 8)
     hold(pool, sessions, "b", 8)
@@ -348,7 +348,7 @@ def test_the_session_kept_over_the_limit_keeps_its_place_among_the_others() -> N
     assert sorted(sessions._sessions) == ["a", "c"]
 
 
-def test_a_share_that_rounds_down_counts_whole_blocks() -> None:
+def test_store_a_share_that_rounds_down_counts_whole_blocks() -> None:
     pool, sessions, _ = store(num_blocks=10, fraction=0.35)  # 3.5 -> 3 blocks
     hold(pool, sessions, "a", 12)
     assert "a" in sessions
