@@ -1,12 +1,12 @@
 """Property-based tests of the block pool, session store and scheduler together (no model, no tensors).
 
 A state machine adds, steps, fails steps, aborts, finishes, preempts and deletes sessions in any order. It
-keeps a shadow of the KV cache (which token each slot holds, as the runner would have written it), so after
-every rule it can check what the engine relies on: every token a running sequence or a session counts as
-computed is in its slot, whatever blocks were shared, copied, cached or reused. Also after every rule: the
-pool's books match the owners exactly, writable blocks are exclusively owned, the running count, the session
-count and the sessions' pool share stay within their limits; each step admits in priority order; and at the
-end everything comes back free.
+keeps a shadow of the KV cache (what each slot holds, as the runner would have written it: a slot's KV depends on
+its token and on every token before it, so the shadow holds that whole prefix), so after every rule it can check
+what the engine relies on: every token a running sequence or a session counts as computed is in its slot, whatever
+blocks were shared, copied, cached or reused. Also after every rule: the pool's books match the owners exactly,
+writable blocks are exclusively owned, the running count, the session count and the sessions' pool share stay
+within their limits; each step admits in priority order; and at the end everything comes back free.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmserve.engine.block_pool import BlockPool
+from llmserve.engine.block_pool import BlockPool, chain_hash
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.request import FinishReason, GenerationRequest, SeqStatus, Sequence, StoppingParams
 from llmserve.engine.scheduler import Scheduler
@@ -59,8 +59,8 @@ class EngineBooks(RuleBasedStateMachine):
         )
         self.live: list[Sequence] = []
         self.n = 0
-        # block -> the token in each slot (None: never written since the pool began)
-        self.kv: defaultdict[int, list[int | None]] = defaultdict(lambda: [None] * BLOCK_SIZE)
+        # block -> the prefix whose last token's KV each slot holds (None: never written since the pool began)
+        self.kv: defaultdict[int, list[tuple[int, ...] | int | None]] = defaultdict(lambda: [None] * BLOCK_SIZE)
 
     # Prompts from a tiny alphabet with shared heads, so prefix and session reuse really happen.
     @rule(
@@ -118,7 +118,8 @@ class EngineBooks(RuleBasedStateMachine):
     def write(self, seq: Sequence, n: int, garbage: bool = False) -> None:
         """What the forward writes: the KV of the sequence's next n tokens, into its own slots."""
         for p in range(seq.num_computed, seq.num_computed + n):
-            self.kv[seq.block_table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = GARBAGE if garbage else seq.token_ids[p]
+            slot = GARBAGE if garbage else tuple(seq.token_ids[: p + 1])
+            self.kv[seq.block_table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = slot
 
     @rule(token=st.integers(0, 3))
     def step(self, token: int) -> None:
@@ -131,6 +132,7 @@ class EngineBooks(RuleBasedStateMachine):
             seq, n = entry.seq, entry.num_tokens
             assert n >= 1 and seq.status is SeqStatus.RUNNING
             assert entry.start == seq.num_computed and list(entry.token_ids) == seq.token_ids[entry.start : entry.end]
+            assert entry.block_table is seq.block_table
             # It samples exactly when the step reaches its last token.
             assert (entry.sample is not None) == (entry.end == len(seq.token_ids))
             assert len(seq.block_table) >= self.pool.blocks_for(seq.num_computed + n)
@@ -209,7 +211,7 @@ class EngineBooks(RuleBasedStateMachine):
         held += [(session.token_ids, session.blocks) for session in map(self.sessions.get, "abcd") if session]
         for tokens, table in held:
             slots = [self.kv[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(len(tokens))]
-            assert slots == list(tokens)
+            assert slots == [tuple(tokens[: p + 1]) for p in range(len(tokens))]
 
     def teardown(self) -> None:
         if not hasattr(self, "pool"):
@@ -333,11 +335,13 @@ def test_counters_for_session_hits_misses_and_prefix_cache_hits() -> None:
     assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (0, 1, 0)
     drive(scheduler, new_seq(2, system + [1, 3, 5]))  # no session: the prefix cache
     assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (0, 1, 1)
+    drive(scheduler, new_seq(7, system + [4]))
+    assert scheduler.num_prefix_cache_hits == 2
     drive(scheduler, new_seq(3, system + [1, 3, 7], session="s"))
     drive(scheduler, new_seq(4, system + [2], session="s"))
-    assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (2, 1, 1)
+    assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (2, 1, 2)
     drive(scheduler, new_seq(5, [9, 9], session="t"), new_seq(6, [8, 8]))  # nothing to reuse: no hit at all
-    assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (2, 2, 1)
+    assert (scheduler.num_session_hits, scheduler.num_session_misses, scheduler.num_prefix_cache_hits) == (2, 2, 2)
 
 
 def test_preemption_is_counted_and_a_preempted_sequence_is_not_counted_again() -> None:
@@ -377,6 +381,12 @@ def test_a_request_that_computed_nothing_leaves_no_session() -> None:
     scheduler.finish(waiting, FinishReason.CANCELLED)  # a second finish changes nothing
     assert scheduler.num_waiting == 0 and waiting.finish_reason is FinishReason.CANCELLED
     assert scheduler.schedule().seqs == []  # its heap entry is dropped
+    ahead, behind = new_seq(3, [1, 2], priority=1), new_seq(4, [3, 4])
+    scheduler.add(ahead)
+    scheduler.add(behind)
+    scheduler.finish(ahead, FinishReason.CANCELLED)  # aborted at the head of the queue: the next one goes on
+    assert [entry.seq for entry in scheduler.schedule().seqs] == [behind]
+    scheduler.finish(behind, FinishReason.CANCELLED)
     failed = new_seq(2, [1, 2, 3, 4, 5], session="t")
     scheduler.add(failed)
     scheduler.update(scheduler.schedule())
@@ -432,3 +442,175 @@ def test_an_abandoned_step_lets_go_of_its_copy_sources_and_registers_nothing() -
     assert all(pool.block_hash[b] is None for b in seq.block_table[1:])
     scheduler.finish(seq, FinishReason.ERROR)
     pool.check(sessions.owners())
+
+
+def test_a_running_sequence_evicts_as_many_sessions_as_its_chunk_needs() -> None:
+    pool, sessions, scheduler, _ = books(num_blocks=6, budget=8)
+    for i, name in enumerate("wxyz"):
+        drive(scheduler, new_seq(i, [i + 1, 2, 3], max_new=1, session=name))  # one block each
+    assert len(sessions) == 4 and pool.num_free == 2
+    long = new_seq(9, list(range(100, 116)))
+    scheduler.add(long)
+    scheduler.update(scheduler.schedule())  # the first 8 tokens: the 2 free blocks
+    plan = scheduler.schedule()  # the next 8 need 2 more blocks: two sessions make way, nothing is preempted
+    assert [(e.seq, e.num_tokens) for e in plan.seqs] == [(long, 8)] and plan.preempted == []
+    assert sorted(sessions._sessions) == ["y", "z"] and len(long.block_table) == 4
+
+
+def test_prefix_reuse_counts_every_full_block_of_the_prompt_but_the_last_token() -> None:
+    _, _, scheduler, _ = books()
+    system = list(range(20, 32))  # three full blocks
+    drive(scheduler, new_seq(1, system + [1]))
+    again = new_seq(2, system + [1, 3, 5])
+    drive(scheduler, again)
+    assert again.num_cached_prompt == 12
+    one_more = new_seq(4, system + [2])  # one token past the blocks: all three reused
+    drive(scheduler, one_more)
+    assert one_more.num_cached_prompt == 12
+    whole = new_seq(3, system)  # the prompt's last token is always computed: two blocks reused
+    drive(scheduler, whole)
+    assert whole.num_cached_prompt == 8
+
+
+def test_a_block_is_hashed_only_once_it_is_full() -> None:
+    """A sequence's last, partial block must not be looked up by the hash of the tokens it held at admission: after a
+    preemption it is re-admitted with more tokens, which must match a cached block's content exactly."""
+    pool, _, scheduler, _ = books(num_blocks=16)
+    first = new_seq(1, [1, 2, 3, 4, 5, 6], max_new=3)
+    drive(scheduler, first, token=7)  # computes [1..6, 7, 7]: blocks [1 2 3 4] [5 6 7 7] cached
+    other = new_seq(2, [1, 2, 3, 4, 5, 6], max_new=4)
+    scheduler.add(other)
+    for _ in range(3):  # generates 9 and 9: [1..6, 9, 9, 9], 8 computed
+        for ready in scheduler.update(scheduler.schedule()):
+            ready.token_ids.append(9)
+    scheduler.preempt(other)
+    scheduler.schedule()  # re-admitted: its second block must be one that holds 5 6 9 9 (its own, cached), not 5 6 7 7
+    head = chain_hash(None, [1, 2, 3, 4])
+    assert other.num_computed == 8 and pool.block_hash[other.block_table[1]] == chain_hash(head, [5, 6, 9, 9])
+    scheduler.finish(other, FinishReason.CANCELLED)
+    pool.check([])
+
+
+def test_a_one_token_prompt_leaves_a_one_token_session() -> None:
+    _, sessions, scheduler, _ = books()
+    drive(scheduler, new_seq(1, [5], max_new=1, session="s"))
+    assert sessions.get("s").token_ids == [5] and len(sessions.get("s").blocks) == 1
+
+
+def test_each_preemption_is_counted() -> None:
+    _, _, scheduler, _ = books()
+    seq = new_seq(1, [1, 2, 3])
+    scheduler.add(seq)
+    for expected in (1, 2):
+        scheduler.schedule()
+        scheduler.preempt(seq)
+        assert seq.num_preemptions == expected and scheduler.num_preemptions == expected
+
+
+def test_without_prefix_caching_nothing_is_kept_for_reuse() -> None:
+    pool, _, scheduler, _ = books(prefix=False)
+    seq = new_seq(1, list(range(10)), max_new=4)
+    drive(scheduler, seq)
+    assert pool.num_cached == 0 and all(h is None for h in pool.block_hash) and seq.block_hashes == []
+    again = new_seq(2, list(range(10)))
+    drive(scheduler, again)
+    assert again.num_cached_prompt == 0
+
+
+def test_the_newest_running_sequence_makes_way_even_when_it_is_the_one_growing() -> None:
+    pool, _, scheduler, _ = books(num_blocks=6, budget=64)
+    a, b, c = new_seq(1, list(range(7)), max_new=8), new_seq(2, list(range(8)), max_new=8), new_seq(3, [1, 2, 3, 4])
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    for ready in scheduler.update(scheduler.schedule()):  # 2 + 2 + 1 blocks
+        ready.token_ids.append(5)
+    # a has room in its last block, b needs a third block and c a second: only one is free.
+    plan = scheduler.schedule()
+    assert [entry.seq for entry in plan.seqs] == [a, b] and plan.preempted == [c]  # the newest went, not b
+    assert c.status is SeqStatus.WAITING and c.block_table == [] and len(b.block_table) == 3
+    for ready in scheduler.update(plan):
+        ready.token_ids.append(5)
+    pool.check([a.block_table, b.block_table])
+
+
+def test_a_sequence_that_must_preempt_itself_leaves_the_step() -> None:
+    pool, _, scheduler, _ = books(num_blocks=4, budget=64)
+    older, newer = new_seq(1, list(range(7)), max_new=8), new_seq(2, list(range(8)), max_new=8)
+    scheduler.add(older)
+    scheduler.add(newer)
+    for ready in scheduler.update(scheduler.schedule()):  # 2 blocks each: the pool is full
+        ready.token_ids.append(5)
+    plan = scheduler.schedule()  # older fits its next token; newer needs a block and is the newest itself
+    assert isinstance(plan, StepPlan)
+    assert [(entry.seq, entry.num_tokens) for entry in plan.seqs] == [(older, 1)] and plan.preempted == [newer]
+    assert newer.status is SeqStatus.WAITING and newer.block_table == [] and scheduler.running == [older]
+    pool.check([older.block_table])
+
+
+def test_a_waiting_request_evicts_sessions_and_waits_when_running_ones_hold_the_pool() -> None:
+    pool, sessions, scheduler, _ = books(num_blocks=4, budget=64)
+    drive(scheduler, new_seq(1, list(range(7)), max_new=1, session="a"), new_seq(2, [9] * 7, max_new=1, session="b"))
+    assert len(sessions) == 2 and pool.num_free == 0 and pool.num_cached == 0
+    first = new_seq(3, list(range(20, 27)), max_new=20)
+    scheduler.add(first)
+    plan = scheduler.schedule()
+    assert [entry.seq for entry in plan.seqs] == [first]  # one session made way
+    assert sorted(sessions._sessions) == ["b"]
+    for ready in scheduler.update(plan):
+        ready.token_ids.append(5)
+    second = new_seq(4, list(range(30, 39)))  # needs 3 blocks: evicting "b" frees only 2
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    assert [entry.seq for entry in plan.seqs] == [first] and second.status is SeqStatus.WAITING
+    assert second.block_table == [] and scheduler.num_waiting == 1 and len(sessions) == 0
+    pool.check([first.block_table])
+
+
+def test_the_budget_is_spent_to_the_last_token_and_no_further() -> None:
+    _, _, scheduler, _ = books(budget=8)
+    decoding, prompt = new_seq(1, [1, 2, 3], max_new=8), new_seq(2, list(range(100, 107)))
+    scheduler.add(decoding)
+    for ready in scheduler.update(scheduler.schedule()):
+        ready.token_ids.append(5)
+    scheduler.add(prompt)
+    plan = scheduler.schedule()  # one decode token, then seven prompt tokens: the budget is spent exactly
+    assert [(e.seq, e.num_tokens) for e in plan.seqs] == [(decoding, 1), (prompt, 7)]
+    for ready in scheduler.update(plan):
+        ready.token_ids.append(5)
+    late = new_seq(3, [4, 5, 6])
+    scheduler.add(late)
+    long = new_seq(4, list(range(200, 215)))
+    scheduler.add(long)
+    plan = scheduler.schedule()  # 1 + 1 + 3, then 3 of long's 15: 8
+    assert [(e.seq, e.num_tokens) for e in plan.seqs] == [(decoding, 1), (prompt, 1), (late, 3), (long, 3)]
+    for ready in scheduler.update(plan):
+        ready.token_ids.append(5)
+    waiting = new_seq(5, [7, 7])
+    scheduler.add(waiting)
+    plan = scheduler.schedule()  # 1 + 1 + 1, then long's next 5: nothing left for the one waiting
+    assert [(e.seq, e.num_tokens) for e in plan.seqs] == [(decoding, 1), (prompt, 1), (late, 1), (long, 5)]
+    assert waiting.status is SeqStatus.WAITING and waiting.block_table == []
+
+
+def test_the_longer_of_session_and_prefix_reuse_wins() -> None:
+    _, sessions, scheduler, _ = books()
+    system = list(range(20, 32))
+    drive(scheduler, new_seq(1, system[:5], max_new=2, session="s"))  # the session holds 6 tokens of the system
+    drive(scheduler, new_seq(2, system + [1]))  # the prefix cache holds all three blocks
+    both = new_seq(3, system + [2], session="s")
+    drive(scheduler, both)
+    assert both.num_cached_prompt == 12
+
+
+def test_prefix_caching_is_on_by_default() -> None:
+    pool = BlockPool(16, BLOCK_SIZE)
+    scheduler = Scheduler(
+        pool,
+        SessionStore(pool, ttl_s=60, max_sessions=4, max_pool_fraction=1.0),
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+    )
+    drive(scheduler, new_seq(1, list(range(9))))
+    again = new_seq(2, list(range(9)))
+    drive(scheduler, again)
+    assert again.num_cached_prompt == 8
