@@ -225,6 +225,15 @@ def test_first_completed_stop_wins() -> None:
     assert deltas[-1] == DetokenizedDelta("xa", "bc")
 
 
+@pytest.mark.parametrize("stops", [["bc", "abc"], ["abc", "bc"]])
+def test_stops_ending_together_the_longer_wins(stops: list[str]) -> None:
+    tok = ByteTokenizer([])
+    deltas, _ = run(IncrementalDetokenizer(tok, stop_sequences=stops), tok.ids("xabcy"))
+    assert deltas[-1] == DetokenizedDelta("x", "abc")
+    deltas, _ = run(IncrementalDetokenizer(tok, stop_sequences=stops, include_stop_sequence=True), tok.ids("xabcy"))
+    assert deltas[-1] == DetokenizedDelta("xabc", "abc")
+
+
 def test_stop_spanning_a_multibyte_character() -> None:
     tok = ByteTokenizer([])
     e_acute = "é".encode()
@@ -243,8 +252,29 @@ def test_stop_completed_by_the_flushed_tail() -> None:
     assert detok.stopped_on == "ab"
 
 
+@pytest.mark.parametrize(("include", "expected"), [(False, ""), (True, "ab")])
+def test_stop_completed_by_the_flushed_tail_with_or_without_the_stop(include: bool, expected: str) -> None:
+    tok = ByteTokenizer([])
+    detok = IncrementalDetokenizer(tok, stop_sequences=["ab"], include_stop_sequence=include)
+    assert detok.push(tok.ids("xa")).text == "x"
+    assert detok.push(tok.ids(b"b\xc3")).text == ""
+    assert detok.flush() == expected and detok.stopped_on == "ab"
+
+
+def test_only_byte_fallback_tokens_hold_text_back() -> None:
+    """A six-character token that is not "<0x..>" is text like any other: it is emitted as soon as it is pushed."""
+    tok = SENTENCEPIECE["bpe-byte-fallback"]
+    words = [i for token, i in tok.get_vocab().items() if len(token) == 6 and not token.startswith("<0x")]
+    assert words
+    for i in words:
+        assert IncrementalDetokenizer(tok).push([i]).text == tok.decode([i])
+    byte = tok.convert_tokens_to_ids("<0x41>")
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push([byte]).text == "" and detok.flush() == "A"  # a byte run stays open until it ends
+
+
 def test_empty_stop_sequence_is_rejected() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^stop sequences must not be empty strings$"):
         IncrementalDetokenizer(ByteTokenizer([]), stop_sequences=["ok", ""])
 
 
