@@ -17,7 +17,16 @@ from transformers.generation.logits_process import (
 )
 
 from llmserve.engine.request import SamplingParams
-from llmserve.engine.sampler import SampleRow, _apply_repetition_penalty, nucleus_floor, sample, warped_weights
+from llmserve.engine.sampler import (
+    RowFailed,
+    Sampled,
+    SampleRow,
+    _apply_repetition_penalty,
+    nucleus_floor,
+    sample,
+    sample_each,
+    warped_weights,
+)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -168,6 +177,34 @@ def test_sampled_row_without_generator_raises() -> None:
     bad = SampleRow(SamplingParams(temperature=1.0), None, [], [], False, 0)
     with pytest.raises(ValueError, match="no generator"):
         sample(torch.zeros(1, 10), [bad])
+
+
+def test_sample_each_samples_the_batch_at_once_or_fails_a_bad_row_alone() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    rows = [row(), row(SamplingParams(temperature=1.0), 7, logprobs=True, top_logprobs=2), row()]
+    expected_ids, expected_lps = sample(
+        logits, [row(), row(SamplingParams(temperature=1.0), 7, logprobs=True, top_logprobs=2), row()]
+    )
+    results = sample_each(logits, rows)
+    assert [r.token_id for r in results] == expected_ids
+    assert results[0].logprob is None and results[1].logprob == expected_lps[1] and len(results[1].logprob.top) == 2
+    bad = SampleRow(SamplingParams(temperature=0.5), None, [], [], False, 0)
+    rows = [row(), bad, row(SamplingParams(temperature=1.0), 7)]
+    results = sample_each(logits, rows)
+    assert results[0] == Sampled(int(logits[0].argmax()), None)
+    assert results[1] == RowFailed("sampling failed: ValueError: sampled row 0 (temperature 0.5) has no generator")
+    assert results[2] == Sampled(sample(logits[2:], [row(SamplingParams(temperature=1.0), 7)])[0][0], None)
+
+
+@pytest.mark.parametrize(("u", "expected"), [(0.0, 1), (0.45, 1), (0.55, 2), (1.0, 2)])
+def test_the_draw_is_the_inverse_cdf_of_the_kept_weights(monkeypatch, u: float, expected: int) -> None:  # noqa: ANN001
+    """min_p leaves weights [0, .4, .4, 0] (total .8): u picks the first token whose running weight exceeds u * .8,
+    never a token without weight, also at u = 0 and where u * total rounds up to the total."""
+    import llmserve.engine.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "_uniform", lambda row, j, device: torch.tensor(u))
+    logits = torch.tensor([[0.1, 0.4, 0.4, 0.1]]).log()
+    assert sample(logits, [row(SamplingParams(temperature=1.0, min_p=0.6), 0)])[0] == [expected]
 
 
 def test_shape_mismatch_raises() -> None:
