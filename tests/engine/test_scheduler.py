@@ -614,3 +614,16 @@ def test_prefix_caching_is_on_by_default() -> None:
     again = new_seq(2, list(range(9)))
     drive(scheduler, again)
     assert again.num_cached_prompt == 8
+
+
+def test_the_last_token_of_the_budget_is_spent_on_admission_and_on_decode() -> None:
+    _, _, scheduler, _ = books(budget=3)
+    seqs = [new_seq(i, [i + 1], max_new=4) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    plan = scheduler.schedule()  # one token each: the third one gets the budget's last token
+    assert [(e.seq, e.num_tokens) for e in plan.seqs] == [(seq, 1) for seq in seqs]
+    for ready in scheduler.update(plan):
+        ready.token_ids.append(5)
+    plan = scheduler.schedule()
+    assert [(e.seq, e.num_tokens) for e in plan.seqs] == [(seq, 1) for seq in seqs]
