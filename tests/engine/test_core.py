@@ -463,3 +463,19 @@ def test_sliding_window_is_read_where_the_config_enables_it() -> None:
     assert sliding_window(Qwen2Config(sliding_window=128, use_sliding_window=False)) is None
     assert sliding_window(Qwen2Config(sliding_window=128, use_sliding_window=True)) == 128
     assert sliding_window(tiny_config()) is None
+
+
+def test_a_dying_engine_fails_the_requests_still_waiting() -> None:
+    core = stepped_core(max_num_seqs=1)
+    core.backend.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("gone"))  # noqa: ARG005
+    finals: dict[str, object] = {}
+    for i in range(4):
+        core.submit(req(f"r{i}", [1, 2, 3]), lambda delta: finals.setdefault(delta.request_id, delta))
+    core._drain_inbox()
+    for _ in range(3):  # one running request per step: the third failure kills the engine
+        core.step()
+    assert core.dead_reason == "3 consecutive failed steps, last: RuntimeError: gone"
+    waiting = finals["r3"]
+    assert waiting.finish_reason is FinishReason.ERROR and waiting.error == core.dead_reason
+    assert all(finals[f"r{i}"].error == "RuntimeError: gone" for i in range(3))
+    assert core.num_running == 0 and not core.scheduler.has_work

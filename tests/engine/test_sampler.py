@@ -104,6 +104,24 @@ def test_greedy_with_penalty_and_blocked_ids_matches_transformers() -> None:
         assert ids[i] == int(scores.argmax())
 
 
+@pytest.mark.parametrize("penalty", [1.3, 2.0])
+def test_greedy_with_a_penalty_alone_matches_transformers(penalty: float) -> None:
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
+    history = [[int(i) for i in logits[r].topk(3).indices] for r in range(3)]  # penalise the current favourites
+    ids, _ = sample(logits, [row(SamplingParams(repetition_penalty=penalty), token_ids=tuple(h)) for h in history])
+    for i, h in enumerate(history):
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([h]), logits[i : i + 1].clone()).argmax()
+        assert ids[i] == int(expected)
+
+
+def test_half_precision_logits_are_warped_and_drawn_in_float32() -> None:
+    logits = (torch.randn(64, 300, generator=torch.Generator().manual_seed(4)) * 4).to(torch.bfloat16)
+    params = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.02)
+    ours, _ = sample(logits, [row(params, seed) for seed in range(64)])
+    reference, _ = sample(logits.float(), [row(params, seed) for seed in range(64)])
+    assert ours == reference
+
+
 def test_input_logits_are_not_modified() -> None:
     logits = torch.randn(3, 100)
     before = logits.clone()
@@ -286,6 +304,7 @@ def test_min_p_keeps_only_tokens_near_the_best() -> None:
 def test_repetition_penalty_matches_transformers() -> None:
     torch.manual_seed(5)
     logits = torch.randn(3, 100) * 3
+    logits[0, 1], logits[1, 2], logits[2, 50] = 0.5, 1.0, -0.25  # seen logits in (0, 1] are divided too
     histories = [[1, 5, 5, 99, 0], [2], [50, 51, 52]]
     penalties = [1.3, 0.7, 2.0]
     rows = [
@@ -369,6 +388,8 @@ def test_logprobs_without_top() -> None:
     logits = torch.randn(1, 50)
     _, logprobs = sample(logits, [row(logprobs=True)])
     assert logprobs[0] is not None and logprobs[0].top == []
+    ids, logprobs = sample(logits, [row(logprobs=True, top_logprobs=1)])
+    assert [t for t, _ in logprobs[0].top] == ids and logprobs[0].top[0][1] == logprobs[0].logprob
 
 
 # --- extreme but valid values ------------------------------------------------------------------------------
@@ -458,7 +479,9 @@ def test_tiny_top_p_and_temperature_act_as_greedy_and_huge_temperature_as_unifor
 
 
 def test_a_row_with_everything_blocked_takes_its_best_logit() -> None:
-    logits = torch.tensor([[0.5, 3.0, 1.0]])
+    logits = torch.tensor([[0.5, 3.0, 1.0], [2.0, 0.0, 0.0]])
     for params in (SamplingParams(), SamplingParams(temperature=1.0)):
-        ids, _ = sample(logits, [row(params, 1, blocked=(0, 1, 2))])
+        ids, _ = sample(logits[:1], [row(params, 1, blocked=(0, 1, 2))])
         assert ids == [1]
+        ids, _ = sample(logits, [row(params, 1, blocked=(0, 1, 2)), row(params, 1, blocked=(0,))])
+        assert ids[0] == 1 and ids[1] in (1, 2)  # a live row beside it changes nothing
