@@ -142,7 +142,8 @@ async def test_request_that_never_fits_the_pool_is_rejected() -> None:
     with pytest.raises(InvalidRequest) as info:
         async for _ in eng.generate(req("big", [1] * 60, max_new=10)):
             pass
-    assert info.value.field == "max_new_tokens" and "KV pool" in info.value.reason
+    assert info.value.field == "max_new_tokens" and info.value.reason.endswith("never fits the KV pool (64 tokens)")
+    eng.core.validate(req("whole-pool", [1] * 60, max_new=4))  # exactly the pool's 64 tokens: served
 
 
 async def test_cancelled_consumer_frees_its_blocks_within_an_iteration(engine: AsyncEngine) -> None:
@@ -408,7 +409,8 @@ def test_stats_read_the_books() -> None:
 def test_sessions_are_read_and_deleted_under_the_books() -> None:
     core = stepped_core()
     assert core.get_session("conv") is None and core.delete_session("conv") is False
-    serve(core, req("s", list(range(3, 20)), max_new=3, session_id="conv"))
+    timing = serve(core, req("s", list(range(3, 20)), max_new=3, session_id="conv"))[-1].timing
+    assert core.steps == 3 and timing.ttft_s < timing.total_s  # the first token came a step before the last
     info = core.get_session("conv")
     assert (info.session_id, info.cached_tokens) == ("conv", 19) and abs(info.last_used - time.time()) < 60
     assert core.delete_session("conv") is True and core.get_session("conv") is None
