@@ -127,6 +127,10 @@ def test_input_logits_are_not_modified() -> None:
     before = logits.clone()
     sample(logits, [row(SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.2), 1, token_ids=(1, 2))] * 3)
     assert torch.equal(logits, before)
+    logits[0, :3] = torch.tensor([math.inf, math.nan, 1.0])  # a row with every token blocked is read again, tamed
+    before = logits.clone()
+    sample(logits[:1, :3], [row(SamplingParams(temperature=0.7), 1, blocked=(0, 1, 2))])
+    torch.testing.assert_close(logits, before, rtol=0, atol=0, equal_nan=True)
 
 
 # --- seeds ------------------------------------------------------------------------------------------------
@@ -260,6 +264,14 @@ def test_warped_distribution_matches_transformers(params, scale, vocab, data_see
     # Kept sets may only differ on exact ties at a cut, which random floats do not produce.
     assert torch.equal(ours > 0, theirs > 0)
     torch.testing.assert_close(ours / ours.sum(), theirs, rtol=1e-4, atol=1e-6)
+
+
+def test_nucleus_stops_where_the_mass_before_a_token_reaches_top_p() -> None:
+    """As transformers' TopPLogitsWarper: with probabilities .5 .25 .25 and top_p .5 the nucleus is the first token
+    alone (the mass before the second is exactly top_p)."""
+    probs = torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.5, 0.25]])
+    assert nucleus_floor(probs, torch.tensor([[0.5], [0.5]])).flatten().tolist() == [0.5, 0.5]
+    assert nucleus_floor(probs, torch.tensor([[0.75], [0.5000001]])).flatten().tolist() == [0.25, 0.25]
 
 
 @settings(max_examples=100, deadline=None)
