@@ -49,6 +49,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         ],
     ),
 }
+# Seconds added to a mutant's time budget (mutmut's timeout_constant) where the tests build a model or start a server
+# first: mutmut times only the test calls, not their fixtures, and a fixture that outlasts the budget reads as a hang.
+SETUP_S = {"core": 10.0, "service": 30.0}
 # mutmut statuses that count as the mutant detected: a test failed, crashed or hung ("suspicious" does not count).
 DETECTED = {"killed", "timeout", "segfault"}
 
@@ -92,6 +95,7 @@ def run_one(name: str, jobs: int, again: bool = False) -> None:
 
     # A different selection than the last run's makes mutmut recollect which tests call which function.
     config().pytest_add_cli_args_test_selection = tests
+    config().timeout_constant = SETUP_S.get(name, config().timeout_constant)
     start = time.monotonic()
     try:
         _run(names, jobs)

@@ -490,6 +490,12 @@ def test_tiny_top_p_and_temperature_act_as_greedy_and_huge_temperature_as_unifor
     assert all(abs(c / n - 0.25) < 0.04 for c in counts.tolist())
 
 
+def test_a_nan_logit_is_never_sampled() -> None:
+    logits = torch.tensor([[math.nan, -50.0, -50.0, -60.0]])
+    ids = {sample(logits, [row(SamplingParams(temperature=1.0), seed)])[0][0] for seed in range(20)}
+    assert ids <= {1, 2, 3} and ids
+
+
 def test_a_row_with_everything_blocked_takes_its_best_logit() -> None:
     logits = torch.tensor([[0.5, 3.0, 1.0], [2.0, 0.0, 0.0]])
     for params in (SamplingParams(), SamplingParams(temperature=1.0)):
