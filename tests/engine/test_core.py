@@ -318,7 +318,8 @@ async def test_a_request_failing_after_its_forward_fails_alone(engine: AsyncEngi
     (fragile_tokens, fragile_deltas), (tokens, deltas) = await asyncio.gather(
         run(engine, req("fragile", [1, 2, 3], max_new=10)), run(engine, req("steady", [4, 5, 6], max_new=10))
     )
-    assert fragile_deltas[-1].finish_reason is FinishReason.ERROR and "planted" in fragile_deltas[-1].error
+    assert fragile_deltas[-1].finish_reason is FinishReason.ERROR
+    assert fragile_deltas[-1].error.startswith("UnicodeDecodeError: ") and "planted" in fragile_deltas[-1].error
     assert len(fragile_tokens) == 2
     assert tokens == expected and deltas[-1].finish_reason is FinishReason.LENGTH
     assert engine.num_running == 0 and not engine.dead
@@ -481,3 +482,51 @@ def test_a_dying_engine_fails_the_requests_still_waiting() -> None:
     assert waiting.finish_reason is FinishReason.ERROR and waiting.error == core.dead_reason
     assert all(finals[f"r{i}"].error == "RuntimeError: gone" for i in range(3))
     assert core.num_running == 0 and not core.scheduler.has_work
+
+
+class PieceTokenizer:
+    """Each id is a byte string, as in byte-level BPE: decode joins them and decodes UTF-8 with replacement."""
+
+    def __init__(self, pieces: dict[int, bytes]) -> None:
+        self.pieces = pieces
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.pieces.get(i, b"?") for i in token_ids).decode("utf-8", errors="replace")
+
+
+def with_text(core: EngineCore, prompt: list[int], n: int) -> tuple[list[int], dict[int, bytes], str]:
+    """The greedy tokens for `prompt`, a tokenizer that spells each distinct one as a letter, and their text."""
+    greedy = [t for d in serve(core, req("greedy", prompt, max_new=n)) for t in d.token_ids]
+    pieces = {t: bytes([ord("a") + i]) for i, t in enumerate(dict.fromkeys(greedy))}
+    core.tokenizer = PieceTokenizer(pieces)
+    return greedy, pieces, "".join(pieces[t].decode() for t in greedy)
+
+
+def test_text_and_stop_sequences_in_the_deltas() -> None:
+    core = stepped_core()
+    untitled = serve(core, req("no-tokenizer", [5, 6, 7], max_new=3))  # a model without a tokenizer: ids only
+    assert [d.text for d in untitled] == ["", "", ""] and all(d.logprobs is None for d in untitled)
+    greedy, _, text = with_text(core, [5, 6, 7], 8)
+    deltas = serve(core, req("plain", [5, 6, 7], max_new=8))
+    assert [d.text for d in deltas] == list(text) and deltas[-1].finish_reason is FinishReason.LENGTH
+    stop = text[3:5]
+    cut = text.find(stop)
+    deltas = serve(core, req("stop", [5, 6, 7], stopping=StoppingParams(8, stop_sequences=(stop,), ignore_eos=True)))
+    assert "".join(d.text for d in deltas) == text[:cut] and deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE
+    assert [t for d in deltas for t in d.token_ids] == greedy[: cut + 2]
+    # A stop that never completes holds back the last letter; the final delta flushes it.
+    never = text[-1] + "#"
+    deltas = serve(core, req("held", [5, 6, 7], stopping=StoppingParams(8, stop_sequences=(never,), ignore_eos=True)))
+    assert "".join(d.text for d in deltas) == text and deltas[-1].finish_reason is FinishReason.LENGTH
+    assert deltas[-1].text.endswith(text[-1])
+
+
+def test_a_stop_completed_by_the_flushed_tail_ends_as_a_stop_sequence() -> None:
+    core = stepped_core()
+    # A prompt whose first two greedy tokens differ (the tiny model repeats itself after some).
+    prompt = next(p for p in ([i, i + 1, i + 2] for i in range(1, 200, 7)) if len(set(with_text(core, p, 2)[0])) == 2)
+    greedy, pieces, _ = with_text(core, prompt, 2)
+    pieces[greedy[0]], pieces[greedy[1]] = b"xa", b"b\xc3"  # "b" comes with half a character: held back
+    stopping = StoppingParams(2, stop_sequences=("ab",), ignore_eos=True)
+    deltas = serve(core, req("tail", prompt, stopping=stopping))
+    assert "".join(d.text for d in deltas) == "x" and deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE
