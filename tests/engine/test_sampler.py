@@ -201,19 +201,21 @@ def test_sampled_row_without_generator_raises() -> None:
         sample(torch.zeros(1, 10), [bad])
 
 
-def test_sample_each_samples_the_batch_at_once_or_fails_a_bad_row_alone() -> None:
+def test_sample_each_samples_the_batch_at_once_or_fails_a_bad_row_alone(caplog) -> None:  # noqa: ANN001
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
     rows = [row(), row(SamplingParams(temperature=1.0), 7, logprobs=True, top_logprobs=2), row()]
     expected_ids, expected_lps = sample(
         logits, [row(), row(SamplingParams(temperature=1.0), 7, logprobs=True, top_logprobs=2), row()]
     )
-    results = sample_each(logits, rows)
+    with caplog.at_level("ERROR", logger="llmserve.engine.sampler"):
+        results = sample_each(logits, rows)
+    assert not caplog.records  # sampled at once: no fallback to row by row
     assert [r.token_id for r in results] == expected_ids
     assert results[0].logprob is None and results[1].logprob == expected_lps[1] and len(results[1].logprob.top) == 2
     bad = SampleRow(SamplingParams(temperature=0.5), None, [], [], False, 0)
-    rows = [row(), bad, row(SamplingParams(temperature=1.0), 7)]
+    rows = [row(logprobs=True), bad, row(SamplingParams(temperature=1.0), 7)]
     results = sample_each(logits, rows)
-    assert results[0] == Sampled(int(logits[0].argmax()), None)
+    assert results[0] == Sampled(int(logits[0].argmax()), sample(logits[:1], [row(logprobs=True)])[1][0])
     assert results[1] == RowFailed("sampling failed: ValueError: sampled row 0 (temperature 0.5) has no generator")
     assert results[2] == Sampled(sample(logits[2:], [row(SamplingParams(temperature=1.0), 7)])[0][0], None)
 
@@ -272,6 +274,9 @@ def test_nucleus_stops_where_the_mass_before_a_token_reaches_top_p() -> None:
     probs = torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.5, 0.25]])
     assert nucleus_floor(probs, torch.tensor([[0.5], [0.5]])).flatten().tolist() == [0.5, 0.5]
     assert nucleus_floor(probs, torch.tensor([[0.75], [0.5000001]])).flatten().tolist() == [0.25, 0.25]
+    # Also where the candidates fall short and the whole row is sorted: .5 + .25 + .125 is exactly .875.
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]])
+    assert nucleus_floor(probs, torch.tensor([[0.875]])).item() == 0.125
 
 
 @settings(max_examples=100, deadline=None)
