@@ -1,26 +1,28 @@
 """The GenerateService servicer: protobuf in, engine request out; engine deltas in, protobuf out.
 
-It knows nothing of blocks or batches. Its own work is what only the edge can do: tokenize the input,
-fill in server defaults, admit or refuse a stream, tie the call's deadline and cancellation to the engine
-request, and log one line per request. Errors are raised as exceptions (`InvalidRequest`, `QueueFull`,
-`EngineDead`, `ServiceError`); the interceptor in app.py turns them into gRPC statuses with `status_for`.
+It knows nothing of blocks or batches. Its own work is what only the edge can do: bound and tokenize the
+input, fill in server defaults, admit or refuse a stream, scope request and session ids to the caller's
+identity, tie the call's deadline and cancellation to the engine request, and log one line per request.
+Errors are raised as exceptions (`InvalidRequest`, `QueueFull`, `EngineDead`, `ServiceError`); the
+interceptor in app.py turns them into gRPC statuses with `status_for`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf import timestamp_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
 from llmserve.engine.request import (
     Delta,
@@ -33,13 +35,13 @@ from llmserve.engine.request import (
     StoppingParams,
     TokenLogprob,
 )
+from llmserve.limits import check_generate, check_input, is_valid_id, prompt_byte_limit, quote_prefix
+from llmserve.request_log import MAX_LOGGED_PROMPT_CHARS, RequestRecord, clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
     from llmserve.engine.core import AsyncEngine
-
-log = logging.getLogger("llmserve.requests")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
@@ -61,31 +63,89 @@ _FIELD_PATHS = {
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+# RESOURCE_EXHAUSTED answers carry google.rpc.RetryInfo with this delay: streams last seconds, not minutes.
+RETRY_DELAY_S = 1.0
+# The engine stops a request this long before the call's deadline, so that the server, not the client's
+# timer, ends the call (with a last message); a cancel this close to the deadline is the deadline's.
+DEADLINE_MARGIN_S = 0.1
+# Status messages are cut to this many characters (a backstop: messages quote only short prefixes).
+MAX_STATUS_MESSAGE_CHARS = 500
 
 
 class ServiceError(Exception):
     """A refusal decided by the service itself (loading, draining, overloaded, not found...)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class StreamStalled(ServiceError):
+    """The client read nothing for --stream-stall-timeout while a message waited on its flow control."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the stream was aborted: the client read nothing for {timeout_s:g} s (--stream-stall-timeout)",
+        )
 
 
 def status_for(exc: BaseException) -> status_pb2.Status | None:
     """The google.rpc.Status a known error maps to; None for anything else (a bug: gRPC reports UNKNOWN)."""
     if isinstance(exc, InvalidRequest):
         violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.reason)
-        status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc))
+        status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=clip(str(exc), MAX_STATUS_MESSAGE_CHARS))
         status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
         return status
     if isinstance(exc, QueueFull):
-        return status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=f"engine queue is full: {exc}")
+        status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=f"engine queue is full: {exc}")
+        return _with_retry_info(status, RETRY_DELAY_S)
     if isinstance(exc, EngineDead):
         return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=f"engine is dead: {exc}")
     if isinstance(exc, ServiceError):
-        return status_pb2.Status(code=exc.code.value[0], message=exc.message)
+        status = status_pb2.Status(code=exc.code.value[0], message=clip(exc.message, MAX_STATUS_MESSAGE_CHARS))
+        return status if exc.retry_after_s is None else _with_retry_info(status, exc.retry_after_s)
     return None
+
+
+def _with_retry_info(status: status_pb2.Status, delay_s: float) -> status_pb2.Status:
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(int(delay_s * 1e9))
+    status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return status
+
+
+def _scoped(identity: str | None, name: str) -> str:
+    """`name` within `identity`'s namespace; injective, and `name` itself when authentication is off."""
+    return name if identity is None else f"{len(identity)}:{identity}/{name}"
+
+
+def _session_key(identity: str | None, session_id: str) -> str:
+    """The key the engine knows a caller's session by: the one place a session id meets the engine.
+
+    With authentication on, two identities' equal session ids are two sessions, and neither can read,
+    continue or delete the other's.
+    """
+    return _scoped(identity, session_id)
+
+
+def _engine_request_id(identity: str | None, request_id: str) -> str:
+    """The engine's id for a caller's request: request ids are unique per identity, not across them."""
+    return _scoped(identity, request_id)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A Generate stream counted in: whose it is and the engine request it drives."""
+
+    identity: str | None
+    request_id: str
+
+    @property
+    def key(self) -> tuple[str | None, str]:
+        return (self.identity, self.request_id)
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -93,14 +153,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def __init__(self, config: ServerConfig) -> None:
         self._config = config
+        self._limits = config.limits
         self._engine: AsyncEngine | None = None
+        self._max_prompt_bytes = 0
+        self._vocab_size = 0
         self._draining = False
-        self._in_flight: set[str] = set()
+        self._in_flight: set[tuple[str | None, str]] = set()
+        self._per_identity: Counter[str | None] = Counter()
         self._idle = asyncio.Event()
         self._idle.set()
 
     def attach(self, engine: AsyncEngine) -> None:
         """Start serving with `engine` (already started and warmed up)."""
+        info = engine.model_info
+        self._max_prompt_bytes = prompt_byte_limit(self._limits, info.context_length)
+        self._vocab_size = info.vocab_size
         self._engine = engine
 
     def begin_drain(self) -> None:
@@ -124,52 +191,81 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id = request.request_id or uuid.uuid4().hex
-        record = _RequestLog(request_id, time.monotonic())
-        admitted = False
+        identity = caller_identity()
+        record = RequestRecord(request.request_id or "-", time.monotonic(), identity=identity)
+        remaining = context.time_remaining()
+        call_deadline = None if remaining is None else time.monotonic() + remaining
+        stream: _Stream | None = None
         try:
-            engine = self._admit(request_id)
-            admitted = True
-            gen_request = await self._to_generation_request(engine, request, request_id, context.time_remaining())
+            engine = self._ready_engine()
+            check_generate(request, self._limits, self._max_prompt_bytes, self._vocab_size)
+            record.request_id = request.request_id or uuid.uuid4().hex
+            stream = self._admit(identity, record.request_id)
+            gen_request = await self._to_generation_request(engine, request, stream, call_deadline)
             record.prompt_tokens = len(gen_request.prompt_token_ids)
             if self._config.log_prompts:
                 record.prompt = _input_text(request)
-            async for response in self._stream(engine, gen_request, request, record):
-                yield response
+            # aclosing: however this call ends, the engine request is aborted before the log line is written.
+            async with contextlib.aclosing(self._stream(engine, gen_request, request, record)) as responses:
+                async for response in responses:
+                    yield response
             record.status = "OK"
-        except asyncio.CancelledError:
-            remaining = context.time_remaining()
-            record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away (a cancel, or its deadline), or gRPC ended the call at the deadline.
+            at_deadline = call_deadline is not None and time.monotonic() >= call_deadline - DEADLINE_MARGIN_S
+            record.status = "DEADLINE_EXCEEDED" if at_deadline else "CANCELLED"
+            record.finish = "deadline" if at_deadline else "cancelled"
             raise
         except Exception as exc:
             status = status_for(exc)
             record.status = _CODE_NAMES[status.code] if status else type(exc).__name__
+            if isinstance(exc, StreamStalled):
+                record.finish = "cancelled"
             raise
         finally:
-            if admitted:
-                self._in_flight.discard(request_id)
-                if not self._in_flight:
-                    self._idle.set()
+            if stream is not None:
+                self._release(stream)
             record.emit()
 
-    def _admit(self, request_id: str) -> AsyncEngine:
-        """Count a new stream in, or refuse it (loading, draining, at the limit, duplicate id)."""
-        engine = self._ready_engine()
+    def _admit(self, identity: str | None, request_id: str) -> _Stream:
+        """Count a new stream in, or refuse it (draining, at a limit, duplicate id)."""
         if self._draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if len(self._in_flight) >= self._config.max_concurrent_streams:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self._in_flight)} Generate streams in flight, the server's limit; retry later",
+                f"{len(self._in_flight)} Generate streams in flight, the server's limit (--max-concurrent-streams); "
+                "retry later",
+                retry_after_s=RETRY_DELAY_S,
             )
-        if request_id in self._in_flight:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
-        self._in_flight.add(request_id)
+        cap = self._config.max_streams_per_identity
+        if cap is not None and self._per_identity[identity] >= cap:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{cap} Generate streams in flight for this caller, the limit (--max-streams-per-identity); "
+                "retry later",
+                retry_after_s=RETRY_DELAY_S,
+            )
+        stream = _Stream(identity, request_id)
+        if stream.key in self._in_flight:
+            raise ServiceError(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {quote_prefix(request_id)} is already in flight"
+            )
+        self._in_flight.add(stream.key)
+        self._per_identity[identity] += 1
         self._idle.clear()
-        return engine
+        return stream
+
+    def _release(self, stream: _Stream) -> None:
+        self._in_flight.discard(stream.key)
+        self._per_identity[stream.identity] -= 1
+        if not self._per_identity[stream.identity]:
+            del self._per_identity[stream.identity]
+        if not self._in_flight:
+            self._idle.set()
 
     async def _stream(
-        self, engine: AsyncEngine, gen_request: GenerationRequest, request: pb.GenerateRequest, record: _RequestLog
+        self, engine: AsyncEngine, gen_request: GenerationRequest, request: pb.GenerateRequest, record: RequestRecord
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Yield one response per delta; raise for endings that are not a normal finish."""
         options = request.response
@@ -179,10 +275,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             async with contextlib.aclosing(engine.generate(gen_request)) as deltas:
                 async for delta in deltas:
                     record.observe(delta)
+                    yield _to_response(record.request_id, delta, options, prompt_ids)
+                    prompt_ids = ()
                     if delta.finish_reason is FinishReason.DEADLINE:
                         raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
-                    yield _to_response(delta, options, prompt_ids)
-                    prompt_ids = ()
                     if delta.finish_reason is FinishReason.CANCELLED:
                         raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server cancelled the request (shutdown)")
                     if delta.finish_reason is FinishReason.ERROR:
@@ -191,7 +287,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise _for_caller(exc, request) from None
 
     async def _to_generation_request(
-        self, engine: AsyncEngine, request: pb.GenerateRequest, request_id: str, time_remaining: float | None
+        self, engine: AsyncEngine, request: pb.GenerateRequest, stream: _Stream, call_deadline: float | None
     ) -> GenerationRequest:
         prompt_ids = await _prompt_token_ids(engine.tokenizer, request)
         s, st = request.sampling, request.stopping
@@ -218,20 +314,24 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             include_stop_sequence=st.include_stop_sequence,
             ignore_eos=st.ignore_eos,
         )
+        identity = stream.identity
         return GenerationRequest(
-            request_id=request_id,
+            request_id=_engine_request_id(identity, stream.request_id),
             prompt_token_ids=tuple(prompt_ids),
             sampling=sampling,
             stopping=stopping,
-            session_id=request.session_id or None,
-            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+            session_id=_session_key(identity, request.session_id) if request.session_id else None,
+            deadline=None if call_deadline is None else call_deadline - DEADLINE_MARGIN_S,
             priority=request.priority,
             logprobs=request.response.logprobs or request.response.top_logprobs > 0,
             top_logprobs=request.response.top_logprobs,
+            # With authentication on, a caller's prompts share cached blocks only with its own (unless shared).
+            cache_salt=None if identity is None or self._config.shared_prefix_cache else identity,
         )
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         tokenizer = self._ready_engine().tokenizer
+        check_input(request, self._limits, self._max_prompt_bytes)
         ids = await _prompt_token_ids(tokenizer, request)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
 
@@ -253,22 +353,30 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetSessionResponse:
         engine = self._ready_engine()
-        if not request.session_id:
+        session_id = request.session_id
+        if not session_id:
             raise InvalidRequest("session_id", "must not be empty")
-        info = engine.get_session(request.session_id)
+        info = None
+        # An id no Generate call could have used names no session: the same NOT_FOUND as any unknown id.
+        if is_valid_id(session_id, self._limits.max_session_id_length):
+            info = engine.get_session(_session_key(caller_identity(), session_id))
         if info is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {quote_prefix(session_id)}")
         last_used = timestamp_pb2.Timestamp()
         last_used.FromNanoseconds(int(info.last_used * 1e9))
-        return pb.GetSessionResponse(session_id=info.session_id, cached_tokens=info.cached_tokens, last_used=last_used)
+        return pb.GetSessionResponse(session_id=session_id, cached_tokens=info.cached_tokens, last_used=last_used)
 
     async def DeleteSession(
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteSessionResponse:
         engine = self._ready_engine()
-        if not request.session_id:
+        session_id = request.session_id
+        if not session_id:
             raise InvalidRequest("session_id", "must not be empty")
-        return pb.DeleteSessionResponse(deleted=engine.delete_session(request.session_id))
+        deleted = is_valid_id(session_id, self._limits.max_session_id_length) and engine.delete_session(
+            _session_key(caller_identity(), session_id)
+        )
+        return pb.DeleteSessionResponse(deleted=deleted)
 
 
 def _for_caller(exc: InvalidRequest, request: pb.GenerateRequest) -> InvalidRequest:
@@ -306,7 +414,8 @@ def _chat_token_ids(tokenizer: Any, messages: Sequence[pb.ChatMessage]) -> list[
     try:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # the template itself rejects the conversation (e.g. roles must alternate)
-        raise InvalidRequest("chat.messages", f"the chat template rejects it: {exc}") from exc
+        # The template's message may quote the conversation: keep it short.
+        raise InvalidRequest("chat.messages", f"the chat template rejects it: {clip(str(exc), 200)}") from None
     # The template already wrote the special tokens it wants.
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -314,14 +423,16 @@ def _chat_token_ids(tokenizer: Any, messages: Sequence[pb.ChatMessage]) -> list[
 def _input_text(request: pb.GenerateRequest) -> str:
     kind = request.WhichOneof("input")
     if kind == "text":
-        return request.text
+        return clip(request.text, MAX_LOGGED_PROMPT_CHARS)
     if kind == "chat":
-        return " | ".join(f"{m.role}: {m.content}" for m in request.chat.messages)
+        return clip(" | ".join(f"{m.role}: {m.content}" for m in request.chat.messages), MAX_LOGGED_PROMPT_CHARS)
     return f"<{len(request.token_ids.ids)} token ids>"
 
 
-def _to_response(delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence[int]) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, prompt_token_ids=prompt_ids)
+def _to_response(
+    request_id: str, delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence[int]
+) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=request_id, text=delta.text, prompt_token_ids=prompt_ids)
     if options.token_ids:
         response.token_ids.extend(delta.token_ids)
     if delta.logprobs:
@@ -348,41 +459,3 @@ def _to_response(delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence
 def _logprob_pb(lp: TokenLogprob) -> pb.TokenLogprob:
     top = [pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
     return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_logprobs=top)
-
-
-@dataclass(slots=True)
-class _RequestLog:
-    """What the one log line per Generate call says."""
-
-    request_id: str
-    start: float
-    first_token: float | None = None
-    prompt_tokens: int = 0
-    cached: int = 0
-    completion: int = 0
-    finish: str = "-"
-    status: str = "UNKNOWN"
-    prompt: str | None = None
-
-    def observe(self, delta: Delta) -> None:
-        if delta.token_ids and self.first_token is None:
-            self.first_token = time.monotonic()
-        self.completion += len(delta.token_ids)
-        if delta.finish_reason is not None:
-            self.finish = delta.finish_reason.value
-        if delta.usage is not None:
-            self.prompt_tokens = delta.usage.prompt_tokens
-            self.cached = delta.usage.cached_prompt_tokens
-            self.completion = delta.usage.completion_tokens
-
-    def emit(self) -> None:
-        duration_ms = (time.monotonic() - self.start) * 1e3
-        ttft = "-" if self.first_token is None else f"{(self.first_token - self.start) * 1e3:.1f}"
-        line = (
-            f"request_id={self.request_id} status={self.status} finish={self.finish} "
-            f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached} completion_tokens={self.completion} "
-            f"ttft_ms={ttft} duration_ms={duration_ms:.1f}"
-        )
-        if self.prompt is not None:
-            line += f" prompt={self.prompt!r}"
-        log.info(line)
