@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from llmserve_client import health
+from llmserve_client.auth import resolve_token
 from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
@@ -26,10 +28,13 @@ class AsyncClient:
         timeout: float | None = None,
         tls: TLS | bool | None = None,
         options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
+        token: str | None = None,
+        token_file: str | Path | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = open_channel(target, tls, options, aio=True)
+        token = resolve_token(token, token_file, env={})
+        self._channel = open_channel(target, tls, options, aio=True, token=token)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._health_check = health.check_method(self._channel)
 

@@ -50,6 +50,17 @@ _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _REFLECTION_PREFIX = "/grpc.reflection."
 
 
+class _HealthServicer(health_aio.HealthServicer):
+    """grpc.health.v1.Health with List, which grpcio-health-checking's servicer leaves unimplemented (a
+    call to it otherwise ends UNKNOWN with a traceback in the log)."""
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        statuses = {name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()}
+        return health_pb2.HealthListResponse(statuses=statuses)
+
+
 class Undecodable:
     """What the request deserializer returns for bytes protobuf cannot parse; the call then ends
     INVALID_ARGUMENT naming `request` (gRPC itself would answer UNKNOWN and log a traceback)."""
@@ -171,7 +182,7 @@ class LLMServer:
         self._server = grpc.aio.server(interceptors=interceptors, options=_server_options(config))
         self.servicer = GenerateServicer(config)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
-        self.health = health_aio.HealthServicer()
+        self.health = _HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if config.reflection:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
