@@ -19,10 +19,13 @@ PROMPT_BYTES_PER_TOKEN = 16
 
 
 def quote_prefix(value: str, limit: int = PREFIX_CHARS) -> str:
-    """`value` for an error message or log: escaped (ASCII only) and cut to `limit` characters."""
-    if len(value) <= limit:
+    """`value` for an error message or log: escaped (ASCII only), its escaped form cut to about 2 x `limit`."""
+    n = min(len(value), limit)
+    while n and len(ascii(value[:n])) > 2 * limit + 2:  # escapes (\x1f, \U0001f600) run up to 10 per character
+        n //= 2
+    if n == len(value):
         return ascii(value)
-    return f"{ascii(value[:limit])}... ({len(value)} characters)"
+    return f"{ascii(value[:n])}... ({len(value)} characters)"
 
 
 def prompt_byte_limit(limits: InputLimits, context_length: int) -> int:
