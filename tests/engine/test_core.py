@@ -20,7 +20,7 @@ from llmserve.engine.request import (
     StoppingParams,
 )
 from llmserve.models import from_config
-from tests.tiny import tiny_config
+from tests.tiny import greedy_reference, tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
 
@@ -34,11 +34,16 @@ async def engine():
     await eng.shutdown()
 
 
+# Every generation here takes well under a second: a stuck engine fails the test in seconds, not at pytest's timeout.
+RUN_TIMEOUT_S = 30.0
+
+
 async def run(engine: AsyncEngine, request: GenerationRequest) -> tuple[list[int], list]:
     tokens, deltas = [], []
-    async for delta in engine.generate(request):
-        tokens.extend(delta.token_ids)
-        deltas.append(delta)
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        async for delta in engine.generate(request):
+            tokens.extend(delta.token_ids)
+            deltas.append(delta)
     return tokens, deltas
 
 
@@ -237,3 +242,97 @@ def test_context_is_capped_at_a_sliding_window() -> None:
     assert core.max_model_len == 256
     with pytest.raises(InvalidRequest):
         core.validate(req("long", [1] * 300, max_new=4))
+
+
+async def test_a_failed_forward_leaves_nothing_in_the_prefix_cache() -> None:
+    """The failed step's blocks were never written: the same prompt afterwards must be computed cold."""
+    loaded = from_config(tiny_config(max_positions=512), dtype=torch.float64)
+    loaded.model.set_attn_implementation("sdpa")  # for the reference; the engine swaps in its own
+    prompt = list(range(3, 40))  # two full blocks of 16
+    cold = greedy_reference(loaded.model, prompt, 8)
+    eng = AsyncEngine(loaded, CONFIG)
+    await eng.start()
+    try:
+        runner = eng.core.runner
+        real = runner.execute
+
+        def fail_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            runner.execute = real
+            raise RuntimeError("boom")
+
+        runner.execute = fail_once
+        _, deltas = await run(eng, req("failed", prompt, max_new=4))
+        assert deltas[-1].finish_reason is FinishReason.ERROR
+        tokens, deltas = await run(eng, req("after", prompt, max_new=8))
+        assert deltas[-1].usage.cached_prompt_tokens == 0
+        assert tokens == cold
+        assert eng.core.pool.num_free == eng.core.pool.num_blocks
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_sampling_failure_fails_its_request_alone(engine: AsyncEngine, monkeypatch) -> None:  # noqa: ANN001
+    """One row whose sampling raises ends ERROR; the rest of the batch gets exactly its tokens."""
+    import llmserve.engine.core as core_module
+
+    real = core_module.sample
+
+    def picky(logits, rows):  # noqa: ANN001, ANN202
+        if any(row.params.seed == 666 for row in rows):
+            raise RuntimeError("bad row")
+        return real(logits, rows)
+
+    prompts = {f"ok{i}": list(range(i + 2, i + 12)) for i in range(4)}
+    alone = {rid: (await run(engine, req(rid + "-alone", p, max_new=12)))[0] for rid, p in prompts.items()}
+    monkeypatch.setattr(core_module, "sample", picky)
+    bad = req("bad", [7, 8, 9], max_new=12, sampling=SamplingParams(temperature=1.0, seed=666))
+    results = await asyncio.gather(
+        run(engine, bad), *(run(engine, req(rid, p, max_new=12)) for rid, p in prompts.items())
+    )
+    bad_deltas = results[0][1]
+    assert bad_deltas[-1].finish_reason is FinishReason.ERROR and "bad row" in bad_deltas[-1].error
+    for (rid, _), (tokens, deltas) in zip(prompts.items(), results[1:], strict=True):
+        assert tokens == alone[rid] and deltas[-1].finish_reason is FinishReason.LENGTH
+    assert not engine.dead and engine.core._failures == 0
+
+
+async def test_a_request_failing_after_its_forward_fails_alone(engine: AsyncEngine, monkeypatch) -> None:  # noqa: ANN001
+    """Stop checks and detokenization run per request: one that raises ends ERROR, the others go on."""
+    from llmserve.engine.core import EngineCore
+
+    real = EngineCore._append
+
+    def fragile(self, live, token_id, lp, now):  # noqa: ANN001, ANN202
+        if live.seq.request_id == "fragile" and live.seq.num_generated >= 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
+        return real(self, live, token_id, lp, now)
+
+    expected, _ = await run(engine, req("steady-alone", [4, 5, 6], max_new=10))
+    monkeypatch.setattr(EngineCore, "_append", fragile)
+    (fragile_tokens, fragile_deltas), (tokens, deltas) = await asyncio.gather(
+        run(engine, req("fragile", [1, 2, 3], max_new=10)), run(engine, req("steady", [4, 5, 6], max_new=10))
+    )
+    assert fragile_deltas[-1].finish_reason is FinishReason.ERROR and "planted" in fragile_deltas[-1].error
+    assert len(fragile_tokens) == 2
+    assert tokens == expected and deltas[-1].finish_reason is FinishReason.LENGTH
+    assert engine.num_running == 0 and not engine.dead
+
+
+async def test_extreme_sampling_values_never_fail_a_batch(engine: AsyncEngine) -> None:
+    """Valid but extreme values (top_p that underflows float32, ...) are served, batched with normal rows."""
+    extremes = [
+        SamplingParams(temperature=1.0, top_p=1e-46),
+        SamplingParams(temperature=1e-46),
+        SamplingParams(temperature=1e300, repetition_penalty=1e-300),
+        SamplingParams(temperature=1.0, repetition_penalty=1e300, min_p=1.0, top_k=2**31 - 1),
+    ]
+    normal, _ = await run(engine, req("normal-alone", [5, 6, 7], max_new=8))
+    for round_ in range(3):  # three in a row used to kill the engine
+        results = await asyncio.gather(
+            run(engine, req(f"n{round_}", [5, 6, 7], max_new=8)),
+            *(run(engine, req(f"x{round_}-{i}", [1, 2, 3], max_new=8, sampling=s)) for i, s in enumerate(extremes)),
+        )
+        assert results[0][0] == normal
+        for tokens, deltas in results:
+            assert deltas[-1].finish_reason is FinishReason.LENGTH and len(tokens) == 8
+    assert not engine.dead

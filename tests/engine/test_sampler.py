@@ -320,3 +320,96 @@ def test_logprobs_without_top() -> None:
     logits = torch.randn(1, 50)
     _, logprobs = sample(logits, [row(logprobs=True)])
     assert logprobs[0] is not None and logprobs[0].top == []
+
+
+# --- extreme but valid values ------------------------------------------------------------------------------
+
+# Values that pass SamplingParams.validate and sit at or past float32's range: each must be served.
+extreme_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 5e-324, 1e-46, 1e-6, 1e-5, 0.01, 1.0, 1e6, 1e30, 1e300, 1.7e308]),
+    top_k=st.sampled_from([0, 1, 2, 49151, 2**31 - 1]),
+    top_p=st.sampled_from([1.0, 1e-46, 5e-324, 1e-38, 1e-7, 0.5, 1.0 - 1e-12]),
+    min_p=st.sampled_from([0.0, 5e-324, 1e-30, 0.5, 1.0]),
+    repetition_penalty=st.sampled_from([1.0, 5e-324, 1e-46, 1e-7, 1e7, 1e46, 1.7e308]),
+)
+logit_rows = st.sampled_from(["normal", "ties", "all_neg_inf", "one_finite", "huge", "all_blocked"])
+
+
+def _extreme_logits(kind: str, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """One row of logits of the given kind, and the ids to block in it."""
+    x = torch.randn(vocab, generator=gen) * 3
+    blocked: tuple[int, ...] = ()
+    if kind == "ties":
+        x = torch.zeros(vocab)
+    elif kind == "all_neg_inf":
+        x = torch.full((vocab,), float("-inf"))
+    elif kind == "one_finite":
+        x = torch.full((vocab,), float("-inf"))
+        x[vocab // 2] = 1.0
+    elif kind == "huge":
+        x = x * 1e37  # finite in float32, but overflows when divided by a small temperature
+    elif kind == "all_blocked":
+        blocked = tuple(range(vocab))
+    return x, blocked
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    extreme=extreme_params,
+    kind=logit_rows,
+    normals=st.lists(params_strategy, min_size=1, max_size=4),
+    position=st.integers(0, 4),
+    vocab=st.sampled_from([8, 3000]),
+    data_seed=st.integers(0, 1000),
+    logprobs=st.booleans(),
+)
+def test_extreme_values_are_served_and_leave_the_other_rows_alone(
+    extreme, kind, normals, position, vocab, data_seed, logprobs
+) -> None:
+    gen = torch.Generator().manual_seed(data_seed)
+    normal_logits = torch.randn(len(normals), vocab, generator=gen) * 3
+    odd, blocked = _extreme_logits(kind, vocab, gen)
+    position = min(position, len(normals))
+    logits = torch.cat([normal_logits[:position], odd[None], normal_logits[position:]])
+    history = (1, 2, vocab - 1)
+
+    def normal_rows() -> list[SampleRow]:
+        return [row(p, i, token_ids=history) for i, p in enumerate(normals)]
+
+    alone = sample(normal_logits, normal_rows())[0]
+    rows = normal_rows()
+    rows.insert(position, row(extreme, 7, token_ids=history, blocked=blocked, logprobs=logprobs, top_logprobs=3))
+    ids, lps = sample(logits, rows)
+    assert ids[:position] + ids[position + 1 :] == alone  # the others get exactly their own tokens
+    chosen = ids[position]
+    assert 0 <= chosen < vocab
+    finite = torch.isfinite(odd)
+    if finite.any() and kind != "all_blocked":
+        assert finite[chosen]  # never a token the model ruled out while others are left
+    if logprobs:
+        assert lps[position] is not None and lps[position].token_id == chosen
+
+
+def test_tiny_top_p_and_temperature_act_as_greedy_and_huge_temperature_as_uniform() -> None:
+    """The documented equivalents: top_p below float32's range keeps the best token, a temperature below
+    MIN_TEMPERATURE is greedy (no generator needed), one past MAX_TEMPERATURE draws uniformly."""
+    torch.manual_seed(4)
+    logits = torch.randn(4, 500) * 2
+    best = logits.argmax(dim=-1).tolist()
+    for params in (SamplingParams(temperature=1.0, top_p=1e-46), SamplingParams(temperature=1.0, top_p=5e-324)):
+        assert sample(logits, [row(params, s) for s in range(4)])[0] == best
+    tiny = SamplingParams(temperature=1e-46)
+    assert tiny.greedy and sample(logits, [SampleRow(tiny, None, [], [], False, 0)] * 4)[0] == best
+    n = 4000
+    flat = torch.tensor([[0.0, 50.0, 100.0, -100.0]])
+    ids, _ = sample(flat.expand(n, -1), [row(SamplingParams(temperature=1e300), s) for s in range(n)])
+    counts = torch.bincount(torch.tensor(ids), minlength=4)
+    assert all(abs(c / n - 0.25) < 0.04 for c in counts.tolist())
+
+
+def test_a_row_with_everything_blocked_takes_its_best_logit() -> None:
+    logits = torch.tensor([[0.5, 3.0, 1.0]])
+    for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+        ids, _ = sample(logits, [row(params, 1, blocked=(0, 1, 2))])
+        assert ids == [1]

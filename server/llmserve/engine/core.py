@@ -28,6 +28,7 @@ from llmserve.engine.request import (
     GenerationRequest,
     InvalidRequest,
     QueueFull,
+    SeqStatus,
     Sequence,
     StoppingParams,
     Timing,
@@ -35,7 +36,7 @@ from llmserve.engine.request import (
 )
 from llmserve.engine.runner import KVShape, ModelRunner
 from llmserve.engine.sampler import SampleRow, sample
-from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.sessions import SessionStore
 from llmserve.models import LoadedModel
 
@@ -232,30 +233,64 @@ class EngineCore:
         try:
             self.runner.copy_blocks(out.copies)
             logits = self.runner.execute(out.scheduled, to_sample)
-            token_ids, logprobs = sample(logits, [self._sample_row(seq) for seq in to_sample])
         except Exception as exc:  # a bad batch must not take the server down
-            log.exception("forward failed for %d requests", len(out.scheduled))
-            error = f"{type(exc).__name__}: {exc}"
-            self._failures += 1
-            if self._failures >= MAX_CONSECUTIVE_FAILURES:
-                # Set before the batch hears of its failure, so that callers see a dead engine at once.
-                self.dead_reason = f"{MAX_CONSECUTIVE_FAILURES} consecutive failed steps, last: {error}"
-            with self.lock:
-                self.scheduler.update(out)  # releases copy sources; the failed requests' KV is dropped below
-                for seq, _ in out.scheduled:
-                    live = self._live.get(seq.request_id)
-                    if live is not None:
-                        self._finish(live, FinishReason.ERROR, error=error)
-            if self.dead_reason is not None:
-                self._die(self.dead_reason)
+            self._fail_step(out, exc)
             return
         self._failures = 0
         self.steps += 1
+        picked = self._sample(logits, to_sample)
         emit_time = time.monotonic()
         with self.lock:
             self.scheduler.update(out)
-            for seq, token_id, lp in zip(to_sample, token_ids, logprobs, strict=True):
-                self._append(self._live[seq.request_id], token_id, lp, emit_time)
+            for seq, result in zip(to_sample, picked, strict=True):
+                live = self._live[seq.request_id]
+                if isinstance(result, str):
+                    self._finish(live, FinishReason.ERROR, error=result)
+                    continue
+                try:
+                    self._append(live, *result, emit_time)
+                except Exception as exc:  # its stop strings or detokenizer: this request's failure alone
+                    log.exception("request %r failed after its forward", seq.request_id)
+                    if seq.status is not SeqStatus.FINISHED:
+                        self._finish(live, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, object] | str]:
+        """Per sequence its (token id, logprob), or the error that failed its sampling alone.
+
+        The whole batch is sampled at once; should that raise, each row is sampled on its own, so that a row's
+        failure (its parameters, its penalties) fails its request only and the others keep their tokens.
+        """
+        rows = [self._sample_row(seq) for seq in seqs]
+        try:
+            token_ids, logprobs = sample(logits, rows)
+            return list(zip(token_ids, logprobs, strict=True))
+        except Exception:
+            log.exception("batched sampling failed: sampling %d rows one by one", len(rows))
+        results: list[tuple[int, object] | str] = []
+        for i, row in enumerate(rows):
+            try:
+                ids, lps = sample(logits[i : i + 1], [row])
+                results.append((ids[0], lps[0]))
+            except Exception as exc:
+                results.append(f"sampling failed: {type(exc).__name__}: {exc}")
+        return results
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
+        """The shared forward raised: every request in it fails, and none of their KV may be reused."""
+        log.exception("forward failed for %d requests", len(out.scheduled), exc_info=exc)
+        error = f"{type(exc).__name__}: {exc}"
+        self._failures += 1
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            # Set before the batch hears of its failure, so that callers see a dead engine at once.
+            self.dead_reason = f"{MAX_CONSECUTIVE_FAILURES} consecutive failed steps, last: {error}"
+        with self.lock:
+            self.scheduler.abandon(out)
+            for seq, _ in out.scheduled:
+                live = self._live.get(seq.request_id)
+                if live is not None:
+                    self._finish(live, FinishReason.ERROR, error=error)
+        if self.dead_reason is not None:
+            self._die(self.dead_reason)
 
     # -- internals -------------------------------------------------------------------------------
 

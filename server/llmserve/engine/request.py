@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_TOP_LOGPROBS = 20
+# Sampling values past these act as the bound (see SamplingParams): beyond them float32 arithmetic would
+# underflow to 0 or overflow to inf, and the bound already gives the limit's distribution.
+MIN_TEMPERATURE = 1e-5  # below: greedy, as in vLLM
+MAX_TEMPERATURE = 1e6  # above: as 1e6, uniform over the tokens left to float32 precision
+PENALTY_RANGE = (1e-6, 1e6)  # repetition_penalty is applied clamped into this range
 
 
 class InvalidRequest(ValueError):
@@ -41,7 +46,12 @@ class FinishReason(enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """How the next token is picked. temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
+    """How the next token is picked. temperature 0 means greedy; top_k 0 and top_p 1 mean off.
+
+    Every value that passes `validate` is served. Extremes act as documented equivalents: a temperature
+    below MIN_TEMPERATURE is greedy, above MAX_TEMPERATURE it acts as MAX_TEMPERATURE; repetition_penalty
+    is applied clamped into PENALTY_RANGE; a top_p too small to keep anything keeps the best token.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -52,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""

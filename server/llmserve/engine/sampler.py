@@ -10,6 +10,10 @@ its batch. So randomness never comes from a shared RNG, and a row's arithmetic o
 treat rows independently and in a fixed order (elementwise ops, softmax, cumsum, max, top-k values,
 searchsorted). Generic sum reductions are avoided, because PyTorch splits a short batch's reduction across
 threads and so changes its rounding with the batch size.
+
+No valid request can make a row fail or disturb its neighbours: after each processing stage a row's logits are
+made finite or -inf (NaN -> -inf, +inf -> the largest float), the nucleus always keeps the best token, and a row
+whose every token is blocked takes the model's best token.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from itertools import chain
 
 import torch
 
-from llmserve.engine.request import SamplingParams, TokenLogprob
+from llmserve.engine.request import MAX_TEMPERATURE, PENALTY_RANGE, SamplingParams, TokenLogprob
 
 # Top-p candidate bins: float32 bits >> 20 keep the exponent and 3 mantissa bits; probabilities <= 1.0
 # have bit patterns <= 0x3F800000, so their bins are < 1024.
@@ -63,6 +67,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     x = logits.to(torch.float32, copy=True)
     _apply_repetition_penalty(x, rows)
     _apply_blocked(x, rows)
+    _tame(x)
+    # A row with every token blocked has nothing to pick from: it takes the model's best token instead.
+    alive = x.amax(dim=-1) > float("-inf")
 
     chosen = torch.empty(len(rows), dtype=torch.long, device=device)
     greedy = _select([i for i, row in enumerate(rows) if row.params.greedy], len(rows), device)
@@ -72,8 +79,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     sel = _select(sampled, len(rows), device)
     if sel is not None:
         chosen[sel] = _draw(x[sel], [rows[i] for i in sampled])
+    if not bool(alive.all()):
+        raw = logits.to(torch.float32, copy=True)
+        _tame(raw)
+        chosen = torch.where(alive, chosen, raw.argmax(dim=-1))
     token_ids = chosen.tolist()
     return token_ids, _logprobs(logits, rows, chosen)
+
+
+def _tame(x: torch.Tensor) -> None:
+    """NaN -> -inf (never chosen), +inf -> the largest float (softmax of a row holding inf is NaN)."""
+    torch.nan_to_num_(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
 
 
 def _plain_greedy(row: SampleRow) -> bool:
@@ -95,7 +111,9 @@ def _apply_repetition_penalty(x: torch.Tensor, rows: list[SampleRow]) -> None:
     lengths = torch.tensor([len(rows[i].token_ids) for i in penalised])
     cols = torch.tensor(list(chain.from_iterable(rows[i].token_ids for i in penalised)), dtype=torch.long)
     row_idx = torch.repeat_interleave(torch.tensor(penalised, dtype=torch.long), lengths)
-    penalty = torch.repeat_interleave(torch.tensor([rows[i].params.repetition_penalty for i in penalised]), lengths)
+    low, high = PENALTY_RANGE
+    factors = [min(max(rows[i].params.repetition_penalty, low), high) for i in penalised]
+    penalty = torch.repeat_interleave(torch.tensor(factors), lengths)
     row_idx, cols, penalty = (t.to(x.device, non_blocking=True) for t in (row_idx, cols, penalty))
     seen = x[row_idx, cols]
     x[row_idx, cols] = torch.where(seen > 0, seen / penalty, seen * penalty)
@@ -122,7 +140,7 @@ def _draw(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     picked = torch.searchsorted(cdf, uniforms.unsqueeze(1) * total, right=True)
     # u * total can round up to total; the last token with weight is then the right answer.
     last = torch.searchsorted(cdf, total, right=False)
-    # The clamp only matters for a row of NaNs (non-finite logits): a bad token beats an out-of-range id.
+    # The clamp only matters for a row without weight, which sample() replaces anyway.
     return torch.minimum(picked, last).squeeze(1).clamp_(max=x.shape[1] - 1)
 
 
@@ -133,8 +151,9 @@ def warped_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     device = x.device
     vocab = x.shape[1]
     n = len(params)
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    temperature = torch.tensor([min(p.temperature, MAX_TEMPERATURE) for p in params], dtype=torch.float32)
     x.div_(temperature.to(device, non_blocking=True).unsqueeze(1))
+    _tame(x)  # a largest-float logit over a small temperature overflows again
 
     sel = _select([j for j, p in enumerate(params) if 0 < p.top_k < vocab], n, device)
     if sel is not None:
@@ -147,7 +166,9 @@ def warped_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     probs = torch.softmax(x, dim=-1)
     sel = _select([j for j, p in enumerate(params) if p.top_p < 1.0], n, device)
     if sel is not None:
-        ps = _column([params[j].top_p for j in _positions(sel, n)], torch.float32, device)
+        # Below float32's smallest normal a top_p reads as 0; every such value keeps only the best token.
+        tiny = torch.finfo(torch.float32).tiny
+        ps = _column([max(params[j].top_p, tiny) for j in _positions(sel, n)], torch.float32, device)
         sub = probs[sel]
         _store(probs, sel, sub.masked_fill_(sub < nucleus_floor(sub, ps), 0.0))
 
@@ -216,8 +237,9 @@ def _nucleus_size(ordered: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Ten
     """How many of each row's sorted values are in its nucleus, and the running mass (float64)."""
     cum = ordered.double().cumsum(dim=-1)
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-    # A token is in the nucleus while the mass strictly before it is below top_p; the best one always is.
-    return (before < top_p).sum(dim=-1, keepdim=True), cum
+    # A token is in the nucleus while the mass strictly before it is below top_p; the best one always is,
+    # also when top_p is too small to count in float32 (1e-46 reads as 0).
+    return (before < top_p).sum(dim=-1, keepdim=True).clamp_(min=1), cum
 
 
 def _candidates(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
@@ -241,7 +263,7 @@ def _candidates(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None
     keep = bins >= (_N_BINS - 2 - short).clamp_(min=0)[rows]
     rows, values = rows[keep], values[keep]
     sizes = torch.bincount(rows, minlength=m).tolist()
-    if max(sizes) > vocab // 2:
+    if max(sizes) > vocab // 2 or min(sizes) == 0:
         return None
     # nonzero() lists row by row, so splitting by the counts gives each row its candidates.
     padded = torch.nn.utils.rnn.pad_sequence(list(torch.split(values, sizes)), batch_first=True)

@@ -116,6 +116,11 @@ class Scheduler:
         self.pool.release(src for src, _ in out.copies)
         return ready
 
+    def abandon(self, out: SchedulerOutput) -> None:
+        """A step whose forward failed: nothing was computed, so no block is registered as holding a prefix
+        (its KV may be unwritten or half-written); only the copy sources are let go."""
+        self.pool.release(src for src, _ in out.copies)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire a sequence: its blocks go to its session (if any, and the KV is sound) or back to the pool."""
         if seq.status is SeqStatus.FINISHED:
