@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
-EXAMPLES = int(os.environ.get("LLMSERVE_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("LLMSERVE_FUZZ_EXAMPLES", "200"))
 READ_AT_MOST = 4  # messages read from an accepted stream before it is cancelled
 CHECKED_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 ALLOWED = CHECKED_CODES | {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
