@@ -55,5 +55,10 @@ def open_channel(
     return grpc.intercept_channel(channel, BearerToken(token)) if token else channel
 
 
-# Long streams are normal here: keep idle connections alive through proxies, within what servers allow.
-DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 60_000),)
+# Long streams are normal here: keep idle connections alive through proxies, within what servers allow
+# (llmserve accepts a ping every 5 s; gRPC servers by default one per 5 minutes when no data flows). Without
+# max_pings_without_data=0 gRPC stops pinging after two pings on a stream that carries no data.
+DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)

@@ -40,10 +40,12 @@ class _Lines(logging.Handler):
 def lines() -> Iterator[_Lines]:
     handler = _Lines(logging.Formatter("%(message)s"))
     logger = logging.getLogger("llmserve.requests")
+    level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     yield handler
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def _long(request_id: str, **options: object) -> pb.GenerateRequest:
