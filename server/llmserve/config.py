@@ -248,6 +248,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     )
     _history_flags(_Flags(parser.add_argument_group("session histories"), env))
     g.switch("--no-cuda-graphs", "turn off CUDA graphs for the decode step")
+    g.value(
+        "--attention-kernel",
+        _one_of("auto", "triton", "torch"),
+        engine.attention_kernel,
+        "CUDA attention: triton (one varlen paged kernel per layer), torch (gathered decode groups, SDPA per "
+        "prompt chunk), auto (triton where installed)",
+    )
     g.switch("--no-native-attention", "CPU: decode attention through torch instead of the compiled kernel")
     g.switch("--no-packed-linear", "CPU float32: plain linear layers instead of packed oneDNN weights")
     g.switch("--no-fused-layers", "CPU: transformers' own layer forward instead of the fused one (Llama family)")
@@ -323,6 +330,7 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             session_pool_fraction=args.session_pool_fraction,
             cpu_kernels=args.cpu_kernels,
             cuda_graphs=not args.no_cuda_graphs,
+            attention_kernel=args.attention_kernel,
             native_attention=not args.no_native_attention,
             packed_linear=not args.no_packed_linear,
             fused_layers=not args.no_fused_layers,
