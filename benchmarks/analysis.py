@@ -96,6 +96,17 @@ def targets(points: dict[str, dict[int, PointSummary]], main: int, roof: Rooflin
             noise("llmserve", "llmserve_grpc"),
         )
     )
+    r = ratio(get("llmserve_grpc_metrics", tps), get("llmserve_grpc", tps))
+    spread = noise("llmserve_grpc", "llmserve_grpc_metrics")
+    out.append(
+        Target(
+            "gRPC with metrics on / off, output tokens/s",
+            r,
+            "within noise of 1",
+            None if r is None or spread is None else abs(r - 1) <= spread,
+            spread,
+        )
+    )
     r = ratio(get("llmserve", "ttft_p99_s"), get("dynamic", "ttft_p99_s"))
     out.append(
         Target(

@@ -6,4 +6,5 @@ LABELS = {
     "hf_continuous": "transformers continuous batching",
     "llmserve": "llmserve engine (in-process)",
     "llmserve_grpc": "llmserve over gRPC",
+    "llmserve_grpc_metrics": "llmserve over gRPC, metrics on",
 }

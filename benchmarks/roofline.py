@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PretrainedConfig
 
-from llmserve.engine import packed_linear
+from llmserve.engine.backends.cpu import packed_linear
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ from benchmarks import roofline as roofline_mod  # noqa: E402
 from benchmarks.roofline import measure_peak  # noqa: E402
 from benchmarks.settings import (  # noqa: E402
     GPU_PLAN,
+    GRPC_SYSTEMS,
     QUICK_PLAN,
     QUICK_WORKLOAD,
     SYSTEMS,
@@ -97,8 +98,8 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     elif args.plan == "gpu" or (args.plan is None and device.startswith("cuda")):
         s = replace(s, plan=GPU_PLAN)
     elif not args.sweep_grpc:
-        # Its cost over in-process is a question for the main point; sweeping it too would add ~4 minutes here.
-        s = replace(s, sweep_systems=tuple(n for n in SYSTEMS if n != "llmserve_grpc"))
+        # Their cost over in-process is a question for the main point; sweeping them would add ~4 minutes each.
+        s = replace(s, sweep_systems=tuple(n for n in SYSTEMS if n not in GRPC_SYSTEMS))
     return s.sized()
 
 

@@ -72,7 +72,7 @@ def build_system(name: str, loaded: LoadedModel, settings: BenchSettings, log_di
 
         step = settings.hf_cpu_max_batch_tokens if loaded.device.type == "cpu" else None
         return HFContinuousSystem(loaded, e.kv_cache_tokens, step, e.max_num_seqs)
-    if name in ("llmserve", "llmserve_grpc"):
+    if name in ("llmserve", "llmserve_grpc", "llmserve_grpc_metrics"):
         from llmserve.engine.config import EngineConfig
 
         config = EngineConfig(
@@ -89,7 +89,8 @@ def build_system(name: str, loaded: LoadedModel, settings: BenchSettings, log_di
         from benchmarks.systems.grpc_e2e import GrpcSystem
 
         dtype = str(loaded.dtype).removeprefix("torch.")
-        return GrpcSystem(settings.model, loaded.device, dtype, config, log_dir / "llmserve-server.log")
+        log = log_dir / f"{name}-server.log"
+        return GrpcSystem(settings.model, loaded.device, dtype, config, log, metrics=name == "llmserve_grpc_metrics")
     raise ValueError(f"unknown system {name!r}")
 
 

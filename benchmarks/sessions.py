@@ -6,12 +6,14 @@
 (b) Multi-turn chat: N concurrent sessions × T turns, each turn's prompt being the whole conversation so far
     plus a new user message; prefix hit rate (cached / prompt tokens), TTFT P50/P99 and throughput with reuse
     on (session ids, prefix caching on) and off, side by side in one run.
+(c) Append mode (issue 15): the same N × T workload through gRPC, every turn resent in full vs only the new
+    tokens with `continue_session`; request bytes per turn, TTFT P50/P99 (benchmarks/append_mode.py).
 
 Conversations are built at the token level: the next turn's prompt is the previous prompt, the answer's
 token ids and the template's tokens for "end of answer, next user message, generation prompt", so a reused
 session matches up to the new message.
 
-    python -m benchmarks.sessions [--quick] [--model SPEC] [--device cpu|cuda]
+    python -m benchmarks.sessions [--quick] [--model SPEC] [--device cpu|cuda] [--parts long,multi,append]
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from benchmarks import append_mode
 from benchmarks.metrics import percentile
 from benchmarks.paths import ROOT, child_env
 from benchmarks.settings import BenchSettings, EngineSettings
 from benchmarks.workload import PLACEHOLDER, chat_frame, word_ids
+from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, load_model
 
@@ -241,13 +244,24 @@ async def multi_turn(loaded: LoadedModel, settings: BenchSettings, spec: Session
     }
 
 
-async def run_all(loaded: LoadedModel, settings: BenchSettings, spec: SessionsSpec) -> dict:
+PARTS = ("long", "multi", "append")
+
+
+async def run_all(
+    loaded: LoadedModel, settings: BenchSettings, spec: SessionsSpec, parts: tuple[str, ...] = PARTS
+) -> dict:
     started = time.perf_counter()
-    result = {"spec": asdict(spec), "long_history": await long_history(loaded, settings, spec)}
-    result["multi_turn"] = [
-        await multi_turn(loaded, settings, spec, reuse=True),
-        await multi_turn(loaded, settings, spec, reuse=False),
-    ]
+    result: dict = {"spec": asdict(spec)}
+    if "long" in parts:
+        result["long_history"] = await long_history(loaded, settings, spec)
+    if "multi" in parts:
+        result["multi_turn"] = [
+            await multi_turn(loaded, settings, spec, reuse=True),
+            await multi_turn(loaded, settings, spec, reuse=False),
+        ]
+    if "append" in parts:
+        chat = ChatBuilder(loaded.tokenizer, loaded.vocab_size, spec.seed)
+        result["append_mode"] = await append_mode.append_vs_resend(loaded, engine_config(settings, True), spec, chat)
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -257,35 +271,42 @@ def _s(v: float | None) -> str:
 
 
 def to_markdown(result: dict) -> str:
-    spec, a = result["spec"], result["long_history"]
-    cached = sum(a["cached_prompt_tokens"]) / max(1, sum(a["prompt_tokens"]))
-    speedup = "–" if a["speedup"] is None else f"{a['speedup']:.1f}×"
-    mean_prompt = sum(a["prompt_tokens"]) / max(1, len(a["prompt_tokens"]))
-    lines = [
-        "## Session reuse (issue 4)",
-        "",
-        f"**Long history** ({a['conversations']} conversations of ~{spec['history_tokens']} tokens; next turn "
-        f"{mean_prompt:.0f} tokens on average): TTFT median {_s(a['ttft_reuse_median_s'])} with the session reused "
-        f"({cached:.0%} of the prompt cached) vs {_s(a['ttft_cold_median_s'])} cold: **{speedup}** "
-        "(target ≥ 9×).",
-        "",
+    spec = result["spec"]
+    lines = ["## Session reuse (issues 4 and 15)", ""]
+    if "long_history" in result:
+        a = result["long_history"]
+        cached = sum(a["cached_prompt_tokens"]) / max(1, sum(a["prompt_tokens"]))
+        speedup = "–" if a["speedup"] is None else f"{a['speedup']:.1f}×"
+        mean_prompt = sum(a["prompt_tokens"]) / max(1, len(a["prompt_tokens"]))
+        lines += [
+            f"**Long history** ({a['conversations']} conversations of ~{spec['history_tokens']} tokens; next turn "
+            f"{mean_prompt:.0f} tokens on average): TTFT median {_s(a['ttft_reuse_median_s'])} with the session "
+            f"reused ({cached:.0%} of the prompt cached) vs {_s(a['ttft_cold_median_s'])} cold: **{speedup}** "
+            "(target ≥ 9×).",
+            "",
+        ]
+    lines += [
         f"**Multi-turn chat**: {spec['sessions']} concurrent sessions × {spec['turns']} turns, {spec['answer']} "
         f"new tokens per turn, follow-ups of ~{spec['follow_up']} tokens.",
         "",
-        "| reuse | hit rate | TTFT P50 / P99 (all turns) | TTFT P50 / P99 (turns 2+) | output tok/s | turns/s | wall |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for m in result["multi_turn"]:
-        hit = "–" if m["hit_rate"] is None else f"{m['hit_rate']:.0%}"
-        lines.append(
-            f"| {'on' if m['reuse'] else 'off'} | {hit} | {_s(m['ttft_p50_s'])} / {_s(m['ttft_p99_s'])} "
-            f"| {_s(m['ttft_p50_later_turns_s'])} / {_s(m['ttft_p99_later_turns_s'])} "
-            f"| {m['output_tokens_per_s']:.1f} | {m['turns_per_s']:.2f} | {m['wall_s']:.0f} s |"
-        )
-    lines += [
-        "",
-        f"Reuse off: an engine with prefix caching off and no session ids. Whole section: {result['wall_s']:.0f} s.",
-    ]
+    if "multi_turn" in result:
+        lines += [
+            "| reuse | hit rate | TTFT P50 / P99 (all turns) | TTFT P50 / P99 (turns 2+) | output tok/s | turns/s "
+            "| wall |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for m in result["multi_turn"]:
+            hit = "–" if m["hit_rate"] is None else f"{m['hit_rate']:.0%}"
+            lines.append(
+                f"| {'on' if m['reuse'] else 'off'} | {hit} | {_s(m['ttft_p50_s'])} / {_s(m['ttft_p99_s'])} "
+                f"| {_s(m['ttft_p50_later_turns_s'])} / {_s(m['ttft_p99_later_turns_s'])} "
+                f"| {m['output_tokens_per_s']:.1f} | {m['turns_per_s']:.2f} | {m['wall_s']:.0f} s |"
+            )
+        lines += ["", "Reuse off: an engine with prefix caching off and no session ids (in-process engine).", ""]
+    if "append_mode" in result:
+        lines += append_mode.to_markdown(result["append_mode"], spec, _s) + [""]
+    lines.append(f"Whole section: {result['wall_s']:.0f} s.")
     return "\n".join(lines)
 
 
@@ -310,7 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--settings", type=Path, help="BenchSettings JSON (from run.py)")
     p.add_argument("--out", type=Path, help="write the JSON result here; default: a results file")
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma-separated subset of long (a), multi (b), append (c); default all",
+    )
     args = p.parse_args(argv)
+    parts = tuple(args.parts.split(","))
+    if not parts or not set(parts) <= set(PARTS):
+        p.error(f"--parts: a comma-separated subset of {','.join(PARTS)}")
     if args.settings:
         settings = BenchSettings.from_json(args.settings.read_text())
     else:
@@ -318,13 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     spec = QUICK if args.quick else FULL
     settings = replace(settings, engine=sized_engine(settings.engine, spec))
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype)
-    result = asyncio.run(run_all(loaded, settings, spec))
+    result = asyncio.run(run_all(loaded, settings, spec, parts))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
         return 0
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"{datetime.date.today().isoformat()}-{loaded.device.type}-sessions" + ("-quick" if args.quick else "")
+    name = f"{datetime.date.today().isoformat()}-{loaded.device.type}-sessions"
+    if parts != PARTS:
+        name += "-" + "-".join(parts)
+    name += "-quick" if args.quick else ""
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
     (out_dir / f"{name}.md").write_text(to_markdown(result) + "\n")
     print(f"wrote {out_dir / name}.md", file=sys.stderr)

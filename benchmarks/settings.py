@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field, replace
 from benchmarks.loadgen import Schedule
 from benchmarks.workload import WorkloadSpec
 
-SYSTEMS = ("naive", "dynamic", "hf_continuous", "llmserve", "llmserve_grpc")
+SYSTEMS = ("naive", "dynamic", "hf_continuous", "llmserve", "llmserve_grpc", "llmserve_grpc_metrics")
+GRPC_SYSTEMS = ("llmserve_grpc", "llmserve_grpc_metrics")
 BASELINES = ("naive", "dynamic", "hf_continuous")
 
 

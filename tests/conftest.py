@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+from llmserve.process import configure_process
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+configure_process()  # as `python -m llmserve` does: before torch is imported
+# Triton kernels run through Triton's interpreter on the CPU (tests/engine/test_triton_attention.py). Triton
+# decides per kernel, and for its own library once, when it is first imported, which torch may do early.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ import time
 from benchmarks.loadgen import RequestRecord
 from benchmarks.systems.base import System
 from benchmarks.workload import BenchRequest
+from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import FinishReason, GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel
 

@@ -1,5 +1,8 @@
 """System 5: llmserve end to end: `python -m llmserve` as a subprocess on a loopback port, driven through
-the `llmserve_client.AsyncClient` library. Its cost over system 4 is what the service layer costs."""
+the `llmserve_client.AsyncClient` library. Its cost over system 4 is what the service layer costs.
+
+With `metrics`, the same server exports Prometheus metrics and is scraped every SCRAPE_INTERVAL_S (three
+times as often as Prometheus' default 15 s) for the whole run: the pair measures what metrics cost."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -20,6 +24,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve_client import AsyncClient, pb
 
 START_TIMEOUT_S = 300.0
+SCRAPE_INTERVAL_S = 5.0
 _OK = {
     pb.FINISH_REASON_LENGTH,
     pb.FINISH_REASON_EOS,
@@ -70,13 +75,20 @@ class GrpcSystem(System):
         config: EngineConfig,
         log_path: Path,
         max_streams: int = 256,
+        metrics: bool = False,
     ) -> None:
         super().__init__(device)
         self.port = free_port()
         self.command = server_command(model, device, dtype, self.port, config, max_streams)
+        self.metrics_port = free_port() if metrics else None
+        if self.metrics_port is not None:
+            self.name = "llmserve_grpc_metrics"
+            self.command += ["--metrics-port", str(self.metrics_port)]
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
         self.client: AsyncClient | None = None
+        self.scraper: asyncio.Task[None] | None = None
+        self.scrapes = 0
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +102,8 @@ class GrpcSystem(System):
                 raise RuntimeError(f"llmserve exited with {self.process.returncode}; see {self.log_path}")
             try:
                 if await self.client.health(timeout=2.0) == "SERVING":
+                    if self.metrics_port is not None:
+                        self.scraper = asyncio.create_task(self._scrape_forever())
                     return
             except Exception:  # not listening yet
                 pass
@@ -97,7 +111,22 @@ class GrpcSystem(System):
                 raise TimeoutError(f"llmserve not SERVING after {START_TIMEOUT_S:.0f} s; see {self.log_path}")
             await asyncio.sleep(0.5)
 
+    async def _scrape_forever(self) -> None:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+        def scrape() -> None:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                response.read()
+
+        while True:
+            await asyncio.to_thread(scrape)
+            self.scrapes += 1
+            await asyncio.sleep(SCRAPE_INTERVAL_S)
+
     async def stop(self) -> None:
+        if self.scraper is not None:
+            self.scraper.cancel()
+            self.scraper = None
         if self.client is not None:
             await self.client.close()
             self.client = None

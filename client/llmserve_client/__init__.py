@@ -11,7 +11,22 @@ Needs grpcio and protobuf only. Example:
 from llmserve_client.aio import AsyncClient
 from llmserve_client.channel import TLS
 from llmserve_client.client import Client
+from llmserve_client.conversation import AsyncConversation, Conversation
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.request import build_request, chat_input, tokenize_request
+from llmserve_client.retry import NO_RETRY, CallInfo, Retry
 
-__all__ = ["AsyncClient", "Client", "TLS", "build_request", "chat_input", "pb", "tokenize_request"]
+__all__ = [
+    "AsyncClient",
+    "AsyncConversation",
+    "CallInfo",
+    "Client",
+    "Conversation",
+    "NO_RETRY",
+    "Retry",
+    "TLS",
+    "build_request",
+    "chat_input",
+    "pb",
+    "tokenize_request",
+]

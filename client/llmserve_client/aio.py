@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from llmserve_client import health
 from llmserve_client.auth import resolve_token
 from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
+from llmserve_client.conversation import AsyncConversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from llmserve_client.request import Message, build_request, tokenize_request
+from llmserve_client.retry import DEFAULT_RETRY, Attempts, CallInfo, Metadata, Retry, session_metadata
 
 _DEFAULT = object()
+T = TypeVar("T")
 
 
 class AsyncClient:
@@ -28,11 +32,13 @@ class AsyncClient:
         timeout: float | None = None,
         tls: TLS | bool | None = None,
         options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
+        retry: Retry = DEFAULT_RETRY,
         token: str | None = None,
         token_file: str | Path | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
+        self.retry = retry
         token = resolve_token(token, token_file, env={})
         self._channel = open_channel(target, tls, options, aio=True, token=token)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
@@ -51,30 +57,69 @@ class AsyncClient:
         return self.timeout if timeout is _DEFAULT else timeout
 
     async def generate(
-        self, prompt: str | pb.GenerateRequest | None = None, *, timeout: Any = _DEFAULT, **options: Any
+        self,
+        prompt: str | pb.GenerateRequest | None = None,
+        *,
+        timeout: Any = _DEFAULT,
+        info: CallInfo | None = None,
+        **options: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the responses (see Client.generate). Closing the iterator or cancelling the task
         cancels the call on the server."""
         request = prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **options)
-        call = self._stub.Generate(request, timeout=self._timeout(timeout))
-        try:
-            async for response in call:
-                yield response
-        finally:
-            call.cancel()
+        attempts = Attempts(self.retry, self._timeout(timeout), info)
+        metadata = session_metadata(request.session_id)
+        while True:
+            call = self._stub.Generate(request, timeout=attempts.start(), metadata=metadata)
+            received = False
+            try:
+                async for response in call:
+                    received = True
+                    yield response
+                return
+            except grpc.RpcError as error:
+                delay = None if received else attempts.retry_after(error)
+                if delay is None:
+                    raise
+            finally:
+                call.cancel()
+                if call.done():
+                    attempts.info.record(await call.trailing_metadata())
+            await asyncio.sleep(delay)
 
     async def generate_text(self, prompt: str | pb.GenerateRequest | None = None, **options: Any) -> str:
         return "".join([r.text async for r in self.generate(prompt, **options)])
+
+    async def chat(
+        self,
+        message: str,
+        *,
+        session_id: str,
+        new: bool = False,
+        system: str | None = None,
+        timeout: Any = _DEFAULT,
+        **options: Any,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream the answer to one user message of a held conversation (see Client.chat)."""
+        request = chat_request(message, session_id=session_id, new=new, system=system, **options)
+        async for response in self.generate(request, timeout=timeout):
+            yield response
+
+    def conversation(
+        self, session_id: str | None = None, *, system: str | None = None, resume: bool = False, **options: Any
+    ) -> AsyncConversation:
+        """An AsyncConversation under `session_id` (a new random one when None)."""
+        return AsyncConversation(self, session_id, system=system, resume=resume, **options)
 
     async def tokenize(
         self, text: str | None = None, *, messages: Iterable[Message] | None = None, timeout: Any = _DEFAULT
     ) -> list[int]:
         request = tokenize_request(text, messages=messages)
-        response = await self._stub.Tokenize(request, timeout=self._timeout(timeout))
+        response = await self._unary(self._stub.Tokenize, request, timeout)
         return list(response.token_ids)
 
     async def model_info(self, *, timeout: Any = _DEFAULT) -> pb.GetModelInfoResponse:
-        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout))
+        return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
 
     async def health(self, service: str = "", *, timeout: Any = _DEFAULT) -> str:
         request = health.HealthCheckRequest(service=service)
@@ -83,7 +128,7 @@ class AsyncClient:
     async def get_session(self, session_id: str, *, timeout: Any = _DEFAULT) -> pb.GetSessionResponse | None:
         try:
             request = pb.GetSessionRequest(session_id=session_id)
-            return await self._stub.GetSession(request, timeout=self._timeout(timeout))
+            return await self._unary(self._stub.GetSession, request, timeout, session_metadata(session_id))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -91,4 +136,22 @@ class AsyncClient:
 
     async def delete_session(self, session_id: str, *, timeout: Any = _DEFAULT) -> bool:
         request = pb.DeleteSessionRequest(session_id=session_id)
-        return (await self._stub.DeleteSession(request, timeout=self._timeout(timeout))).deleted
+        metadata = session_metadata(session_id)
+        response: pb.DeleteSessionResponse = await self._stub.DeleteSession(
+            request, timeout=self._timeout(timeout), metadata=metadata
+        )
+        return response.deleted
+
+    async def _unary(
+        self, method: Callable[..., Awaitable[T]], request: Any, timeout: Any, metadata: Metadata = ()
+    ) -> T:
+        """An idempotent unary call, retried as `self.retry` says."""
+        attempts = Attempts(self.retry, self._timeout(timeout))
+        while True:
+            try:
+                return await method(request, timeout=attempts.start(), metadata=metadata)
+            except grpc.RpcError as error:
+                delay = attempts.retry_after(error)
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)

@@ -2,6 +2,7 @@
 
     llmserve-client generate "Tell me a joke" --max-new-tokens 64     # prints text as it streams
     llmserve-client generate "What is 2+2?" --chat --json             # one JSON line per response message
+    llmserve-client chat --session ana-1                              # a conversation held on the server
     llmserve-client health                                            # exit status 0 only when SERVING
     llmserve-client model-info
     llmserve-client tokenize "Hello world"
@@ -16,13 +17,16 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
+from llmserve_client import chat, pb
 from llmserve_client.auth import TOKEN_ENV, TOKEN_FILE_ENV, resolve_token
 from llmserve_client.channel import TLS
 from llmserve_client.client import Client
+from llmserve_client.retry import CallInfo
 
 DEFAULT_TARGET = "localhost:50051"
 
@@ -52,7 +56,17 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     gen.add_argument("--system", help="with --chat: a system message before it")
-    gen.add_argument("--session", default="", help="session id: reuse the conversation's cache across calls")
+    gen.add_argument(
+        "--session",
+        default="",
+        help="session id: the server keeps its cache and history (also sent as x-session-id for routing)",
+    )
+    gen.add_argument(
+        "--continue",
+        dest="continue_session",
+        action="store_true",
+        help="with --session: the prompt continues the session's history (send only the new turn)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=None, help="default: the server's")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -64,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--json", action="store_true", help="print each response message as one line of JSON (proto field names)"
     )
-    gen.add_argument("--stats", action="store_true", help="print usage and timing to stderr at the end")
+    gen.add_argument(
+        "--stats", action="store_true", help="print usage, timing and the replica that served it to stderr at the end"
+    )
+
+    chat.add_parser(commands)
 
     health = commands.add_parser("health", help="grpc.health.v1 check; exit 0 only when SERVING")
     health.add_argument("--service", default="", help="service name (default: the whole server)")
@@ -87,14 +105,17 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        source = {"messages": [*messages, {"role": "user", "content": prompt}]}
+        source: dict[str, Any] = {"messages": [*messages, {"role": "user", "content": prompt}]}
     else:
         source = {"prompt": prompt}
     last = None
+    info = CallInfo()
     for response in client.generate(
         **source,
+        info=info,
         timeout=args.timeout,
         session_id=args.session,
+        continue_session=args.continue_session,
         request_id=args.request_id,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -113,12 +134,13 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     if not args.json:
         sys.stdout.write("\n")
     if args.stats and last is not None:
-        reason = last.DESCRIPTOR.fields_by_name["finish_reason"].enum_type.values_by_number[last.finish_reason].name
+        reason = pb.FinishReason.Name(last.finish_reason)
         u, t = last.usage, last.timing
         print(
             f"[{last.request_id}] finish={reason.removeprefix('FINISH_REASON_').lower()} "
             f"prompt_tokens={u.prompt_tokens} cached={u.cached_prompt_tokens} completion_tokens={u.completion_tokens} "
-            f"ttft={t.time_to_first_token_seconds * 1e3:.0f}ms total={t.total_seconds * 1e3:.0f}ms",
+            f"ttft={t.time_to_first_token_seconds * 1e3:.0f}ms total={t.total_seconds * 1e3:.0f}ms "
+            f"replica={info.replica or '-'} attempts={info.attempts}",
             file=sys.stderr,
         )
     return 0
@@ -127,6 +149,8 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "generate" and args.continue_session and not args.session:
+        parser.error("--continue needs --session")
     try:
         token = resolve_token(args.token, args.token_file)
     except (OSError, ValueError) as exc:
@@ -135,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Client(args.address, timeout=args.timeout, tls=_tls(args), token=token) as client:
             if args.command == "generate":
                 return _generate(client, args)
+            if args.command == "chat":
+                return chat.run(client, args)
             if args.command == "health":
                 status = client.health(args.service)
                 print(status)

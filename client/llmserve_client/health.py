@@ -39,6 +39,8 @@ def _build() -> tuple[type, type]:
     )
 
 
+HealthCheckRequest: Any
+HealthCheckResponse: Any
 HealthCheckRequest, HealthCheckResponse = _build()
 
 

@@ -30,6 +30,7 @@ def build_request(
     token_ids: Sequence[int] | None = None,
     request_id: str = "",
     session_id: str = "",
+    continue_session: bool = False,
     max_new_tokens: int | None = None,
     min_new_tokens: int = 0,
     temperature: float = 0.0,
@@ -52,12 +53,15 @@ def build_request(
 
     Arguments left at their defaults leave the field unset, so the server's defaults apply (greedy,
     the server's max_new_tokens). The server validates ranges; see generate.proto for each field.
+    `continue_session` (with `session_id`) sends only the new turn: the server prepends the session's history.
     """
     inputs = {"prompt": prompt, "messages": messages, "token_ids": token_ids}
     given = [name for name, value in inputs.items() if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages or token_ids (got {', '.join(given) or 'none'})")
-    request = pb.GenerateRequest(request_id=request_id, session_id=session_id, priority=priority)
+    request = pb.GenerateRequest(
+        request_id=request_id, session_id=session_id, continue_session=continue_session, priority=priority
+    )
     if prompt is not None:
         request.text = prompt
     elif messages is not None:
@@ -97,6 +101,6 @@ def tokenize_request(text: str | None = None, *, messages: Iterable[Message] | N
     """A TokenizeRequest for text or a conversation (exactly one)."""
     if (text is None) == (messages is None):
         raise ValueError("give exactly one of text or messages")
-    if text is not None:
+    if messages is None:
         return pb.TokenizeRequest(text=text)
     return pb.TokenizeRequest(chat=chat_input(messages))

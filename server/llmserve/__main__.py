@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
 from llmserve.config import from_args
+from llmserve.process import configure_process
 from llmserve.request_log import configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve; the exit status is 0 after a signal, 2 for bad settings, 3 when the engine died (restart me)."""
-    # No code path may reach a model hub: set before transformers is imported anywhere.
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    # Before torch and transformers are imported anywhere (see llmserve.process).
+    configure_process()
     config = from_args(argv)
     configure_logging(config.server.log_level, config.server.log_format)
     from llmserve.app import run

@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+import socket
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +29,14 @@ from grpc_status import rpc_status
 from llmserve.auth import Authenticator, AuthInterceptor, TokenStore
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.request import InvalidRequest
+from llmserve.metrics import ServerMetrics
 from llmserve.service import SERVICE_NAME, GenerateServicer, StreamStalled, status_for
+from llmserve.tracing import Tracing
+from llmserve.tracing import from_env as tracing_from_env
 from llmserve_client.pb.llmserve.v1 import generate_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.protocol import Engine
 
 log = logging.getLogger("llmserve")
 
@@ -41,6 +45,7 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Health is reported for the whole server ("") and for the service by name.
 _HEALTH_NAMES = ("", SERVICE_NAME)
 _DEAD_POLL_S = 1.0
+REPLICA_KEY = "x-llmserve-replica"
 # Exit status of the process when the engine died (0 is a clean shutdown, 1 an unexpected error).
 EXIT_ENGINE_DEAD = 3
 # After the engine stops, how long the streams it cut get to send their last message before the server stops.
@@ -50,7 +55,7 @@ _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _REFLECTION_PREFIX = "/grpc.reflection."
 
 
-class _HealthServicer(health_aio.HealthServicer):
+class _HealthServicer(health_aio.HealthServicer):  # type: ignore[misc]  # grpc_health is untyped
     """grpc.health.v1.Health with List, which grpcio-health-checking's servicer leaves unimplemented (a
     call to it otherwise ends UNKNOWN with a traceback in the log)."""
 
@@ -87,10 +92,12 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None, message_name: str) ->
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """For GenerateService: turns the errors it raises into gRPC statuses (with google.rpc details) via
-    `status_for`, answers undecodable requests INVALID_ARGUMENT, and aborts a stream whose next message has
-    waited on the client's flow control for `stall_timeout_s` (the client reads nothing)."""
+    `status_for`, answers undecodable requests INVALID_ARGUMENT, aborts a stream whose next message has
+    waited on the client's flow control for `stall_timeout_s` (the client reads nothing), and ends every
+    call with `trailing_metadata` (the replica's name), whatever its status."""
 
     def __init__(self, stall_timeout_s: float) -> None:
+        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
         self._stall_timeout_s = stall_timeout_s
 
     async def intercept_service(
@@ -106,13 +113,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         deserializer = _tolerant(handler.request_deserializer, rpc.input_type.full_name if rpc else "request")
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _stream_with_status(handler.unary_stream, self._stall_timeout_s),
+                _stream_with_status(handler.unary_stream, self.trailing_metadata, self._stall_timeout_s),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _unary_with_status(handler.unary_unary),
+                _unary_with_status(handler.unary_unary, self.trailing_metadata),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -123,11 +130,19 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
     status = status_for(exc)
     if status is None:
         raise exc
-    await context.abort_with_status(rpc_status.to_status(status))
+    s = rpc_status.to_status(status)
+    # abort() replaces the trailing metadata set so far unless it is passed on.
+    await context.abort(
+        s.code, s.details, trailing_metadata=(*(context.trailing_metadata() or ()), *s.trailing_metadata)
+    )
 
 
-def _unary_with_status(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+Trailing = tuple[tuple[str, str], ...]
+
+
+def _unary_with_status(behaviour: Callable[..., Awaitable[Any]], trailing: Trailing) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        context.set_trailing_metadata(trailing)
         try:
             if isinstance(request, Undecodable):
                 raise request.error()
@@ -139,11 +154,12 @@ def _unary_with_status(behaviour: Callable[..., Awaitable[Any]]) -> Callable[...
 
 
 def _stream_with_status(
-    behaviour: Callable[..., AsyncIterator[Any]], stall_timeout_s: float
+    behaviour: Callable[..., AsyncGenerator[Any, None]], trailing: Trailing, stall_timeout_s: float
 ) -> Callable[..., Awaitable[None]]:
     # Writes with context.write rather than by being a generator, so that a write stuck on the client's
     # flow control can be timed out; the stall is thrown into the servicer's generator at its yield.
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
+        context.set_trailing_metadata(trailing)
         try:
             if isinstance(request, Undecodable):
                 raise request.error()
@@ -171,14 +187,15 @@ class LLMServer:
     """One gRPC server: binds at construction, serves health and reflection from `start()`, and
     GenerateService once `serve(engine)` has started the engine."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, tracing: Tracing | None = None) -> None:
         self.config = config
         self.authenticator = _authenticator(config)
+        errors = ErrorInterceptor(config.stream_stall_timeout_s)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.authenticator is not None:
             exempt = [_HEALTH_PREFIX] if config.reflection_requires_auth else [_HEALTH_PREFIX, _REFLECTION_PREFIX]
             interceptors.append(AuthInterceptor(self.authenticator, exempt=exempt))
-        interceptors.append(ErrorInterceptor(config.stream_stall_timeout_s))
+        interceptors.append(errors)
         self._server = grpc.aio.server(interceptors=interceptors, options=_server_options(config))
         self.servicer = GenerateServicer(config)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
@@ -191,7 +208,14 @@ class LLMServer:
             self.port = self._server.add_secure_port(config.address, _server_credentials(config))
         else:
             self.port = self._server.add_insecure_port(config.address)
-        self.engine: AsyncEngine | None = None
+        self.replica = config.replica_name or f"{socket.gethostname()}:{self.port}"
+        errors.trailing_metadata = ((REPLICA_KEY, self.replica),)
+        self.metrics = ServerMetrics(self.replica, lambda: self.servicer.num_streams) if config.metrics_port else None
+        self.tracing = tracing if tracing is not None or not config.tracing else tracing_from_env(self.replica)
+        for observer in (self.metrics, self.tracing):
+            if observer is not None:
+                self.servicer.add_observer(observer)
+        self.engine: Engine | None = None
         self._watchdog: asyncio.Task[None] | None = None
         # Set when the engine has died: run() then drains and returns EXIT_ENGINE_DEAD.
         self.engine_died = asyncio.Event()
@@ -201,13 +225,18 @@ class LLMServer:
         await self._set_health(_NOT_SERVING)  # the aio health servicer starts out SERVING
         await self._server.start()
         scheme = "TLS" if self.config.tls_cert else "plaintext"
-        log.info("listening on %s (port %d, %s)", self.config.address, self.port, scheme)
+        log.info("listening on %s (port %d, %s) as replica %s", self.config.address, self.port, scheme, self.replica)
+        if self.metrics is not None:
+            host = self.config.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+            self.metrics.serve(host, self.config.metrics_port)
 
-    async def serve(self, engine: AsyncEngine) -> None:
+    async def serve(self, engine: Engine) -> None:
         """Start and warm up `engine`, then serve it and report SERVING."""
         await engine.start()
         self.engine = engine
         self.servicer.attach(engine)
+        if self.metrics is not None:
+            self.metrics.attach(engine)
         await self._set_health(_SERVING)
         self._watchdog = asyncio.create_task(self._watch_engine(engine))
         log.info("serving %s", engine.model_info)
@@ -224,6 +253,10 @@ class LLMServer:
         grace_s = self.config.grace_period_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         self.servicer.begin_drain()
+        # gRPC's own graceful stop closes the listener and sends GOAWAY now (streams in flight go on), so a
+        # proxy or balancer sends new calls to other replicas at once; the stop(0) below cancels what is left.
+        # Its grace outlasts ours, so that the streams the engine cuts still send their last message.
+        closing = asyncio.ensure_future(self._server.stop(grace_s + _FINAL_MESSAGES_S + 1.0))
         if self.servicer.num_streams:
             log.info("draining %d streams for up to %.1f s", self.servicer.num_streams, grace_s)
             waits = [asyncio.ensure_future(self.servicer.wait_idle())]
@@ -244,13 +277,18 @@ class LLMServer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.servicer.wait_idle(), _FINAL_MESSAGES_S)
         await self._server.stop(0)  # cancels whatever is left, health watches included
+        await closing
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
         log.info("stopped")
 
     async def _set_health(self, status: int) -> None:
         for name in _HEALTH_NAMES:
             await self.health.set(name, status)
 
-    async def _watch_engine(self, engine: AsyncEngine) -> None:
+    async def _watch_engine(self, engine: Engine) -> None:
         while not engine.dead:
             await asyncio.sleep(_DEAD_POLL_S)
         log.error("engine is dead (%s): reporting NOT_SERVING, draining and exiting", engine.dead_reason)
@@ -272,7 +310,7 @@ def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
         # Two servers on one port would split the traffic silently; fail to bind instead.
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", config.max_receive_message_bytes),
-        # Clients may ping this often (gRPC's default is every 5 minutes, past which it answers GOAWAY
+        # Clients may ping this often (gRPC's default is once per 5 minutes, past which it answers GOAWAY
         # "too_many_pings" and kills every stream of the connection, idle long streams included).
         ("grpc.http2.min_ping_interval_without_data_ms", ping_ms),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -286,7 +324,7 @@ async def run(config: Config) -> int:
     """Serve until SIGTERM or SIGINT (return 0) or until the engine dies (return EXIT_ENGINE_DEAD),
     draining in-flight streams before returning."""
     # Imported here so that `--help` and config errors answer without loading torch.
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.async_engine import AsyncEngine
     from llmserve.models import load_model
 
     loop = asyncio.get_running_loop()
@@ -313,8 +351,11 @@ async def run(config: Config) -> int:
     try:
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
+            # Building the engine (KV allocation, weight packing, graph capture) takes seconds: off the loop,
+            # so that health keeps answering NOT_SERVING meanwhile.
+            engine = await asyncio.to_thread(AsyncEngine, loading.result(), config.engine)
             # Serve even when a signal came meanwhile: stop() below then shuts the engine down.
-            await server.serve(AsyncEngine(loading.result(), config.engine))
+            await server.serve(engine)
             await asyncio.wait([stopping, dying], return_when=asyncio.FIRST_COMPLETED)
         else:
             log.info("stopping before the model finished loading")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.engine.config import EngineConfig
+from llmserve.history import HistoryConfig
 
 ENV_PREFIX = "LLMSERVE_"
 DEFAULT_ADDRESS = "0.0.0.0:50051"
@@ -82,6 +83,14 @@ class ServerConfig:
     log_format: str = "text"
     limits: InputLimits = field(default_factory=InputLimits)
 
+    # Session histories (append mode): TTL and count follow the engine's session flags.
+    history: HistoryConfig = field(default_factory=HistoryConfig)
+    # Operations: Prometheus /metrics port (0: off), the name sent back in x-llmserve-replica (None:
+    # host name and port), and OpenTelemetry tracing (configured by the OTEL_* variables).
+    metrics_port: int = 0
+    replica_name: str | None = None
+    tracing: bool = False
+
     @property
     def auth_enabled(self) -> bool:
         return self.auth_token_file is not None or self.identity_from_cert
@@ -136,10 +145,27 @@ class _Flags:
         self._parser.add_argument(flag, action="store_true", default=value, help=f"{help_text} [env {name}]")
 
 
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a port number in [0, 65535], got {value}")
     return value
 
 
@@ -293,6 +319,16 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     )
     g.value("--max-top-logprobs", _top_logprobs, limits.max_top_logprobs, "largest response.top_logprobs")
 
+    g = _Flags(parser.add_argument_group("operations"), env)
+    g.value("--metrics-port", _port, server.metrics_port, "serve Prometheus metrics at :PORT/metrics (0: off)")
+    g.value(
+        "--replica-name",
+        str,
+        None,
+        "name returned in the x-llmserve-replica trailing metadata; unset: host name and port",
+    )
+    g.switch("--tracing", "OpenTelemetry spans for Generate calls, exported as the OTEL_* variables say")
+
     g = _Flags(parser.add_argument_group("engine"), env)
     g.value(
         "--kv-cache-tokens",
@@ -322,19 +358,56 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED",
     )
     g.switch("--no-prefix-caching", "turn off automatic prefix caching")
-    g.value("--session-ttl", _non_negative_float, engine.session_ttl_s, "seconds an idle session's cache is kept")
-    g.value("--max-sessions", _positive_int, engine.max_sessions, "most sessions kept")
+    ttl_help = "seconds an idle session's cache and history are kept"
+    g.value("--session-ttl", _non_negative_float, engine.session_ttl_s, ttl_help)
+    g.value(
+        "--max-sessions",
+        _positive_int,
+        engine.max_sessions,
+        "most sessions kept (caches and, counted apart, histories)",
+    )
     g.value(
         "--session-pool-fraction",
         _fraction,
         engine.session_pool_fraction,
         "largest share of the KV cache idle sessions may hold",
     )
+    g.value(
+        "--cpu-kernels",
+        _one_of("auto", "require", "off"),
+        engine.cpu_kernels,
+        "CPU backend's compiled kernels (built at install time): auto (use them where installed, else warn and "
+        "run the torch paths), require (refuse to start without them), off",
+    )
+    _history_flags(_Flags(parser.add_argument_group("session histories"), env))
     g.switch("--no-cuda-graphs", "turn off CUDA graphs for the decode step")
+    g.value(
+        "--attention-kernel",
+        _one_of("auto", "triton", "torch"),
+        engine.attention_kernel,
+        "CUDA attention: triton (one varlen paged kernel per layer), torch (gathered decode groups, SDPA per "
+        "prompt chunk), auto (triton where installed)",
+    )
     g.switch("--no-native-attention", "CPU: decode attention through torch instead of the compiled kernel")
     g.switch("--no-packed-linear", "CPU float32: plain linear layers instead of packed oneDNN weights")
     g.switch("--no-fused-layers", "CPU: transformers' own layer forward instead of the fused one (Llama family)")
     return parser
+
+
+def _history_flags(g: _Flags) -> None:
+    history = HistoryConfig()
+    g.value(
+        "--max-session-tokens",
+        _positive_int,
+        history.max_tokens,
+        "most tokens a session's history may hold; a longer continued prompt is INVALID_ARGUMENT; unset: the context",
+    )
+    g.value(
+        "--session-history-mib",
+        _positive_float,
+        history.max_bytes / (1 << 20),
+        "memory cap of all held session histories in MiB (least recently used evicted first)",
+    )
 
 
 def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -382,6 +455,15 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
                 max_prompt_bytes=args.max_prompt_bytes,
                 max_top_logprobs=args.max_top_logprobs,
             ),
+            history=HistoryConfig(
+                ttl_s=args.session_ttl,
+                max_sessions=args.max_sessions,
+                max_bytes=int(args.session_history_mib * (1 << 20)),
+                max_tokens=args.max_session_tokens,
+            ),
+            metrics_port=args.metrics_port,
+            replica_name=args.replica_name,
+            tracing=args.tracing,
         ),
         model=ModelConfig(spec=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir),
         engine=EngineConfig(
@@ -396,7 +478,9 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             session_ttl_s=args.session_ttl,
             max_sessions=args.max_sessions,
             session_pool_fraction=args.session_pool_fraction,
+            cpu_kernels=args.cpu_kernels,
             cuda_graphs=not args.no_cuda_graphs,
+            attention_kernel=args.attention_kernel,
             native_attention=not args.no_native_attention,
             packed_linear=not args.no_packed_linear,
             fused_layers=not args.no_fused_layers,

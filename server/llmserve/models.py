@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -26,6 +27,7 @@ from transformers import (
     LlamaConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
+    Qwen3Config,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class LoadedModel:
     `eos_token_ids` is the union of the tokenizer's and the generation config's EOS ids, in that order.
     """
 
-    model: torch.nn.Module
+    model: Any  # a transformers causal LM (PreTrainedModel); its attributes are dynamic
     tokenizer: PreTrainedTokenizerBase | None
     name: str
     dtype: torch.dtype
@@ -175,7 +177,9 @@ def from_config(
         torch.manual_seed(seed)
         # Draw on the target device: a GPU fills 1B parameters in milliseconds, no host copy needed.
         with torch.device(dev):
-            model = AutoModelForCausalLM.from_config(config, dtype=dt, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                config, dtype=dt, attn_implementation="sdpa"
+            )
     name = getattr(config, "name_or_path", "") or f"random-{config.model_type}"
     return _finish(model, tokenizer, name, dt, dev)
 
@@ -187,8 +191,9 @@ def random_model(
     device: torch.device | str,
     seed: int = 0,
 ) -> LoadedModel:
-    """Random weights in a known shape: "smollm2-135m" (the default model's exact dims) or "llama-1b"
-    (Llama-3.2-1B's dims). No tokenizer. Raises ValueError for an unknown shape."""
+    """Random weights in a known shape: "smollm2-135m" (the default model's exact dims), "qwen3-0.6b",
+    "llama-1b" (Llama-3.2-1B's dims) or "tiny" (two layers of width 64, vocabulary 1024: for tests and demos).
+    No tokenizer. Raises ValueError for an unknown shape."""
     make = _SHAPES.get(shape)
     if make is None:
         raise ValueError(f"unknown random model shape {shape!r}; known: {', '.join(sorted(_SHAPES))}")
@@ -259,7 +264,47 @@ def _llama_1b() -> LlamaConfig:
     )
 
 
-_SHAPES = {"smollm2-135m": _smollm2_135m, "llama-1b": _llama_1b}
+def _qwen3_0_6b() -> Qwen3Config:
+    # Qwen3-0.6B's published dims (per-head q/k norms, head_dim 128 over a hidden size of 1024).
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+
+
+def _tiny() -> LlamaConfig:
+    # Two layers of width 64: a replica that starts in seconds on a busy CPU (tests/deploy runs three).
+    return LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+_SHAPES: dict[str, Any] = {
+    "smollm2-135m": _smollm2_135m,
+    "qwen3-0.6b": _qwen3_0_6b,
+    "llama-1b": _llama_1b,
+    "tiny": _tiny,
+}
 
 
 def _is_converted(folder: Path, source_bytes: int) -> bool:
@@ -314,9 +359,10 @@ def _publish(partial: Path, target: Path, source_bytes: int) -> None:
 
 
 def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
-    ).to(device)
+    )
+    model = model.to(device)
     tokenizer = None
     if any((folder / f).is_file() for f in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -329,7 +375,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Load
 
 
 def _finish(
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: PreTrainedTokenizerBase | None,
     name: str,
     dtype: torch.dtype,
@@ -362,3 +408,24 @@ def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m llmserve.models [SPEC]`: load (converting and caching a GGUF once) the model a server would.
+
+    `make model` and the Dockerfile run it, so that the image holds the converted default model.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m llmserve.models", description=main.__doc__)
+    parser.add_argument("spec", nargs="?", default=None, help="model spec as for --model; default: the default model")
+    parser.add_argument("--cache-dir", default=None, help="conversion cache; default: $LLMSERVE_CACHE_DIR or ~/.cache")
+    args = parser.parse_args(argv)
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    loaded = load_model(args.spec, device="cpu", dtype="float32", cache_root=cache)
+    print(f"model ready: {loaded.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

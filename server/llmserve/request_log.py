@@ -13,7 +13,7 @@ import logging
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.engine.request import Delta
@@ -46,7 +46,11 @@ class RequestRecord:
     request_id: str
     start: float
     identity: str | None = None
+    start_ns: int = field(default_factory=time.time_ns)
     first_token: float | None = None
+    queued: float | None = None  # when handed to the engine
+    token_times: list[float] = field(default_factory=list)
+    queue_s: float | None = None
     prompt_tokens: int = 0
     cached: int = 0
     completion: int = 0
@@ -55,8 +59,11 @@ class RequestRecord:
     prompt: str | None = None
 
     def observe(self, delta: Delta) -> None:
-        if delta.token_ids and self.first_token is None:
-            self.first_token = time.monotonic()
+        if delta.token_ids:
+            now = time.monotonic()
+            self.token_times.append(now)
+            if self.first_token is None:
+                self.first_token = now
         self.completion += len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish = delta.finish_reason.value
@@ -64,6 +71,8 @@ class RequestRecord:
             self.prompt_tokens = delta.usage.prompt_tokens
             self.cached = delta.usage.cached_prompt_tokens
             self.completion = delta.usage.completion_tokens
+        if delta.timing is not None:
+            self.queue_s = delta.timing.queue_s
 
     def fields(self) -> dict[str, Any]:
         """The line's fields, in order; caller-controlled values are clipped here and quoted by the formatter."""

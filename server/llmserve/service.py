@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from llmserve.auth import caller_identity
@@ -35,13 +35,17 @@ from llmserve.engine.request import (
     StoppingParams,
     TokenLogprob,
 )
+from llmserve.history import HistoryBusy, HistoryInput, HistoryStore, NoHistory, Turn
 from llmserve.limits import check_generate, check_input, is_valid_id, prompt_byte_limit, quote_prefix
+from llmserve.observe import CallObserver, FinishedCall
 from llmserve.request_log import MAX_LOGGED_PROMPT_CHARS, RequestRecord, clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.protocol import Engine
+
+log = logging.getLogger("llmserve.requests")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
@@ -63,11 +67,16 @@ _FIELD_PATHS = {
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+# How long a call whose request_id is still in flight waits for that stream to end (it may have just been
+# cancelled) before the id counts as a duplicate.
+REUSE_WAIT_S = 0.5
+_HISTORY_INPUT = {HistoryInput.CHAT: pb.HISTORY_INPUT_CHAT, HistoryInput.TOKENS: pb.HISTORY_INPUT_TOKENS}
+# The engine stops a request this long before the call's deadline, so that the server, not the caller's
+# timer, ends the call (with a last message); a cancel this close to the deadline is the deadline's (the
+# caller's own timer fired first).
+DEADLINE_MARGIN_S = 0.1
 # RESOURCE_EXHAUSTED answers carry google.rpc.RetryInfo with this delay: streams last seconds, not minutes.
 RETRY_DELAY_S = 1.0
-# The engine stops a request this long before the call's deadline, so that the server, not the client's
-# timer, ends the call (with a last message); a cancel this close to the deadline is the deadline's.
-DEADLINE_MARGIN_S = 0.1
 # Status messages are cut to this many characters (a backstop: messages quote only short prefixes).
 MAX_STATUS_MESSAGE_CHARS = 500
 
@@ -122,53 +131,44 @@ def _scoped(identity: str | None, name: str) -> str:
     return name if identity is None else f"{len(identity)}:{identity}/{name}"
 
 
-def _session_key(identity: str | None, session_id: str) -> str:
-    """The key the engine knows a caller's session by: the one place a session id meets the engine.
-
-    With authentication on, two identities' equal session ids are two sessions, and neither can read,
-    continue or delete the other's.
-    """
-    return _scoped(identity, session_id)
-
-
 def _engine_request_id(identity: str | None, request_id: str) -> str:
     """The engine's id for a caller's request: request ids are unique per identity, not across them."""
     return _scoped(identity, request_id)
 
 
-@dataclass(slots=True)
-class _Stream:
-    """A Generate stream counted in: whose it is and the engine request it drives."""
-
-    identity: str | None
-    request_id: str
-
-    @property
-    def key(self) -> tuple[str | None, str]:
-        return (self.identity, self.request_id)
+_InFlightKey = tuple[str | None, str]  # (identity, request_id)
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Serves llmserve.v1.GenerateService; answers UNAVAILABLE until `attach()` hands it a started engine."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, observers: Sequence[CallObserver] = ()) -> None:
         self._config = config
+        self._observers = list(observers)  # told about each Generate call once it ends (metrics, tracing)
+        self._engine: Engine | None = None
         self._limits = config.limits
-        self._engine: AsyncEngine | None = None
         self._max_prompt_bytes = 0
         self._vocab_size = 0
         self._draining = False
-        self._in_flight: set[tuple[str | None, str]] = set()
+        # (identity, request_id) -> set when that stream has ended
+        self._in_flight: dict[_InFlightKey, asyncio.Event] = {}
         self._per_identity: Counter[str | None] = Counter()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._histories = HistoryStore(config.history)
 
-    def attach(self, engine: AsyncEngine) -> None:
+    def add_observer(self, observer: CallObserver) -> None:
+        """Tell `observer` about each Generate call from now on, once the call ends."""
+        self._observers.append(observer)
+
+    def attach(self, engine: Engine) -> None:
         """Start serving with `engine` (already started and warmed up)."""
         info = engine.model_info
         self._max_prompt_bytes = prompt_byte_limit(self._limits, info.context_length)
         self._vocab_size = info.vocab_size
         self._engine = engine
+        if self._config.history.max_tokens is None:
+            self._histories.max_tokens = engine.model_info.context_length
 
     def begin_drain(self) -> None:
         """Refuse new Generate streams from now on; those in flight go on."""
@@ -183,7 +183,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Return once no Generate stream is in flight."""
         await self._idle.wait()
 
-    def _ready_engine(self) -> AsyncEngine:
+    def _ready_engine(self) -> Engine:
         if self._engine is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return self._engine
@@ -195,40 +195,95 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         record = RequestRecord(request.request_id or "-", time.monotonic(), identity=identity)
         remaining = context.time_remaining()
         call_deadline = None if remaining is None else time.monotonic() + remaining
-        stream: _Stream | None = None
+        key: _InFlightKey | None = None
+        turn: Turn | None = None
         try:
             engine = self._ready_engine()
             check_generate(request, self._limits, self._max_prompt_bytes, self._vocab_size)
-            record.request_id = request.request_id or uuid.uuid4().hex
-            stream = self._admit(identity, record.request_id)
-            gen_request = await self._to_generation_request(engine, request, stream, call_deadline)
+            request_id = record.request_id = request.request_id or uuid.uuid4().hex
+            key = await self._admit(identity, request_id)
+            session_key = self._session_key(context, request.session_id) if request.session_id else None
+            engine_id = _engine_request_id(identity, request_id)
+            # The history store is keyed per identity too: the request id it names is the caller's own.
+            prompt_ids, turn = await self._session_prompt(engine, request, request_id, session_key)
+            gen_request = self._to_generation_request(
+                engine, request, engine_id, prompt_ids, session_key, call_deadline, identity
+            )
             record.prompt_tokens = len(gen_request.prompt_token_ids)
             if self._config.log_prompts:
                 record.prompt = _input_text(request)
+            record.queued = time.monotonic()
             # aclosing: however this call ends, the engine request is aborted before the log line is written.
-            async with contextlib.aclosing(self._stream(engine, gen_request, request, record)) as responses:
+            async with contextlib.aclosing(self._stream(engine, gen_request, request, record, turn)) as responses:
                 async for response in responses:
                     yield response
             record.status = "OK"
         except (asyncio.CancelledError, GeneratorExit):
-            # The client went away (a cancel, or its deadline), or gRPC ended the call at the deadline.
+            # A caller that goes away cancels the handler, or, when gRPC notices it at a write, closes this
+            # generator (GeneratorExit); both are the caller's cancel, or its deadline: the caller's own
+            # timer fires just before ours would.
             at_deadline = call_deadline is not None and time.monotonic() >= call_deadline - DEADLINE_MARGIN_S
             record.status = "DEADLINE_EXCEEDED" if at_deadline else "CANCELLED"
-            record.finish = "deadline" if at_deadline else "cancelled"
+            if record.queued is not None:
+                record.finish = "deadline" if at_deadline else "cancelled"
             raise
         except Exception as exc:
             status = status_for(exc)
             record.status = _CODE_NAMES[status.code] if status else type(exc).__name__
-            if isinstance(exc, StreamStalled):
+            if isinstance(exc, (InvalidRequest, QueueFull, EngineDead)):
+                record.queued = None  # the engine refused it before taking it
+            elif isinstance(exc, StreamStalled):
                 record.finish = "cancelled"
             raise
         finally:
-            if stream is not None:
-                self._release(stream)
+            if turn is not None:
+                turn.release()
+            if key is not None:
+                self._release(key)
             record.emit()
+            if self._observers:
+                self._tell_observers(record, bool(request.session_id), context)
 
-    def _admit(self, identity: str | None, request_id: str) -> _Stream:
-        """Count a new stream in, or refuse it (draining, at a limit, duplicate id)."""
+    def _tell_observers(self, record: RequestRecord, has_session: bool, context: grpc.aio.ServicerContext) -> None:
+        status = record.status if record.status in _CODE_NAMES.values() else "UNKNOWN"
+        finish = None if record.finish == "-" else record.finish
+        if finish is None and record.queued is not None:
+            finish = {"CANCELLED": "cancelled", "DEADLINE_EXCEEDED": "deadline"}.get(status)
+        call = FinishedCall(
+            code=status,
+            start=record.start,
+            end=time.monotonic(),
+            start_ns=record.start_ns,
+            queued=record.queued,
+            finish_reason=finish,
+            token_times=record.token_times,
+            prompt_tokens=record.prompt_tokens,
+            cached_prompt_tokens=record.cached,
+            completion_tokens=record.completion,
+            queue_s=record.queue_s,
+            has_session=has_session,
+            metadata=tuple(context.invocation_metadata() or ()),
+        )
+        for observer in self._observers:
+            try:
+                observer.call_finished(call)
+            except Exception:  # an observer's bug must not fail the call or the others
+                log.exception("call observer %r failed", observer)
+
+    async def _admit(self, identity: str | None, request_id: str) -> _InFlightKey:
+        """Count a new stream in, or refuse it (draining, at a limit, duplicate id). Returns its key for
+        `_release`."""
+        key = (identity, request_id)
+        while (previous := self._in_flight.get(key)) is not None:
+            # A caller that cancels a call and reuses its id at once sends the new call right behind the
+            # cancellation, which reaches the old handler a moment later: let it end before calling the id a
+            # duplicate.
+            try:
+                await asyncio.wait_for(previous.wait(), REUSE_WAIT_S)
+            except TimeoutError:
+                raise ServiceError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request_id {quote_prefix(request_id)} is already in flight"
+                ) from None
         if self._draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if len(self._in_flight) >= self._config.max_concurrent_streams:
@@ -246,27 +301,28 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 "retry later",
                 retry_after_s=RETRY_DELAY_S,
             )
-        stream = _Stream(identity, request_id)
-        if stream.key in self._in_flight:
-            raise ServiceError(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {quote_prefix(request_id)} is already in flight"
-            )
-        self._in_flight.add(stream.key)
+        self._in_flight[key] = asyncio.Event()
         self._per_identity[identity] += 1
         self._idle.clear()
-        return stream
+        return key
 
-    def _release(self, stream: _Stream) -> None:
-        self._in_flight.discard(stream.key)
-        self._per_identity[stream.identity] -= 1
-        if not self._per_identity[stream.identity]:
-            del self._per_identity[stream.identity]
+    def _release(self, key: _InFlightKey) -> None:
+        self._in_flight.pop(key).set()
+        identity = key[0]
+        self._per_identity[identity] -= 1
+        if not self._per_identity[identity]:
+            del self._per_identity[identity]
         if not self._in_flight:
             self._idle.set()
 
     async def _stream(
-        self, engine: AsyncEngine, gen_request: GenerationRequest, request: pb.GenerateRequest, record: RequestRecord
-    ) -> AsyncIterator[pb.GenerateResponse]:
+        self,
+        engine: Engine,
+        gen_request: GenerationRequest,
+        request: pb.GenerateRequest,
+        record: RequestRecord,
+        turn: Turn | None = None,
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Yield one response per delta; raise for endings that are not a normal finish."""
         options = request.response
         prompt_ids = gen_request.prompt_token_ids if options.prompt_token_ids else ()
@@ -275,6 +331,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             async with contextlib.aclosing(engine.generate(gen_request)) as deltas:
                 async for delta in deltas:
                     record.observe(delta)
+                    if turn is not None and delta.finish_reason is not FinishReason.DEADLINE:
+                        turn.observe(delta)  # writes the history before the caller sees the last message
                     yield _to_response(record.request_id, delta, options, prompt_ids)
                     prompt_ids = ()
                     if delta.finish_reason is FinishReason.DEADLINE:
@@ -286,10 +344,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except InvalidRequest as exc:
             raise _for_caller(exc, request) from None
 
-    async def _to_generation_request(
-        self, engine: AsyncEngine, request: pb.GenerateRequest, stream: _Stream, call_deadline: float | None
+    def _to_generation_request(
+        self,
+        engine: Engine,
+        request: pb.GenerateRequest,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        session_key: str | None,
+        call_deadline: float | None,
+        identity: str | None,
     ) -> GenerationRequest:
-        prompt_ids = await _prompt_token_ids(engine.tokenizer, request)
         s, st = request.sampling, request.stopping
         sampling = SamplingParams(
             temperature=s.temperature,
@@ -314,13 +378,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             include_stop_sequence=st.include_stop_sequence,
             ignore_eos=st.ignore_eos,
         )
-        identity = stream.identity
         return GenerationRequest(
-            request_id=_engine_request_id(identity, stream.request_id),
+            request_id=request_id,
             prompt_token_ids=tuple(prompt_ids),
             sampling=sampling,
             stopping=stopping,
-            session_id=_session_key(identity, request.session_id) if request.session_id else None,
+            session_id=session_key,
             deadline=None if call_deadline is None else call_deadline - DEADLINE_MARGIN_S,
             priority=request.priority,
             logprobs=request.response.logprobs or request.response.top_logprobs > 0,
@@ -347,36 +410,128 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             device=info.device,
             vocab_size=info.vocab_size,
             default_max_new_tokens=self._config.default_max_new_tokens,
+            backend=info.backend,
+            sliding_window=info.sliding_window,
         )
 
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetSessionResponse:
         engine = self._ready_engine()
-        session_id = request.session_id
-        if not session_id:
+        if not request.session_id:
             raise InvalidRequest("session_id", "must not be empty")
-        info = None
+        info = held = None
         # An id no Generate call could have used names no session: the same NOT_FOUND as any unknown id.
-        if is_valid_id(session_id, self._limits.max_session_id_length):
-            info = engine.get_session(_session_key(caller_identity(), session_id))
-        if info is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {quote_prefix(session_id)}")
-        last_used = timestamp_pb2.Timestamp()
-        last_used.FromNanoseconds(int(info.last_used * 1e9))
-        return pb.GetSessionResponse(session_id=session_id, cached_tokens=info.cached_tokens, last_used=last_used)
+        if is_valid_id(request.session_id, self._limits.max_session_id_length):
+            key = self._session_key(context, request.session_id)
+            info = engine.get_session(key)
+            held = self._histories.get(key)
+        if info is None and held is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {quote_prefix(request.session_id)}")
+        response = pb.GetSessionResponse(session_id=request.session_id)
+        used = 0.0
+        if info is not None:
+            response.cached_tokens = info.cached_tokens
+            used = info.last_used
+        if held is not None:
+            response.history_turns = held.turns
+            response.history_tokens = len(held.token_ids)
+            response.history_input = _HISTORY_INPUT[held.kind]
+            used = max(used, held.last_used_wall)
+        response.last_used.FromNanoseconds(int(used * 1e9))
+        return response
 
     async def DeleteSession(
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteSessionResponse:
         engine = self._ready_engine()
-        session_id = request.session_id
-        if not session_id:
+        if not request.session_id:
             raise InvalidRequest("session_id", "must not be empty")
-        deleted = is_valid_id(session_id, self._limits.max_session_id_length) and engine.delete_session(
-            _session_key(caller_identity(), session_id)
-        )
-        return pb.DeleteSessionResponse(deleted=deleted)
+        if not is_valid_id(request.session_id, self._limits.max_session_id_length):
+            return pb.DeleteSessionResponse(deleted=False)
+        key = self._session_key(context, request.session_id)
+        held = self._histories.delete(key)
+        cached = engine.delete_session(key)
+        return pb.DeleteSessionResponse(deleted=held or cached)
+
+    # -- sessions: keys, histories and append mode (history.py holds the book-keeping) -------------
+
+    def _session_key(self, context: grpc.aio.ServicerContext, session_id: str) -> str:
+        """The key a caller's session id is stored under, in the engine's cache and in the history store.
+
+        Every session-id use goes through here. With authentication on, two identities' equal session ids
+        are two sessions, and neither can read, continue or delete the other's.
+        """
+        return _scoped(caller_identity(), session_id)
+
+    async def _session_prompt(
+        self, engine: Engine, request: pb.GenerateRequest, request_id: str, session_key: str | None
+    ) -> tuple[list[int], Turn | None]:
+        """The prompt's token ids, and the session turn that will record the history (None without a session).
+
+        In append mode (continue_session) the prompt is the held history followed by the new input.
+        """
+        if session_key is None:
+            if request.continue_session:
+                raise InvalidRequest("session_id", "must be set with continue_session")
+            return await _prompt_token_ids(engine.tokenizer, request), None
+        try:
+            turn = self._histories.start(session_key, request_id, continues=request.continue_session)
+        except NoHistory as exc:
+            why = f" ({exc.reason})" if exc.reason else ""
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"session {quote_prefix(request.session_id)} holds no history to continue{why}; "
+                "resend the whole conversation without continue_session to start it again",
+            ) from None
+        except HistoryBusy as exc:
+            raise ServiceError(
+                grpc.StatusCode.ABORTED,
+                f"session {quote_prefix(request.session_id)} is being continued by request "
+                f"{quote_prefix(exc.request_id)}; "
+                "retry once it has finished",
+            ) from None
+        try:
+            await self._begin_turn(engine, request, turn)
+        except BaseException:
+            turn.release()
+            raise
+        return turn.prompt_ids, turn
+
+    async def _begin_turn(self, engine: Engine, request: pb.GenerateRequest, turn: Turn) -> None:
+        """Tell the turn its prompt: the input as it is, or in append mode the held history and the new input."""
+        kind = request.WhichOneof("input")
+        tokenizer = engine.tokenizer
+        if not turn.continues:
+            ids = await _prompt_token_ids(tokenizer, request)
+            if kind == "chat":
+                turn.begin(HistoryInput.CHAT, ids, [(m.role, m.content) for m in request.chat.messages])
+            else:
+                turn.begin(HistoryInput.TOKENS, ids)
+            return
+        if kind == "chat":
+            new = [(m.role, m.content) for m in request.chat.messages]
+            if not new:
+                raise InvalidRequest("chat.messages", "must not be empty")
+            messages = self._histories.continue_chat(turn, new)
+            # The whole conversation is rendered again, as a caller resending it would have it rendered.
+            turns = [pb.ChatMessage(role=role, content=content) for role, content in messages]
+            turn.begin(HistoryInput.CHAT, await asyncio.to_thread(_chat_token_ids, tokenizer, turns), messages)
+        elif kind == "text":
+            if not request.text:
+                raise InvalidRequest("text", "must not be empty")
+            if tokenizer is None:
+                raise InvalidRequest("text", "the model has no tokenizer: send token_ids")
+            # No special tokens: the new text goes on in the middle of a conversation.
+            new_ids = await asyncio.to_thread(tokenizer.encode, request.text, add_special_tokens=False)
+            turn.begin(HistoryInput.TOKENS, self._histories.continue_tokens(turn, new_ids, "text"))
+        elif kind == "token_ids":
+            if not request.token_ids.ids:
+                raise InvalidRequest("token_ids.ids", "must not be empty")
+            turn.begin(HistoryInput.TOKENS, self._histories.continue_tokens(turn, request.token_ids.ids, "token_ids"))
+        else:
+            await _prompt_token_ids(tokenizer, request)  # raises: no input
+        self._histories.check_length(len(turn.prompt_ids))
 
 
 def _for_caller(exc: InvalidRequest, request: pb.GenerateRequest) -> InvalidRequest:

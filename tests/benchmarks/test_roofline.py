@@ -29,6 +29,32 @@ def window(prefills: list[tuple[int, int]], tokens: int, context: float, seconds
     )  # fmt: skip
 
 
+def test_model_work_counts_the_tiny_models_matmuls_by_hand() -> None:
+    """tiny_config: hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 kv heads, vocabulary 512; 4-byte weights."""
+    w = roof().work
+    per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128  # q and o, k and v, gate/up/down
+    assert w.token_flops == 2 * 2 * per_layer == 147_456
+    assert w.head_flops == 2 * 64 * 512 == 65_536
+    assert w.attention_flops_per_pair == 4 * 4 * 16 * 2 == 512  # QK^T and PV, every head, both layers
+    assert w.weight_bytes == 4 * (2 * per_layer + 64 * 512)
+    assert w.kv_bytes_per_token == 2 * 2 * 16 * 2 * 4
+    # 300 new tokens after 100 cached: 300 * 100 + 300 * 301 / 2 (query, key) pairs, one LM head.
+    assert w.prefill_flops(300, cached=100) == 300 * 147_456 + (30_000 + 45_150) * 512 + 65_536
+    flops, nbytes = w.decode_step(32, 400.0)
+    assert flops == 32 * (147_456 + 65_536 + 400 * 512)
+    assert nbytes == w.weight_bytes + 32 * 400 * 512
+
+
+def test_the_floor_is_the_slower_of_compute_and_memory() -> None:
+    r = roof()
+    flops, nbytes = r.work.decode_step(32, 1000.0)
+    # PEAK: 100 GFLOP/s and 20 GB/s; this tiny model's step is bound by reading its KV.
+    assert nbytes / 20e9 > flops / 100e9
+    assert r.decode_step_s(1000.0) == pytest.approx(nbytes / 20e9)
+    one_prompt = r.work.prefill_flops(500) / 100e9
+    assert r.work_floor_s([(500, 0)], 64, 1000.0) == pytest.approx(one_prompt + 64 * nbytes / 20e9 / 32)
+
+
 def test_prefill_of_a_prompt_in_two_parts_costs_the_same_as_in_one() -> None:
     r = roof()
     w = r.work

@@ -54,12 +54,22 @@ def test_in_process_systems(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def test_grpc_and_sessions_in_their_own_processes(tiny_model: Path, tmp_path: Path) -> None:
-    result = bench(tiny_model, tmp_path, "--systems", "llmserve_grpc", "--sessions")
+    result = bench(tiny_model, tmp_path, "--systems", "llmserve_grpc,llmserve_grpc_metrics", "--sessions")
     main = str(result["settings"]["plan"]["main"]["concurrency"])
     assert result["points"]["llmserve_grpc"][main]["mean"]["output_tokens_per_s"] > 0
+    assert result["points"]["llmserve_grpc_metrics"][main]["mean"]["output_tokens_per_s"] > 0
+    cost = next(t for t in result["targets"] if "metrics on / off" in t["name"])
+    assert cost["value"] > 0
     sessions = result["sessions"]
     assert sessions is not None
     on, off = sessions["multi_turn"]
     assert on["reuse"] and on["hit_rate"] > 0.3
     assert not off["reuse"] and off["cached_prompt_tokens"] == 0
     assert all(c > 0 for c in sessions["long_history"]["cached_prompt_tokens"])
+    append = sessions["append_mode"]
+    resend_mode, append_mode = append["modes"]
+    assert append["same_outputs"] and append_mode["mode"] == "append"
+    # Append mode sends the first turn whole, then only the new tokens: less than the resend from turn 2 on.
+    assert append_mode["bytes_per_turn"][0] == resend_mode["bytes_per_turn"][0]
+    later = zip(append_mode["bytes_per_turn"][1:], resend_mode["bytes_per_turn"][1:], strict=True)
+    assert all(a < r for a, r in later)

@@ -11,14 +11,12 @@ import pytest
 # The harness lives with the service tests; share it rather than keep a second copy.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
-from harness import ENGINE_LANDED, ServerThread, tiny_engine  # noqa: E402
+from harness import ServerThread, tiny_engine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     """A serving LLMServer over the real engine and the tiny model, shared by the tests of a module."""
-    if not ENGINE_LANDED:
-        pytest.skip("waiting for llmserve.engine.core to land")
     srv = ServerThread(tiny_engine()).start()
     yield srv
     srv.stop()

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
+from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import (
     EngineDead,
     FinishReason,
@@ -20,6 +20,7 @@ from llmserve.engine.request import (
     StoppingParams,
 )
 from llmserve.models import from_config
+from tests.stepspy import StepSpy
 from tests.tiny import greedy_reference, tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
@@ -143,13 +144,14 @@ async def test_request_that_never_fits_the_pool_is_rejected() -> None:
 
 async def test_cancelled_consumer_frees_its_blocks_within_an_iteration(engine: AsyncEngine) -> None:
     pool = engine.core.pool
+    spy = StepSpy(engine.core, step_delay_s=0.01)  # 400 tokens take >= 4 s: finishing alone cannot pass
     stream = engine.generate(req("c", list(range(100)), max_new=400))
     first = await stream.__anext__()
     assert first.token_ids
+    cancelled_at = spy.num_steps
     await stream.aclose()
-    deadline = time.monotonic() + 5
-    while (engine.num_running or pool.num_free != pool.num_blocks) and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    assert (await asyncio.to_thread(spy.final, "c", 2.0)).finish_reason is FinishReason.CANCELLED
+    assert spy.steps_with("c", since=cancelled_at) <= 2
     assert engine.num_running == 0 and pool.num_free == pool.num_blocks
 
 
@@ -160,15 +162,15 @@ async def test_task_cancellation_aborts_the_request(engine: AsyncEngine) -> None
         async for _ in engine.generate(req("t", [1, 2, 3], max_new=400)):
             started.set()
 
+    spy = StepSpy(engine.core, step_delay_s=0.01)
     task = asyncio.create_task(consume())
     await started.wait()
+    cancelled_at = spy.num_steps
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(500):
-        if engine.num_running == 0:
-            break
-        await asyncio.sleep(0.01)
+    assert (await asyncio.to_thread(spy.final, "t", 2.0)).finish_reason is FinishReason.CANCELLED
+    assert spy.steps_with("t", since=cancelled_at) <= 2
     assert engine.num_running == 0
 
 
@@ -178,8 +180,8 @@ async def test_deadline_finishes_the_request(engine: AsyncEngine) -> None:
 
 
 async def test_a_failed_forward_fails_its_batch_and_the_engine_keeps_serving(engine: AsyncEngine) -> None:
-    runner = engine.core.runner
-    real = runner.execute
+    backend = engine.core.backend
+    real = backend.execute
     calls = 0
 
     def flaky(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -189,7 +191,7 @@ async def test_a_failed_forward_fails_its_batch_and_the_engine_keeps_serving(eng
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
-    runner.execute = flaky
+    backend.execute = flaky
     _, deltas = await run(engine, req("f1", [1, 2, 3]))
     assert deltas[-1].finish_reason is FinishReason.ERROR and "boom" in deltas[-1].error
     tokens, deltas = await run(engine, req("f2", [1, 2, 3], max_new=4))
@@ -201,7 +203,7 @@ async def test_an_engine_that_cannot_recover_marks_itself_dead(engine: AsyncEngi
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("device lost")
 
-    engine.core.runner.execute = broken
+    engine.core.backend.execute = broken
     for i in range(3):
         _, deltas = await run(engine, req(f"x{i}", [1, 2, 3]))
         assert deltas[-1].finish_reason is FinishReason.ERROR
@@ -253,14 +255,14 @@ async def test_a_failed_forward_leaves_nothing_in_the_prefix_cache() -> None:
     eng = AsyncEngine(loaded, CONFIG)
     await eng.start()
     try:
-        runner = eng.core.runner
-        real = runner.execute
+        backend = eng.core.backend
+        real = backend.execute
 
         def fail_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            runner.execute = real
+            backend.execute = real
             raise RuntimeError("boom")
 
-        runner.execute = fail_once
+        backend.execute = fail_once
         _, deltas = await run(eng, req("failed", prompt, max_new=4))
         assert deltas[-1].finish_reason is FinishReason.ERROR
         tokens, deltas = await run(eng, req("after", prompt, max_new=8))
@@ -273,9 +275,9 @@ async def test_a_failed_forward_leaves_nothing_in_the_prefix_cache() -> None:
 
 async def test_a_sampling_failure_fails_its_request_alone(engine: AsyncEngine, monkeypatch) -> None:  # noqa: ANN001
     """One row whose sampling raises ends ERROR; the rest of the batch gets exactly its tokens."""
-    import llmserve.engine.core as core_module
+    import llmserve.engine.sampler as sampler_module
 
-    real = core_module.sample
+    real = sampler_module.sample
 
     def picky(logits, rows):  # noqa: ANN001, ANN202
         if any(row.params.seed == 666 for row in rows):
@@ -284,7 +286,7 @@ async def test_a_sampling_failure_fails_its_request_alone(engine: AsyncEngine, m
 
     prompts = {f"ok{i}": list(range(i + 2, i + 12)) for i in range(4)}
     alone = {rid: (await run(engine, req(rid + "-alone", p, max_new=12)))[0] for rid, p in prompts.items()}
-    monkeypatch.setattr(core_module, "sample", picky)
+    monkeypatch.setattr(sampler_module, "sample", picky)  # sample_each calls it for the batch, then per row
     bad = req("bad", [7, 8, 9], max_new=12, sampling=SamplingParams(temperature=1.0, seed=666))
     results = await asyncio.gather(
         run(engine, bad), *(run(engine, req(rid, p, max_new=12)) for rid, p in prompts.items())
@@ -336,3 +338,21 @@ async def test_extreme_sampling_values_never_fail_a_batch(engine: AsyncEngine) -
         for tokens, deltas in results:
             assert deltas[-1].finish_reason is FinishReason.LENGTH and len(tokens) == 8
     assert not engine.dead
+
+
+async def test_abort_stops_the_request_within_two_steps(engine: AsyncEngine) -> None:
+    """After abort, the engine schedules the request in at most the step under way and the next one, and its
+    final delta says CANCELLED; an engine that let it run would schedule it for hundreds more steps."""
+    spy = StepSpy(engine.core, step_delay_s=0.01)
+    stream = engine.generate(req("victim", list(range(40)), max_new=400))
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        for _ in range(3):
+            await stream.__anext__()
+    cancelled_at = spy.num_steps
+    await stream.aclose()  # aborts the request
+    final = await asyncio.to_thread(spy.final, "victim")
+    assert final is not None and final.finish_reason is FinishReason.CANCELLED
+    await asyncio.sleep(0.1)  # ten more steps' time: an ignored abort would show here
+    assert spy.steps_with("victim", since=cancelled_at) <= 2
+    assert final.usage.completion_tokens < 400
+    assert engine.num_running == 0

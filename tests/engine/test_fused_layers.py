@@ -7,16 +7,17 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from llmserve.engine import native
+from llmserve.engine.backends.attention import Chunk, PagedBatch, paged_attention
+from llmserve.engine.backends.cpu import native
+from llmserve.engine.backends.cpu.backend import CpuBackend
+from llmserve.engine.backends.cpu.fused_layers import FusedForward
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
-from llmserve.engine.fused_layers import FusedForward
-from llmserve.engine.runner import Chunk, ModelRunner, PagedBatch, paged_attention
 from llmserve.models import from_config
 from tests.tiny import TINY_VOCAB, tiny_config
 
 OPS = native.load_fused()
-pytestmark = pytest.mark.skipif(OPS is None, reason="no C compiler: the fused operations cannot be built")
+assert OPS is not None, "the CPU kernels are not installed: run `make kernels`"
 DTYPES = [torch.float32, torch.float64]
 TOLERANCE = {torch.float32: 2e-5, torch.float64: 1e-12}
 
@@ -72,11 +73,11 @@ def test_fused_ops_reject_layouts_they_cannot_read() -> None:
         OPS.add_rms_norm(torch.randn(3, 8), x, torch.ones(8), 1e-6)
 
 
-def prefill_logits(runner: ModelRunner, ids: torch.Tensor, fused: bool) -> torch.Tensor:
+def prefill_logits(runner: CpuBackend, ids: torch.Tensor, fused: bool) -> torch.Tensor:
     """One sequence's whole prompt as one chunk, through the fused forward or the model's own."""
     tokens = ids.shape[1]
     batch = PagedBatch(
-        kv=runner.kv, slot_mapping=torch.arange(tokens), decode=[], chunks=[Chunk(0, tokens, None, None)]
+        kv=runner.kv.tensor, slot_mapping=torch.arange(tokens), decode=[], chunks=[Chunk(0, tokens, None, None)]
     )
     positions = torch.arange(tokens)[None]
     with torch.inference_mode():
@@ -90,7 +91,7 @@ def prefill_logits(runner: ModelRunner, ids: torch.Tensor, fused: bool) -> torch
 def test_fused_forward_gives_the_models_logits(family: str, dtype: torch.dtype) -> None:
     """Every supported family, float32 (packed oneDNN linears) and float64: the same logits for a prompt."""
     loaded = from_config(tiny_config(family), dtype=dtype)
-    runner = ModelRunner(loaded.model, num_blocks=16, block_size=16)
+    runner = CpuBackend(loaded, EngineConfig(block_size=16, kv_cache_tokens=256))
     assert runner.fused is not None
     ids = torch.randint(TINY_VOCAB, (1, 101), generator=torch.Generator().manual_seed(2))
     fused, plain = prefill_logits(runner, ids, True), prefill_logits(runner, ids, False)
@@ -114,5 +115,5 @@ def test_fused_forward_applies_only_where_it_can() -> None:
 def test_engine_switch() -> None:
     on = EngineConfig(kv_cache_tokens=256)
     off = EngineConfig(kv_cache_tokens=256, fused_layers=False)
-    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), on).runner.fused is not None
-    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), off).runner.fused is None
+    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), on).backend.fused is not None
+    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), off).backend.fused is None

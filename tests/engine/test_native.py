@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from llmserve.engine import native
+from llmserve.engine.backends.cpu import native
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
@@ -64,17 +64,49 @@ def test_kernel_rejects_a_shape_it_was_not_built_for() -> None:
         kernel(q, k, k, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1, 16, 1.0, q.clone())
 
 
-def test_engine_uses_the_kernel_on_cpu_and_falls_back_without_a_compiler(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_engine_uses_the_installed_kernels_and_says_so() -> None:
     loaded = from_config(tiny_config("llama"), dtype=torch.float32)
-    config = EngineConfig(kv_cache_tokens=256)
-    assert EngineCore(loaded, config).runner.kernel is not None
-    assert EngineCore(loaded, EngineConfig(kv_cache_tokens=256, native_attention=False)).runner.kernel is None
+    backend = EngineCore(loaded, EngineConfig(kv_cache_tokens=256)).backend
+    assert backend.kernel is not None and backend.fused is not None
+    assert "compiled decode kernel" in backend.description and "fused" in backend.description
+    assert EngineCore(loaded, EngineConfig(kv_cache_tokens=256, native_attention=False)).backend.kernel is None
+    off = EngineCore(loaded, EngineConfig(kv_cache_tokens=256, cpu_kernels="off")).backend
+    assert off.kernel is None and off.fused is None and "decode attention in torch" in off.description
 
-    monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setenv("CC", "/nonexistent/cc")
+
+def test_without_installed_kernels_auto_warns_once_and_require_refuses(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path
+) -> None:  # noqa: ANN001
+    loaded = from_config(tiny_config("llama"), dtype=torch.float32)
+    monkeypatch.setattr(native, "LIBRARY_DIR", tmp_path)  # an install that could not compile them
+    monkeypatch.setattr(native, "_libraries", {})
+    monkeypatch.setattr(native, "_warned", False)
     with caplog.at_level(logging.WARNING, logger=native.__name__):
-        core = EngineCore(loaded, config)
-    assert core.runner.kernel is None
-    assert "torch path" in caplog.text
+        core = EngineCore(loaded, EngineConfig(kv_cache_tokens=256))
+        EngineCore(loaded, EngineConfig(kv_cache_tokens=256))
+    assert core.backend.kernel is None and core.backend.fused is None
+    warnings = [r for r in caplog.records if "CPU kernels unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "torch paths" in warnings[0].getMessage()
+    with pytest.raises(native.KernelsMissing, match="require"):
+        EngineCore(loaded, EngineConfig(kv_cache_tokens=256, cpu_kernels="require"))
+
+
+def test_a_shape_without_a_compiled_kernel_decodes_in_torch() -> None:
+    assert native.load(24, 3) is None  # head_dim 24 is not among the built pairs
+    assert native.load(64, 3) is not None
+
+
+def test_building_the_engine_never_runs_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels come built with the install: loading them afresh and building an engine starts no process."""
+    import subprocess
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a process was started at engine start: {args}")
+
+    monkeypatch.setattr(native, "_libraries", {})
+    monkeypatch.setattr(subprocess, "Popen", no_compiler)
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    backend = EngineCore(
+        from_config(tiny_config("llama"), dtype=torch.float32), EngineConfig(kv_cache_tokens=256)
+    ).backend
+    assert backend.kernel is not None and backend.fused is not None

@@ -5,15 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.engine import packed_linear
+from llmserve.engine.backends.cpu import packed_linear
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
 from tests.tiny import TINY_VOCAB, tiny_config
 
-pytestmark = pytest.mark.skipif(
-    not packed_linear.available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN linear"
-)
+# Decided without the function under test, so that a broken `available` fails here instead of skipping.
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+pytestmark = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN linear")
+
+
+def test_available_exactly_for_float32_on_the_cpu() -> None:
+    assert packed_linear.available(torch.device("cpu"), torch.float32)
+    assert not packed_linear.available(torch.device("cpu"), torch.float64)
+    assert not packed_linear.available(torch.device("cpu"), torch.bfloat16)
+    assert not packed_linear.available(torch.device("meta"), torch.float32)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2's q/k/v projections have biases
@@ -34,8 +41,8 @@ def test_packed_model_gives_the_same_logits(family: str) -> None:
 
 def test_engine_packs_float32_only_and_can_be_told_not_to() -> None:
     on, off = EngineConfig(kv_cache_tokens=256), EngineConfig(kv_cache_tokens=256, packed_linear=False)
-    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), on).runner.num_packed_linears > 0
-    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), off).runner.num_packed_linears == 0
+    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), on).backend.num_packed_linears > 0
+    assert EngineCore(from_config(tiny_config(), dtype=torch.float32), off).backend.num_packed_linears == 0
     f64 = from_config(tiny_config(), dtype=torch.float64)
-    assert EngineCore(f64, on).runner.num_packed_linears == 0
+    assert EngineCore(f64, on).backend.num_packed_linears == 0
     assert packed_linear.pack_linears(f64.model) == 0

@@ -74,7 +74,9 @@ def test_greedy_is_argmax_even_with_ties(device: str, dtype: torch.dtype) -> Non
     logits = torch.randn(16, 1000).to(dtype).to(device)
     logits[3, 10] = logits[3, 500] = 100.0  # a tie: the first index wins, as in transformers' argmax
     ids, logprobs = sample(logits, [row() for _ in range(16)])
-    assert ids == logits.float().argmax(dim=-1).tolist()
+    values = logits.float().cpu().tolist()
+    # An independent reference: the largest value, the lowest index among equals.
+    assert ids == [max(range(len(v)), key=lambda j, v=v: (v[j], -j)) for v in values]
     assert ids[3] == 10
     assert logprobs == [None] * 16
 
@@ -150,6 +152,16 @@ def test_different_seeds_differ() -> None:
     logits = torch.zeros(1, 1000)
     ids = {sample(logits, [row(SamplingParams(temperature=1.0), s)])[0][0] for s in range(20)}
     assert len(ids) > 10
+
+
+def test_the_draw_comes_from_the_rows_own_generator() -> None:
+    """Eight equal logits: the CDF steps are exact (k/8), so the token is floor(8u) for the first uniform the
+    row's generator gives, whatever the global RNG does in between."""
+    logits = torch.zeros(1, 8)
+    for seed in range(32):
+        u = torch.rand((), generator=torch.Generator().manual_seed(seed)).item()
+        torch.manual_seed(1000 + seed)  # a sampler drawing from the global RNG would follow this instead
+        assert sample(logits, [row(SamplingParams(temperature=1.0), seed)])[0] == [int(8 * u)]
 
 
 def test_sampled_row_without_generator_raises() -> None:

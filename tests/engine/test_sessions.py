@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import AsyncEngine
 from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams
 from llmserve.models import from_config
 from tests.tiny import TINY_VOCAB, greedy_reference, tiny_config
@@ -28,9 +28,10 @@ async def run(engine: AsyncEngine, rid: str, prompt: list[int], max_new: int, se
     )
     tokens: list[int] = []
     last: Delta | None = None
-    async for delta in engine.generate(request):
-        tokens.extend(delta.token_ids)
-        last = delta
+    async with asyncio.timeout(60):  # an engine that never frees blocks or evicts fails here, not at pytest's timeout
+        async for delta in engine.generate(request):
+            tokens.extend(delta.token_ids)
+            last = delta
     assert last is not None and last.finish_reason is FinishReason.LENGTH, last and last.error
     return tokens, last.usage
 

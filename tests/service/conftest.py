@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import ENGINE_LANDED, ServerThread, tiny_engine
+from harness import ServerThread, tiny_engine
 from server_process import save_tiny_model
 
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
@@ -16,8 +16,6 @@ from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     """A serving LLMServer over the real engine and the tiny model, shared by the tests of a module."""
-    if not ENGINE_LANDED:
-        pytest.skip("waiting for llmserve.engine.core to land")
     srv = ServerThread(tiny_engine()).start()
     yield srv
     srv.stop()
@@ -37,6 +35,4 @@ def stub(channel: grpc.Channel) -> generate_pb2_grpc.GenerateServiceStub:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model and its tokenizer saved as a local transformers folder, for `--model` in a subprocess."""
-    if not ENGINE_LANDED:
-        pytest.skip("waiting for llmserve.engine.core to land")
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
+from llmserve.engine.protocol import Engine, EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.request import (
     Delta,
     EngineDead,
@@ -21,16 +21,6 @@ from llmserve.engine.request import (
     TokenLogprob,
     Usage,
 )
-
-
-@dataclass(slots=True)
-class FakeModelInfo:
-    name: str = "fake"
-    context_length: int = 256
-    max_new_tokens: int = 255
-    dtype: str = "float32"
-    device: str = "cpu"
-    vocab_size: int = 1000
 
 
 class FakeTokenizer:
@@ -57,7 +47,7 @@ class FakeEngine:
         self.dead_reason: str | None = None
         self.fail_after: int | None = None
         self.tokenizer = FakeTokenizer()
-        self.model_info = FakeModelInfo()
+        self.model_info = ModelInfo("fake", 256, 255, "float32", "cpu", 1000, backend="fake: no model")
         self.started = False
         self.aborted: list[str] = []
         self._running: set[str] = set()
@@ -82,12 +72,14 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def get_session(self, session_id: str):  # noqa: ANN201 - SessionInfo-like
-        from types import SimpleNamespace
+    def stats(self) -> EngineStats:
+        running = len(self._running)
+        return EngineStats(running, 0, 64, 0, 0, 16, len(self._sessions), 0, 0, 0, 0, {}, 0)
 
+    def get_session(self, session_id: str) -> SessionInfo | None:
         if session_id not in self._sessions:
             return None
-        return SimpleNamespace(session_id=session_id, cached_tokens=self._sessions[session_id], last_used=time.time())
+        return SessionInfo(session_id, self._sessions[session_id], time.time())
 
     def delete_session(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
@@ -137,3 +129,7 @@ class FakeEngine:
         elapsed = time.monotonic() - arrival
         usage = Usage(len(request.prompt_token_ids), 0, n)
         return Delta(request.request_id, [], "", None, reason, usage, Timing(0.0, self.step_s, elapsed), None, error)
+
+
+def _satisfies_the_protocol(fake: FakeEngine) -> Engine:
+    return fake  # checked by mypy (make lint): the fake stands in for the engine wherever the service needs one

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -24,10 +22,6 @@ from llmserve.engine.config import EngineConfig
 from llmserve.models import LoadedModel, from_config, load_model
 
 T = TypeVar("T")
-
-# The real engine (the lead's llmserve.engine.core) is required by the acceptance tests.
-ENGINE_LANDED = importlib.util.find_spec("llmserve.engine.core") is not None
-needs_engine = pytest.mark.skipif(not ENGINE_LANDED, reason="waiting for llmserve.engine.core to land")
 
 CONTEXT_LENGTH = 1024
 TINY_LLAMA = dict(
@@ -56,7 +50,7 @@ def tiny_model(seed: int = 0) -> LoadedModel:
 
 def tiny_engine(**overrides: Any) -> Any:
     """A real AsyncEngine (not started) over tiny_model()."""
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.async_engine import AsyncEngine
 
     settings = dict(kv_cache_tokens=32768, max_num_seqs=16, max_num_batched_tokens=512, cuda_graphs=False)
     settings.update(overrides)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import queue
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +19,7 @@ import pytest
 from fake_engine import FakeEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from harness import ServerThread, needs_engine
-from server_process import ServerProcess
+from harness import ServerThread, tiny_model
 
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
@@ -44,6 +49,51 @@ def test_reflection_can_be_turned_off() -> None:
         srv.stop()
 
 
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model and its tokenizer saved as a local transformers folder, for `--model`."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    loaded = tiny_model()
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return folder
+
+
+class ServerProcess:
+    """`python -m llmserve` in a subprocess; its stderr (the log) is collected on a thread."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "llmserve", "--address", "127.0.0.1:0", *args]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if match := re.search(pattern, line):
+                return match
+        raise AssertionError(f"no log line matching {pattern!r}; log:\n{''.join(self.log)}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 @pytest.fixture
 def server_process(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     process = ServerProcess("--model", str(tiny_model_dir), "--grace-period", "30", "--kv-cache-tokens", "8192")
@@ -51,7 +101,6 @@ def server_process(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     process.kill()
 
 
-@needs_engine
 def test_sigterm_drains_in_flight_streams_and_exits_zero(server_process: ServerProcess) -> None:
     port = int(server_process.wait_for(r"listening on .* \(port (\d+),", timeout=60).group(1))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -62,8 +111,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(server_process: ServerP
             statuses.append(response.status)
             if response.status == SERVING:
                 break
-        assert statuses[0] == NOT_SERVING or statuses == [SERVING], statuses
-        assert statuses[-1] == SERVING
+        assert statuses[-1] == SERVING and set(statuses[:-1]) <= {NOT_SERVING}, statuses
 
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         call = stub.Generate(build_request("Once upon a time", max_new_tokens=300, ignore_eos=True), timeout=60)
@@ -82,10 +130,67 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(server_process: ServerP
     assert "Once upon a time" not in log, "prompts are not logged unless --log-prompts"
 
 
-@needs_engine
 def test_sigint_with_nothing_in_flight_exits_promptly(server_process: ServerProcess) -> None:
     server_process.wait_for(r"serving ", timeout=120)
     started = time.monotonic()
     server_process.proc.send_signal(signal.SIGINT)
     assert server_process.proc.wait(timeout=30) == 0
     assert time.monotonic() - started < 10
+
+
+def test_health_answers_not_serving_while_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run()` itself, with the model load held open: every probe answers NOT_SERVING at once until the model
+    is there, then SERVING; SIGTERM ends it with nothing in flight."""
+    import llmserve.app as app
+    import llmserve.models as models
+    from llmserve.config import from_args
+
+    release = threading.Event()
+    servers: list[app.LLMServer] = []
+
+    def held_load(*args: object, **kwargs: object) -> object:
+        assert release.wait(60), "the test never released the load"
+        return tiny_model()
+
+    class Recorded(app.LLMServer):
+        def __init__(self, config: object) -> None:
+            super().__init__(config)
+            servers.append(self)
+
+    monkeypatch.setattr(models, "load_model", held_load)
+    monkeypatch.setattr(app, "LLMServer", Recorded)
+    config = from_args(["--host", "127.0.0.1", "--port", "0", "--kv-cache-tokens", "4096"], env={})
+    probes: list[tuple[int, float]] = []
+    failures: list[BaseException] = []
+
+    def probe() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while not servers and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with grpc.insecure_channel(f"127.0.0.1:{servers[0].port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                request = health_pb2.HealthCheckRequest(service="")
+                while time.monotonic() < deadline:
+                    started = time.monotonic()
+                    status = health.Check(request, timeout=5, wait_for_ready=True).status
+                    probes.append((status, time.monotonic() - started))
+                    if status == SERVING:
+                        break
+                    if len(probes) == 10:
+                        release.set()  # ten NOT_SERVING answers while loading: let the model arrive
+                    time.sleep(0.05)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+        finally:
+            release.set()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    asyncio.run(app.run(config))
+    prober.join(timeout=30)
+    assert not failures, failures
+    statuses = [status for status, _ in probes]
+    assert statuses[:10] == [NOT_SERVING] * 10 and statuses[-1] == SERVING, statuses
+    assert max(seconds for _, seconds in probes) < 1.0, probes

@@ -11,11 +11,10 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from harness import ServerThread, needs_engine, tiny_engine, wait_until
+from harness import ServerThread, tiny_engine, wait_until
 
 from llmserve_client import Client
 
-pytestmark = [needs_engine]
 ALICE, BOB = "token-alice", "token-bob"
 PROMPT = list(range(300, 400))  # 100 tokens: six full 16-token blocks to cache
 

@@ -9,13 +9,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import needs_engine, wait_until
+from harness import wait_until
 from server_process import ServerProcess
 
 from llmserve_client import Client, build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
-pytestmark = [needs_engine]
 HERE = Path(__file__).resolve().parent
 EXIT_ENGINE_DEAD = 3
 

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from harness import ServerThread, needs_engine
+from harness import ServerThread
 
 from llmserve.engine.config import EngineConfig
 from llmserve.models import load_model
 from llmserve_client import Client, pb
 
-pytestmark = [pytest.mark.real_model, needs_engine]
+pytestmark = [pytest.mark.real_model]
 
 
 def test_chat_capital_of_france_streams_paris() -> None:
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, cuda_graphs=False))
     srv = ServerThread(engine).start()

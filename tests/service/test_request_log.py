@@ -153,7 +153,9 @@ def _parse(line: str) -> dict[str, str]:
 def test_json_log_lines(server: ServerThread) -> None:
     handler = _Lines(JsonFormatter())
     logger = logging.getLogger("llmserve.requests")
+    level = logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         with Client(server.address, timeout=60) as client:
             list(client.generate("hi", max_new_tokens=2, request_id="json-1"))
@@ -161,6 +163,7 @@ def test_json_log_lines(server: ServerThread) -> None:
                 list(client.generate("hi", max_new_tokens=2, request_id=FORGERY))
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     records = [json.loads(line) for line in handler.lines]
     assert all("\n" not in line for line in handler.lines)
     ok = next(r for r in records if r["request_id"] == "json-1")

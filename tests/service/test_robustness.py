@@ -19,7 +19,7 @@ import grpc
 import psutil
 import pytest
 from fake_engine import FakeEngine
-from harness import ServerThread, needs_engine, tiny_engine, wait_until
+from harness import ServerThread, tiny_engine, wait_until
 
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
@@ -113,7 +113,6 @@ def _soak_worker(stub: generate_pb2_grpc.GenerateServiceStub, seed: int, until: 
         out.completed += 1
 
 
-@needs_engine
 def test_soak_with_cancels() -> None:
     """32 concurrent streams, ~30% cancelled at random points: nothing lost or duplicated, nothing stalls,
     and afterwards the KV pool is free and fds, threads and memory are back to where they were."""
@@ -178,7 +177,6 @@ def _run_workers(
 # -- cancel storm ----------------------------------------------------------------------------------------------
 
 
-@needs_engine
 def test_cancel_storm() -> None:
     """500 calls cancelled at random points: each engine request is aborted at most once, everything is
     freed, and a short request afterwards takes about what it took before."""
@@ -249,7 +247,6 @@ def _timed(stub: generate_pb2_grpc.GenerateServiceStub, request: pb.GenerateRequ
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
 
 
-@needs_engine
 def test_a_stalled_reader_is_aborted_and_frees_its_slot() -> None:
     srv = ServerThread(tiny_engine(), stream_stall_timeout_s=2.0).start()
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -11,7 +13,7 @@ from fake_engine import FakeEngine
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
-from harness import CONTEXT_LENGTH, ENGINE_LANDED, ServerThread, tiny_engine, wait_until
+from harness import CONTEXT_LENGTH, ServerThread, tiny_engine, wait_until
 
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
@@ -91,8 +93,6 @@ def test_tokenize_needs_input(stub) -> None:
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[ServerThread]:
-    if not ENGINE_LANDED:
-        pytest.skip("waiting for llmserve.engine.core to land")
     srv = ServerThread(tiny_engine(), max_concurrent_streams=2).start()
     yield srv
     srv.stop()
@@ -187,6 +187,14 @@ def test_unavailable_while_the_model_loads() -> None:
         srv.stop()
 
 
+def _draining(channel: grpc.Channel) -> bool:
+    """Health says NOT_SERVING, or the server already refuses new calls (its listener closes as it drains)."""
+    try:
+        return _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
 def test_drain_finishes_in_flight_streams_and_refuses_new_ones(fake: ServerThread) -> None:
     channel, stub = _fake_stub(fake)
     with channel:
@@ -194,7 +202,7 @@ def test_drain_finishes_in_flight_streams_and_refuses_new_ones(fake: ServerThrea
         next(call)
         stopping = threading.Thread(target=fake.run, args=(fake.server.stop(10.0),))
         stopping.start()
-        assert wait_until(lambda: _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+        assert wait_until(lambda: _draining(channel), timeout=5)
         assert _first_error(stub, build_request("hi")).code() == grpc.StatusCode.UNAVAILABLE
         rest = list(call)
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -214,3 +222,44 @@ def test_drain_cancels_streams_past_the_grace_period(fake: ServerThread) -> None
             list(call)
         assert fake.engine.num_running == 0
     fake.server = None
+
+
+def test_a_cancelled_calls_request_id_is_reusable_at_once(server: ServerThread) -> None:
+    """Cancel a stream and reuse its id right away, as a retrying client does: the new call is served. (The
+    asyncio client sends the new call right behind the cancellation; about 1 in 100 got ALREADY_EXISTS.)"""
+
+    async def calls() -> None:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            for i in range(100):
+                long = build_request("hi", max_new_tokens=400, ignore_eos=True, request_id="again")
+                call = stub.Generate(long, timeout=30)
+                await call.read()
+                call.cancel()
+                again = stub.Generate(build_request("hi", max_new_tokens=2, request_id="again"), timeout=30)
+                responses = [response async for response in again]
+                assert responses[-1].request_id == "again" and responses[-1].usage.completion_tokens >= 1, i
+
+    asyncio.run(calls())
+
+
+def test_a_request_id_in_flight_waits_for_its_stream_to_end_before_it_is_a_duplicate() -> None:
+    """The admission itself: an id whose stream ends within the wait is admitted; one that stays is not."""
+    from llmserve.config import ServerConfig
+    from llmserve.service import REUSE_WAIT_S, GenerateServicer, ServiceError
+
+    async def body() -> None:
+        servicer = GenerateServicer(ServerConfig())
+        servicer.attach(FakeEngine())
+        first = await servicer._admit(None, "x")
+        ended = servicer._in_flight[first]
+        asyncio.get_running_loop().call_later(0.05, servicer._release, first)  # the cancelled stream's handler ends
+        second = await servicer._admit(None, "x")
+        assert ended.is_set() and servicer._in_flight[second] is not ended
+        started = time.monotonic()
+        with pytest.raises(ServiceError) as err:
+            await servicer._admit(None, "x")  # the second stream goes on
+        assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert time.monotonic() - started >= REUSE_WAIT_S * 0.9
+
+    asyncio.run(body())

@@ -9,8 +9,9 @@ import grpc
 import pytest
 from harness import CONTEXT_LENGTH, ServerThread, smollm2_tokenizer, wait_until
 
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.request import FinishReason, GenerationRequest, StoppingParams
 from llmserve_client import build_request, pb
+from tests.stepspy import StepSpy
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
@@ -92,12 +93,20 @@ def test_seeded_sampling_reports_and_repeats_its_seed(stub) -> None:
     def run(seed: int | None) -> tuple[str, int]:
         request = build_request(PROMPT, max_new_tokens=8, temperature=0.9, seed=seed, ignore_eos=True)
         responses = list(stub.Generate(request, timeout=30))
+        assert responses[-1].HasField("seed") and not any(r.HasField("seed") for r in responses[:-1])
         return "".join(r.text for r in responses), responses[-1].seed
 
     first, seed = run(1234)
     assert seed == 1234
     assert run(1234)[0] == first
-    assert run(None)[1] >= 0  # the server picked one and said which
+    # Unseeded: the server picks a seed and reports it; replaying that seed gives the same text.
+    texts = {}
+    for _ in range(3):
+        text, picked = run(None)
+        texts[picked] = text
+    assert len(texts) == 3, "each unseeded call gets its own seed"
+    for picked, text in texts.items():
+        assert run(picked)[0] == text
 
 
 def test_generated_request_ids_are_unique(stub) -> None:
@@ -106,13 +115,19 @@ def test_generated_request_ids_are_unique(stub) -> None:
 
 
 def test_cancel_mid_stream_frees_the_request(server: ServerThread, stub) -> None:
-    call = stub.Generate(build_request(PROMPT, max_new_tokens=900, ignore_eos=True), timeout=60)
-    next(call)
-    next(call)
-    assert server.engine.num_running == 1
-    call.cancel()
-    assert wait_until(lambda: server.engine.num_running == 0 and server.engine.num_waiting == 0, timeout=2)
-    assert wait_until(lambda: server.server.servicer.num_streams == 0, timeout=2)
+    # 20 ms a step: the cancel reaches the engine within a step, and 900 tokens would take 18 s.
+    with StepSpy(server.engine.core, step_delay_s=0.02) as spy:
+        call = stub.Generate(build_request(PROMPT, max_new_tokens=900, ignore_eos=True, request_id="gone"), timeout=60)
+        next(call)
+        next(call)
+        assert server.engine.num_running == 1
+        cancelled_at = spy.num_steps
+        call.cancel()
+        final = spy.final("gone", timeout=5)
+        assert final is not None and final.finish_reason is FinishReason.CANCELLED
+        assert spy.steps_with("gone", since=cancelled_at) <= 2
+        assert server.engine.num_running == 0 and server.engine.num_waiting == 0
+        assert wait_until(lambda: server.server.servicer.num_streams == 0, timeout=2)
 
 
 def test_deadline_exceeded_stops_generation(server: ServerThread, stub) -> None:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from harness import ServerThread, needs_engine, tiny_engine
+from harness import ServerThread, tiny_engine
 
 from llmserve.engine.config import EngineConfig
 from llmserve.models import load_model
 from llmserve_client import Client
-
-pytestmark = [needs_engine]
 
 
 def test_turn_two_reports_cached_prompt_tokens_for_turn_one() -> None:
@@ -23,11 +21,15 @@ def test_turn_two_reports_cached_prompt_tokens_for_turn_one() -> None:
                 )
             )
             answer = [t for r in first for t in r.token_ids]
+            assert first[-1].HasField("usage")
             usage1 = first[-1].usage
-            assert usage1.cached_prompt_tokens == 0 and len(answer) == 24
+            assert (usage1.prompt_tokens, usage1.cached_prompt_tokens, usage1.completion_tokens) == (80, 0, 24)
+            assert len(answer) == 24
             second = prompt + answer + [7, 8, 9]
             last = list(client.generate(token_ids=second, max_new_tokens=4, ignore_eos=True, session_id="conv"))[-1]
-            assert last.usage.cached_prompt_tokens >= 0.95 * (usage1.prompt_tokens + usage1.completion_tokens)
+            assert last.HasField("usage") and last.usage.prompt_tokens == len(second)
+            # Turn one's prompt and all but its last answer token (whose KV was never computed) are reused.
+            assert last.usage.cached_prompt_tokens >= 0.95 * (80 + 24)
             # Another caller's session id shares nothing with this one.
             other = list(client.generate(token_ids=second, max_new_tokens=4, ignore_eos=True, session_id="other"))
             assert other[-1].usage.cached_prompt_tokens <= last.usage.cached_prompt_tokens
@@ -37,7 +39,7 @@ def test_turn_two_reports_cached_prompt_tokens_for_turn_one() -> None:
 
 @pytest.mark.real_model
 def test_real_model_chat_turn_two_reuses_the_conversation() -> None:
-    from llmserve.engine.core import AsyncEngine
+    from llmserve.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=8192, max_num_seqs=4, cuda_graphs=False))
     srv = ServerThread(engine).start()
@@ -47,6 +49,7 @@ def test_real_model_chat_turn_two_reuses_the_conversation() -> None:
             first = list(client.generate(messages=messages, max_new_tokens=48, session_id="chat"))
             answer = "".join(r.text for r in first)
             usage1 = first[-1].usage
+            assert first[-1].HasField("usage") and usage1.prompt_tokens > 0 and usage1.completion_tokens > 0
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
             second = list(client.generate(messages=messages, max_new_tokens=24, session_id="chat"))
             cached = second[-1].usage.cached_prompt_tokens

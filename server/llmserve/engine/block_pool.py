@@ -45,6 +45,11 @@ class BlockPool:
         """Blocks that allocate() can hand out now (free plus evictable cached ones)."""
         return len(self._free) + len(self._cached)
 
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks kept for their prefix hash (part of num_free)."""
+        return len(self._cached)
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 

@@ -26,6 +26,12 @@ class EngineConfig:
     max_sessions: int = 4096
     session_pool_fraction: float = 0.8
     cuda_graphs: bool = True
-    native_attention: bool = True  # the compiled CPU decode-attention kernel (engine/native.py), where it builds
-    packed_linear: bool = True  # float32 CPU linears through oneDNN with weights packed once (engine/packed_linear.py)
-    fused_layers: bool = True  # CPU Llama-family models through the fused forward (engine/fused_layers.py)
+    # The torch and CUDA backends' attention: "triton" (one varlen paged kernel for the whole step), "torch"
+    # (gathered decode groups and per-chunk SDPA), or "auto" (triton on CUDA where it is installed).
+    attention_kernel: str = "auto"
+    cpu_kernels: str = "auto"  # the CPU backend's compiled kernels: auto (use where installed), require, off
+    native_attention: bool = True  # CPU: the compiled decode-attention kernel (backends/cpu/native.py)
+    packed_linear: bool = (
+        True  # CPU float32 linears through oneDNN, weights packed once (backends/cpu/packed_linear.py)
+    )
+    fused_layers: bool = True  # CPU Llama-family models through the fused forward (backends/cpu/fused_layers.py)

@@ -1,42 +1,44 @@
-"""The engine: a step loop on its own thread, and the asyncio front end that feeds it.
+"""The engine's step loop: typed commands in, one step at a time, deltas out.
 
-The loop only steps: drain commands (add / abort), `schedule()`, one forward, sample, then
-`update`, stop checks and detokenization, and one hand-off of all the step's deltas to the event loop.
-The front end never touches engine state except through the command queue and the book-keeping lock.
+A step reads as its five parts: drain the inbox (`Add`, `Abort`), schedule (the scheduler's `StepPlan`),
+execute (the backend: one forward, the rows that sample), update the books, emit each request's delta. The
+step thread owns all engine state; other threads only put commands in the inbox and use the session methods,
+which take the book-keeping lock.
 """
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 import logging
 import queue
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from llmserve.engine.backends import create_backend
 from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.plan import StepPlan
+from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import (
     Delta,
-    EngineDead,
     FinishReason,
     GenerationRequest,
     InvalidRequest,
-    QueueFull,
     SeqStatus,
     Sequence,
-    StoppingParams,
     Timing,
+    TokenLogprob,
     Usage,
 )
-from llmserve.engine.runner import KVShape, ModelRunner
-from llmserve.engine.sampler import SampleRow, sample
-from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.sampler import RowFailed, Sampled
+from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sessions import SessionStore
 from llmserve.models import LoadedModel
 
@@ -45,21 +47,24 @@ log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_FAILURES = 3
 
 
-@dataclass(slots=True)
-class ModelInfo:
-    name: str
-    context_length: int
-    max_new_tokens: int
-    dtype: str
-    device: str
-    vocab_size: int
+@dataclass(slots=True, frozen=True)
+class Add:
+    """Start serving `request`; its deltas go to `deliver` (called on the step thread)."""
+
+    handle: int
+    request: GenerationRequest
+    deliver: Callable[[Delta], None]
+    arrival: float  # time.monotonic()
 
 
-@dataclass(slots=True)
-class SessionInfo:
-    session_id: str
-    cached_tokens: int
-    last_used: float  # unix time
+@dataclass(slots=True, frozen=True)
+class Abort:
+    """Stop the request `submit` returned `handle` for; its final delta says CANCELLED."""
+
+    handle: int
+
+
+Command = Add | Abort
 
 
 @dataclass(slots=True, eq=False)
@@ -69,8 +74,6 @@ class _Live:
     seq: Sequence
     detok: IncrementalDetokenizer | None
     deliver: Callable[[Delta], None]
-    stop_ids: frozenset[int]
-    eos_ids: frozenset[int]
 
 
 def sliding_window(config: object) -> int | None:
@@ -82,35 +85,26 @@ def sliding_window(config: object) -> int | None:
     return int(window)
 
 
-def size_pool(config: EngineConfig, shape: KVShape, dtype: torch.dtype, device: torch.device) -> int:
-    """Number of KV blocks: from a token count, or a fraction of free memory."""
-    per_block = shape.bytes_per_token(dtype) * config.block_size
-    if config.kv_cache_tokens is not None:
-        return max(1, -(-config.kv_cache_tokens // config.block_size))
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * config.kv_cache_memory_fraction
-    else:
-        budget = config.cpu_kv_cache_bytes * config.kv_cache_memory_fraction
-    return max(1, int(budget // per_block))
-
-
 class EngineCore:
-    """Owns scheduler, sessions, block pool and runner; `step()` is one iteration. Not thread-safe itself:
+    """Owns scheduler, sessions, block pool and backend; `step()` is one iteration. Not thread-safe itself:
     the step thread calls step(); others only use submit(), abort() and the session methods."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded
         self.config = config
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer: Any = loaded.tokenizer  # a transformers tokenizer (its decode returns str here)
         self.max_model_len = min(config.max_model_len or loaded.context_length, loaded.context_length)
-        window = sliding_window(loaded.model.config)
-        if window is not None:
+        self.sliding_window = sliding_window(loaded.model.config)
+        if self.sliding_window is not None and self.sliding_window < self.max_model_len:
             # The paged attention attends over the whole context: stay where that equals the window's.
-            self.max_model_len = min(self.max_model_len, window)
-        shape = KVShape.of(loaded.model.config)
-        num_blocks = size_pool(config, shape, loaded.dtype, loaded.device)
-        self.pool = BlockPool(num_blocks, config.block_size)
+            log.warning(
+                "context capped at %d tokens by the model's sliding window (the paged attention attends to the "
+                "whole context, which equals the window's only up to there)",
+                self.sliding_window,
+            )
+            self.max_model_len = self.sliding_window
+        self.backend = create_backend(loaded, config, self.max_model_len)
+        self.pool = BlockPool(self.backend.num_blocks, config.block_size)
         self.sessions = SessionStore(
             self.pool,
             ttl_s=config.session_ttl_s,
@@ -124,22 +118,11 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.runner = ModelRunner(
-            loaded.model,
-            num_blocks,
-            config.block_size,
-            cuda_graphs=config.cuda_graphs,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            native_decode=config.native_attention,
-            pack_linears=config.packed_linear,
-            fused_layers=config.fused_layers,
-        )
         self.lock = threading.Lock()  # guards scheduler/sessions/pool against the front end's session calls
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._live: dict[str, _Live] = {}
-        self._seq_no = 0
+        self._handles = itertools.count(1)  # also each sequence's arrival order (seq_no)
+        self._live: dict[int, _Live] = {}
         self._submitted = 0
         self._drained = 0
         self._failures = 0
@@ -158,14 +141,17 @@ class EngineCore:
                 f"({self.pool.num_blocks * self.pool.block_size} tokens)",
             )
 
-    def submit(self, request: GenerationRequest, deliver: Callable[[Delta], None]) -> None:
-        """Queue a validated request; `deliver` is called (on the step thread) with each delta."""
+    def submit(self, request: GenerationRequest, deliver: Callable[[Delta], None]) -> int:
+        """Queue a validated request; `deliver` is called (on the step thread) with each delta. Returns the
+        handle that `abort` takes."""
+        handle = next(self._handles)
         self._submitted += 1  # written by the submitting thread only; _drained by the step thread only
-        self._inbox.put(("add", (request, deliver, time.monotonic())))
+        self._inbox.put(Add(handle, request, deliver, time.monotonic()))
         self._wake.set()
+        return handle
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+    def abort(self, handle: int) -> None:
+        self._inbox.put(Abort(handle))
         self._wake.set()
 
     def wake(self) -> None:
@@ -194,6 +180,26 @@ class EngineCore:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def stats(self) -> EngineStats:
+        """Read without the lock (plain ints, each read atomically): a scrape never stalls a step."""
+        pool, sessions, scheduler = self.pool, self.sessions, self.scheduler
+        free = pool.num_free
+        return EngineStats(
+            running=self.num_running,
+            waiting=self.num_waiting,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_blocks - free,
+            kv_blocks_cached=pool.num_cached,
+            block_size=pool.block_size,
+            sessions=len(sessions),
+            session_blocks=sessions.num_blocks_held,
+            preemptions=scheduler.num_preemptions,
+            session_hits=scheduler.num_session_hits,
+            session_misses=scheduler.num_session_misses,
+            session_evictions=dict(sessions.evictions),
+            prefix_cache_hits=scheduler.num_prefix_cache_hits,
+        )
+
     @property
     def num_waiting(self) -> int:
         """Requests submitted and not yet running (still in the inbox or in the scheduler's queue)."""
@@ -216,138 +222,87 @@ class EngineCore:
                 self._finish(live, FinishReason.CANCELLED)
 
     def step(self) -> None:
-        """One iteration: schedule, forward, sample, update, emit."""
+        """One iteration: schedule, execute, update, emit."""
         now = time.monotonic()
         with self.lock:
             self._expire_deadlines(now)
-            out = self.scheduler.schedule()
-        if not out.scheduled:
-            self.scheduler.update(out)
+            plan = self.scheduler.schedule()
+        if not plan.seqs:
             return
-        # One-token queries first, shortest context first: the runner batches them by length.
-        out.scheduled.sort(key=lambda item: (item[1] != 1, item[0].num_computed))
-        to_sample = [seq for seq, n in out.scheduled if seq.num_computed + n == len(seq.token_ids)]
-        for seq, _ in out.scheduled:
-            if seq.first_scheduled is None:
-                seq.first_scheduled = now
+        for entry in plan.seqs:
+            if entry.seq.first_scheduled is None:
+                entry.seq.first_scheduled = now
         try:
-            self.runner.copy_blocks(out.copies)
-            logits = self.runner.execute(out.scheduled, to_sample)
+            results = self.backend.execute(plan)
         except Exception as exc:  # a bad batch must not take the server down
-            self._fail_step(out, exc)
+            self._fail_step(plan, exc)
             return
         self._failures = 0
         self.steps += 1
-        picked = self._sample(logits, to_sample)
         emit_time = time.monotonic()
         with self.lock:
-            self.scheduler.update(out)
-            for seq, result in zip(to_sample, picked, strict=True):
-                live = self._live[seq.request_id]
-                if isinstance(result, str):
-                    self._finish(live, FinishReason.ERROR, error=result)
-                    continue
-                try:
-                    self._append(live, *result, emit_time)
-                except Exception as exc:  # its stop strings or detokenizer: this request's failure alone
-                    log.exception("request %r failed after its forward", seq.request_id)
-                    if seq.status is not SeqStatus.FINISHED:
-                        self._finish(live, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, object] | str]:
-        """Per sequence its (token id, logprob), or the error that failed its sampling alone.
-
-        The whole batch is sampled at once; should that raise, each row is sampled on its own, so that a row's
-        failure (its parameters, its penalties) fails its request only and the others keep their tokens.
-        """
-        rows = [self._sample_row(seq) for seq in seqs]
-        try:
-            token_ids, logprobs = sample(logits, rows)
-            return list(zip(token_ids, logprobs, strict=True))
-        except Exception:
-            log.exception("batched sampling failed: sampling %d rows one by one", len(rows))
-        results: list[tuple[int, object] | str] = []
-        for i, row in enumerate(rows):
-            try:
-                ids, lps = sample(logits[i : i + 1], [row])
-                results.append((ids[0], lps[0]))
-            except Exception as exc:
-                results.append(f"sampling failed: {type(exc).__name__}: {exc}")
-        return results
-
-    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
-        """The shared forward raised: every request in it fails, and none of their KV may be reused."""
-        log.exception("forward failed for %d requests", len(out.scheduled), exc_info=exc)
-        error = f"{type(exc).__name__}: {exc}"
-        self._failures += 1
-        if self._failures >= MAX_CONSECUTIVE_FAILURES:
-            # Set before the batch hears of its failure, so that callers see a dead engine at once.
-            self.dead_reason = f"{MAX_CONSECUTIVE_FAILURES} consecutive failed steps, last: {error}"
-        with self.lock:
-            self.scheduler.abandon(out)
-            for seq, _ in out.scheduled:
-                live = self._live.get(seq.request_id)
-                if live is not None:
-                    self._finish(live, FinishReason.ERROR, error=error)
-        if self.dead_reason is not None:
-            self._die(self.dead_reason)
+            self.scheduler.update(plan)
+            for entry, result in zip(plan.sampling, results, strict=True):
+                self._emit(self._live[entry.seq.seq_no], result, emit_time)
 
     # -- internals -------------------------------------------------------------------------------
 
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if isinstance(command, Add):
                 self._drained += 1
-                request, deliver, arrival = payload
-                self._add(request, deliver, arrival)
-            elif kind == "abort":
-                live = self._live.get(payload)
+                self._add(command)
+            else:
+                live = self._live.get(command.handle)
                 if live is not None:
                     with self.lock:
                         self._finish(live, FinishReason.CANCELLED)
 
-    def _add(self, request: GenerationRequest, deliver: Callable[[Delta], None], arrival: float) -> None:
+    def _add(self, command: Add) -> None:
+        request = command.request
         if self.dead_reason is not None:
-            deliver(self._final_delta_for(request, FinishReason.ERROR, self.dead_reason))
+            n = len(request.prompt_token_ids)
+            final = Delta(request.request_id, [], finish_reason=FinishReason.ERROR, usage=Usage(n, 0, 0))
+            final.error = self.dead_reason
+            command.deliver(final)
             return
-        if request.request_id in self._live:
-            deliver(self._final_delta_for(request, FinishReason.ERROR, "duplicate request_id in flight"))
-            return
-        self._seq_no += 1
-        seq = Sequence(request, list(request.prompt_token_ids), arrival, self._seq_no)
+        stopping = request.stopping
+        seq = Sequence(
+            request,
+            list(request.prompt_token_ids),
+            command.arrival,
+            command.handle,
+            stop_ids=frozenset(stopping.stop_token_ids),
+            eos_ids=frozenset() if stopping.ignore_eos else frozenset(self.loaded.eos_token_ids),
+        )
         params = request.sampling
         if not params.greedy:
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.seed)
-        stopping = request.stopping
+            seq.generator = torch.Generator(device=self.backend.device).manual_seed(seq.seed)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, stopping.stop_sequences, stopping.include_stop_sequence)
-        eos = frozenset() if stopping.ignore_eos else frozenset(self.loaded.eos_token_ids)
-        self._live[request.request_id] = _Live(seq, detok, deliver, frozenset(stopping.stop_token_ids), eos)
+        self._live[command.handle] = _Live(seq, detok, command.deliver)
         with self.lock:
             self.scheduler.add(seq)
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
-        live = self._live[seq.request_id]
-        request = seq.request
-        blocked: frozenset[int] | tuple[()] = ()
-        if seq.num_generated < request.stopping.min_new_tokens:
-            blocked = live.stop_ids | live.eos_ids
-        return SampleRow(
-            params=request.sampling,
-            generator=seq.generator,
-            token_ids=seq.token_ids,
-            blocked_token_ids=tuple(blocked),
-            logprobs=request.logprobs,
-            top_logprobs=request.top_logprobs,
-        )
+    def _emit(self, live: _Live, result: Sampled | RowFailed, now: float) -> None:
+        """Hand a sampled token to its request; a failure here is that request's alone."""
+        if isinstance(result, RowFailed):
+            self._finish(live, FinishReason.ERROR, error=result.error)
+            return
+        try:
+            self._append(live, result.token_id, result.logprob, now)
+        except Exception as exc:  # its stop strings or detokenizer
+            log.exception("request %r failed after its forward", live.seq.request_id)
+            if live.seq.status is not SeqStatus.FINISHED:
+                self._finish(live, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
 
-    def _append(self, live: _Live, token_id: int, lp: object, now: float) -> None:
+    def _append(self, live: _Live, token_id: int, lp: TokenLogprob | None, now: float) -> None:
         seq = live.seq
         stopping = seq.request.stopping
         seq.token_ids.append(token_id)
@@ -355,9 +310,9 @@ class EngineCore:
             seq.first_token = now
         text = ""
         reason = None
-        if token_id in live.stop_ids:
+        if token_id in seq.stop_ids:
             reason = FinishReason.STOP_TOKEN
-        elif token_id in live.eos_ids:
+        elif token_id in seq.eos_ids:
             reason = FinishReason.EOS
         if live.detok is not None:
             pushed = live.detok.push([token_id])
@@ -378,13 +333,30 @@ class EngineCore:
                 reason = FinishReason.STOP_SEQUENCE
         self._finish(live, reason, delta=delta)
 
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
+        """The shared forward raised: every request in it fails, and none of their KV may be reused."""
+        log.error("forward failed for %d requests", len(plan.seqs), exc_info=exc)
+        error = f"{type(exc).__name__}: {exc}"
+        self._failures += 1
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            # Set before the batch hears of its failure, so that callers see a dead engine at once.
+            self.dead_reason = f"{MAX_CONSECUTIVE_FAILURES} consecutive failed steps, last: {error}"
+        with self.lock:
+            self.scheduler.abandon(plan)
+            for entry in plan.seqs:
+                live = self._live.get(entry.seq.seq_no)
+                if live is not None:
+                    self._finish(live, FinishReason.ERROR, error=error)
+        if self.dead_reason is not None:
+            self._die(self.dead_reason)
+
     def _finish(
         self, live: _Live, reason: FinishReason, *, delta: Delta | None = None, error: str | None = None
     ) -> None:
         """Retire a live request (caller holds the lock) and deliver its final delta."""
         seq = live.seq
         self.scheduler.finish(seq, reason)
-        del self._live[seq.request_id]
+        del self._live[seq.seq_no]
         if delta is None:
             delta = Delta(seq.request_id, [])
         now = time.monotonic()
@@ -397,13 +369,10 @@ class EngineCore:
         delta.timing = Timing(started - seq.arrival, first - seq.arrival, now - seq.arrival)
         live.deliver(delta)
 
-    def _final_delta_for(self, request: GenerationRequest, reason: FinishReason, error: str) -> Delta:
-        n = len(request.prompt_token_ids)
-        return Delta(request.request_id, [], finish_reason=reason, usage=Usage(n, 0, 0), error=error)
-
     def _expire_deadlines(self, now: float) -> None:
         for live in [lv for lv in self._live.values() if lv.seq.request.deadline is not None]:
-            if live.seq.request.deadline <= now:
+            deadline = live.seq.request.deadline
+            if deadline is not None and deadline <= now:
                 self._finish(live, FinishReason.DEADLINE)
 
     def _die(self, reason: str) -> None:
@@ -412,108 +381,3 @@ class EngineCore:
         with self.lock:
             for live in list(self._live.values()):
                 self._finish(live, FinishReason.ERROR, error=reason)
-
-
-class AsyncEngine:
-    """The asyncio front end: `generate()` streams deltas; the step loop runs on its own thread."""
-
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        self.loaded = loaded
-        self.config = config
-        self.core = EngineCore(loaded, config)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ids = 0
-
-    @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer, or None for random-weight models
-        return self.loaded.tokenizer
-
-    @property
-    def model_info(self) -> ModelInfo:
-        core = self.core
-        return ModelInfo(
-            name=self.loaded.name,
-            context_length=core.max_model_len,
-            max_new_tokens=core.max_model_len - 1,
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
-            device=str(self.loaded.device),
-            vocab_size=self.loaded.vocab_size,
-        )
-
-    @property
-    def dead(self) -> bool:
-        return self.core.dead_reason is not None
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self.core.dead_reason
-
-    @property
-    def num_running(self) -> int:
-        return self.core.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.core.num_waiting
-
-    async def start(self) -> None:
-        """Warm up (one short generation, off the event loop), then start the step thread."""
-        self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._warm_up)
-        self._thread = threading.Thread(target=self.core.run, args=(self._stop,), name="llmserve-engine", daemon=True)
-        self._thread.start()
-
-    async def shutdown(self) -> None:
-        """Stop the step thread; requests still running end with CANCELLED."""
-        self._stop.set()
-        self.core.wake()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-
-    def abort(self, request_id: str) -> None:
-        self.core.abort(request_id)
-
-    def get_session(self, session_id: str) -> SessionInfo | None:
-        return self.core.get_session(session_id)
-
-    def delete_session(self, session_id: str) -> bool:
-        return self.core.delete_session(session_id)
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        """Stream the request's deltas. Raises InvalidRequest, EngineDead or QueueFull before the first one.
-
-        Closing or cancelling the consumer aborts the request in the engine.
-        """
-        if self.dead:
-            raise EngineDead(self.dead_reason)
-        self.core.validate(request)
-        if self.core.num_waiting >= self.config.max_waiting:
-            raise QueueFull(f"{self.core.num_waiting} requests waiting")
-        loop = self._loop or asyncio.get_running_loop()
-        deltas: asyncio.Queue[Delta] = asyncio.Queue()
-
-        def deliver(delta: Delta) -> None:
-            try:
-                loop.call_soon_threadsafe(deltas.put_nowait, delta)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
-
-        self.core.submit(request, deliver)
-        finished = False
-        try:
-            while not finished:
-                delta = await deltas.get()
-                finished = delta.finished
-                yield delta
-        finally:
-            if not finished:
-                self.core.abort(request.request_id)
-
-    def _warm_up(self) -> None:
-        request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
-        done = threading.Event()
-        self.core.submit(request, lambda d: d.finished and done.set())
-        self.core.run_until(done)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -189,6 +190,23 @@ class Delta:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs about one request for one step.
+
+    `generator` must be set for sampled rows (not `params.greedy`); it may live on the CPU or on the logits'
+    device (the latter avoids a copy). `token_ids` (prompt + generated) is only read for the repetition
+    penalty. `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: Seq[int]
+    blocked_token_ids: Seq[int]
+    logprobs: bool
+    top_logprobs: int
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -219,9 +237,31 @@ class Sequence:
     seed: int | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    stop_ids: frozenset[int] = frozenset()  # the request's stop token ids
+    eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
+    _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)
+
+    def sample_row(self) -> SampleRow:
+        """What the sampler needs for this sequence's next token (the same object from step to step once
+        min_new_tokens no longer blocks anything: its token_ids is the live list)."""
+        if self._row is not None:
+            return self._row
+        request = self.request
+        blocking = self.num_generated < request.stopping.min_new_tokens
+        row = SampleRow(
+            params=request.sampling,
+            generator=self.generator,
+            token_ids=self.token_ids,
+            blocked_token_ids=tuple(self.stop_ids | self.eos_ids) if blocking else (),
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+        )
+        if not blocking:
+            self._row = row
+        return row
 
     @property
     def request_id(self) -> str:

@@ -18,13 +18,17 @@ whose every token is blocked takes the model's best token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
 from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
-from llmserve.engine.request import MAX_TEMPERATURE, PENALTY_RANGE, SamplingParams, TokenLogprob
+from llmserve.engine.request import MAX_TEMPERATURE, PENALTY_RANGE, SampleRow, SamplingParams, TokenLogprob
+
+__all__ = ["RowFailed", "SampleRow", "Sampled", "sample", "sample_each", "warped_weights", "nucleus_floor"]
+
+log = logging.getLogger(__name__)
 
 # Top-p candidate bins: float32 bits >> 20 keep the exponent and 3 mantissa bits; probabilities <= 1.0
 # have bit patterns <= 0x3F800000, so their bins are < 1024.
@@ -32,21 +36,37 @@ _BIN_SHIFT = 20
 _N_BINS = 1024
 
 
-@dataclass(slots=True)
-class SampleRow:
-    """What the sampler needs about one request for one step.
+@dataclass(slots=True, frozen=True)
+class Sampled:
+    """One row's pick: the token and, when asked for, its logprobs."""
 
-    `generator` must be set for sampled rows (temperature > 0); it may live on the CPU or on the logits'
-    device (the latter avoids a copy). `token_ids` (prompt + generated) is only read for the repetition
-    penalty. `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens.
-    """
+    token_id: int
+    logprob: TokenLogprob | None
 
-    params: SamplingParams
-    generator: torch.Generator | None
-    token_ids: Sequence[int]
-    blocked_token_ids: Sequence[int]
-    logprobs: bool
-    top_logprobs: int
+
+@dataclass(slots=True, frozen=True)
+class RowFailed:
+    """Sampling this row raised: the failure of its request alone."""
+
+    error: str
+
+
+def sample_each(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled | RowFailed]:
+    """`sample`, with each row's failure kept to that row: the batch is sampled at once, and should that raise,
+    row by row, so that one request's parameters or penalties fail that request only."""
+    try:
+        token_ids, logprobs = sample(logits, rows)
+        return [Sampled(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
+    except Exception:
+        log.exception("batched sampling failed: sampling %d rows one by one", len(rows))
+    results: list[Sampled | RowFailed] = []
+    for i, row in enumerate(rows):
+        try:
+            ids, lps = sample(logits[i : i + 1], [row])
+            results.append(Sampled(ids[0], lps[0]))
+        except Exception as exc:
+            results.append(RowFailed(f"sampling failed: {type(exc).__name__}: {exc}"))
+    return results
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:

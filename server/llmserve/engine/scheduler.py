@@ -11,26 +11,11 @@ reusing session and prefix-cached blocks.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 
 from llmserve.engine.block_pool import BlockPool, chain_hash
+from llmserve.engine.plan import SeqStep, StepPlan
 from llmserve.engine.request import FinishReason, SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's work: (sequence, number of new tokens to compute) and KV block copies to do first."""
-
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    # (source, destination) block copies, done before the forward; each source holds a reference
-    # until update() so that nothing reallocates it first.
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
@@ -54,6 +39,11 @@ class Scheduler:
         self._waiting: list[tuple[int, int, Sequence]] = []
         self._num_waiting = 0
         self.num_preemptions = 0
+        # Counted once per request, at its first admission (for the metrics): requests with a session id
+        # that found it cached or not, and requests without a cached session that reused prefix-cached KV.
+        self.num_session_hits = 0
+        self.num_session_misses = 0
+        self.num_prefix_cache_hits = 0
 
     @property
     def num_waiting(self) -> int:
@@ -70,8 +60,12 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepPlan:
+        """The next step: running sequences first (oldest first), then waiting ones by priority and age.
+
+        The plan's block tables are the sequences' own lists: read them before the next schedule().
+        """
+        out = StepPlan()
         budget = self.max_num_batched_tokens
         if self.enable_prefix_caching or len(self.sessions):
             self.sessions.expire()
@@ -82,7 +76,7 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n, out):
                 break  # seq itself was preempted: nothing newer is left
-            out.scheduled.append((seq, n))
+            out.seqs.append(_step(seq, n))
             budget -= n
             i += 1
 
@@ -98,25 +92,27 @@ class Scheduler:
             self._num_waiting -= 1
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append((seq, n))
+            out.seqs.append(_step(seq, n))
             budget -= n
         return out
 
-    def update(self, out: SchedulerOutput) -> list[Sequence]:
+    def update(self, plan: StepPlan) -> list[Sequence]:
         """Account the computed tokens; returns the sequences that caught up and need a new token."""
         ready = []
-        for seq, n in out.scheduled:
+        bs = self.pool.block_size
+        for step in plan.seqs:
+            seq = step.seq
             before = seq.num_computed
-            seq.num_computed += n
-            if self.enable_prefix_caching:
+            seq.num_computed += len(step.token_ids)
+            if self.enable_prefix_caching and seq.num_computed // bs > before // bs:  # a block was filled
                 self._register_full_blocks(seq, before)
             if seq.num_computed == len(seq.token_ids):
                 ready.append(seq)
         # The copies are done: drop the references that kept their sources alive.
-        self.pool.release(src for src, _ in out.copies)
+        self.pool.release(src for src, _ in plan.copies)
         return ready
 
-    def abandon(self, out: SchedulerOutput) -> None:
+    def abandon(self, out: StepPlan) -> None:
         """A step whose forward failed: nothing was computed, so no block is registered as holding a prefix
         (its KV may be unwritten or half-written); only the copy sources are let go."""
         self.pool.release(src for src, _ in out.copies)
@@ -152,9 +148,11 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+    def _grow(self, seq: Sequence, n: int, out: StepPlan) -> bool:
         """Give a running seq blocks for n more tokens, evicting sessions then preempting the newest."""
         need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        if need <= 0:
+            return True  # most decode steps: the last block has room
         while not self.pool.can_allocate(need):
             if self.sessions.evict_one():
                 continue
@@ -166,9 +164,11 @@ class Scheduler:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def _admit(self, seq: Sequence, budget: int, out: StepPlan) -> int:
         """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait."""
         tokens = seq.token_ids
+        session_id = seq.request.session_id
+        had_session = session_id is not None and session_id in self.sessions
         reused, shared, cow_src = self._find_reuse(seq)
         # Hold the blocks to reuse (and the copy source) before anything can be evicted.
         held = shared + ([cow_src] if cow_src is not None else [])
@@ -185,6 +185,11 @@ class Scheduler:
         seq.num_computed = reused
         if seq.num_preemptions == 0:
             seq.num_cached_prompt = reused
+            if session_id is not None:
+                self.num_session_hits += had_session
+                self.num_session_misses += not had_session
+            if reused and not had_session:
+                self.num_prefix_cache_hits += 1
         return n
 
     def _find_reuse(self, seq: Sequence) -> tuple[int, list[int], int | None]:
@@ -230,3 +235,11 @@ class Scheduler:
         for i in range(computed_before // bs, num_full):
             if self.pool.block_hash[seq.block_table[i]] is None:
                 self.pool.register(seq.block_table[i], seq.block_hashes[i])
+
+
+def _step(seq: Sequence, n: int) -> SeqStep:
+    """Seq's share of the plan: its next n tokens; it samples when they reach its last token."""
+    start = seq.num_computed
+    end = start + n
+    sample = seq.sample_row() if end == len(seq.token_ids) else None
+    return SeqStep(seq, start, seq.token_ids[start:end], seq.block_table, sample)

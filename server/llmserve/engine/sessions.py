@@ -45,6 +45,8 @@ class SessionStore:
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._num_blocks_held = 0
+        # Sessions dropped by the store itself (not by delete()), by why: for the metrics.
+        self.evictions = {"memory": 0, "limit": 0, "ttl": 0}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -109,6 +111,7 @@ class SessionStore:
         if not self._sessions:
             return False
         self.delete(next(iter(self._sessions)))
+        self.evictions["memory"] += 1
         return True
 
     def evict_until_free(self, num_blocks: int) -> bool:
@@ -128,6 +131,7 @@ class SessionStore:
                 break
             self.delete(oldest.session_id)
             expired += 1
+        self.evictions["ttl"] += expired
         return expired
 
     def enforce_limits(self, keep: str | None = None) -> None:
@@ -138,10 +142,12 @@ class SessionStore:
                 if len(self._sessions) == 1:
                     # The only session is over the share on its own: drop it rather than hold the pool.
                     self.delete(victim)
+                    self.evictions["limit"] += 1
                     return
                 self._sessions.move_to_end(victim)
                 continue
             self.delete(victim)
+            self.evictions["limit"] += 1
 
     def _touch(self, session: Session) -> None:
         session.last_used = self._clock()

@@ -20,6 +20,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_DEADLINE: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class HistoryInput(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HISTORY_INPUT_UNSPECIFIED: _ClassVar[HistoryInput]
+    HISTORY_INPUT_CHAT: _ClassVar[HistoryInput]
+    HISTORY_INPUT_TOKENS: _ClassVar[HistoryInput]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -28,9 +34,12 @@ FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_DEADLINE: FinishReason
 FINISH_REASON_ERROR: FinishReason
+HISTORY_INPUT_UNSPECIFIED: HistoryInput
+HISTORY_INPUT_CHAT: HistoryInput
+HISTORY_INPUT_TOKENS: HistoryInput
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "session_id", "sampling", "stopping", "response", "priority")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "session_id", "sampling", "stopping", "response", "priority", "continue_session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +49,7 @@ class GenerateRequest(_message.Message):
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatInput
@@ -49,7 +59,8 @@ class GenerateRequest(_message.Message):
     stopping: StoppingCriteria
     response: ResponseOptions
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    continue_session: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., priority: _Optional[int] = ..., continue_session: _Optional[bool] = ...) -> None: ...
 
 class ChatInput(_message.Message):
     __slots__ = ("messages",)
@@ -196,7 +207,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "context_length", "max_new_tokens", "dtype", "device", "vocab_size", "default_max_new_tokens")
+    __slots__ = ("name", "context_length", "max_new_tokens", "dtype", "device", "vocab_size", "default_max_new_tokens", "backend", "sliding_window")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +215,8 @@ class GetModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     max_new_tokens: int
@@ -211,7 +224,9 @@ class GetModelInfoResponse(_message.Message):
     device: str
     vocab_size: int
     default_max_new_tokens: int
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ...) -> None: ...
+    backend: str
+    sliding_window: int
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -220,14 +235,20 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class GetSessionResponse(_message.Message):
-    __slots__ = ("session_id", "cached_tokens", "last_used")
+    __slots__ = ("session_id", "cached_tokens", "last_used", "history_turns", "history_tokens", "history_input")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TURNS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_INPUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cached_tokens: int
     last_used: _timestamp_pb2.Timestamp
-    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., last_used: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    history_turns: int
+    history_tokens: int
+    history_input: HistoryInput
+    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., last_used: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., history_turns: _Optional[int] = ..., history_tokens: _Optional[int] = ..., history_input: _Optional[_Union[HistoryInput, str]] = ...) -> None: ...
 
 class DeleteSessionRequest(_message.Message):
     __slots__ = ("session_id",)

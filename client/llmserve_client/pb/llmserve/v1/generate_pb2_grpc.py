@@ -36,7 +36,12 @@ class GenerateServiceStub:
     UNAVAILABLE         the model is still loading, the server is draining, or the engine failed.
     DEADLINE_EXCEEDED   the call's deadline passed; generation for it has stopped.
     ALREADY_EXISTS      a Generate call with the same request_id is already in flight.
-    NOT_FOUND           GetSession: no such session.
+    NOT_FOUND           GetSession: no such session. Generate with continue_session: the server holds
+    no history for the session (never started, expired, evicted, deleted or ended
+    at the server's per-session token cap); the message says which when it knows.
+    Resend the whole conversation without continue_session to start it again.
+    ABORTED             Generate with continue_session: another call is continuing the same session
+    right now (the message names its request_id); retry once it has finished.
     """
 
     def __init__(self, channel):
@@ -83,7 +88,12 @@ class GenerateServiceServicer:
     UNAVAILABLE         the model is still loading, the server is draining, or the engine failed.
     DEADLINE_EXCEEDED   the call's deadline passed; generation for it has stopped.
     ALREADY_EXISTS      a Generate call with the same request_id is already in flight.
-    NOT_FOUND           GetSession: no such session.
+    NOT_FOUND           GetSession: no such session. Generate with continue_session: the server holds
+    no history for the session (never started, expired, evicted, deleted or ended
+    at the server's per-session token cap); the message says which when it knows.
+    Resend the whole conversation without continue_session to start it again.
+    ABORTED             Generate with continue_session: another call is continuing the same session
+    right now (the message names its request_id); retry once it has finished.
     """
 
     def Generate(self, request, context):
@@ -111,14 +121,16 @@ class GenerateServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetSession(self, request, context):
-        """GetSession reports what the server keeps cached for a session; NOT_FOUND when it keeps nothing.
+        """GetSession reports what the server keeps for a session (history and cached state); NOT_FOUND
+        when it keeps nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteSession(self, request, context):
-        """DeleteSession frees a session's cached state at once.
+        """DeleteSession frees a session's history and cached state at once; a call continuing it that is
+        in flight then leaves no history behind.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,7 +183,12 @@ class GenerateService:
     UNAVAILABLE         the model is still loading, the server is draining, or the engine failed.
     DEADLINE_EXCEEDED   the call's deadline passed; generation for it has stopped.
     ALREADY_EXISTS      a Generate call with the same request_id is already in flight.
-    NOT_FOUND           GetSession: no such session.
+    NOT_FOUND           GetSession: no such session. Generate with continue_session: the server holds
+    no history for the session (never started, expired, evicted, deleted or ended
+    at the server's per-session token cap); the message says which when it knows.
+    Resend the whole conversation without continue_session to start it again.
+    ABORTED             Generate with continue_session: another call is continuing the same session
+    right now (the message names its request_id); retry once it has finished.
     """
 
     @staticmethod

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from llmserve.engine import native, packed_linear
+from llmserve.engine.backends.cpu import native, packed_linear
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # runner.paged_attention: (module, query [1, H, T, D], key, value [1, KVH, T, D], mask, scaling=, llmserve_batch=)
@@ -61,7 +62,7 @@ class FusedLinear:
 
 @dataclass(slots=True)
 class FusedLayer:
-    attn: nn.Module  # the model's attention module: paged_attention reads its layer_idx
+    attn: Any  # the model's attention module: paged_attention reads its layer_idx
     input_norm: torch.Tensor
     input_eps: float
     post_norm: torch.Tensor
@@ -75,11 +76,11 @@ class FusedLayer:
     scaling: float
 
 
-def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+def _norm(module: Any) -> tuple[torch.Tensor, float]:
     return module.weight.detach().contiguous(), float(module.variance_epsilon)
 
 
-def _fits(layer: nn.Module) -> bool:
+def _fits(layer: Any) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -97,7 +98,7 @@ def _fits(layer: nn.Module) -> bool:
 class FusedForward:
     """The model's forward over one packed row of tokens, fused; see the module docstring."""
 
-    def __init__(self, model: nn.Module, ops: native.FusedOps, pack: bool, attention: Attention) -> None:
+    def __init__(self, model: Any, ops: native.FusedOps, pack: bool, attention: Attention) -> None:
         config = model.config
         base = model.model
         self.ops = ops
@@ -106,16 +107,14 @@ class FusedForward:
         self.rotary = base.rotary_emb
         self.final_norm = _norm(base.norm)
         self.lm_head = FusedLinear.of([model.get_output_embeddings()], pack)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.layers = [self._layer(layer, pack) for layer in base.layers[: config.num_hidden_layers]]
         self.num_packed = (4 * len(self.layers) + 1) if pack else 0
 
     @classmethod
-    def build(
-        cls, model: nn.Module, ops: native.FusedOps | None, pack: bool, attention: Attention
-    ) -> FusedForward | None:
+    def build(cls, model: Any, ops: native.FusedOps | None, pack: bool, attention: Attention) -> FusedForward | None:
         """The fused forward of `model`, or None where it does not apply (another architecture, a device
         other than the CPU, a dtype the kernels lack, or no compiled kernels). `pack`: run the linears on
         packed oneDNN weights (float32 only); `attention`: the runner's paged attention function."""
@@ -128,14 +127,14 @@ class FusedForward:
             or getattr(config, "hidden_act", None) != "silu"
         ):
             return None
-        base = getattr(model, "model", None)
+        base: Any = getattr(model, "model", None)
         if not all(hasattr(base, n) for n in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return None
         if not all(_fits(layer) for layer in base.layers):
             return None
         return cls(model, ops, pack, attention)
 
-    def _layer(self, layer: nn.Module, pack: bool) -> FusedLayer:
+    def _layer(self, layer: Any, pack: bool) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return FusedLayer(
@@ -163,7 +162,7 @@ class FusedForward:
         cos, sin = self.rotary(residual[None], position_ids)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         x = ops.rms_norm(residual, self.layers[0].input_norm, self.layers[0].input_eps)
-        delta = None
+        delta: torch.Tensor | None = None
         for layer in self.layers:
             if delta is not None:
                 x = ops.add_rms_norm(residual, delta, layer.input_norm, layer.input_eps)
@@ -188,6 +187,7 @@ class FusedForward:
             )
             x = ops.add_rms_norm(residual, layer.o(attended.view(tokens, q_width)), layer.post_norm, layer.post_eps)
             delta = layer.down(ops.silu_mul(layer.gate_up(x)))
+        assert delta is not None  # a model has at least one layer
         rows = residual if keep is None else residual.index_select(0, keep)
         last = delta if keep is None else delta.index_select(0, keep)
         x = ops.add_rms_norm(rows.contiguous(), last, *self.final_norm)

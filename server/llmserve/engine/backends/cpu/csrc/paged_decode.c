@@ -3,9 +3,11 @@
  * One query token per sequence attends to that sequence's context by reading its blocks where they lie
  * (through the block table): no gathered copy of the context, each key and value row is read once and
  * used by every query head of its group (GQA). Work items are (sequence, kv head) pairs, spread over
- * OpenMP threads. Built at run time by llmserve/engine/native.py with HEAD_DIM and GROUP (query heads per
- * kv head) fixed, so that the inner loops have constant trip counts and vectorize fully; the torch path
- * in runner.py computes the same thing.
+ * OpenMP threads. HEAD_DIM and GROUP (query heads per kv head) are compile-time constants, so that the
+ * inner loops have constant trip counts and vectorize fully: the build (setup.py, at install time) includes
+ * this file once per common (HEAD_DIM, GROUP) pair with VARIANT naming the pair, giving functions
+ * paged_decode_f32_d<HEAD_DIM>_g<GROUP> and paged_decode_f64_d<HEAD_DIM>_g<GROUP>. The torch path in
+ * backends/torch_paged.py computes the same thing for any other shape.
  *
  * Layouts (element strides, not bytes):
  *   q      [num_seqs, num_heads, HEAD_DIM]  seq stride q_seq, head stride q_head, dim stride 1
@@ -15,7 +17,7 @@
  *   out    [num_seqs, num_heads, HEAD_DIM]  contiguous
  * Returns 0, or 1 when a score buffer could not be allocated.
  *
- * The file includes itself once per scalar type (float, double).
+ * For each pair the file includes itself once per scalar type (float, double).
  */
 #ifndef SCALAR
 
@@ -23,24 +25,29 @@
 
 #include "common.h"
 
-#if !defined(HEAD_DIM) || !defined(GROUP)
-#error "build with -DHEAD_DIM=<head dim> -DGROUP=<query heads per kv head>"
+#if !defined(HEAD_DIM) || !defined(GROUP) || !defined(VARIANT)
+#error "include with HEAD_DIM, GROUP and VARIANT (e.g. _d64_g3) defined"
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && HEAD_DIM % 8 == 0
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-/* float32 scores, eight key rows at a time: eight dot products accumulate side by side and one shuffle
- * tree sums them, instead of one horizontal sum per dot product. */
-#define SCORES_BY_8 1
-
+#ifndef LLMSERVE_SUM8
+#define LLMSERVE_SUM8
 /* The eight lane sums of a[0..7], in order. */
 static inline __m256 sum8(const __m256 a[8]) {
   const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
+#endif
+#endif
 
-static inline void scores_by_8(const float *restrict qs, const float *restrict keys, float *restrict scores,
+#if defined(__AVX2__) && defined(__FMA__) && HEAD_DIM % 8 == 0
+/* float32 scores, eight key rows at a time: eight dot products accumulate side by side and one shuffle
+ * tree sums them, instead of one horizontal sum per dot product. */
+#define SCORES_BY_8 CAT(scores_by_8, VARIANT)
+
+static inline void SCORES_BY_8(const float *restrict qs, const float *restrict keys, float *restrict scores,
                                long stride) {
   for (int g = 0; g < GROUP; ++g) {
     __m256 a[8];
@@ -52,12 +59,12 @@ static inline void scores_by_8(const float *restrict qs, const float *restrict k
     _mm256_storeu_ps(scores + g * stride, sum8(a));
   }
 }
+#define BY_8 1
 #endif
 
 #define SCALAR float
-#define FUNCTION paged_decode_f32
+#define FUNCTION CAT(paged_decode_f32, VARIANT)
 #define EXP expf
-#define BY_8 SCORES_BY_8
 #include "paged_decode.c"
 #undef SCALAR
 #undef FUNCTION
@@ -65,9 +72,13 @@ static inline void scores_by_8(const float *restrict qs, const float *restrict k
 #undef BY_8
 
 #define SCALAR double
-#define FUNCTION paged_decode_f64
+#define FUNCTION CAT(paged_decode_f64, VARIANT)
 #define EXP exp
 #include "paged_decode.c"
+#undef SCALAR
+#undef FUNCTION
+#undef EXP
+#undef SCORES_BY_8
 
 #else
 
@@ -76,7 +87,7 @@ static inline void CAT(FUNCTION, _scores)(const SCALAR *restrict qs, const SCALA
                                      SCALAR *restrict scores, long stride) {
   int r = 0;
 #if defined(BY_8) && BY_8
-  for (; r + 8 <= rows; r += 8) scores_by_8(qs, keys + (long)r * HEAD_DIM, scores + r, stride);
+  for (; r + 8 <= rows; r += 8) SCORES_BY_8(qs, keys + (long)r * HEAD_DIM, scores + r, stride);
 #endif
   for (; r < rows; ++r) {
     const SCALAR *restrict row = keys + (long)r * HEAD_DIM;

@@ -26,7 +26,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
         and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
     )
@@ -34,12 +34,14 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     """`weight` [out, in] in oneDNN's blocked layout, tuned for `batch_hint` rows (any row count works)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+    return packed
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias with a weight from `pack_weight`; x contiguous."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +60,6 @@ def pack_linears(model: nn.Module, batch_hint: int = 64) -> int:
         if type(module) is not nn.Linear or hasattr(module, _PACKED) or module.weight.dtype != torch.float32:
             continue
         setattr(module, _PACKED, pack_weight(module.weight.detach(), batch_hint))
-        module.forward = types.MethodType(_packed_forward, module)
+        setattr(module, "forward", types.MethodType(_packed_forward, module))  # noqa: B010 - a method, typed
         count += 1
     return count

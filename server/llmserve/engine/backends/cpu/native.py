@@ -1,24 +1,21 @@
-"""Compiled CPU kernels (csrc/), built once per process with the system's C compiler.
+"""The CPU backend's compiled kernels (csrc/), built at install time by setup.py and loaded with ctypes.
 
-- `PagedDecode` (csrc/paged_decode.c): decode attention over the paged cache. Built per (head_dim, query
-  heads per kv head), which the source takes as constants so that its inner loops vectorize fully.
-- `FusedOps` (csrc/fused_ops.c): the elementwise parts of a Llama-family layer (RMSNorm, residual add plus
-  RMSNorm, rotary embedding, SiLU-and-multiply), used by fused_layers.py.
+- `PagedDecode` (csrc/paged_decode.c, library `_paged_decode`): decode attention over the paged cache, one
+  function per common (head_dim, query heads per kv head) pair, which the source takes as constants so that
+  its inner loops vectorize fully.
+- `FusedOps` (csrc/fused_ops.c, library `_fused_ops`): the elementwise parts of a Llama-family layer (RMSNorm,
+  residual add plus RMSNorm, rotary embedding, SiLU-and-multiply), used by fused_layers.py.
 
-Compiling takes about half a second and needs no torch headers. Libraries go to a private temporary
-folder, so no stale build outlives a change of source, compiler or CPU. Where there is no compiler, or the
-build fails, the loaders return None (logged) and the callers use their torch paths, which compute the
-same things.
+A start never compiles anything. Where a library is missing (no compiler at install time), `usable` decides by
+the `--cpu-kernels` policy: `auto` runs the torch paths, which compute the same things, after one warning;
+`require` refuses to start; `off` never loads them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -26,16 +23,50 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "paged_decode.c"
-FUSED_SOURCE = CSRC / "fused_ops.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-# Tried in order: with glibc's vector exp (x86-64 glibc >= 2.22), then without.
-VARIANTS = (("-DVECTOR_EXP", "-lmvec"), ())
+LIBRARY_DIR = Path(__file__).parent
+LIBRARIES = ("_paged_decode", "_fused_ops")
+POLICIES = ("auto", "require", "off")
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64"}
 
 _lock = threading.Lock()
-_loaded: dict[object, PagedDecode | FusedOps | None] = {}
+_libraries: dict[str, ctypes.CDLL | None] = {}
+_warned = False
+
+
+class KernelsMissing(RuntimeError):
+    """`--cpu-kernels require`, and the compiled kernels are not installed."""
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """The installed library `name` (one of LIBRARIES), loaded once; None where it is not installed."""
+    with _lock:
+        if name not in _libraries:
+            path = LIBRARY_DIR / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+            try:
+                _libraries[name] = ctypes.CDLL(str(path))
+            except OSError as exc:
+                log.debug("CPU kernel library %s not loaded: %s", path, exc)
+                _libraries[name] = None
+        return _libraries[name]
+
+
+def usable(policy: str) -> bool:
+    """Whether the CPU backend runs the compiled kernels, by `policy` (see the module docstring)."""
+    global _warned
+    if policy not in POLICIES:
+        raise ValueError(f"--cpu-kernels must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if policy == "off":
+        return False
+    missing = [name for name in LIBRARIES if library(name) is None]
+    if not missing:
+        return True
+    where = f"{', '.join(missing)} not installed in {LIBRARY_DIR}; `make kernels` or reinstall with a C compiler"
+    if policy == "require":
+        raise KernelsMissing(f"--cpu-kernels require: {where}")
+    if not _warned:
+        log.warning("CPU kernels unavailable (%s): serving with the slower torch paths", where)
+        _warned = True
+    return False
 
 
 class PagedDecode:
@@ -44,10 +75,11 @@ class PagedDecode:
     dtypes = frozenset(_FUNCTIONS)
 
     def __init__(self, library: ctypes.CDLL, head_dim: int, group: int) -> None:
+        """Raises AttributeError where the library has no function for this (head_dim, group)."""
         self.head_dim, self.group = head_dim, group
         self._fns = {}
         for dtype, name in _FUNCTIONS.items():
-            fn = getattr(library, name)
+            fn = getattr(library, f"{name}_d{head_dim}_g{group}")
             fn.restype = ctypes.c_int
             fn.argtypes = [
                 ctypes.c_void_p, ctypes.c_long, ctypes.c_long,  # q, seq stride, head stride
@@ -170,44 +202,18 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def load(head_dim: int, group: int) -> PagedDecode | None:
-    """The kernel for this head size and GQA group, built on first use in this process; None where it
-    cannot be built."""
-    key = (head_dim, group)
-    with _lock:
-        if key not in _loaded:
-            library = compile_library(SOURCE, (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"))
-            _loaded[key] = None if library is None else PagedDecode(library, head_dim, group)
-        return _loaded[key]
+    """The decode kernel for this head size and GQA group; None where the library or the pair is missing."""
+    lib = library("_paged_decode")
+    if lib is None:
+        return None
+    try:
+        return PagedDecode(lib, head_dim, group)
+    except AttributeError:
+        log.info("no compiled decode kernel for head_dim %d, group %d: decode attention runs in torch", head_dim, group)
+        return None
 
 
 def load_fused() -> FusedOps | None:
-    """The fused layer operations, built on first use in this process; None where they cannot be built."""
-    with _lock:
-        if "fused" not in _loaded:
-            library = compile_library(FUSED_SOURCE, ("-ffp-contract=off",))
-            _loaded["fused"] = None if library is None else FusedOps(library)
-        return _loaded["fused"]
-
-
-def compile_library(source: Path, defines: tuple[str, ...]) -> ctypes.CDLL | None:
-    """`source` built as a shared library and loaded; None (with a warning) where that fails."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: %s is replaced by a slower torch path", source.name)
-        return None
-    folder = tempfile.mkdtemp(prefix="llmserve-native-")
-    try:
-        detail: object = None
-        for variant in VARIANTS:
-            target = os.path.join(folder, f"{source.stem}{len(variant)}.so")
-            command = [compiler, *FLAGS, *defines, "-o", target, str(source), *variant, "-lm"]
-            try:
-                subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
-                return ctypes.CDLL(target)
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = getattr(exc, "stderr", "") or exc
-        log.warning("building %s failed (%s): a slower torch path replaces it", source.name, detail)
-        return None
-    finally:
-        # A loaded library stays mapped after its file is gone.
-        shutil.rmtree(folder, ignore_errors=True)
+    """The fused layer operations; None where the library is missing."""
+    lib = library("_fused_ops")
+    return None if lib is None else FusedOps(lib)

@@ -1,0 +1,113 @@
+"""Host work per engine step: everything but the model call, measured with the model call stubbed out.
+
+A step's host work is scheduling, the step plan, the backend's metadata (packed row, slots, block tables,
+decode groups or graph buffers), sampling and emitting the deltas. On a GPU it is the time the device may sit
+idle between steps, so it must stay small as the batch grows. This script builds the real engine over a
+2-layer tiny Llama, keeps `batch` sequences decoding, replaces only the model call (`backend.forward`, or the
+fused forward on the CPU) with one that returns ready logits, and times `EngineCore.step()`.
+
+    python benchmarks/host_overhead.py                       # CPU backend and the CUDA backend's path, on the CPU
+    python benchmarks/host_overhead.py --batches 32 64 256 --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.paths import make_importable  # noqa: E402
+
+make_importable()
+
+import torch  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+
+from llmserve.engine.backends.cuda import CudaBackend  # noqa: E402
+from llmserve.engine.config import EngineConfig  # noqa: E402
+from llmserve.engine.core import EngineCore  # noqa: E402
+from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
+from llmserve.models import from_config  # noqa: E402
+
+VOCAB = 512
+
+
+def tiny_llama() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+
+
+def stub_model_call(core: EngineCore) -> None:
+    """Replace the backend's model call (not its metadata) with ready logits of the right shape."""
+    backend = core.backend
+    logits = torch.zeros(1024, VOCAB)
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: object):
+        return logits[: input_ids.shape[1] if keep is None else len(keep)]
+
+    backend.forward = forward  # type: ignore[method-assign]
+
+
+def measure(batch: int, backend: str, steps: int, prompt: int = 100) -> dict[str, float]:
+    """Median and P90 host milliseconds per decode step with `batch` sequences running."""
+    loaded = from_config(tiny_llama(), dtype=torch.float32)
+    config = EngineConfig(
+        block_size=16,
+        kv_cache_tokens=batch * (prompt + steps + 64) + 1024,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(512, batch),
+        cuda_graphs=False,
+    )
+    core = EngineCore(loaded, config)
+    if backend == "cuda-path":  # the CUDA backend's decode path (graph buffers, eager), on the CPU
+        core.backend = CudaBackend(loaded, config, core.max_model_len, capture=False)
+    stub_model_call(core)
+    stopping = StoppingParams(max_new_tokens=steps + 64, ignore_eos=True)
+    for i in range(batch):
+        core.submit(GenerationRequest(f"r{i}", tuple(range(1, prompt + 1)), stopping=stopping), lambda d: None)
+    core._drain_inbox()
+    while len(core.scheduler.running) < batch or any(s.num_uncomputed > 1 for s in core.scheduler.running):
+        core.step()  # prefill until every sequence decodes one token a step
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        core.step()
+        times.append((time.perf_counter() - started) * 1e3)
+    times.sort()
+    return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * len(times))]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 256])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--backends", nargs="+", default=["cpu", "cuda-path"])
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # host work is one thread's work; keep the figures comparable across machines
+    results = {}
+    for backend in args.backends:
+        for batch in args.batches:
+            r = measure(batch, backend, args.steps)
+            results[f"{backend}/{batch}"] = r
+            print(f"{backend:10s} batch {batch:4d}: median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

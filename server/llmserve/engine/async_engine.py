@@ -1,0 +1,127 @@
+"""The asyncio front end of the engine: `generate()` streams a request's deltas; the step loop runs on a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
+from llmserve.engine.request import Delta, EngineDead, GenerationRequest, QueueFull, StoppingParams
+from llmserve.models import LoadedModel
+
+
+class AsyncEngine:
+    """Builds the engine (backend included: KV cache, packing, graphs) in its constructor, which can take
+    seconds: construct it off the event loop. `start()` warms up and starts the step thread."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.core = EngineCore(loaded, config)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def tokenizer(self) -> Any:  # a transformers tokenizer, or None for random-weight models
+        return self.loaded.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        core = self.core
+        backend = core.backend
+        return ModelInfo(
+            name=self.loaded.name,
+            context_length=core.max_model_len,
+            max_new_tokens=core.max_model_len - 1,
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            device=str(self.loaded.device),
+            vocab_size=self.loaded.vocab_size,
+            backend=f"{backend.name}: {backend.description}",
+            sliding_window=core.sliding_window or 0,
+        )
+
+    @property
+    def dead(self) -> bool:
+        return self.core.dead_reason is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.core.dead_reason
+
+    @property
+    def num_running(self) -> int:
+        return self.core.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.core.num_waiting
+
+    async def start(self) -> None:
+        """Warm up (one short generation, off the event loop), then start the step thread."""
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._warm_up)
+        self._thread = threading.Thread(target=self.core.run, args=(self._stop,), name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the step thread; requests still running end with CANCELLED."""
+        self._stop.set()
+        self.core.wake()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def get_session(self, session_id: str) -> SessionInfo | None:
+        return self.core.get_session(session_id)
+
+    def delete_session(self, session_id: str) -> bool:
+        return self.core.delete_session(session_id)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """Stream the request's deltas. Raises InvalidRequest, EngineDead or QueueFull before the first one.
+
+        Closing or cancelling the consumer aborts the request in the engine.
+        """
+        if self.dead:
+            raise EngineDead(self.dead_reason)
+        self.core.validate(request)
+        if self.core.num_waiting >= self.config.max_waiting:
+            raise QueueFull(f"{self.core.num_waiting} requests waiting")
+        loop = self._loop or asyncio.get_running_loop()
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+
+        def deliver(delta: Delta) -> None:
+            try:
+                loop.call_soon_threadsafe(deltas.put_nowait, delta)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+        handle = self.core.submit(request, deliver)
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.core.abort(handle)
+
+    def _warm_up(self) -> None:
+        request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
+        done = threading.Event()
+
+        def deliver(delta: Delta) -> None:
+            if delta.finished:
+                done.set()
+
+        self.core.submit(request, deliver)
+        self.core.run_until(done)

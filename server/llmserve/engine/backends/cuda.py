@@ -1,0 +1,223 @@
+"""The CUDA backend: the generic paged backend, with decode steps replayed from CUDA graphs captured at start-up.
+
+A decode-only step (every sequence computes one token) is padded up to a batch bucket with rows that write to
+the scratch slot. With the Triton varlen kernel (the default where Triton is installed) the batch is the whole
+key: the kernel reads each sequence's blocks up to its own length, so one graph serves every context. With
+the torch attention the padded gather also fixes the longest context, and a bucket is a (batch, context) pair.
+Every bucket up to `max_num_seqs` (and the context limit) is captured when the backend is built, before
+anything is served: replaying a graph costs one launch instead of a few hundred kernel launches from Python,
+and no request ever waits on a capture. The graphs' memory is measured first,
+with a one-block cache, and left out of the KV pool's budget. A capture that fails stops the start with the
+reason; `--no-cuda-graphs` serves without them.
+
+Steps that mix prompt chunks with decodes run eagerly. With `capture=False` the same padded forward runs
+eagerly instead of from graphs; the CPU tests use that to check the padding and the buckets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.engine.backends.attention import DecodeGroup, PagedBatch, Varlen
+from llmserve.engine.backends.base import KVCache
+from llmserve.engine.backends.torch_paged import TorchPagedBackend, padded_tables
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.plan import StepPlan
+from llmserve.models import LoadedModel
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class GraphCaptureError(RuntimeError):
+    """A CUDA graph could not be captured at start-up."""
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    for b in buckets:
+        if n <= b:
+            return b
+    return None
+
+
+def context_buckets(block_size: int, max_ctx: int) -> tuple[int, ...]:
+    """Powers of two from 256 (or 16 blocks) up to, and ending with, the context limit."""
+    ctx = max(block_size * 16, 256)
+    buckets = []
+    while ctx < max_ctx:
+        buckets.append(ctx)
+        ctx *= 2
+    return (*buckets, max_ctx)
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None
+    batch: PagedBatch
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits: torch.Tensor | None
+
+
+class DecodeGraphs:
+    """Per-bucket static buffers (and graphs) for decode-only steps of one backend.
+
+    With the backend's varlen kernel a bucket is a batch size alone: the kernel reads each sequence's blocks
+    up to its length, so one graph serves every context (block tables are as wide as the context limit).
+    Without it, decode attention is a padded gather, and a bucket is a (batch, context) pair.
+    """
+
+    def __init__(self, backend: TorchPagedBackend, max_batch: int, max_ctx: int, *, capture: bool) -> None:
+        self.backend = backend
+        self.capture = capture
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        self.varlen = backend.varlen_kernel is not None
+        self.ctx_buckets = (max_ctx,) if self.varlen else context_buckets(backend.block_size, max_ctx)
+        self.max_blocks = -(-max_ctx // backend.block_size)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.replays = 0  # decode steps served from a bucket
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def build_all(self) -> None:
+        """Capture (or, without capture, prepare) every bucket now; raise GraphCaptureError on a failure."""
+        for bp in self.batch_buckets:
+            for ctx in self.ctx_buckets:
+                try:
+                    self._graphs[bp, ctx] = self._build(bp, ctx)
+                except Exception as exc:
+                    raise GraphCaptureError(f"CUDA graph capture failed at batch {bp}, context {ctx}: {exc}") from exc
+
+    def covers(self, batch: int, max_ctx: int) -> bool:
+        return bucket(batch, self.batch_buckets) is not None and bucket(max_ctx, self.ctx_buckets) is not None
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [len(plan.seqs), vocab], in plan order, for a decode-only step (one token per sequence)."""
+        backend = self.backend
+        bs = backend.block_size
+        n = len(plan.seqs)
+        lens = [s.end for s in plan.seqs]
+        bp, ctx = bucket(n, self.batch_buckets), bucket(max(lens), self.ctx_buckets)
+        if bp is None or ctx is None:
+            raise ValueError(f"no graph bucket for {n} sequences at context {max(lens)}: check covers() first")
+        entry = self._graphs[bp, ctx]
+        self.replays += 1
+        pad = bp - n
+        scratch = backend.kv.scratch_block
+        ids = [s.token_ids[0] for s in plan.seqs]
+        positions = [s.start for s in plan.seqs]
+        slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in plan.seqs]
+        tables: list[Sequence[int]] = [s.block_table for s in plan.seqs]
+        entry.input_ids[0].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        entry.positions[0].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        entry.batch.slot_mapping.copy_(torch.tensor(slots + [backend.kv.scratch_slot] * pad), non_blocking=True)
+        varlen = entry.batch.varlen
+        if varlen is not None:
+            # Padded rows: one token at the scratch slot, attending to itself.
+            varlen.seq_lens.copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+            padded = padded_tables(tables + [[scratch]] * pad, self.max_blocks, scratch, torch.int32)
+            varlen.block_tables.copy_(padded, non_blocking=True)
+        else:
+            decode_slots, bias = backend.decode_tensors(tables + [[scratch]] * pad, lens + [1] * pad, ctx)
+            entry.batch.decode[0].slots.copy_(decode_slots)
+            entry.batch.decode[0].bias.copy_(bias)
+        if entry.graph is None:
+            return backend.forward(entry.input_ids, entry.positions, None, entry.batch)[:n]
+        entry.graph.replay()
+        assert entry.logits is not None
+        return entry.logits[:n]
+
+    def _build(self, bp: int, ctx: int) -> _Graph:
+        backend = self.backend
+        dev = backend.device
+        kvh = backend.shape.num_kv_heads
+        scratch_slot = backend.kv.scratch_slot
+        # Every padded row points at the scratch slot, so warm-up and capture write nowhere that matters.
+        batch = PagedBatch(
+            kv=backend.kv.tensor,
+            slot_mapping=torch.full((bp,), scratch_slot, dtype=torch.long, device=dev),
+            decode=[],
+            chunks=[],
+        )
+        kernel = backend.varlen_kernel
+        if kernel is not None:
+            batch.varlen = Varlen(
+                kernel=kernel,
+                query_start=torch.arange(bp + 1, dtype=torch.int32, device=dev),  # one token per sequence
+                seq_lens=torch.ones(bp, dtype=torch.int32, device=dev),
+                block_tables=torch.full((bp, self.max_blocks), backend.kv.scratch_block, dtype=torch.int32, device=dev),
+                max_query_len=1,
+                block_size=backend.block_size,
+            )
+        else:
+            batch.decode = [
+                DecodeGroup(
+                    0,
+                    bp,
+                    torch.full((bp * ctx,), scratch_slot, dtype=torch.long, device=dev),
+                    torch.zeros(kvh * bp, 1, ctx, dtype=backend.dtype, device=dev),
+                    ctx,
+                )
+            ]
+        input_ids = torch.zeros(1, bp, dtype=torch.long, device=dev)
+        positions = torch.zeros(1, bp, dtype=torch.long, device=dev)
+        entry = _Graph(None, batch, input_ids, positions, None)
+        if not self.capture:
+            return entry
+        with torch.inference_mode():
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    backend.forward(input_ids, positions, None, batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                entry.logits = backend.forward(input_ids, positions, None, batch)
+        entry.graph = graph
+        return entry
+
+
+class CudaBackend(TorchPagedBackend):
+    """The generic backend on a CUDA device, with every decode bucket's graph captured at start-up."""
+
+    name = "cuda"
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, capture: bool = True) -> None:
+        # A one-block cache first: enough to capture every graph once and measure what they take.
+        super().__init__(loaded, config, num_blocks=1)
+        reserve = self._graph_bytes(max_model_len) if capture and config.kv_cache_tokens is None else 0
+        self.num_blocks = self.size_pool(self.kv_budget_bytes(reserved=reserve))
+        del self.kv
+        self.kv = KVCache(self.shape, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len, capture=capture)
+        self.graphs.build_all()
+        self.description = (
+            f"{self.description}, {len(self.graphs)} CUDA graphs "
+            f"({'captured' if capture else 'eager'}) for decode steps; {reserve / 2**20:.0f} MiB kept for them"
+        )
+
+    def _graph_bytes(self, max_model_len: int) -> int:
+        """Device memory that capturing every bucket takes (graph pool and static buffers), measured."""
+        torch.cuda.synchronize(self.device)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        probe = DecodeGraphs(self, self.config.max_num_seqs, max_model_len, capture=True)
+        probe.build_all()
+        torch.cuda.synchronize(self.device)
+        used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        del probe
+        torch.cuda.empty_cache()
+        return used
+
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        decode_only = len(plan.sampling) == len(plan.seqs) and all(len(s.token_ids) == 1 for s in plan.seqs)
+        if decode_only and self.graphs.covers(len(plan.seqs), max(s.end for s in plan.seqs)):
+            return self.graphs.run(plan)
+        return super().logits(plan)

@@ -1,0 +1,60 @@
+"""One step's plan: what the scheduler decided, in the form a backend reads.
+
+The plan is the seam between book-keeping and tensors. The scheduler builds it once per step from its integer
+books; a backend turns it into one forward and samples the rows that ask for it. Nothing here holds a tensor,
+so plans are built and checked in tests without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from llmserve.engine.request import SampleRow, Sequence
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """One sequence's share of a step: compute positions [start, start + len(token_ids)).
+
+    `block_table` covers every position up to the last computed one; position p's K/V lives in slot
+    `block_table[p // block_size] * block_size + p % block_size`. `sample` is set when the step computes the
+    sequence's last token, whose logits pick the next one.
+    """
+
+    seq: Sequence  # the engine's state, for the book-keeping after the step; backends read the fields below
+    start: int
+    token_ids: Seq[int]
+    block_table: Seq[int]
+    sample: SampleRow | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        """The context length once the step is done."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The sequences of one step, in the scheduler's order, and the KV block copies to do before the forward.
+
+    Each copy's source holds a reference until the step is accounted (`Scheduler.update` or `abandon`), so that
+    nothing reallocates it first.
+    """
+
+    seqs: list[SeqStep] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def sampling(self) -> list[SeqStep]:
+        """The entries that sample a token this step, in plan order (the order of a backend's results)."""
+        return [s for s in self.seqs if s.sample is not None]

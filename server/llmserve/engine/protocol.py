@@ -1,0 +1,86 @@
+"""What the gRPC edge needs of an engine: the `Engine` protocol, and the records it answers with.
+
+The real engine (async_engine.AsyncEngine) and the service tests' fake both satisfy it; the service and the
+app depend on it, not on either. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llmserve.engine.request import Delta, GenerationRequest
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    context_length: int
+    max_new_tokens: int
+    dtype: str
+    device: str
+    vocab_size: int
+    backend: str = ""  # which path serves, and how (the backend's name and one-line description)
+    sliding_window: int = 0  # the model's attention window, 0 for none; the context is capped at it
+
+
+@dataclass(slots=True)
+class SessionInfo:
+    session_id: str
+    cached_tokens: int
+    last_used: float  # unix time
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's book-keeping, for metrics: gauges now, and counters since start."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # referenced by running sequences or sessions
+    kv_blocks_cached: int  # unreferenced, kept for prefix reuse (allocatable)
+    block_size: int
+    sessions: int
+    session_blocks: int
+    preemptions: int
+    session_hits: int
+    session_misses: int
+    session_evictions: dict[str, int]
+    prefix_cache_hits: int
+
+
+class Engine(Protocol):
+    """An engine the service can serve from. `generate` raises InvalidRequest, EngineDead or QueueFull before
+    its first delta; closing the stream early aborts the request."""
+
+    @property
+    def tokenizer(self) -> Any: ...  # a transformers tokenizer, or None for random-weight models
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def dead(self) -> bool: ...
+
+    @property
+    def dead_reason(self) -> str | None: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def get_session(self, session_id: str) -> SessionInfo | None: ...
+
+    def delete_session(self, session_id: str) -> bool: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...

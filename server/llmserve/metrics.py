@@ -1,0 +1,224 @@
+"""Prometheus metrics on their own HTTP port (`--metrics-port`; 0: off), all named `llmserve_*`.
+
+Two sources. Each Generate call, when it ends, feeds the histograms and the per-call counters
+(`ServerMetrics.call_finished`). The engine's own book-keeping (queue lengths, KV blocks, sessions, and the
+counters the scheduler and the session store keep) is read at scrape time by `EngineCollector`, so the step
+loop pays nothing for it. No label ever takes a value a request controls: labels are status codes, finish
+reasons and eviction causes (fixed sets), and the server's own build and model.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import threading
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llmserve.observe import FinishedCall
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from llmserve.engine.protocol import Engine
+
+log = logging.getLogger("llmserve")
+
+PREFIX = "llmserve"
+_CODES = frozenset(code.name for code in grpc.StatusCode)
+# CPU TTFTs reach minutes under load; a GPU's are milliseconds: the buckets span both.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = tuple(float(2**k) for k in range(18))  # 1 .. 131072
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class ServerMetrics:
+    """The metrics of one server, in a registry of its own (several servers may share a process in tests)."""
+
+    def __init__(self, replica: str, streams_in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = PREFIX
+        self.ttft = Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "Time from a Generate call's arrival to its first token being sent",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            f"{p}_inter_token_latency_seconds",
+            "Time between two consecutive responses with tokens of one Generate call",
+            registry=r,
+            buckets=_ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            f"{p}_request_duration_seconds",
+            "End-to-end time of Generate calls the engine took (arrival to the last message or the call's end)",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.queue = Histogram(
+            f"{p}_request_queue_duration_seconds",
+            "Time a request waited in the engine before its first step (reported with the call's last message)",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.prompt_len = Histogram(
+            f"{p}_request_prompt_tokens",
+            "Prompt length of Generate calls the engine took",
+            registry=r,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.completion_len = Histogram(
+            f"{p}_request_completion_tokens",
+            "Tokens sent per Generate call the engine took",
+            registry=r,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.requests = Counter(f"{p}_requests", "Generate calls ended, by gRPC status code", ["code"], registry=r)
+        self.finished = Counter(
+            f"{p}_requests_finished",
+            "Generate calls the engine took, by how generation ended (cancelled/deadline: also the caller's)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of calls the engine took", registry=r)
+        self.cached_prompt_tokens = Counter(
+            f"{p}_cached_prompt_tokens", "Prompt tokens served from cached KV (sessions or prefix cache)", registry=r
+        )
+        self.generated_tokens = Counter(f"{p}_generated_tokens", "Tokens sent to callers", registry=r)
+        info = Gauge(
+            f"{p}_build_info",
+            "Always 1; the labels say which build serves and under which replica name",
+            ["version", "python_version", "grpc_version", "torch_version", "replica"],
+            registry=r,
+        )
+        info.labels(_version("llmserve"), platform.python_version(), grpc.__version__, _version("torch"), replica).set(
+            1
+        )
+        self.engine = EngineCollector(streams_in_flight)
+        r.register(self.engine)
+        ProcessCollector(registry=r)  # the standard process_* (CPU, memory, open files) and python_info
+        PlatformCollector(registry=r)
+        self._http: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def attach(self, engine: Engine) -> None:
+        """Report this engine's book-keeping from now on."""
+        self.engine.engine = engine
+
+    def call_finished(self, call: FinishedCall) -> None:
+        code = call.code if call.code in _CODES else "UNKNOWN"
+        self.requests.labels(code).inc()
+        if call.queued is None:
+            return  # refused before the engine: a status, nothing else
+        if call.finish_reason is not None:
+            self.finished.labels(call.finish_reason).inc()
+        self.prompt_tokens.inc(call.prompt_tokens)
+        self.cached_prompt_tokens.inc(call.cached_prompt_tokens)
+        self.generated_tokens.inc(call.completion_tokens)
+        self.prompt_len.observe(call.prompt_tokens)
+        self.completion_len.observe(call.completion_tokens)
+        self.e2e.observe(call.end - call.start)
+        if call.queue_s is not None:
+            self.queue.observe(call.queue_s)
+        times = call.token_times
+        if times:
+            self.ttft.observe(times[0] - call.start)
+            for before, after in zip(times, times[1:], strict=False):
+                self.itl.observe(after - before)
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics over HTTP on a thread of its own."""
+        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class EngineCollector(Collector):
+    """Reads the engine's book-keeping when scraped (nothing is counted twice, nothing on the step path)."""
+
+    def __init__(self, streams_in_flight: Callable[[], int]) -> None:
+        self.engine: Engine | None = None
+        self._streams = streams_in_flight
+
+    def collect(self) -> Iterator[Metric]:
+        p = PREFIX
+        engine = self.engine
+        alive = engine is not None and not engine.dead
+        yield _gauge(f"{p}_engine_alive", "1 while the engine is loaded and stepping, else 0", int(alive))
+        yield _gauge(
+            f"{p}_streams_in_flight", "Generate streams open now (--max-concurrent-streams caps them)", self._streams()
+        )
+        if engine is None:
+            return
+        info = engine.model_info
+        model = GaugeMetricFamily(
+            f"{p}_model_info", "Always 1; the labels describe the served model", labels=["model", "dtype", "device"]
+        )
+        model.add_metric([info.name, info.dtype, info.device], 1)
+        yield model
+        yield _gauge(f"{p}_model_context_length_tokens", "The served context length", info.context_length)
+        s = engine.stats()
+        yield _gauge(f"{p}_requests_running", "Requests in the running batch", s.running)
+        yield _gauge(f"{p}_requests_waiting", "Requests waiting for the engine to take them", s.waiting)
+        yield _gauge(f"{p}_kv_cache_capacity_blocks", "KV cache size in blocks", s.kv_blocks_total)
+        yield _gauge(f"{p}_kv_cache_used_blocks", "KV blocks held by running requests or sessions", s.kv_blocks_used)
+        yield _gauge(
+            f"{p}_kv_cache_cached_blocks", "Free KV blocks still holding a reusable prefix", s.kv_blocks_cached
+        )
+        yield _gauge(f"{p}_kv_cache_block_size_tokens", "Tokens per KV block", s.block_size)
+        yield _gauge(f"{p}_sessions_held", "Sessions whose KV is cached", s.sessions)
+        yield _gauge(f"{p}_sessions_held_blocks", "KV blocks held by cached sessions", s.session_blocks)
+        yield _counter(f"{p}_preemptions", "Running requests preempted (KV freed, recomputed later)", s.preemptions)
+        yield _counter(f"{p}_session_hits", "Requests with a session id whose session was cached", s.session_hits)
+        yield _counter(
+            f"{p}_session_misses", "Requests with a session id not cached (new, expired or evicted)", s.session_misses
+        )
+        evictions = CounterMetricFamily(
+            f"{p}_session_evictions",
+            "Sessions dropped by the server: memory (KV needed), limit (count or pool share), ttl (idle)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(s.session_evictions.items()):
+            evictions.add_metric([reason], n)
+        yield evictions
+        yield _counter(
+            f"{p}_prefix_cache_hits",
+            "Requests without a cached session that reused prefix-cached KV",
+            s.prefix_cache_hits,
+        )
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,83 @@
+"""Builds the CPU backend's C kernels at install time (`pip install .`, `pip install -e .`, `make kernels`).
+
+The kernels are plain C libraries loaded with ctypes (no Python API), so they are built with our own compiler
+line rather than as Python extension modules; setuptools only decides when and where (next to the package's
+modules, also for editable installs). Both are optional: without a C compiler the install still succeeds and
+the server runs the slower torch paths, or refuses to start with `--cpu-kernels require`.
+
+- `_paged_decode`: decode attention, once per common (head dim, query heads per kv head) pair;
+- `_fused_ops`: the fused elementwise parts of a Llama-family layer.
+
+LLMSERVE_KERNEL_MARCH picks the target CPU (default `native`, the machine that installs; an image built on one
+machine and run on others wants a portable level such as `x86-64-v3`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
+
+CSRC = Path("server/llmserve/engine/backends/cpu/csrc")
+PACKAGE = "llmserve.engine.backends.cpu"
+# SmolLM2 (64, 3), Llama 3.2 1B (64, 4), Qwen3-0.6B (128, 2), Qwen2.5-0.5B (64, 7), Llama/Mistral 7-8B (128, 4),
+# the tests' tiny models (16, 2)... Other shapes decode through the torch path.
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+GROUPS = tuple(range(1, 9))
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
+# Tried in order: with glibc's vector exp (x86-64 glibc >= 2.22), then without.
+VARIANTS = (("-DVECTOR_EXP", "-lmvec"), ())
+
+
+def paged_decode_source(folder: Path) -> Path:
+    """A translation unit that includes paged_decode.c once per (head dim, group) pair."""
+    lines = []
+    for head_dim, group in itertools.product(HEAD_DIMS, GROUPS):
+        lines += [
+            f"#define HEAD_DIM {head_dim}",
+            f"#define GROUP {group}",
+            f"#define VARIANT _d{head_dim}_g{group}",
+            '#include "paged_decode.c"',
+            "#undef HEAD_DIM",
+            "#undef GROUP",
+            "#undef VARIANT",
+        ]
+    path = folder / "paged_decode_variants.c"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class BuildKernels(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        target = Path(self.get_ext_fullpath(ext.name))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = Path(self.build_temp)
+        temp.mkdir(parents=True, exist_ok=True)
+        source = paged_decode_source(temp) if ext.name.endswith("_paged_decode") else Path(ext.sources[0])
+        compiler = os.environ.get("CC", "cc")
+        march = os.environ.get("LLMSERVE_KERNEL_MARCH", "native")
+        extra = ["-ffp-contract=off"] if ext.name.endswith("_fused_ops") else []
+        detail = ""
+        for variant in VARIANTS:
+            defines, libraries = variant[:1], variant[1:]
+            command = [compiler, *FLAGS, f"-march={march}", *extra, *defines, f"-I{CSRC.resolve()}"]
+            command += ["-o", str(target), str(source), *libraries, "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode == 0:
+                return
+            detail = result.stderr[-2000:]
+        raise CompileError(f"building {ext.name} failed: {detail}")
+
+
+setup(
+    ext_modules=[
+        Extension(f"{PACKAGE}._paged_decode", [str(CSRC / "paged_decode.c")], optional=True),
+        Extension(f"{PACKAGE}._fused_ops", [str(CSRC / "fused_ops.c")], optional=True),
+    ],
+    cmdclass={"build_ext": BuildKernels},
+)
