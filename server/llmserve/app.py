@@ -15,7 +15,7 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,7 @@ class _HealthServicer(health_aio.HealthServicer):  # type: ignore[misc]  # grpc_
     call to it otherwise ends UNKNOWN with a traceback in the log)."""
 
     async def List(
-        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> health_pb2.HealthListResponse:
         statuses = {name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()}
         return health_pb2.HealthListResponse(statuses=statuses)
@@ -102,9 +102,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or not method.startswith(f"/{SERVICE_NAME}/"):
@@ -126,7 +126,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext[Any, Any]) -> None:
     status = status_for(exc)
     if status is None:
         raise exc
@@ -141,7 +141,7 @@ Trailing = tuple[tuple[str, str], ...]
 
 
 def _unary_with_status(behaviour: Callable[..., Awaitable[Any]], trailing: Trailing) -> Callable[..., Awaitable[Any]]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         context.set_trailing_metadata(trailing)
         try:
             if isinstance(request, Undecodable):
@@ -154,11 +154,11 @@ def _unary_with_status(behaviour: Callable[..., Awaitable[Any]], trailing: Trail
 
 
 def _stream_with_status(
-    behaviour: Callable[..., AsyncGenerator[Any, None]], trailing: Trailing, stall_timeout_s: float
+    behaviour: Callable[..., Any], trailing: Trailing, stall_timeout_s: float
 ) -> Callable[..., Awaitable[None]]:
     # Writes with context.write rather than by being a generator, so that a write stuck on the client's
     # flow control can be timed out; the stall is thrown into the servicer's generator at its yield.
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         context.set_trailing_metadata(trailing)
         try:
             if isinstance(request, Undecodable):
@@ -178,6 +178,8 @@ def _stream_with_status(
 
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     """TLS from PEM files; with a client CA, clients must present a certificate it signed."""
+    if config.tls_key is None or config.tls_cert is None:
+        raise ValueError("TLS needs --tls-cert and --tls-key")
     key, chain = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
     client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca, require_client_auth=bool(client_ca))
@@ -259,7 +261,7 @@ class LLMServer:
         closing = asyncio.ensure_future(self._server.stop(grace_s + _FINAL_MESSAGES_S + 1.0))
         if self.servicer.num_streams:
             log.info("draining %d streams for up to %.1f s", self.servicer.num_streams, grace_s)
-            waits = [asyncio.ensure_future(self.servicer.wait_idle())]
+            waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.servicer.wait_idle())]
             if force is not None:
                 waits.append(asyncio.ensure_future(force.wait()))
             await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)

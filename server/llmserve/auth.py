@@ -15,7 +15,7 @@ import hmac
 import inspect
 import io
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,7 @@ class TokenStore:
         return found
 
 
-def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The token of an `authorization: Bearer <token>` metadata entry (the scheme is case-insensitive)."""
     for key, value in metadata or ():
         if key != "authorization" or not isinstance(value, str):
@@ -112,12 +112,12 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | No
     return None
 
 
-def certificate_identity(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
+def certificate_identity(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
     """The client certificate's first subject alternative name, else its common name."""
     for key in ("x509_subject_alternative_name", "x509_common_name"):
-        values = auth_context.get(key) or ()
+        values: Iterable[bytes] = auth_context.get(key) or ()
         for value in values:
-            name = value.decode("utf-8", "replace").strip()
+            name: str = value.decode("utf-8", "replace").strip()
             if name:
                 return name
     return None
@@ -132,7 +132,7 @@ class Authenticator:
         self.tokens = tokens
         self.from_certificate = from_certificate
 
-    def identify(self, context: grpc.aio.ServicerContext) -> str | None:
+    def identify(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
         if self.tokens is not None:
             token = bearer_token(context.invocation_metadata())
             return None if token is None else self.tokens.identify(token)
@@ -157,9 +157,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(self._exempt):
             return handler
@@ -179,7 +179,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 )
         return handler
 
-    async def _enter(self, context: grpc.aio.ServicerContext) -> None:
+    async def _enter(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         identity = self._authenticator.identify(context)
         if identity is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
@@ -190,14 +190,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         # grpc.aio tells handler styles apart by function type, so keep the wrapped one's.
         if inspect.isasyncgenfunction(behaviour):
 
-            async def guarded_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def guarded_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
                 await self._enter(context)
                 async for response in behaviour(request, context):
                     yield response
 
             return guarded_stream
 
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await self._enter(context)
             return await behaviour(request, context)
 

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from google.protobuf import duration_pb2
@@ -189,7 +189,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return self._engine
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         identity = caller_identity()
         record = RequestRecord(request.request_id or "-", time.monotonic(), identity=identity)
@@ -244,7 +244,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if self._observers:
                 self._tell_observers(record, bool(request.session_id), context)
 
-    def _tell_observers(self, record: RequestRecord, has_session: bool, context: grpc.aio.ServicerContext) -> None:
+    def _tell_observers(
+        self, record: RequestRecord, has_session: bool, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
         status = record.status if record.status in _CODE_NAMES.values() else "UNKNOWN"
         finish = None if record.finish == "-" else record.finish
         if finish is None and record.queued is not None:
@@ -328,7 +330,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         prompt_ids = gen_request.prompt_token_ids if options.prompt_token_ids else ()
         try:
             # aclosing: a cancel while we wait on the client still closes (and so aborts) the engine request.
-            async with contextlib.aclosing(engine.generate(gen_request)) as deltas:
+            async with contextlib.aclosing(cast(AsyncGenerator[Delta, None], engine.generate(gen_request))) as deltas:
                 async for delta in deltas:
                     record.observe(delta)
                     if turn is not None and delta.finish_reason is not FinishReason.DEADLINE:
@@ -392,14 +394,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             cache_salt=None if identity is None or self._config.shared_prefix_cache else identity,
         )
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.TokenizeResponse:
         tokenizer = self._ready_engine().tokenizer
         check_input(request, self._limits, self._max_prompt_bytes)
         ids = await _prompt_token_ids(tokenizer, request)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetModelInfoResponse:
         info = self._ready_engine().model_info
         return pb.GetModelInfoResponse(
@@ -415,7 +419,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
 
     async def GetSession(
-        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetSessionResponse:
         engine = self._ready_engine()
         if not request.session_id:
@@ -442,7 +446,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return response
 
     async def DeleteSession(
-        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteSessionResponse:
         engine = self._ready_engine()
         if not request.session_id:
@@ -456,7 +460,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # -- sessions: keys, histories and append mode (history.py holds the book-keeping) -------------
 
-    def _session_key(self, context: grpc.aio.ServicerContext, session_id: str) -> str:
+    def _session_key(self, context: grpc.aio.ServicerContext[Any, Any], session_id: str) -> str:
         """The key a caller's session id is stored under, in the engine's cache and in the history store.
 
         Every session-id use goes through here. With authentication on, two identities' equal session ids
@@ -550,13 +554,15 @@ async def _prompt_token_ids(tokenizer: Any, request: pb.GenerateRequest | pb.Tok
         choices = ", ".join(field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
         raise InvalidRequest("input", f"set one of {choices}")
     if kind == "token_ids":
+        assert isinstance(request, pb.GenerateRequest)  # only a GenerateRequest carries token ids
         return list(request.token_ids.ids)
     if tokenizer is None:
         raise InvalidRequest(kind, "the model has no tokenizer: send token_ids")
     if kind == "text":
         if not request.text:
             raise InvalidRequest("text", "must not be empty")
-        return await asyncio.to_thread(tokenizer.encode, request.text)
+        ids: list[int] = await asyncio.to_thread(tokenizer.encode, request.text)
+        return ids
     return await asyncio.to_thread(_chat_token_ids, tokenizer, request.chat.messages)
 
 
@@ -572,7 +578,8 @@ def _chat_token_ids(tokenizer: Any, messages: Sequence[pb.ChatMessage]) -> list[
         # The template's message may quote the conversation: keep it short.
         raise InvalidRequest("chat.messages", f"the chat template rejects it: {clip(str(exc), 200)}") from None
     # The template already wrote the special tokens it wants.
-    return tokenizer.encode(text, add_special_tokens=False)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return ids
 
 
 def _input_text(request: pb.GenerateRequest) -> str:
@@ -593,7 +600,9 @@ def _to_response(
     if delta.logprobs:
         response.logprobs.extend(_logprob_pb(lp) for lp in delta.logprobs)
     if delta.finish_reason is not None:
-        response.finish_reason = pb.FinishReason.Value(f"FINISH_REASON_{delta.finish_reason.name}")
+        response.finish_reason = pb.FinishReason.Value(  # type: ignore[assignment]  # the stubs want the enum type
+            f"FINISH_REASON_{delta.finish_reason.name}"
+        )
     if delta.usage is not None:
         u = delta.usage
         response.usage.SetInParent()

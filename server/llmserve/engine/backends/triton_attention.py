@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+# (a Triton kernel's parameters are pointers and constexprs that no Python type describes)
 """Varlen paged attention in Triton: every sequence of a step, prompt chunks and decodes alike, in one launch.
 
 Each program takes one sequence, one kv head and a block of that sequence's new tokens. The query heads that
