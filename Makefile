@@ -103,6 +103,7 @@ lint: $(STAMP_INSTALL) $(BUF)
 	$(VENV)/bin/ruff format --check .
 	$(BUF) lint
 	$(HADOLINT) Dockerfile
+	$(VENV)/bin/mypy
 
 bench: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# The GPU benchmark (issue 5) as one script: both random-weight shapes, bf16, CUDA graphs on, the GPU plan
-# (short windows). About 4 minutes per shape on an H200. Results go to $OUT when set (the device tool's
-# output folder), else to benchmarks/results. Needs no tokenizer and no network.
+# The GPU measurements as one prepared script for a lent device (issue 12): the engine checks (exactness on
+# CUDA, bf16 agreement, graphs on/off), the issue's figures for three random-weight shapes (gpu_perf.py:
+# nano-vllm's workload in-process and over gRPC, decode step times and the GPU's idle share), then the
+# 32-client ladder in SmolLM2-135M's shape. Results go to $OUT when set (the device tool's output folder), else
+# to benchmarks/results. Needs no tokenizer and no network; the device image lacks grpcio-health-checking,
+# grpcio-reflection, grpcio-status and prometheus-client, which travel as wheels (device README).
+# Not yet timed on a GPU as a whole: run the parts one by one first if the device time is short.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
 out="${OUT:-benchmarks/results}"
 py="${PYTHON:-python}"
 status=0
-for model in random:smollm2-135m random:llama-1b; do
-  "$py" benchmarks/run.py --device cuda --dtype bfloat16 --model "$model" --out-dir "$out" "$@" || status=1
-done
+"$py" benchmarks/gpu_check.py --out "$out" || status=1
+"$py" benchmarks/gpu_perf.py --out "$out" || status=1
+"$py" benchmarks/run.py --device cuda --dtype bfloat16 --model random:smollm2-135m \
+  --systems dynamic,hf_continuous,llmserve --out-dir "$out" "$@" || status=1
 exit "$status"

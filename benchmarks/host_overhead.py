@@ -27,27 +27,15 @@ from benchmarks.paths import make_importable  # noqa: E402
 make_importable()
 
 import torch  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
 
 from llmserve.engine.backends.cuda import CudaBackend  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core import EngineCore  # noqa: E402
 from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
 from llmserve.models import from_config  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
 
 VOCAB = 512
-
-
-def tiny_llama() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
 
 
 def stub_model_call(core: EngineCore) -> None:
@@ -63,7 +51,7 @@ def stub_model_call(core: EngineCore) -> None:
 
 def measure(batch: int, backend: str, steps: int, prompt: int = 100) -> dict[str, float]:
     """Median and P90 host milliseconds per decode step with `batch` sequences running."""
-    loaded = from_config(tiny_llama(), dtype=torch.float32)
+    loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
     config = EngineConfig(
         block_size=16,
         kv_cache_tokens=batch * (prompt + steps + 64) + 1024,

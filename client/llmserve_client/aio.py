@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
 from llmserve_client import health
+from llmserve_client.auth import resolve_token
 from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
 from llmserve_client.conversation import AsyncConversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
@@ -31,11 +33,14 @@ class AsyncClient:
         tls: TLS | bool | None = None,
         options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
         retry: Retry = DEFAULT_RETRY,
+        token: str | None = None,
+        token_file: str | Path | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = retry
-        self._channel = open_channel(target, tls, options, aio=True)
+        token = resolve_token(token, token_file, env={})
+        self._channel = open_channel(target, tls, options, aio=True, token=token)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._health_check = health.check_method(self._channel)
 

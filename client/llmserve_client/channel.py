@@ -9,6 +9,8 @@ from typing import Any
 
 import grpc
 
+from llmserve_client.auth import BearerToken, aio_interceptors
+
 
 @dataclass(slots=True, frozen=True)
 class TLS:
@@ -35,14 +37,28 @@ class TLS:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
 
-def open_channel(target: str, tls: TLS | bool | None, options: Sequence[tuple[str, Any]], *, aio: bool) -> Any:
-    """A grpc (or grpc.aio) channel: plaintext for tls None/False, the system's roots for True, else `tls`."""
-    module = grpc.aio if aio else grpc
+def open_channel(
+    target: str, tls: TLS | bool | None, options: Sequence[tuple[str, Any]], *, aio: bool, token: str | None = None
+) -> Any:
+    """A grpc (or grpc.aio) channel: plaintext for tls None/False, the system's roots for True, else `tls`;
+    with `token`, every call carries `authorization: Bearer <token>`."""
+    if aio:
+        interceptors = aio_interceptors(token) if token else None
+        if not tls:
+            return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+        credentials = (tls if isinstance(tls, TLS) else TLS()).credentials()
+        return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
     if not tls:
-        return module.insecure_channel(target, options=options)
-    credentials = (tls if isinstance(tls, TLS) else TLS()).credentials()
-    return module.secure_channel(target, credentials, options=options)
+        channel = grpc.insecure_channel(target, options=options)
+    else:
+        channel = grpc.secure_channel(target, (tls if isinstance(tls, TLS) else TLS()).credentials(), options=options)
+    return grpc.intercept_channel(channel, BearerToken(token)) if token else channel
 
 
-# Long streams are normal here: keep idle connections alive through proxies, within what servers allow.
-DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.keepalive_time_ms", 60_000),)
+# Long streams are normal here: keep idle connections alive through proxies, within what servers allow
+# (llmserve accepts a ping every 5 s; gRPC servers by default one per 5 minutes when no data flows). Without
+# max_pings_without_data=0 gRPC stops pinging after two pings on a stream that carries no data.
+DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)

@@ -23,6 +23,7 @@ import grpc
 from google.protobuf import json_format
 
 from llmserve_client import chat, pb
+from llmserve_client.auth import TOKEN_ENV, TOKEN_FILE_ENV, resolve_token
 from llmserve_client.channel import TLS
 from llmserve_client.client import Client
 from llmserve_client.retry import CallInfo
@@ -42,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ca-cert", help="PEM file of root certificates to verify the server")
     parser.add_argument("--cert", help="PEM client certificate chain (mutual TLS; needs --key)")
     parser.add_argument("--key", help="PEM client private key (mutual TLS)")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help=f"bearer token sent on every call (visible to other users in ps: prefer the env or a file) "
+        f"[env {TOKEN_ENV}]",
+    )
+    parser.add_argument("--token-file", default=None, help=f"file holding the bearer token [env {TOKEN_FILE_ENV}]")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="stream a completion")
@@ -144,7 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "generate" and args.continue_session and not args.session:
         parser.error("--continue needs --session")
     try:
-        with Client(args.address, timeout=args.timeout, tls=_tls(args)) as client:
+        token = resolve_token(args.token, args.token_file)
+    except (OSError, ValueError) as exc:
+        parser.error(f"token: {exc}")
+    try:
+        with Client(args.address, timeout=args.timeout, tls=_tls(args), token=token) as client:
             if args.command == "generate":
                 return _generate(client, args)
             if args.command == "chat":

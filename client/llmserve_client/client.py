@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
 from llmserve_client import health
+from llmserve_client.auth import resolve_token
 from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
 from llmserve_client.conversation import Conversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
@@ -25,9 +27,10 @@ class Client:
 
     `timeout` is the default deadline of every call in seconds (None: no deadline); each method takes its
     own `timeout` too. `tls`: None or False for plaintext, True for TLS with the system's roots, or a TLS
-    object. Errors surface as grpc.RpcError (its .code() and .details() say what went wrong).
-    `retry`: how calls refused with UNAVAILABLE before any response are retried (see llmserve_client.retry;
-    NO_RETRY turns it off).
+    object. `token` (or the first line of `token_file`): sent as `authorization: Bearer <token>` on every
+    call, for a server with --auth-token-file. Errors surface as grpc.RpcError (its .code() and .details()
+    say what went wrong). `retry`: how calls refused with UNAVAILABLE before any response are retried (see
+    llmserve_client.retry; NO_RETRY turns it off).
     """
 
     def __init__(
@@ -38,11 +41,14 @@ class Client:
         tls: TLS | bool | None = None,
         options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
         retry: Retry = DEFAULT_RETRY,
+        token: str | None = None,
+        token_file: str | Path | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = retry
-        self._channel = open_channel(target, tls, options, aio=False)
+        token = resolve_token(token, token_file, env={})
+        self._channel = open_channel(target, tls, options, aio=False, token=token)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._health_check = health.check_method(self._channel)
 

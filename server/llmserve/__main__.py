@@ -9,21 +9,23 @@ from collections.abc import Sequence
 
 from llmserve.config import from_args
 from llmserve.process import configure_process
+from llmserve.request_log import configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Serve; the exit status is 0 after a signal, 2 for bad settings, 3 when the engine died (restart me)."""
     # Before torch and transformers are imported anywhere (see llmserve.process).
     configure_process()
     config = from_args(argv)
-    logging.basicConfig(
-        level=config.server.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(config.server.log_level, config.server.log_format)
     from llmserve.app import run
+    from llmserve.auth import TokenFileError
 
-    asyncio.run(run(config))
-    return 0
+    try:
+        return asyncio.run(run(config))
+    except TokenFileError as exc:
+        logging.getLogger("llmserve").error("auth token file: %s", exc)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,33 +1,39 @@
-"""The grpc.aio server: GenerateService, health, reflection, the error interceptor, and the process life cycle.
+"""The grpc.aio server: GenerateService, health, reflection, the interceptors, and the process life cycle.
 
 Life cycle of `run()`: bind and start with health NOT_SERVING (so probes get an answer while the model
 loads), load the model, start and warm up the engine, flip health to SERVING. On SIGTERM/SIGINT: health
-NOT_SERVING, refuse new Generate streams, let those in flight finish for the grace period, cancel the rest,
-stop the engine, return (the process exits 0). A second signal skips what is left of the grace period.
+NOT_SERVING, refuse new Generate streams, let those in flight finish for the grace period, then stop the
+engine (the streams it cuts get a last message and UNAVAILABLE), stop the server, return 0. A second signal
+skips what is left of the grace period. SIGHUP re-reads the auth token file. When the engine dies, the
+server drains the same way and `run()` returns EXIT_ENGINE_DEAD, so that a supervisor restarts the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
+from llmserve.auth import Authenticator, AuthInterceptor, TokenStore
 from llmserve.config import Config, ServerConfig
+from llmserve.engine.request import InvalidRequest
 from llmserve.metrics import ServerMetrics
-from llmserve.service import SERVICE_NAME, GenerateServicer, status_for
+from llmserve.service import SERVICE_NAME, GenerateServicer, StreamStalled, status_for
 from llmserve.tracing import Tracing
 from llmserve.tracing import from_env as tracing_from_env
-from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+from llmserve_client.pb.llmserve.v1 import generate_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:
     from llmserve.engine.protocol import Engine
@@ -40,39 +46,87 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _HEALTH_NAMES = ("", SERVICE_NAME)
 _DEAD_POLL_S = 1.0
 REPLICA_KEY = "x-llmserve-replica"
+# Exit status of the process when the engine died (0 is a clean shutdown, 1 an unexpected error).
+EXIT_ENGINE_DEAD = 3
+# After the engine stops, how long the streams it cut get to send their last message before the server stops.
+_FINAL_MESSAGES_S = 2.0
+_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"]
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_REFLECTION_PREFIX = "/grpc.reflection."
+
+
+class _HealthServicer(health_aio.HealthServicer):  # type: ignore[misc]  # grpc_health is untyped
+    """grpc.health.v1.Health with List, which grpcio-health-checking's servicer leaves unimplemented (a
+    call to it otherwise ends UNKNOWN with a traceback in the log)."""
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> health_pb2.HealthListResponse:
+        statuses = {name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()}
+        return health_pb2.HealthListResponse(statuses=statuses)
+
+
+class Undecodable:
+    """What the request deserializer returns for bytes protobuf cannot parse; the call then ends
+    INVALID_ARGUMENT naming `request` (gRPC itself would answer UNKNOWN and log a traceback)."""
+
+    def __init__(self, message_name: str) -> None:
+        self.message_name = message_name
+
+    def error(self) -> InvalidRequest:
+        return InvalidRequest("request", f"is not a valid {self.message_name} message")
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None, message_name: str) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError:
+            return Undecodable(message_name)
+
+    return deserialize
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns the errors GenerateService raises into gRPC statuses (with google.rpc details) via `status_for`,
-    and ends every GenerateService call with `trailing_metadata` (the replica's name), whatever its status."""
+    """For GenerateService: turns the errors it raises into gRPC statuses (with google.rpc details) via
+    `status_for`, answers undecodable requests INVALID_ARGUMENT, aborts a stream whose next message has
+    waited on the client's flow control for `stall_timeout_s` (the client reads nothing), and ends every
+    call with `trailing_metadata` (the replica's name), whatever its status."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_timeout_s: float) -> None:
         self.trailing_metadata: tuple[tuple[str, str], ...] = ()
+        self._stall_timeout_s = stall_timeout_s
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+        method = handler_call_details.method
+        if handler is None or not method.startswith(f"/{SERVICE_NAME}/"):
             return handler
+        rpc = _SERVICE.methods_by_name.get(method.rsplit("/", 1)[-1])
+        deserializer = _tolerant(handler.request_deserializer, rpc.input_type.full_name if rpc else "request")
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _stream_with_status(handler.unary_stream, self.trailing_metadata),
-                request_deserializer=handler.request_deserializer,
+                _stream_with_status(handler.unary_stream, self.trailing_metadata, self._stall_timeout_s),
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _unary_with_status(handler.unary_unary, self.trailing_metadata),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler
 
 
-async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext[Any, Any]) -> None:
     status = status_for(exc)
     if status is None:
         raise exc
@@ -87,9 +141,11 @@ Trailing = tuple[tuple[str, str], ...]
 
 
 def _unary_with_status(behaviour: Callable[..., Awaitable[Any]], trailing: Trailing) -> Callable[..., Awaitable[Any]]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         context.set_trailing_metadata(trailing)
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             return await behaviour(request, context)
         except Exception as exc:  # noqa: BLE001 - _abort_for re-raises what it does not know
             await _abort_for(exc, context)
@@ -98,13 +154,22 @@ def _unary_with_status(behaviour: Callable[..., Awaitable[Any]], trailing: Trail
 
 
 def _stream_with_status(
-    behaviour: Callable[..., AsyncIterator[Any]], trailing: Trailing
-) -> Callable[..., AsyncIterator[Any]]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    behaviour: Callable[..., Any], trailing: Trailing, stall_timeout_s: float
+) -> Callable[..., Awaitable[None]]:
+    # Writes with context.write rather than by being a generator, so that a write stuck on the client's
+    # flow control can be timed out; the stall is thrown into the servicer's generator at its yield.
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         context.set_trailing_metadata(trailing)
         try:
-            async for response in behaviour(request, context):
-                yield response
+            if isinstance(request, Undecodable):
+                raise request.error()
+            async with contextlib.aclosing(behaviour(request, context)) as responses:
+                async for response in responses:
+                    try:
+                        async with asyncio.timeout(stall_timeout_s):
+                            await context.write(response)
+                    except TimeoutError:
+                        await responses.athrow(StreamStalled(stall_timeout_s))
         except Exception as exc:  # noqa: BLE001 - _abort_for re-raises what it does not know
             await _abort_for(exc, context)
 
@@ -113,6 +178,8 @@ def _stream_with_status(
 
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     """TLS from PEM files; with a client CA, clients must present a certificate it signed."""
+    if config.tls_key is None or config.tls_cert is None:
+        raise ValueError("TLS needs --tls-cert and --tls-key")
     key, chain = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
     client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca, require_client_auth=bool(client_ca))
@@ -124,15 +191,17 @@ class LLMServer:
 
     def __init__(self, config: ServerConfig, *, tracing: Tracing | None = None) -> None:
         self.config = config
-        errors = ErrorInterceptor()
-        self._server = grpc.aio.server(
-            interceptors=[errors],
-            # Two servers on one port would split the traffic silently; fail to bind instead.
-            options=[("grpc.so_reuseport", 0)],
-        )
+        self.authenticator = _authenticator(config)
+        errors = ErrorInterceptor(config.stream_stall_timeout_s)
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.authenticator is not None:
+            exempt = [_HEALTH_PREFIX] if config.reflection_requires_auth else [_HEALTH_PREFIX, _REFLECTION_PREFIX]
+            interceptors.append(AuthInterceptor(self.authenticator, exempt=exempt))
+        interceptors.append(errors)
+        self._server = grpc.aio.server(interceptors=interceptors, options=_server_options(config))
         self.servicer = GenerateServicer(config)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
-        self.health = health_aio.HealthServicer()
+        self.health = _HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if config.reflection:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
@@ -150,6 +219,8 @@ class LLMServer:
                 self.servicer.add_observer(observer)
         self.engine: Engine | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        # Set when the engine has died: run() then drains and returns EXIT_ENGINE_DEAD.
+        self.engine_died = asyncio.Event()
 
     async def start(self) -> None:
         """Start answering: health NOT_SERVING, GenerateService UNAVAILABLE until `serve()`."""
@@ -172,18 +243,25 @@ class LLMServer:
         self._watchdog = asyncio.create_task(self._watch_engine(engine))
         log.info("serving %s", engine.model_info)
 
+    def reload_credentials(self) -> None:
+        """Re-read the auth token file (SIGHUP); streams in flight are not touched."""
+        if self.authenticator is not None:
+            self.authenticator.reload()
+
     async def stop(self, grace_s: float | None = None, *, force: asyncio.Event | None = None) -> None:
         """Drain: NOT_SERVING, refuse new streams, wait up to `grace_s` for those in flight (or until
-        `force` is set), cancel the rest, stop the engine."""
+        `force` is set), then stop the engine, whose cut streams end with a last message (finish reason
+        CANCELLED, usage) and UNAVAILABLE, and stop the server, cancelling whatever is left."""
         grace_s = self.config.grace_period_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         self.servicer.begin_drain()
         # gRPC's own graceful stop closes the listener and sends GOAWAY now (streams in flight go on), so a
         # proxy or balancer sends new calls to other replicas at once; the stop(0) below cancels what is left.
-        closing = asyncio.ensure_future(self._server.stop(grace_s))
+        # Its grace outlasts ours, so that the streams the engine cuts still send their last message.
+        closing = asyncio.ensure_future(self._server.stop(grace_s + _FINAL_MESSAGES_S + 1.0))
         if self.servicer.num_streams:
             log.info("draining %d streams for up to %.1f s", self.servicer.num_streams, grace_s)
-            waits = [asyncio.ensure_future(self.servicer.wait_idle())]
+            waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.servicer.wait_idle())]
             if force is not None:
                 waits.append(asyncio.ensure_future(force.wait()))
             await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
@@ -193,10 +271,15 @@ class LLMServer:
                 log.warning("cancelling %d streams still in flight", self.servicer.num_streams)
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self.engine is not None:
+            # The engine first: it ends each request it still runs with a last delta, which the streams
+            # can still send while the server is up.
+            await self.engine.shutdown()
+            if self.servicer.num_streams:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.servicer.wait_idle(), _FINAL_MESSAGES_S)
         await self._server.stop(0)  # cancels whatever is left, health watches included
         await closing
-        if self.engine is not None:
-            await self.engine.shutdown()
         if self.metrics is not None:
             self.metrics.close()
         if self.tracing is not None:
@@ -210,12 +293,38 @@ class LLMServer:
     async def _watch_engine(self, engine: Engine) -> None:
         while not engine.dead:
             await asyncio.sleep(_DEAD_POLL_S)
-        log.error("engine is dead (%s): reporting NOT_SERVING", engine.dead_reason)
+        log.error("engine is dead (%s): reporting NOT_SERVING, draining and exiting", engine.dead_reason)
         await self._set_health(_NOT_SERVING)
+        self.engine_died.set()
 
 
-async def run(config: Config) -> None:
-    """Serve until SIGTERM or SIGINT, then drain and return."""
+def _authenticator(config: ServerConfig) -> Authenticator | None:
+    if config.auth_token_file is not None:
+        return Authenticator(TokenStore(config.auth_token_file), from_certificate=False)
+    if config.identity_from_cert:
+        return Authenticator(None, from_certificate=True)
+    return None
+
+
+def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    ping_ms = int(config.keepalive_min_ping_interval_s * 1000)
+    return [
+        # Two servers on one port would split the traffic silently; fail to bind instead.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", config.max_receive_message_bytes),
+        # Clients may ping this often (gRPC's default is once per 5 minutes, past which it answers GOAWAY
+        # "too_many_pings" and kills every stream of the connection, idle long streams included).
+        ("grpc.http2.min_ping_interval_without_data_ms", ping_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # And the server pings quiet connections itself, so that streams of vanished clients free their slots.
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+    ]
+
+
+async def run(config: Config) -> int:
+    """Serve until SIGTERM or SIGINT (return 0) or until the engine dies (return EXIT_ENGINE_DEAD),
+    draining in-flight streams before returning."""
     # Imported here so that `--help` and config errors answer without loading torch.
     from llmserve.engine.async_engine import AsyncEngine
     from llmserve.models import load_model
@@ -231,6 +340,7 @@ async def run(config: Config) -> None:
         loop.add_signal_handler(signum, on_signal, signum)
 
     server = LLMServer(config.server)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
     await server.start()
     m = config.model
     cache_root = Path(m.cache_dir) if m.cache_dir else None
@@ -239,6 +349,7 @@ async def run(config: Config) -> None:
         asyncio.to_thread(load_model, m.spec, device=m.device, dtype=m.dtype, cache_root=cache_root)
     )
     stopping = asyncio.ensure_future(stop.wait())
+    dying = asyncio.ensure_future(server.engine_died.wait())
     try:
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
@@ -247,8 +358,14 @@ async def run(config: Config) -> None:
             engine = await asyncio.to_thread(AsyncEngine, loading.result(), config.engine)
             # Serve even when a signal came meanwhile: stop() below then shuts the engine down.
             await server.serve(engine)
-            await stopping
+            await asyncio.wait([stopping, dying], return_when=asyncio.FIRST_COMPLETED)
         else:
             log.info("stopping before the model finished loading")
     finally:
+        for waiter in (stopping, dying):
+            waiter.cancel()
         await server.stop(force=force)
+    if server.engine_died.is_set():
+        log.error("exiting with status %d: the engine died", EXIT_ENGINE_DEAD)
+        return EXIT_ENGINE_DEAD
+    return 0

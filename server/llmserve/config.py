@@ -18,6 +18,9 @@ from llmserve.history import HistoryConfig
 
 ENV_PREFIX = "LLMSERVE_"
 DEFAULT_ADDRESS = "0.0.0.0:50051"
+LOG_FORMATS = ("text", "json")
+DEFAULT_CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_TOP_LOGPROBS = 20  # what the engine can return (llmserve.engine.request.MAX_TOP_LOGPROBS)
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,8 +34,27 @@ class ModelConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class InputLimits:
+    """Bounds on what one request may carry; each is a flag and is answered with INVALID_ARGUMENT naming it.
+
+    Checked at the service's edge before any tokenizer or engine work (see llmserve.limits).
+    """
+
+    max_request_id_length: int = 128
+    max_session_id_length: int = 128
+    max_stop_sequences: int = 16
+    max_stop_sequences_chars: int = 1024  # all stop sequences together
+    max_stop_token_ids: int = 64
+    max_chat_messages: int = 512
+    chat_roles: tuple[str, ...] = DEFAULT_CHAT_ROLES
+    # UTF-8 bytes of text/chat input; None: 16 bytes per token of the model's context (known once it loads).
+    max_prompt_bytes: int | None = None
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
+
+
+@dataclass(slots=True, frozen=True)
 class ServerConfig:
-    """The gRPC front: address, admission control, shutdown and logging."""
+    """The gRPC front: address, admission control, authentication, limits, shutdown and logging."""
 
     address: str = DEFAULT_ADDRESS
     max_concurrent_streams: int = 256
@@ -45,6 +67,22 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # Authentication: callers named by a bearer token (Kubernetes static token file) or by their client
+    # certificate. Off when neither is set.
+    auth_token_file: str | None = None
+    identity_from_cert: bool = False
+    reflection_requires_auth: bool = False
+    # With authentication on, the prefix cache is per identity unless this shares it across identities.
+    shared_prefix_cache: bool = False
+    max_streams_per_identity: int | None = None
+    # A stream whose next message has waited this long on the client's flow control is aborted.
+    stream_stall_timeout_s: float = 30.0
+    # Clients may send keepalive pings this often (gRPC's own default allows one per 5 minutes).
+    keepalive_min_ping_interval_s: float = 5.0
+    max_receive_message_bytes: int = 4 * 1024 * 1024
+    log_format: str = "text"
+    limits: InputLimits = field(default_factory=InputLimits)
+
     # Session histories (append mode): TTL and count follow the engine's session flags.
     history: HistoryConfig = field(default_factory=HistoryConfig)
     # Operations: Prometheus /metrics port (0: off), the name sent back in x-llmserve-replica (None:
@@ -52,6 +90,10 @@ class ServerConfig:
     metrics_port: int = 0
     replica_name: str | None = None
     tracing: bool = False
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.auth_token_file is not None or self.identity_from_cert
 
 
 @dataclass(slots=True, frozen=True)
@@ -134,6 +176,34 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be > 0, got {value}")
+    return value
+
+
+def _log_format(text: str) -> str:
+    value = text.strip().lower()
+    if value not in LOG_FORMATS:
+        raise ValueError(f"must be one of {', '.join(LOG_FORMATS)}, got {text!r}")
+    return value
+
+
+def _roles(text: str) -> tuple[str, ...]:
+    roles = tuple(role.strip() for role in text.split(",") if role.strip())
+    if not roles:
+        raise ValueError("give at least one role")
+    return roles
+
+
+def _top_logprobs(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -185,6 +255,69 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     g.value("--tls-cert", str, None, "PEM certificate chain: serve TLS (needs --tls-key); unset: plaintext")
     g.value("--tls-key", str, None, "PEM private key of --tls-cert")
     g.value("--tls-client-ca", str, None, "PEM root certificates: require client certificates signed by them")
+    g.value(
+        "--max-receive-message-bytes",
+        _positive_int,
+        server.max_receive_message_bytes,
+        "largest request message accepted; beyond it RESOURCE_EXHAUSTED",
+    )
+    g.value(
+        "--stream-stall-timeout",
+        _positive_float,
+        server.stream_stall_timeout_s,
+        "seconds a Generate stream may wait on a client that reads nothing before it is aborted",
+    )
+    g.value(
+        "--keepalive-min-ping-interval",
+        _positive_float,
+        server.keepalive_min_ping_interval_s,
+        "seconds: clients may send keepalive pings this often; more often gets GOAWAY too_many_pings",
+    )
+    g.value("--log-format", _log_format, server.log_format, "text (key=value, caller values quoted) or json")
+
+    g = _Flags(parser.add_argument_group("authentication"), env)
+    g.value(
+        "--auth-token-file",
+        str,
+        None,
+        "Kubernetes static token file (token,identity[,...] per line): GenerateService calls need "
+        "'authorization: Bearer <token>'; re-read on SIGHUP",
+    )
+    g.switch("--identity-from-cert", "with --tls-client-ca: the caller's identity is its certificate's SAN (or CN)")
+    g.switch("--reflection-requires-auth", "with authentication on, reflection needs it too")
+    g.switch(
+        "--shared-prefix-cache",
+        "with authentication on, share the prefix cache across identities (a common system prompt is "
+        "computed once, but a caller can tell from cached_prompt_tokens what others sent)",
+    )
+    g.value(
+        "--max-streams-per-identity",
+        _positive_int,
+        server.max_streams_per_identity,
+        "Generate streams one identity may have in flight; beyond it RESOURCE_EXHAUSTED",
+    )
+
+    limits = InputLimits()
+    g = _Flags(parser.add_argument_group("input limits (INVALID_ARGUMENT beyond them)"), env)
+    g.value("--max-request-id-length", _positive_int, limits.max_request_id_length, "characters of request_id")
+    g.value("--max-session-id-length", _positive_int, limits.max_session_id_length, "characters of session_id")
+    g.value("--max-stop-sequences", _positive_int, limits.max_stop_sequences, "stop sequences per request")
+    g.value(
+        "--max-stop-sequences-chars",
+        _positive_int,
+        limits.max_stop_sequences_chars,
+        "characters of all stop sequences of a request together",
+    )
+    g.value("--max-stop-token-ids", _positive_int, limits.max_stop_token_ids, "stop token ids per request")
+    g.value("--max-chat-messages", _positive_int, limits.max_chat_messages, "messages per chat input")
+    g.value("--chat-roles", _roles, ",".join(limits.chat_roles), "comma-separated roles a chat message may have")
+    g.value(
+        "--max-prompt-bytes",
+        _positive_int,
+        limits.max_prompt_bytes,
+        "UTF-8 bytes of a text or chat input, checked before tokenization; unset: 16 per token of context",
+    )
+    g.value("--max-top-logprobs", _top_logprobs, limits.max_top_logprobs, "largest response.top_logprobs")
 
     g = _Flags(parser.add_argument_group("operations"), env)
     g.value("--metrics-port", _port, server.metrics_port, "serve Prometheus metrics at :PORT/metrics (0: off)")
@@ -248,6 +381,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     )
     _history_flags(_Flags(parser.add_argument_group("session histories"), env))
     g.switch("--no-cuda-graphs", "turn off CUDA graphs for the decode step")
+    g.value(
+        "--attention-kernel",
+        _one_of("auto", "triton", "torch"),
+        engine.attention_kernel,
+        "CUDA attention: triton (one varlen paged kernel per layer), torch (gathered decode groups, SDPA per "
+        "prompt chunk), auto (triton where installed)",
+    )
     g.switch("--no-native-attention", "CPU: decode attention through torch instead of the compiled kernel")
     g.switch("--no-packed-linear", "CPU float32: plain linear layers instead of packed oneDNN weights")
     g.switch("--no-fused-layers", "CPU: transformers' own layer forward instead of the fused one (Llama family)")
@@ -270,13 +410,6 @@ def _history_flags(g: _Flags) -> None:
     )
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"must be > 0, got {value}")
-    return value
-
-
 def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Parse flags (sys.argv[1:] when None) over environment defaults into a Config."""
     parser = build_parser(env)
@@ -285,6 +418,10 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca is not None and args.tls_cert is None:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.identity_from_cert and args.tls_client_ca is None:
+        parser.error("--identity-from-cert needs --tls-client-ca")
+    if args.identity_from_cert and args.auth_token_file is not None:
+        parser.error("--identity-from-cert and --auth-token-file are two ways to name callers: pick one")
     address = args.address or f"{args.host}:{args.port}"
     return Config(
         server=ServerConfig(
@@ -298,6 +435,26 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
+            auth_token_file=args.auth_token_file,
+            identity_from_cert=args.identity_from_cert,
+            reflection_requires_auth=args.reflection_requires_auth,
+            shared_prefix_cache=args.shared_prefix_cache,
+            max_streams_per_identity=args.max_streams_per_identity,
+            stream_stall_timeout_s=args.stream_stall_timeout,
+            keepalive_min_ping_interval_s=args.keepalive_min_ping_interval,
+            max_receive_message_bytes=args.max_receive_message_bytes,
+            log_format=args.log_format,
+            limits=InputLimits(
+                max_request_id_length=args.max_request_id_length,
+                max_session_id_length=args.max_session_id_length,
+                max_stop_sequences=args.max_stop_sequences,
+                max_stop_sequences_chars=args.max_stop_sequences_chars,
+                max_stop_token_ids=args.max_stop_token_ids,
+                max_chat_messages=args.max_chat_messages,
+                chat_roles=args.chat_roles,
+                max_prompt_bytes=args.max_prompt_bytes,
+                max_top_logprobs=args.max_top_logprobs,
+            ),
             history=HistoryConfig(
                 ttl_s=args.session_ttl,
                 max_sessions=args.max_sessions,
@@ -323,6 +480,7 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             session_pool_fraction=args.session_pool_fraction,
             cpu_kernels=args.cpu_kernels,
             cuda_graphs=not args.no_cuda_graphs,
+            attention_kernel=args.attention_kernel,
             native_attention=not args.no_native_attention,
             packed_linear=not args.no_packed_linear,
             fused_layers=not args.no_fused_layers,

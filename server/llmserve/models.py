@@ -27,6 +27,7 @@ from transformers import (
     LlamaConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
+    Qwen3Config,
 )
 
 logger = logging.getLogger(__name__)
@@ -190,8 +191,8 @@ def random_model(
     device: torch.device | str,
     seed: int = 0,
 ) -> LoadedModel:
-    """Random weights in a known shape: "smollm2-135m" (the default model's exact dims), "llama-1b"
-    (Llama-3.2-1B's dims) or "tiny" (two layers of width 64, vocabulary 1024: for tests and demos).
+    """Random weights in a known shape: "smollm2-135m" (the default model's exact dims), "qwen3-0.6b",
+    "llama-1b" (Llama-3.2-1B's dims) or "tiny" (two layers of width 64, vocabulary 1024: for tests and demos).
     No tokenizer. Raises ValueError for an unknown shape."""
     make = _SHAPES.get(shape)
     if make is None:
@@ -263,6 +264,25 @@ def _llama_1b() -> LlamaConfig:
     )
 
 
+def _qwen3_0_6b() -> Qwen3Config:
+    # Qwen3-0.6B's published dims (per-head q/k norms, head_dim 128 over a hidden size of 1024).
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+
+
 def _tiny() -> LlamaConfig:
     # Two layers of width 64: a replica that starts in seconds on a busy CPU (tests/deploy runs three).
     return LlamaConfig(
@@ -279,7 +299,12 @@ def _tiny() -> LlamaConfig:
     )
 
 
-_SHAPES = {"smollm2-135m": _smollm2_135m, "llama-1b": _llama_1b, "tiny": _tiny}
+_SHAPES: dict[str, Any] = {
+    "smollm2-135m": _smollm2_135m,
+    "qwen3-0.6b": _qwen3_0_6b,
+    "llama-1b": _llama_1b,
+    "tiny": _tiny,
+}
 
 
 def _is_converted(folder: Path, source_bytes: int) -> bool:

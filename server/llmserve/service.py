@@ -1,9 +1,10 @@
 """The GenerateService servicer: protobuf in, engine request out; engine deltas in, protobuf out.
 
-It knows nothing of blocks or batches. Its own work is what only the edge can do: tokenize the input,
-fill in server defaults, admit or refuse a stream, tie the call's deadline and cancellation to the engine
-request, and log one line per request. Errors are raised as exceptions (`InvalidRequest`, `QueueFull`,
-`EngineDead`, `ServiceError`); the interceptor in app.py turns them into gRPC statuses with `status_for`.
+It knows nothing of blocks or batches. Its own work is what only the edge can do: bound and tokenize the
+input, fill in server defaults, admit or refuse a stream, scope request and session ids to the caller's
+identity, tie the call's deadline and cancellation to the engine request, and log one line per request.
+Errors are raised as exceptions (`InvalidRequest`, `QueueFull`, `EngineDead`, `ServiceError`); the
+interceptor in app.py turns them into gRPC statuses with `status_for`.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
+from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
 from llmserve.engine.request import (
     Delta,
@@ -33,7 +36,9 @@ from llmserve.engine.request import (
     TokenLogprob,
 )
 from llmserve.history import HistoryBusy, HistoryInput, HistoryStore, NoHistory, Turn
+from llmserve.limits import check_generate, check_input, is_valid_id, prompt_byte_limit, quote_prefix
 from llmserve.observe import CallObserver, FinishedCall
+from llmserve.request_log import MAX_LOGGED_PROMPT_CHARS, RequestRecord, clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
@@ -66,33 +71,72 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 # cancelled) before the id counts as a duplicate.
 REUSE_WAIT_S = 0.5
 _HISTORY_INPUT = {HistoryInput.CHAT: pb.HISTORY_INPUT_CHAT, HistoryInput.TOKENS: pb.HISTORY_INPUT_TOKENS}
-# A cancel this close to the call's deadline is the deadline: the caller saw DEADLINE_EXCEEDED.
-_DEADLINE_SLACK_S = 0.1
+# The engine stops a request this long before the call's deadline, so that the server, not the caller's
+# timer, ends the call (with a last message); a cancel this close to the deadline is the deadline's (the
+# caller's own timer fired first).
+DEADLINE_MARGIN_S = 0.1
+# RESOURCE_EXHAUSTED answers carry google.rpc.RetryInfo with this delay: streams last seconds, not minutes.
+RETRY_DELAY_S = 1.0
+# Status messages are cut to this many characters (a backstop: messages quote only short prefixes).
+MAX_STATUS_MESSAGE_CHARS = 500
 
 
 class ServiceError(Exception):
     """A refusal decided by the service itself (loading, draining, overloaded, not found...)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class StreamStalled(ServiceError):
+    """The client read nothing for --stream-stall-timeout while a message waited on its flow control."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the stream was aborted: the client read nothing for {timeout_s:g} s (--stream-stall-timeout)",
+        )
 
 
 def status_for(exc: BaseException) -> status_pb2.Status | None:
     """The google.rpc.Status a known error maps to; None for anything else (a bug: gRPC reports UNKNOWN)."""
     if isinstance(exc, InvalidRequest):
         violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.reason)
-        status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc))
+        status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=clip(str(exc), MAX_STATUS_MESSAGE_CHARS))
         status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
         return status
     if isinstance(exc, QueueFull):
-        return status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=f"engine queue is full: {exc}")
+        status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=f"engine queue is full: {exc}")
+        return _with_retry_info(status, RETRY_DELAY_S)
     if isinstance(exc, EngineDead):
         return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=f"engine is dead: {exc}")
     if isinstance(exc, ServiceError):
-        return status_pb2.Status(code=exc.code.value[0], message=exc.message)
+        status = status_pb2.Status(code=exc.code.value[0], message=clip(exc.message, MAX_STATUS_MESSAGE_CHARS))
+        return status if exc.retry_after_s is None else _with_retry_info(status, exc.retry_after_s)
     return None
+
+
+def _with_retry_info(status: status_pb2.Status, delay_s: float) -> status_pb2.Status:
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(int(delay_s * 1e9))
+    status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return status
+
+
+def _scoped(identity: str | None, name: str) -> str:
+    """`name` within `identity`'s namespace; injective, and `name` itself when authentication is off."""
+    return name if identity is None else f"{len(identity)}:{identity}/{name}"
+
+
+def _engine_request_id(identity: str | None, request_id: str) -> str:
+    """The engine's id for a caller's request: request ids are unique per identity, not across them."""
+    return _scoped(identity, request_id)
+
+
+_InFlightKey = tuple[str | None, str]  # (identity, request_id)
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -102,8 +146,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._config = config
         self._observers = list(observers)  # told about each Generate call once it ends (metrics, tracing)
         self._engine: Engine | None = None
+        self._limits = config.limits
+        self._max_prompt_bytes = 0
+        self._vocab_size = 0
         self._draining = False
-        self._in_flight: dict[str, asyncio.Event] = {}  # request_id -> set when that stream has ended
+        # (identity, request_id) -> set when that stream has ended
+        self._in_flight: dict[_InFlightKey, asyncio.Event] = {}
+        self._per_identity: Counter[str | None] = Counter()
         self._idle = asyncio.Event()
         self._idle.set()
         self._histories = HistoryStore(config.history)
@@ -114,6 +163,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def attach(self, engine: Engine) -> None:
         """Start serving with `engine` (already started and warmed up)."""
+        info = engine.model_info
+        self._max_prompt_bytes = prompt_byte_limit(self._limits, info.context_length)
+        self._vocab_size = info.vocab_size
         self._engine = engine
         if self._config.history.max_tokens is None:
             self._histories.max_tokens = engine.model_info.context_length
@@ -137,53 +189,64 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return self._engine
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id = request.request_id or uuid.uuid4().hex
-        record = _RequestLog(request_id, time.monotonic())
-        ended: asyncio.Event | None = None
+        identity = caller_identity()
+        record = RequestRecord(request.request_id or "-", time.monotonic(), identity=identity)
+        remaining = context.time_remaining()
+        call_deadline = None if remaining is None else time.monotonic() + remaining
+        key: _InFlightKey | None = None
         turn: Turn | None = None
         try:
-            engine, ended = await self._admit(request_id)
+            engine = self._ready_engine()
+            check_generate(request, self._limits, self._max_prompt_bytes, self._vocab_size)
+            request_id = record.request_id = request.request_id or uuid.uuid4().hex
+            key = await self._admit(identity, request_id)
             session_key = self._session_key(context, request.session_id) if request.session_id else None
+            engine_id = _engine_request_id(identity, request_id)
+            # The history store is keyed per identity too: the request id it names is the caller's own.
             prompt_ids, turn = await self._session_prompt(engine, request, request_id, session_key)
             gen_request = self._to_generation_request(
-                engine, request, request_id, prompt_ids, session_key, context.time_remaining()
+                engine, request, engine_id, prompt_ids, session_key, call_deadline, identity
             )
             record.prompt_tokens = len(gen_request.prompt_token_ids)
             if self._config.log_prompts:
                 record.prompt = _input_text(request)
             record.queued = time.monotonic()
-            async for response in self._stream(engine, gen_request, request, record, turn):
-                yield response
+            # aclosing: however this call ends, the engine request is aborted before the log line is written.
+            async with contextlib.aclosing(self._stream(engine, gen_request, request, record, turn)) as responses:
+                async for response in responses:
+                    yield response
             record.status = "OK"
         except (asyncio.CancelledError, GeneratorExit):
             # A caller that goes away cancels the handler, or, when gRPC notices it at a write, closes this
-            # generator (GeneratorExit); both are the caller's cancel (or its deadline).
-            remaining = context.time_remaining()
-            # The caller's own deadline timer fires first and cancels the call just before ours would.
-            past = remaining is not None and remaining <= _DEADLINE_SLACK_S
-            record.status = "DEADLINE_EXCEEDED" if past else "CANCELLED"
+            # generator (GeneratorExit); both are the caller's cancel, or its deadline: the caller's own
+            # timer fires just before ours would.
+            at_deadline = call_deadline is not None and time.monotonic() >= call_deadline - DEADLINE_MARGIN_S
+            record.status = "DEADLINE_EXCEEDED" if at_deadline else "CANCELLED"
+            if record.queued is not None:
+                record.finish = "deadline" if at_deadline else "cancelled"
             raise
         except Exception as exc:
             status = status_for(exc)
             record.status = _CODE_NAMES[status.code] if status else type(exc).__name__
             if isinstance(exc, (InvalidRequest, QueueFull, EngineDead)):
                 record.queued = None  # the engine refused it before taking it
+            elif isinstance(exc, StreamStalled):
+                record.finish = "cancelled"
             raise
         finally:
             if turn is not None:
                 turn.release()
-            if ended is not None:
-                ended.set()
-                del self._in_flight[request_id]
-                if not self._in_flight:
-                    self._idle.set()
+            if key is not None:
+                self._release(key)
             record.emit()
             if self._observers:
                 self._tell_observers(record, bool(request.session_id), context)
 
-    def _tell_observers(self, record: _RequestLog, has_session: bool, context: grpc.aio.ServicerContext) -> None:
+    def _tell_observers(
+        self, record: RequestRecord, has_session: bool, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
         status = record.status if record.status in _CODE_NAMES.values() else "UNKNOWN"
         finish = None if record.finish == "-" else record.finish
         if finish is None and record.queued is not None:
@@ -209,11 +272,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             except Exception:  # an observer's bug must not fail the call or the others
                 log.exception("call observer %r failed", observer)
 
-    async def _admit(self, request_id: str) -> tuple[Engine, asyncio.Event]:
-        """Count a new stream in, or refuse it (loading, draining, at the limit, duplicate id). Returns the
-        engine and the event to set when the stream ends."""
-        engine = self._ready_engine()
-        while (previous := self._in_flight.get(request_id)) is not None:
+    async def _admit(self, identity: str | None, request_id: str) -> _InFlightKey:
+        """Count a new stream in, or refuse it (draining, at a limit, duplicate id). Returns its key for
+        `_release`."""
+        key = (identity, request_id)
+        while (previous := self._in_flight.get(key)) is not None:
             # A caller that cancels a call and reuses its id at once sends the new call right behind the
             # cancellation, which reaches the old handler a moment later: let it end before calling the id a
             # duplicate.
@@ -221,41 +284,61 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 await asyncio.wait_for(previous.wait(), REUSE_WAIT_S)
             except TimeoutError:
                 raise ServiceError(
-                    grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+                    grpc.StatusCode.ALREADY_EXISTS, f"request_id {quote_prefix(request_id)} is already in flight"
                 ) from None
         if self._draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if len(self._in_flight) >= self._config.max_concurrent_streams:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self._in_flight)} Generate streams in flight, the server's limit; retry later",
+                f"{len(self._in_flight)} Generate streams in flight, the server's limit (--max-concurrent-streams); "
+                "retry later",
+                retry_after_s=RETRY_DELAY_S,
             )
-        ended = self._in_flight[request_id] = asyncio.Event()
+        cap = self._config.max_streams_per_identity
+        if cap is not None and self._per_identity[identity] >= cap:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{cap} Generate streams in flight for this caller, the limit (--max-streams-per-identity); "
+                "retry later",
+                retry_after_s=RETRY_DELAY_S,
+            )
+        self._in_flight[key] = asyncio.Event()
+        self._per_identity[identity] += 1
         self._idle.clear()
-        return engine, ended
+        return key
+
+    def _release(self, key: _InFlightKey) -> None:
+        self._in_flight.pop(key).set()
+        identity = key[0]
+        self._per_identity[identity] -= 1
+        if not self._per_identity[identity]:
+            del self._per_identity[identity]
+        if not self._in_flight:
+            self._idle.set()
 
     async def _stream(
         self,
         engine: Engine,
         gen_request: GenerationRequest,
         request: pb.GenerateRequest,
-        record: _RequestLog,
+        record: RequestRecord,
         turn: Turn | None = None,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Yield one response per delta; raise for endings that are not a normal finish."""
         options = request.response
         prompt_ids = gen_request.prompt_token_ids if options.prompt_token_ids else ()
         try:
             # aclosing: a cancel while we wait on the client still closes (and so aborts) the engine request.
-            async with contextlib.aclosing(engine.generate(gen_request)) as deltas:
+            async with contextlib.aclosing(cast(AsyncGenerator[Delta, None], engine.generate(gen_request))) as deltas:
                 async for delta in deltas:
                     record.observe(delta)
+                    if turn is not None and delta.finish_reason is not FinishReason.DEADLINE:
+                        turn.observe(delta)  # writes the history before the caller sees the last message
+                    yield _to_response(record.request_id, delta, options, prompt_ids)
+                    prompt_ids = ()
                     if delta.finish_reason is FinishReason.DEADLINE:
                         raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
-                    if turn is not None:
-                        turn.observe(delta)  # writes the history before the caller sees the last message
-                    yield _to_response(delta, options, prompt_ids)
-                    prompt_ids = ()
                     if delta.finish_reason is FinishReason.CANCELLED:
                         raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server cancelled the request (shutdown)")
                     if delta.finish_reason is FinishReason.ERROR:
@@ -270,7 +353,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         request_id: str,
         prompt_ids: Sequence[int],
         session_key: str | None,
-        time_remaining: float | None,
+        call_deadline: float | None,
+        identity: str | None,
     ) -> GenerationRequest:
         s, st = request.sampling, request.stopping
         sampling = SamplingParams(
@@ -302,19 +386,24 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             sampling=sampling,
             stopping=stopping,
             session_id=session_key,
-            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+            deadline=None if call_deadline is None else call_deadline - DEADLINE_MARGIN_S,
             priority=request.priority,
             logprobs=request.response.logprobs or request.response.top_logprobs > 0,
             top_logprobs=request.response.top_logprobs,
+            # With authentication on, a caller's prompts share cached blocks only with its own (unless shared).
+            cache_salt=None if identity is None or self._config.shared_prefix_cache else identity,
         )
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.TokenizeResponse:
         tokenizer = self._ready_engine().tokenizer
+        check_input(request, self._limits, self._max_prompt_bytes)
         ids = await _prompt_token_ids(tokenizer, request)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetModelInfoResponse:
         info = self._ready_engine().model_info
         return pb.GetModelInfoResponse(
@@ -330,16 +419,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
 
     async def GetSession(
-        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetSessionResponse:
         engine = self._ready_engine()
         if not request.session_id:
             raise InvalidRequest("session_id", "must not be empty")
-        key = self._session_key(context, request.session_id)
-        info = engine.get_session(key)
-        held = self._histories.get(key)
+        info = held = None
+        # An id no Generate call could have used names no session: the same NOT_FOUND as any unknown id.
+        if is_valid_id(request.session_id, self._limits.max_session_id_length):
+            key = self._session_key(context, request.session_id)
+            info = engine.get_session(key)
+            held = self._histories.get(key)
         if info is None and held is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {quote_prefix(request.session_id)}")
         response = pb.GetSessionResponse(session_id=request.session_id)
         used = 0.0
         if info is not None:
@@ -354,11 +446,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return response
 
     async def DeleteSession(
-        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteSessionResponse:
         engine = self._ready_engine()
         if not request.session_id:
             raise InvalidRequest("session_id", "must not be empty")
+        if not is_valid_id(request.session_id, self._limits.max_session_id_length):
+            return pb.DeleteSessionResponse(deleted=False)
         key = self._session_key(context, request.session_id)
         held = self._histories.delete(key)
         cached = engine.delete_session(key)
@@ -366,12 +460,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # -- sessions: keys, histories and append mode (history.py holds the book-keeping) -------------
 
-    def _session_key(self, context: grpc.aio.ServicerContext, session_id: str) -> str:
+    def _session_key(self, context: grpc.aio.ServicerContext[Any, Any], session_id: str) -> str:
         """The key a caller's session id is stored under, in the engine's cache and in the history store.
 
-        Every session-id use goes through here, so that scoping sessions per caller identity changes one place.
+        Every session-id use goes through here. With authentication on, two identities' equal session ids
+        are two sessions, and neither can read, continue or delete the other's.
         """
-        return session_id
+        return _scoped(caller_identity(), session_id)
 
     async def _session_prompt(
         self, engine: Engine, request: pb.GenerateRequest, request_id: str, session_key: str | None
@@ -390,13 +485,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             why = f" ({exc.reason})" if exc.reason else ""
             raise ServiceError(
                 grpc.StatusCode.NOT_FOUND,
-                f"session {request.session_id!r} holds no history to continue{why}; "
+                f"session {quote_prefix(request.session_id)} holds no history to continue{why}; "
                 "resend the whole conversation without continue_session to start it again",
             ) from None
         except HistoryBusy as exc:
             raise ServiceError(
                 grpc.StatusCode.ABORTED,
-                f"session {request.session_id!r} is being continued by request {exc.request_id!r}; "
+                f"session {quote_prefix(request.session_id)} is being continued by request "
+                f"{quote_prefix(exc.request_id)}; "
                 "retry once it has finished",
             ) from None
         try:
@@ -458,13 +554,15 @@ async def _prompt_token_ids(tokenizer: Any, request: pb.GenerateRequest | pb.Tok
         choices = ", ".join(field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
         raise InvalidRequest("input", f"set one of {choices}")
     if kind == "token_ids":
+        assert isinstance(request, pb.GenerateRequest)  # only a GenerateRequest carries token ids
         return list(request.token_ids.ids)
     if tokenizer is None:
         raise InvalidRequest(kind, "the model has no tokenizer: send token_ids")
     if kind == "text":
         if not request.text:
             raise InvalidRequest("text", "must not be empty")
-        return await asyncio.to_thread(tokenizer.encode, request.text)
+        ids: list[int] = await asyncio.to_thread(tokenizer.encode, request.text)
+        return ids
     return await asyncio.to_thread(_chat_token_ids, tokenizer, request.chat.messages)
 
 
@@ -477,28 +575,34 @@ def _chat_token_ids(tokenizer: Any, messages: Sequence[pb.ChatMessage]) -> list[
     try:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # the template itself rejects the conversation (e.g. roles must alternate)
-        raise InvalidRequest("chat.messages", f"the chat template rejects it: {exc}") from exc
+        # The template's message may quote the conversation: keep it short.
+        raise InvalidRequest("chat.messages", f"the chat template rejects it: {clip(str(exc), 200)}") from None
     # The template already wrote the special tokens it wants.
-    return tokenizer.encode(text, add_special_tokens=False)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return ids
 
 
 def _input_text(request: pb.GenerateRequest) -> str:
     kind = request.WhichOneof("input")
     if kind == "text":
-        return request.text
+        return clip(request.text, MAX_LOGGED_PROMPT_CHARS)
     if kind == "chat":
-        return " | ".join(f"{m.role}: {m.content}" for m in request.chat.messages)
+        return clip(" | ".join(f"{m.role}: {m.content}" for m in request.chat.messages), MAX_LOGGED_PROMPT_CHARS)
     return f"<{len(request.token_ids.ids)} token ids>"
 
 
-def _to_response(delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence[int]) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, prompt_token_ids=prompt_ids)
+def _to_response(
+    request_id: str, delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence[int]
+) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=request_id, text=delta.text, prompt_token_ids=prompt_ids)
     if options.token_ids:
         response.token_ids.extend(delta.token_ids)
     if delta.logprobs:
         response.logprobs.extend(_logprob_pb(lp) for lp in delta.logprobs)
     if delta.finish_reason is not None:
-        response.finish_reason = pb.FinishReason.Value(f"FINISH_REASON_{delta.finish_reason.name}")
+        response.finish_reason = pb.FinishReason.Value(  # type: ignore[assignment]  # the stubs want the enum type
+            f"FINISH_REASON_{delta.finish_reason.name}"
+        )
     if delta.usage is not None:
         u = delta.usage
         response.usage.SetInParent()
@@ -519,50 +623,3 @@ def _to_response(delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence
 def _logprob_pb(lp: TokenLogprob) -> pb.TokenLogprob:
     top = [pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
     return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_logprobs=top)
-
-
-@dataclass(slots=True)
-class _RequestLog:
-    """What the one log line per Generate call says."""
-
-    request_id: str
-    start: float
-    start_ns: int = field(default_factory=time.time_ns)
-    first_token: float | None = None
-    queued: float | None = None  # when handed to the engine
-    token_times: list[float] = field(default_factory=list)
-    queue_s: float | None = None
-    prompt_tokens: int = 0
-    cached: int = 0
-    completion: int = 0
-    finish: str = "-"
-    status: str = "UNKNOWN"
-    prompt: str | None = None
-
-    def observe(self, delta: Delta) -> None:
-        if delta.token_ids:
-            now = time.monotonic()
-            self.token_times.append(now)
-            if self.first_token is None:
-                self.first_token = now
-        self.completion += len(delta.token_ids)
-        if delta.finish_reason is not None:
-            self.finish = delta.finish_reason.value
-        if delta.usage is not None:
-            self.prompt_tokens = delta.usage.prompt_tokens
-            self.cached = delta.usage.cached_prompt_tokens
-            self.completion = delta.usage.completion_tokens
-        if delta.timing is not None:
-            self.queue_s = delta.timing.queue_s
-
-    def emit(self) -> None:
-        duration_ms = (time.monotonic() - self.start) * 1e3
-        ttft = "-" if self.first_token is None else f"{(self.first_token - self.start) * 1e3:.1f}"
-        line = (
-            f"request_id={self.request_id} status={self.status} finish={self.finish} "
-            f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached} completion_tokens={self.completion} "
-            f"ttft_ms={ttft} duration_ms={duration_ms:.1f}"
-        )
-        if self.prompt is not None:
-            line += f" prompt={self.prompt!r}"
-        log.info(line)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from harness import ServerThread, tiny_engine
+from server_process import save_tiny_model
 
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
@@ -28,3 +30,9 @@ def channel(server: ServerThread) -> Iterator[grpc.Channel]:
 @pytest.fixture(scope="module")
 def stub(channel: grpc.Channel) -> generate_pb2_grpc.GenerateServiceStub:
     return generate_pb2_grpc.GenerateServiceStub(channel)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model and its tokenizer saved as a local transformers folder, for `--model` in a subprocess."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

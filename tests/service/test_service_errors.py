@@ -251,14 +251,14 @@ def test_a_request_id_in_flight_waits_for_its_stream_to_end_before_it_is_a_dupli
     async def body() -> None:
         servicer = GenerateServicer(ServerConfig())
         servicer.attach(FakeEngine())
-        _, first = await servicer._admit("x")
-        asyncio.get_running_loop().call_later(0.05, first.set)  # the cancelled stream's handler ends
-        asyncio.get_running_loop().call_later(0.05, servicer._in_flight.pop, "x")
-        _, second = await servicer._admit("x")
-        assert second is not first and servicer._in_flight["x"] is second
+        first = await servicer._admit(None, "x")
+        ended = servicer._in_flight[first]
+        asyncio.get_running_loop().call_later(0.05, servicer._release, first)  # the cancelled stream's handler ends
+        second = await servicer._admit(None, "x")
+        assert ended.is_set() and servicer._in_flight[second] is not ended
         started = time.monotonic()
         with pytest.raises(ServiceError) as err:
-            await servicer._admit("x")  # the second stream goes on
+            await servicer._admit(None, "x")  # the second stream goes on
         assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
         assert time.monotonic() - started >= REUSE_WAIT_S * 0.9
 

@@ -26,6 +26,9 @@ class EngineConfig:
     max_sessions: int = 4096
     session_pool_fraction: float = 0.8
     cuda_graphs: bool = True
+    # The torch and CUDA backends' attention: "triton" (one varlen paged kernel for the whole step), "torch"
+    # (gathered decode groups and per-chunk SDPA), or "auto" (triton on CUDA where it is installed).
+    attention_kernel: str = "auto"
     cpu_kernels: str = "auto"  # the CPU backend's compiled kernels: auto (use where installed), require, off
     native_attention: bool = True  # CPU: the compiled decode-attention kernel (backends/cpu/native.py)
     packed_linear: bool = (

@@ -108,6 +108,7 @@ class GenerationRequest:
     """A request as the engine accepts it: prompt already tokenized.
 
     `deadline` is on the `time.monotonic()` clock; `priority` orders the waiting queue (higher first).
+    `cache_salt` scopes automatic prefix caching: only requests with the same salt share cached blocks.
     """
 
     request_id: str
@@ -119,6 +120,7 @@ class GenerationRequest:
     priority: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    cache_salt: str | None = None
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
         """Check everything that needs no engine state; raise InvalidRequest naming the field."""

@@ -221,9 +221,12 @@ class Scheduler:
     def _hash_blocks(self, seq: Sequence, num_full: int) -> None:
         bs = self.pool.block_size
         hashes = seq.block_hashes
+        salt = seq.request.cache_salt
+        # The salt is folded into the first block's hash, so every later block inherits it through the chain.
+        root = None if salt is None else hash(("cache_salt", salt))
         while len(hashes) < num_full:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _register_full_blocks(self, seq: Sequence, computed_before: int) -> None:
         bs = self.pool.block_size

@@ -92,6 +92,38 @@ class NativeDecode:
     block_size: int
 
 
+class VarlenKernel(Protocol):
+    """Attention of every new token of a step over its sequence's paged context, in one call
+    (backends/triton_attention.varlen_paged_attention)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        query_start: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        max_query_len: int,
+        block_size: int,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class Varlen:
+    """Every sequence of the step for a VarlenKernel: its new tokens are rows [query_start[i],
+    query_start[i + 1]) of the packed row, its context is seq_lens[i] tokens in block_tables[i]."""
+
+    kernel: VarlenKernel
+    query_start: torch.Tensor  # [seqs + 1] int32
+    seq_lens: torch.Tensor  # [seqs] int32
+    block_tables: torch.Tensor  # [seqs, width] int32
+    max_query_len: int
+    block_size: int
+
+
 @dataclass(slots=True)
 class PagedBatch:
     """Per-step attention metadata, built once and read by every layer."""
@@ -101,6 +133,7 @@ class PagedBatch:
     decode: list[DecodeGroup]  # one-token queries come first in the row, grouped by context length
     chunks: list[Chunk]
     native: NativeDecode | None = None  # replaces `decode` when the CPU kernel runs
+    varlen: Varlen | None = None  # replaces `decode`, `native` and `chunks`: one kernel for every token
 
 
 def paged_attention(
@@ -125,6 +158,14 @@ def paged_attention(
     k_new, v_new = key[0], value[0]
     k_cache.index_copy_(1, batch.slot_mapping, k_new)
     v_cache.index_copy_(1, batch.slot_mapping, v_new)
+
+    if batch.varlen is not None:
+        vl = batch.varlen
+        q = query[0].transpose(0, 1)  # [tokens, H, D]
+        out = vl.kernel(
+            q, k_cache, v_cache, vl.query_start, vl.seq_lens, vl.block_tables, vl.max_query_len, vl.block_size, scale
+        )
+        return out[None], None
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     group = num_heads // num_kv_heads

@@ -1,10 +1,12 @@
 """The CUDA backend: the generic paged backend, with decode steps replayed from CUDA graphs captured at start-up.
 
-A decode-only step (every sequence computes one token) has a shape fixed by two numbers: the batch and the
-longest context. Both are rounded up to buckets, the batch padded with rows that write to the scratch slot and
-read nothing. Every (batch, context) bucket up to `max_num_seqs` and the context limit is captured when the
-backend is built, before anything is served: replaying a graph costs one launch instead of a few hundred
-kernel launches from Python, and no request ever waits on a capture. The graphs' memory is measured first,
+A decode-only step (every sequence computes one token) is padded up to a batch bucket with rows that write to
+the scratch slot. With the Triton varlen kernel (the default where Triton is installed) the batch is the whole
+key: the kernel reads each sequence's blocks up to its own length, so one graph serves every context. With
+the torch attention the padded gather also fixes the longest context, and a bucket is a (batch, context) pair.
+Every bucket up to `max_num_seqs` (and the context limit) is captured when the backend is built, before
+anything is served: replaying a graph costs one launch instead of a few hundred kernel launches from Python,
+and no request ever waits on a capture. The graphs' memory is measured first,
 with a one-block cache, and left out of the KV pool's budget. A capture that fails stops the start with the
 reason; `--no-cuda-graphs` serves without them.
 
@@ -20,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.engine.backends.attention import DecodeGroup, PagedBatch
+from llmserve.engine.backends.attention import DecodeGroup, PagedBatch, Varlen
 from llmserve.engine.backends.base import KVCache
-from llmserve.engine.backends.torch_paged import TorchPagedBackend
+from llmserve.engine.backends.torch_paged import TorchPagedBackend, padded_tables
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.plan import StepPlan
 from llmserve.models import LoadedModel
@@ -63,13 +65,20 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """Per-bucket static buffers (and graphs) for decode-only steps of one backend."""
+    """Per-bucket static buffers (and graphs) for decode-only steps of one backend.
+
+    With the backend's varlen kernel a bucket is a batch size alone: the kernel reads each sequence's blocks
+    up to its length, so one graph serves every context (block tables are as wide as the context limit).
+    Without it, decode attention is a padded gather, and a bucket is a (batch, context) pair.
+    """
 
     def __init__(self, backend: TorchPagedBackend, max_batch: int, max_ctx: int, *, capture: bool) -> None:
         self.backend = backend
         self.capture = capture
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
-        self.ctx_buckets = context_buckets(backend.block_size, max_ctx)
+        self.varlen = backend.varlen_kernel is not None
+        self.ctx_buckets = (max_ctx,) if self.varlen else context_buckets(backend.block_size, max_ctx)
+        self.max_blocks = -(-max_ctx // backend.block_size)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0  # decode steps served from a bucket
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -106,12 +115,19 @@ class DecodeGraphs:
         positions = [s.start for s in plan.seqs]
         slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in plan.seqs]
         tables: list[Sequence[int]] = [s.block_table for s in plan.seqs]
-        entry.input_ids[0].copy_(torch.tensor(ids + [0] * pad))
-        entry.positions[0].copy_(torch.tensor(positions + [0] * pad))
-        entry.batch.slot_mapping.copy_(torch.tensor(slots + [backend.kv.scratch_slot] * pad))
-        decode_slots, bias = backend.decode_tensors(tables + [[scratch]] * pad, lens + [1] * pad, ctx)
-        entry.batch.decode[0].slots.copy_(decode_slots)
-        entry.batch.decode[0].bias.copy_(bias)
+        entry.input_ids[0].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        entry.positions[0].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        entry.batch.slot_mapping.copy_(torch.tensor(slots + [backend.kv.scratch_slot] * pad), non_blocking=True)
+        varlen = entry.batch.varlen
+        if varlen is not None:
+            # Padded rows: one token at the scratch slot, attending to itself.
+            varlen.seq_lens.copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+            padded = padded_tables(tables + [[scratch]] * pad, self.max_blocks, scratch, torch.int32)
+            varlen.block_tables.copy_(padded, non_blocking=True)
+        else:
+            decode_slots, bias = backend.decode_tensors(tables + [[scratch]] * pad, lens + [1] * pad, ctx)
+            entry.batch.decode[0].slots.copy_(decode_slots)
+            entry.batch.decode[0].bias.copy_(bias)
         if entry.graph is None:
             return backend.forward(entry.input_ids, entry.positions, None, entry.batch)[:n]
         entry.graph.replay()
@@ -127,7 +143,21 @@ class DecodeGraphs:
         batch = PagedBatch(
             kv=backend.kv.tensor,
             slot_mapping=torch.full((bp,), scratch_slot, dtype=torch.long, device=dev),
-            decode=[
+            decode=[],
+            chunks=[],
+        )
+        kernel = backend.varlen_kernel
+        if kernel is not None:
+            batch.varlen = Varlen(
+                kernel=kernel,
+                query_start=torch.arange(bp + 1, dtype=torch.int32, device=dev),  # one token per sequence
+                seq_lens=torch.ones(bp, dtype=torch.int32, device=dev),
+                block_tables=torch.full((bp, self.max_blocks), backend.kv.scratch_block, dtype=torch.int32, device=dev),
+                max_query_len=1,
+                block_size=backend.block_size,
+            )
+        else:
+            batch.decode = [
                 DecodeGroup(
                     0,
                     bp,
@@ -135,9 +165,7 @@ class DecodeGraphs:
                     torch.zeros(kvh * bp, 1, ctx, dtype=backend.dtype, device=dev),
                     ctx,
                 )
-            ],
-            chunks=[],
-        )
+            ]
         input_ids = torch.zeros(1, bp, dtype=torch.long, device=dev)
         positions = torch.zeros(1, bp, dtype=torch.long, device=dev)
         entry = _Graph(None, batch, input_ids, positions, None)
@@ -172,7 +200,7 @@ class CudaBackend(TorchPagedBackend):
         self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len, capture=capture)
         self.graphs.build_all()
         self.description = (
-            f"transformers layers, paged attention in torch, {len(self.graphs)} CUDA graphs "
+            f"{self.description}, {len(self.graphs)} CUDA graphs "
             f"({'captured' if capture else 'eager'}) for decode steps; {reserve / 2**20:.0f} MiB kept for them"
         )
 

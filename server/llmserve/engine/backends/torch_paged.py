@@ -18,11 +18,13 @@ from llmserve.engine.backends.attention import (
     DecodeGroup,
     NativeDecode,
     PagedBatch,
+    Varlen,
+    VarlenKernel,
     register_attention,
 )
 from llmserve.engine.backends.base import KVCache, KVShape, blocks_for_budget
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.plan import StepPlan
+from llmserve.engine.plan import SeqStep, StepPlan
 from llmserve.engine.sampler import RowFailed, Sampled, sample_each
 from llmserve.models import LoadedModel
 
@@ -44,7 +46,9 @@ class TorchPagedBackend:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.num_blocks = num_blocks if num_blocks is not None else self.size_pool(self.kv_budget_bytes())
         self.kv = KVCache(self.shape, self.num_blocks, self.block_size, self.dtype, self.device)
-        self.description = "transformers layers, paged attention in torch"
+        self.varlen_kernel = varlen_kernel(config.attention_kernel, self.device)
+        attention = "one Triton varlen kernel" if self.varlen_kernel is not None else "torch"
+        self.description = f"transformers layers, paged attention in {attention}"
 
     # -- sizing ----------------------------------------------------------------------------------
 
@@ -115,7 +119,10 @@ class TorchPagedBackend:
             decode=[],
             chunks=chunks,
         )
-        if decode_lens:
+        if self.varlen_kernel is not None:
+            batch.chunks = []
+            batch.varlen = self.varlen(self.varlen_kernel, [entries[i] for i in order])
+        elif decode_lens:
             batch.native = self.native_decode(decode_tables, decode_lens)
             if batch.native is None:
                 batch.decode = self.decode_groups(decode_tables, decode_lens)
@@ -139,6 +146,24 @@ class TorchPagedBackend:
         return logits
 
     # -- attention metadata ----------------------------------------------------------------------
+
+    def varlen(self, kernel: VarlenKernel, entries: Sequence[SeqStep]) -> Varlen:
+        """The step for one varlen kernel call, entries in packed-row order."""
+        starts = array.array("i", [0])
+        for entry in entries:
+            starts.append(starts[-1] + len(entry.token_ids))
+        lens = array.array("i", [entry.end for entry in entries])
+        width = max(len(entry.block_table) for entry in entries)
+        tables = padded_tables([e.block_table for e in entries], width, 0, torch.int32)
+        dev = self.device
+        return Varlen(
+            kernel=kernel,
+            query_start=torch.frombuffer(starts, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.frombuffer(lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            max_query_len=max(len(entry.token_ids) for entry in entries),
+            block_size=self.block_size,
+        )
 
     def native_decode(self, tables: list[Sequence[int]], lens: list[int]) -> NativeDecode | None:
         """Decode rows for a kernel that reads the cache in place; None: gather them (`decode_groups`)."""
@@ -196,3 +221,17 @@ def padded_tables(tables: Sequence[Sequence[int]], width: int, pad: int, dtype: 
         if len(table) < width:
             flat.extend([pad] * (width - len(table)))
     return torch.frombuffer(flat, dtype=dtype).view(len(tables), width)
+
+
+def varlen_kernel(choice: str, device: torch.device) -> VarlenKernel | None:
+    """The Triton varlen kernel when `choice` asks for it ("triton", or "auto" on CUDA) and Triton imports;
+    None for the torch path. "triton" without Triton raises."""
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return None
+    try:
+        from llmserve.engine.backends.triton_attention import varlen_paged_attention
+    except ImportError as exc:
+        if choice == "triton":
+            raise RuntimeError(f"--attention-kernel triton: Triton is not installed ({exc})") from exc
+        return None
+    return varlen_paged_attention

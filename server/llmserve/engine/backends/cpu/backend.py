@@ -42,6 +42,7 @@ class CpuBackend(TorchPagedBackend):
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, *, num_blocks: int | None = None) -> None:
         super().__init__(loaded, config, num_blocks=num_blocks)
+        self.varlen_kernel = None  # the CPU has its own decode kernel and blocked chunk attention
         model, s = loaded.model, self.shape
         kernels = native.usable(config.cpu_kernels)
         pack = config.packed_linear and packed_linear.available(self.device, self.dtype)

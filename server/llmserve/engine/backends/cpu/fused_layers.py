@@ -114,9 +114,7 @@ class FusedForward:
         self.num_packed = (4 * len(self.layers) + 1) if pack else 0
 
     @classmethod
-    def build(
-        cls, model: Any, ops: native.FusedOps | None, pack: bool, attention: Attention
-    ) -> FusedForward | None:
+    def build(cls, model: Any, ops: native.FusedOps | None, pack: bool, attention: Attention) -> FusedForward | None:
         """The fused forward of `model`, or None where it does not apply (another architecture, a device
         other than the CPU, a dtype the kernels lack, or no compiled kernels). `pack`: run the linears on
         packed oneDNN weights (float32 only); `attention`: the runner's paged attention function."""

@@ -1,0 +1,123 @@
+"""Bounds on every caller-controlled field, checked at the service's edge before any tokenizer or engine work.
+
+Each check raises `InvalidRequest(field, reason)` naming the request field and the limit (and the flag that
+sets it). Error messages quote at most a short, escaped prefix of what the caller sent (`quote_prefix`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llmserve.config import InputLimits
+from llmserve.engine.request import InvalidRequest
+from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
+
+PREFIX_CHARS = 32
+# Without --max-prompt-bytes: this many UTF-8 bytes per token of context. Real text runs 3-5 bytes a token;
+# 16 leaves room for long whitespace or symbol runs while bounding tokenizer work by the context.
+PROMPT_BYTES_PER_TOKEN = 16
+
+
+def quote_prefix(value: str, limit: int = PREFIX_CHARS) -> str:
+    """`value` for an error message or log: escaped (ASCII only), its escaped form cut to about 2 x `limit`."""
+    n = min(len(value), limit)
+    while n and len(ascii(value[:n])) > 2 * limit + 2:  # escapes (\x1f, \U0001f600) run up to 10 per character
+        n //= 2
+    if n == len(value):
+        return ascii(value)
+    return f"{ascii(value[:n])}... ({len(value)} characters)"
+
+
+def prompt_byte_limit(limits: InputLimits, context_length: int) -> int:
+    """The largest text or chat input in UTF-8 bytes: the flag, or PROMPT_BYTES_PER_TOKEN per token of context."""
+    return limits.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context_length
+
+
+def is_valid_id(value: str, max_length: int) -> bool:
+    return len(value) <= max_length and value.isprintable()
+
+
+def check_id(field: str, value: str, max_length: int, flag: str) -> None:
+    """An identifier: at most `max_length` characters, all printable (no control characters, no line breaks)."""
+    if len(value) > max_length:
+        raise InvalidRequest(field, f"is {len(value)} characters, the limit is {max_length} ({flag})")
+    if not value.isprintable():
+        raise InvalidRequest(field, "must be printable characters (no control characters or line breaks)")
+
+
+def check_generate(request: pb.GenerateRequest, limits: InputLimits, max_prompt_bytes: int, vocab_size: int) -> None:
+    """Everything about a GenerateRequest that can be checked without the tokenizer or the engine."""
+    check_id("request_id", request.request_id, limits.max_request_id_length, "--max-request-id-length")
+    check_id("session_id", request.session_id, limits.max_session_id_length, "--max-session-id-length")
+    check_input(request, limits, max_prompt_bytes)
+    if request.WhichOneof("input") == "token_ids":
+        _check_token_ids("token_ids.ids", request.token_ids.ids, vocab_size)
+    stopping = request.stopping
+    stops = stopping.stop_sequences
+    if len(stops) > limits.max_stop_sequences:
+        raise InvalidRequest(
+            "stopping.stop_sequences",
+            f"has {len(stops)} entries, the limit is {limits.max_stop_sequences} (--max-stop-sequences)",
+        )
+    chars = sum(len(stop) for stop in stops)
+    if chars > limits.max_stop_sequences_chars:
+        raise InvalidRequest(
+            "stopping.stop_sequences",
+            f"are {chars} characters together, the limit is {limits.max_stop_sequences_chars} "
+            "(--max-stop-sequences-chars)",
+        )
+    if len(stopping.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(
+            "stopping.stop_token_ids",
+            f"has {len(stopping.stop_token_ids)} entries, the limit is {limits.max_stop_token_ids} "
+            "(--max-stop-token-ids)",
+        )
+    _check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, vocab_size)
+    top = request.response.top_logprobs
+    if not 0 <= top <= limits.max_top_logprobs:
+        raise InvalidRequest(
+            "response.top_logprobs", f"must be in [0, {limits.max_top_logprobs}] (--max-top-logprobs), got {top}"
+        )
+
+
+def check_input(request: pb.GenerateRequest | pb.TokenizeRequest, limits: InputLimits, max_prompt_bytes: int) -> None:
+    """The size of a text or chat input in bytes, and a chat's message count and roles."""
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        _check_prompt_bytes("text", request.text, max_prompt_bytes)
+    elif kind == "chat":
+        messages = request.chat.messages
+        if len(messages) > limits.max_chat_messages:
+            raise InvalidRequest(
+                "chat.messages",
+                f"has {len(messages)} messages, the limit is {limits.max_chat_messages} (--max-chat-messages)",
+            )
+        total = 0
+        for i, message in enumerate(messages):
+            if message.role not in limits.chat_roles:
+                raise InvalidRequest(
+                    f"chat.messages[{i}].role",
+                    f"{quote_prefix(message.role)} is not one of {', '.join(limits.chat_roles)} (--chat-roles)",
+                )
+            total += _utf8_length(message.content, max_prompt_bytes - total)
+            if total > max_prompt_bytes:
+                raise InvalidRequest(
+                    "chat.messages", f"are over {max_prompt_bytes} bytes of content, the limit (--max-prompt-bytes)"
+                )
+
+
+def _check_prompt_bytes(field: str, text: str, max_prompt_bytes: int) -> None:
+    if _utf8_length(text, max_prompt_bytes) > max_prompt_bytes:
+        raise InvalidRequest(field, f"is over {max_prompt_bytes} bytes, the limit (--max-prompt-bytes)")
+
+
+def _utf8_length(text: str, limit: int) -> int:
+    """UTF-8 length of `text`, or just something over `limit` when it is certainly longer (no encoding)."""
+    if len(text) > limit:  # every character is at least one byte
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise InvalidRequest(field, f"ids must be in [0, {vocab_size})")

@@ -1,0 +1,35 @@
+"""Process-wide settings come from one call made by the process owner, and an operator's own values win."""
+
+from __future__ import annotations
+
+from llmserve.process import configure_process
+
+
+def test_defaults_and_what_an_operator_set_wins() -> None:
+    env: dict[str, str] = {}
+    configure_process(env)
+    assert env == {
+        "HF_HUB_OFFLINE": "1",
+        "GOMP_SPINCOUNT": "3000",
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256",
+        "LRU_CACHE_CAPACITY": "256",
+    }
+    mine = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+    configure_process(mine)
+    assert "GOMP_SPINCOUNT" not in mine and mine["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+
+
+def test_importing_llmserve_changes_nothing() -> None:
+    """What llmserve's modules do on import, apart from what torch and transformers do on theirs."""
+    import subprocess
+    import sys
+
+    # torch sets TORCHINDUCTOR_CACHE_DIR when some of its own submodules load: its doing, not ours.
+    code = (
+        "import os, torch, transformers, grpc; mine = lambda: {k: v for k, v in os.environ.items() "
+        "if not k.startswith('TORCH')}; before = mine(); "
+        "import llmserve.engine.core, llmserve.engine.backends.cpu.backend, llmserve.app, llmserve.service; "
+        "print(before == mine())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": "/usr/bin"})
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
