@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -411,7 +412,7 @@ def test_sessions_are_read_and_deleted_under_the_books() -> None:
     core = stepped_core()
     assert core.get_session("conv") is None and core.delete_session("conv") is False
     timing = serve(core, req("s", list(range(3, 20)), max_new=3, session_id="conv"))[-1].timing
-    assert core.steps == 3 and timing.ttft_s < timing.total_s  # the first token came a step before the last
+    assert core.steps == 3 and timing.ttft_s < timing.total_s < 60  # the first token came a step before the last
     info = core.get_session("conv")
     assert (info.session_id, info.cached_tokens) == ("conv", 19) and abs(info.last_used - time.time()) < 60
     assert core.delete_session("conv") is True and core.get_session("conv") is None
@@ -420,7 +421,7 @@ def test_sessions_are_read_and_deleted_under_the_books() -> None:
 def test_only_consecutive_failed_steps_kill_the_engine() -> None:
     core = stepped_core()
     real = core.backend.execute
-    failing = [True, False, True, True]
+    failing = [True, True, False, True, True]  # two in a row, a success, two again: never three in a row
 
     def flaky(plan):  # noqa: ANN001, ANN202
         if failing.pop(0) if failing else False:
@@ -428,8 +429,9 @@ def test_only_consecutive_failed_steps_kill_the_engine() -> None:
         return real(plan)
 
     core.backend.execute = flaky
-    reasons = [serve(core, req(f"r{i}", [1, 2, 3], max_new=1))[-1].finish_reason for i in range(4)]
-    assert reasons == [FinishReason.ERROR, FinishReason.LENGTH, FinishReason.ERROR, FinishReason.ERROR]
+    reasons = [serve(core, req(f"r{i}", [1, 2, 3], max_new=1))[-1].finish_reason for i in range(5)]
+    error, length = FinishReason.ERROR, FinishReason.LENGTH
+    assert reasons == [error, error, length, error, error]
     assert core.dead_reason is None and core._failures == 2 and core.steps == 1
     core.backend.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("gone"))  # noqa: ARG005
     final = serve(core, req("last", [1, 2, 3]))[-1]
@@ -442,6 +444,7 @@ def test_a_request_that_reaches_a_dead_engine_gets_its_error() -> None:
     core.dead_reason = "device lost"
     deltas = serve(core, req("late", [1, 2, 3, 4]))
     assert len(deltas) == 1 and deltas[0].token_ids == [] and deltas[0].error == "device lost"
+    assert deltas[0].request_id == "late"
     assert deltas[0].finish_reason is FinishReason.ERROR and deltas[0].usage == Usage(4, 0, 0)
     assert core.num_waiting == 0 and not core.scheduler.has_work
 
@@ -466,6 +469,38 @@ def test_sliding_window_is_read_where_the_config_enables_it() -> None:
     assert sliding_window(Qwen2Config(sliding_window=128, use_sliding_window=False)) is None
     assert sliding_window(Qwen2Config(sliding_window=128, use_sliding_window=True)) == 128
     assert sliding_window(tiny_config()) is None
+    assert sliding_window(SimpleNamespace(sliding_window=64, use_sliding_window=False)) is None
+    assert sliding_window(SimpleNamespace(sliding_window=64)) == 64  # no get_text_config, no switch: on
+
+    class Multimodal:
+        sliding_window = None
+
+        def get_text_config(self) -> SimpleNamespace:
+            return SimpleNamespace(sliding_window=32, use_sliding_window=True)
+
+    assert sliding_window(Multimodal()) == 32  # the text model's window
+
+
+def test_seeds_the_engine_draws_can_be_sent_back() -> None:
+    core = stepped_core()
+    seeds = [
+        serve(core, req(f"s{i}", [1, 2], max_new=1, sampling=SamplingParams(temperature=1.0)))[-1].seed
+        for i in range(16)
+    ]
+    for seed in seeds:
+        SamplingParams(temperature=1.0, seed=seed).validate()  # in [0, 2**63)
+    assert len(set(seeds)) == 16
+
+
+def test_eos_ends_a_request_unless_it_ignores_eos_and_prefix_caching_can_be_off() -> None:
+    core = stepped_core(enable_prefix_caching=False)
+    greedy = [t for d in serve(core, req("g", list(range(3, 40)), max_new=4)) for t in d.token_ids]
+    core.loaded.eos_token_ids = (greedy[0],)
+    ignoring = serve(core, req("ignore", list(range(3, 40)), max_new=4))  # req() sets ignore_eos
+    assert [t for d in ignoring for t in d.token_ids] == greedy and ignoring[-1].finish_reason is FinishReason.LENGTH
+    assert ignoring[-1].usage.cached_prompt_tokens == 0  # no prefix cache: two full blocks computed again
+    ending = serve(core, req("eos", list(range(3, 40)), stopping=StoppingParams(max_new_tokens=4)))
+    assert [t for d in ending for t in d.token_ids] == greedy[:1] and ending[-1].finish_reason is FinishReason.EOS
 
 
 def test_a_dying_engine_fails_the_requests_still_waiting() -> None:
