@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +111,7 @@ def run_one(name: str, jobs: int, again: bool = False) -> None:
     data.load()
     statuses = {key: status_by_exit_code[code] for key, code in data.exit_code_by_key.items()}
     if again:
-        statuses = {key: statuses[key] for key in names}
+        statuses = {key: status for key, status in statuses.items() if any(fnmatch(key, n) for n in names)}
     counts = Counter(statuses.values())
     detected = sum(counts[s] for s in DETECTED)
     what = "of the last run's survivors" if again else "mutants"

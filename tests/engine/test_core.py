@@ -544,11 +544,15 @@ def test_text_and_stop_sequences_in_the_deltas() -> None:
     greedy, _, text = with_text(core, [5, 6, 7], 8)
     deltas = serve(core, req("plain", [5, 6, 7], max_new=8))
     assert [d.text for d in deltas] == list(text) and deltas[-1].finish_reason is FinishReason.LENGTH
+    assert {d.request_id for d in deltas} == {"plain"}
     stop = text[3:5]
     cut = text.find(stop)
     deltas = serve(core, req("stop", [5, 6, 7], stopping=StoppingParams(8, stop_sequences=(stop,), ignore_eos=True)))
     assert "".join(d.text for d in deltas) == text[:cut] and deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE
     assert [t for d in deltas for t in d.token_ids] == greedy[: cut + 2]
+    stopping = StoppingParams(8, stop_sequences=(stop,), include_stop_sequence=True, ignore_eos=True)
+    deltas = serve(core, req("with-stop", [5, 6, 7], stopping=stopping))
+    assert "".join(d.text for d in deltas) == text[: cut + 2]
     # A stop that never completes holds back the last letter; the final delta flushes it.
     never = text[-1] + "#"
     deltas = serve(core, req("held", [5, 6, 7], stopping=StoppingParams(8, stop_sequences=(never,), ignore_eos=True)))
@@ -565,3 +569,28 @@ def test_a_stop_completed_by_the_flushed_tail_ends_as_a_stop_sequence() -> None:
     stopping = StoppingParams(2, stop_sequences=("ab",), ignore_eos=True)
     deltas = serve(core, req("tail", prompt, stopping=stopping))
     assert "".join(d.text for d in deltas) == "x" and deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE
+
+
+def test_the_loaded_tokenizer_is_used_and_a_far_deadline_does_not_end_a_request() -> None:
+    loaded = from_config(tiny_config(max_positions=512), dtype=torch.float32)
+    loaded.tokenizer = PieceTokenizer({})  # every id reads "?"
+    core = EngineCore(loaded, EngineConfig(block_size=16, kv_cache_tokens=1024))
+    deltas = serve(core, req("far", [1, 2, 3], max_new=3, deadline=time.monotonic() + 3600))
+    assert "".join(d.text for d in deltas) == "???" and deltas[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_failed_forward_leaves_no_session_behind() -> None:
+    core = stepped_core()
+    real, calls = core.backend.execute, []
+
+    def second_fails(plan):  # noqa: ANN001, ANN202
+        calls.append(plan)
+        if len(calls) == 2:  # after the prompt was computed
+            raise RuntimeError("boom")
+        return real(plan)
+
+    core.backend.execute = second_fails
+    final = serve(core, req("failed", list(range(3, 40)), session_id="conv"))[-1]
+    assert final.finish_reason is FinishReason.ERROR and final.usage.completion_tokens == 1
+    assert core.get_session("conv") is None
+    assert core.pool.num_free == core.pool.num_blocks

@@ -627,3 +627,18 @@ def test_the_last_token_of_the_budget_is_spent_on_admission_and_on_decode() -> N
         ready.token_ids.append(5)
     plan = scheduler.schedule()
     assert [(e.seq, e.num_tokens) for e in plan.seqs] == [(seq, 1) for seq in seqs]
+
+
+def test_the_prefix_cache_is_shared_only_under_the_same_salt() -> None:
+    _, _, scheduler, _ = books()
+    prompt = list(range(20, 33))  # three full blocks and a token
+
+    def cached(n: int, salt: str | None) -> int:
+        request = GenerationRequest(f"r{n}", tuple(prompt), stopping=StoppingParams(max_new_tokens=1), cache_salt=salt)
+        seq = Sequence(request, list(prompt), float(n), n)
+        drive(scheduler, seq)
+        return seq.num_cached_prompt
+
+    assert cached(1, "alice") == 0
+    assert cached(2, "bob") == 0 and cached(3, None) == 0  # another salt, or none: nothing shared
+    assert cached(4, "alice") == 12 and cached(5, "bob") == 12 and cached(6, None) == 12
