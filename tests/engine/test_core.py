@@ -594,3 +594,30 @@ def test_a_failed_forward_leaves_no_session_behind() -> None:
     assert final.finish_reason is FinishReason.ERROR and final.usage.completion_tokens == 1
     assert core.get_session("conv") is None
     assert core.pool.num_free == core.pool.num_blocks
+
+
+def test_a_fault_in_the_books_fails_the_requests_instead_of_hanging_them() -> None:
+    """An exception outside the forward (here the scheduler's) used to end the step thread silently: every caller
+    waited forever and the engine still looked alive. Now the engine dies and says why."""
+    core = stepped_core()
+    finals: dict[str, object] = {}
+    core.submit(
+        req("caught", [1, 2, 3], max_new=50), lambda d: finals.setdefault(d.request_id, d) if d.finished else None
+    )
+
+    def broken() -> None:
+        raise RuntimeError("books out of balance")
+
+    core.scheduler.schedule = broken
+    stop = threading.Event()
+    thread = threading.Thread(target=core.run, args=(stop,), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while "caught" not in finals and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    core.wake()
+    thread.join(RUN_TIMEOUT_S)
+    final = finals["caught"]
+    assert final.finish_reason is FinishReason.ERROR and "books out of balance" in final.error
+    assert core.dead_reason == "engine step failed: RuntimeError: books out of balance" and not thread.is_alive()

@@ -215,7 +215,11 @@ class EngineCore:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # a fault in the books, not in a forward: fail every request, never hang them
+                log.exception("engine step failed")
+                self._die(f"engine step failed: {type(exc).__name__}: {exc}")
         self._drain_inbox()
         with self.lock:
             for live in list(self._live.values()):
