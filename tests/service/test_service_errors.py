@@ -263,3 +263,33 @@ def test_a_request_id_in_flight_waits_for_its_stream_to_end_before_it_is_a_dupli
         assert time.monotonic() - started >= REUSE_WAIT_S * 0.9
 
     asyncio.run(body())
+
+
+def test_errors_map_to_statuses_with_their_details() -> None:
+    """The edge's error conversions on their own: the field path and reason a caller sees, and the retry delay."""
+    from google.rpc import code_pb2, error_details_pb2
+
+    from llmserve.engine.request import InvalidRequest, QueueFull
+    from llmserve.service import RETRY_DELAY_S, ServiceError, _for_caller, status_for
+
+    status = status_for(InvalidRequest("sampling.top_p", "must be in (0, 1]"))
+    assert status.code == code_pb2.INVALID_ARGUMENT
+    bad = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad)
+    assert [(v.field, v.description) for v in bad.field_violations] == [("sampling.top_p", "must be in (0, 1]")]
+    for exc, delay_ns in (
+        (QueueFull("busy"), int(RETRY_DELAY_S * 1e9)),
+        (ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", retry_after_s=2.5), 2_500_000_000),
+    ):
+        status = status_for(exc)
+        retry = error_details_pb2.RetryInfo()
+        assert status.code == code_pb2.RESOURCE_EXHAUSTED and status.details[-1].Unpack(retry)
+        assert retry.retry_delay.ToNanoseconds() == delay_ns
+    assert status_for(ServiceError(grpc.StatusCode.NOT_FOUND, "no session")).details == []
+    assert str(ServiceError(grpc.StatusCode.NOT_FOUND, "no session")) == "no session"
+    # Engine field names become request paths; a prompt error names the input the caller used.
+    renamed = _for_caller(InvalidRequest("top_k", "must be >= 0"), pb.GenerateRequest(text="hi"))
+    assert (renamed.field, renamed.reason) == ("sampling.top_k", "must be >= 0")
+    assert _for_caller(InvalidRequest("prompt", "too long"), pb.GenerateRequest(text="hi")).field == "text"
+    assert _for_caller(InvalidRequest("prompt", "too long"), pb.GenerateRequest()).field == "input"
+    assert _for_caller(InvalidRequest("something_new", "odd"), pb.GenerateRequest(text="hi")).field == "something_new"
