@@ -293,3 +293,42 @@ def test_errors_map_to_statuses_with_their_details() -> None:
     assert _for_caller(InvalidRequest("prompt", "too long"), pb.GenerateRequest(text="hi")).field == "text"
     assert _for_caller(InvalidRequest("prompt", "too long"), pb.GenerateRequest()).field == "input"
     assert _for_caller(InvalidRequest("something_new", "odd"), pb.GenerateRequest(text="hi")).field == "something_new"
+
+
+def test_call_observers_are_told_the_code_the_finish_and_the_metadata() -> None:
+    """What metrics and tracing read about each ended call: unmapped failures are UNKNOWN, a cancel or deadline that
+    reached the engine without a finish reason reads as one, and an observer's exception reaches no one else."""
+    from types import SimpleNamespace
+
+    from llmserve.config import ServerConfig
+    from llmserve.request_log import RequestRecord
+    from llmserve.service import GenerateServicer
+
+    seen: list = []
+
+    class Broken:
+        def call_finished(self, call: object) -> None:
+            raise RuntimeError("observer bug")
+
+    class Recorder:
+        def call_finished(self, call: object) -> None:
+            seen.append(call)
+
+    servicer = GenerateServicer(ServerConfig(), observers=[Broken(), Recorder()])
+    context = SimpleNamespace(invocation_metadata=lambda: (("x-session-id", "s"),))
+    cases = [
+        (RequestRecord("a", 1.0, status="ValueError", queued=2.0), "UNKNOWN", None),
+        (RequestRecord("b", 1.0, status="CANCELLED", queued=2.0), "CANCELLED", "cancelled"),
+        (RequestRecord("c", 1.0, status="DEADLINE_EXCEEDED", queued=2.0), "DEADLINE_EXCEEDED", "deadline"),
+        (RequestRecord("d", 1.0, status="CANCELLED"), "CANCELLED", None),  # refused before the engine took it
+        (RequestRecord("e", 1.0, status="OK", queued=2.0, finish="length"), "OK", "length"),
+    ]
+    for record, _, _ in cases:
+        servicer._tell_observers(record, True, context)
+    assert [(call.code, call.finish_reason) for call in seen] == [(code, finish) for _, code, finish in cases]
+    call = seen[-1]
+    assert call.has_session is True and call.metadata == (("x-session-id", "s"),) and call.start_ns > 0
+    servicer._tell_observers(
+        RequestRecord("f", 1.0, status="OK"), False, SimpleNamespace(invocation_metadata=lambda: None)
+    )
+    assert seen[-1].has_session is False and seen[-1].metadata == ()
