@@ -332,3 +332,19 @@ def test_call_observers_are_told_the_code_the_finish_and_the_metadata() -> None:
         RequestRecord("f", 1.0, status="OK"), False, SimpleNamespace(invocation_metadata=lambda: None)
     )
     assert seen[-1].has_session is False and seen[-1].metadata == ()
+
+
+def test_a_stalled_stream_and_a_model_window_are_reported(fake: ServerThread) -> None:
+    from llmserve.service import StreamStalled
+
+    stalled = StreamStalled(2.5)
+    assert stalled.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stalled.message == "the stream was aborted: the client read nothing for 2.5 s (--stream-stall-timeout)"
+    info = fake.engine.model_info
+    before, info.sliding_window = info.sliding_window, 128
+    channel, stub = _fake_stub(fake)
+    try:
+        with channel:
+            assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).sliding_window == 128
+    finally:
+        info.sliding_window = before
