@@ -3,6 +3,7 @@ files that cover it (so that a run fits a 2-core machine). Not part of `make tes
 
     python tests/mutation.py [MODULE ...]           # default: every module below, in this order
     python tests/mutation.py --again [MODULE ...]   # only the mutants that survived the module's last run
+    python tests/mutation.py --resume [MODULE ...]  # only the mutants that have no result yet (an interrupted run)
 
 mutmut is configured in pyproject.toml ([tool.mutmut]); this script links src -> server (mutmut names mutants after
 their path and knows only a src/ layout), narrows the test selection to the module's files, runs the module's
@@ -79,20 +80,39 @@ def prepare() -> None:
                 target.unlink()
 
 
-def run_one(name: str, jobs: int, again: bool = False) -> None:
-    """Run in a process of its own: mutmut keeps its state in module globals. `again`: only the mutants that
-    survived the module's last run (mutants/NAME.survivors), e.g. after adding tests."""
+def unfinished(file: str) -> list[str]:
+    """The module's mutants that have no result in mutants/ (an interrupted run); all of them when it never ran."""
+    from mutmut.mutation.data import SourceFileMutationData
+
+    data = SourceFileMutationData(path=Path("src/llmserve") / file)
+    if not data.meta_path.exists():
+        return [f"{module_name(file)}.*"]
+    data.load()
+    return sorted(key for key, code in data.exit_code_by_key.items() if code is None)
+
+
+def run_one(name: str, mode: str, jobs: int) -> None:
+    """Run in a process of its own: mutmut keeps its state in module globals. mode "all": every mutant; "again": only
+    the mutants that survived the module's last run (mutants/NAME.survivors), e.g. after adding tests; "resume": only
+    those without a result."""
     file, tests = MODULES[name]
     survivors_file = ROOT / "mutants" / f"{name}.survivors"
-    names = survivors_file.read_text().split() if again else [f"{module_name(file)}.*"]
-    if not names:
-        print(f"{name}: no survivors to run again")
-        return
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     os.chdir(ROOT)
     from mutmut.__main__ import _run
     from mutmut.configuration import config
     from mutmut.mutation.data import SourceFileMutationData
+
+    if mode == "again":
+        names = survivors_file.read_text().split()
+    elif mode == "resume":
+        names = unfinished(file)
+    else:
+        names = [f"{module_name(file)}.*"]
+    if not names:
+        print(f"{name}: no mutants left to run ({mode})")
+        return
+    again = mode == "again"
 
     # A different selection than the last run's makes mutmut recollect which tests call which function.
     config().pytest_add_cli_args_test_selection = tests
@@ -125,17 +145,17 @@ def run_one(name: str, jobs: int, again: bool = False) -> None:
 def main(argv: list[str]) -> int:
     jobs = int(os.environ.get("MUTATION_JOBS", "2"))
     if argv[:1] == ["--one"]:
-        run_one(argv[2], jobs, again=argv[1] == "again")
+        run_one(argv[2], argv[1], jobs)
         return 0
-    again = argv[:1] == ["--again"]
-    names = argv[again:] or list(MODULES)
+    mode = {"--again": "again", "--resume": "resume"}.get(argv[0] if argv else "", "all")
+    names = argv[mode != "all" :] or list(MODULES)
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         print(f"unknown module(s) {unknown}; choose from {list(MODULES)}", file=sys.stderr)
         return 2
     prepare()
     for name in names:
-        subprocess.run([sys.executable, __file__, "--one", "again" if again else "all", name], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, __file__, "--one", mode, name], cwd=ROOT, check=True)
     return 0
 
 
