@@ -76,6 +76,25 @@ def test_invalid_request_names_the_field(server: ServerThread, stub, channel, fi
     assert server.engine.num_running == 0
 
 
+def _empty_token_ids() -> pb.GenerateRequest:
+    request = build_request(token_ids=[])
+    request.token_ids.SetInParent()  # the input chosen, with no ids in it
+    return request
+
+
+EMPTY = [
+    ("text", build_request("")),
+    ("token_ids", _empty_token_ids()),  # the engine's empty prompt, named after the input the caller set
+    ("chat.messages", build_request(messages=[])),
+]
+
+
+@pytest.mark.parametrize(("field", "request_pb"), EMPTY, ids=[f for f, _ in EMPTY])
+def test_an_empty_input_is_named_and_said_to_be_empty(stub, field: str, request_pb) -> None:
+    code, message, fields = _status(_first_error(stub, request_pb))
+    assert (code, message, fields) == (grpc.StatusCode.INVALID_ARGUMENT, f"{field}: must not be empty", [field])
+
+
 def test_session_rpcs_need_a_session_id(stub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stub.GetSession(pb.GetSessionRequest(), timeout=5)
@@ -211,6 +230,19 @@ def test_drain_finishes_in_flight_streams_and_refuses_new_ones(fake: ServerThrea
     fake.server = None  # already stopped
 
 
+def test_a_draining_servicer_refuses_new_streams_while_the_listener_is_open(fake: ServerThread) -> None:
+    """Drain begins in the servicer before the listener closes: a call that still gets through is refused by the
+    servicer itself (UNAVAILABLE, saying why), while the stream already in flight finishes."""
+    channel, stub = _fake_stub(fake)
+    with channel:
+        call = stub.Generate(build_request("hi", max_new_tokens=20), timeout=30)
+        next(call)
+        fake.server.servicer.begin_drain()
+        err = _first_error(stub, build_request("hi"))
+        assert (err.code(), err.details()) == (grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        assert list(call)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def test_drain_cancels_streams_past_the_grace_period(fake: ServerThread) -> None:
     fake.engine.step_s = 0.05
     channel, stub = _fake_stub(fake)
@@ -286,6 +318,7 @@ def test_errors_map_to_statuses_with_their_details() -> None:
         assert status.code == code_pb2.RESOURCE_EXHAUSTED and status.details[-1].Unpack(retry)
         assert retry.retry_delay.ToNanoseconds() == delay_ns
     assert status_for(ServiceError(grpc.StatusCode.NOT_FOUND, "no session")).details == []
+    assert status_for(QueueFull("128 requests waiting")).message == "engine queue is full: 128 requests waiting"
     assert str(ServiceError(grpc.StatusCode.NOT_FOUND, "no session")) == "no session"
     # Engine field names become request paths; a prompt error names the input the caller used.
     renamed = _for_caller(InvalidRequest("top_k", "must be >= 0"), pb.GenerateRequest(text="hi"))
