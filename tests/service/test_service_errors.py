@@ -381,3 +381,21 @@ def test_a_stalled_stream_and_a_model_window_are_reported(fake: ServerThread) ->
             assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).sliding_window == 128
     finally:
         info.sliding_window = before
+
+
+def test_chat_input_without_a_chat_template_is_named() -> None:
+    """A model without a chat template (or a tokenizer object without the attribute) refuses chat input, naming it
+    and saying what to send instead; an empty conversation is refused before the template is asked."""
+    from types import SimpleNamespace
+
+    from llmserve.engine.request import InvalidRequest
+    from llmserve.service import _chat_token_ids
+
+    messages = [pb.ChatMessage(role="user", content="hi")]
+    for tokenizer in (SimpleNamespace(chat_template=None), SimpleNamespace()):
+        with pytest.raises(InvalidRequest) as err:
+            _chat_token_ids(tokenizer, messages)
+        assert (err.value.field, err.value.reason) == ("chat", "the model has no chat template: send text or token_ids")
+    with pytest.raises(InvalidRequest) as err:
+        _chat_token_ids(SimpleNamespace(), [])
+    assert (err.value.field, err.value.reason) == ("chat.messages", "must not be empty")
