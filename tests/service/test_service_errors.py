@@ -96,9 +96,10 @@ def test_an_empty_input_is_named_and_said_to_be_empty(stub, field: str, request_
 
 
 def test_session_rpcs_need_a_session_id(stub) -> None:
-    with pytest.raises(grpc.RpcError) as err:
-        stub.GetSession(pb.GetSessionRequest(), timeout=5)
-    assert _status(err.value)[::2] == (grpc.StatusCode.INVALID_ARGUMENT, ["session_id"])
+    for method, request in ((stub.GetSession, pb.GetSessionRequest()), (stub.DeleteSession, pb.DeleteSessionRequest())):
+        with pytest.raises(grpc.RpcError) as err:
+            method(request, timeout=5)
+        assert _status(err.value) == (grpc.StatusCode.INVALID_ARGUMENT, "session_id: must not be empty", ["session_id"])
 
 
 def test_tokenize_needs_input(stub) -> None:
@@ -399,3 +400,31 @@ def test_chat_input_without_a_chat_template_is_named() -> None:
     with pytest.raises(InvalidRequest) as err:
         _chat_token_ids(SimpleNamespace(), [])
     assert (err.value.field, err.value.reason) == ("chat.messages", "must not be empty")
+
+
+def test_a_chat_template_renders_the_ids_without_extra_special_tokens() -> None:
+    """The template writes the special tokens it wants: its text is encoded without more (a tokenizer that would add a
+    BOS by default adds none); a template that rejects the conversation is INVALID_ARGUMENT on chat.messages, its
+    message clipped."""
+    from llmserve.engine.request import InvalidRequest
+    from llmserve.service import _chat_token_ids
+
+    class Tokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, turns, tokenize=True, add_generation_prompt=False):
+            if any(turn["role"] == "bot" for turn in turns):
+                raise ValueError("roles must alternate user/assistant: " + "x" * 1000)
+            assert add_generation_prompt
+            return "".join(f"<{turn['role']}>{turn['content']}" for turn in turns) + "<assistant>"
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    ids = _chat_token_ids(Tokenizer(), [pb.ChatMessage(role="user", content="hi")])
+    assert ids == [ord(c) for c in "<user>hi<assistant>"]
+    with pytest.raises(InvalidRequest) as err:
+        _chat_token_ids(Tokenizer(), [pb.ChatMessage(role="bot", content="hi")])
+    assert err.value.field == "chat.messages"
+    assert err.value.reason.startswith("the chat template rejects it: roles must alternate user/assistant: xxx")
+    assert len(err.value.reason) == len("the chat template rejects it: ") + 200 + len("...")
