@@ -100,6 +100,8 @@ def test_session_rpcs_need_a_session_id(stub) -> None:
         with pytest.raises(grpc.RpcError) as err:
             method(request, timeout=5)
         assert _status(err.value) == (grpc.StatusCode.INVALID_ARGUMENT, "session_id: must not be empty", ["session_id"])
+    # An id that no session can have (a control character) names nothing to delete.
+    assert stub.DeleteSession(pb.DeleteSessionRequest(session_id="a\nb"), timeout=5).deleted is False
 
 
 def test_tokenize_needs_input(stub) -> None:
