@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +17,7 @@ from fake_engine import FakeEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from harness import ServerThread, tiny_model
+from server_process import ServerProcess, save_tiny_model
 
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
@@ -52,46 +50,7 @@ def test_reflection_can_be_turned_off() -> None:
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model and its tokenizer saved as a local transformers folder, for `--model`."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    loaded = tiny_model()
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return folder
-
-
-class ServerProcess:
-    """`python -m llmserve` in a subprocess; its stderr (the log) is collected on a thread."""
-
-    def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "llmserve", "--address", "127.0.0.1:0", *args]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                line = self.lines.get(timeout=0.1)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if match := re.search(pattern, line):
-                return match
-        raise AssertionError(f"no log line matching {pattern!r}; log:\n{''.join(self.log)}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture
