@@ -13,7 +13,10 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import grpc
 import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from transformers import LlamaConfig
 
 from llmserve.app import LLMServer
@@ -106,3 +109,14 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.01) ->
     while not (ok := predicate()) and time.monotonic() < end:
         time.sleep(interval)
     return bool(ok)
+
+
+def bad_request_fields(err: grpc.RpcError) -> list[str]:
+    """The fields of the google.rpc.BadRequest field violations in a failed call's rich status."""
+    fields: list[str] = []
+    status = rpc_status.from_call(err)
+    for detail in status.details if status is not None else ():
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            fields += [v.field for v in bad.field_violations]
+    return fields

@@ -15,10 +15,8 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
-from harness import ServerThread, tiny_engine, wait_until
+from harness import ServerThread, bad_request_fields, tiny_engine, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -154,12 +152,7 @@ def _check_error(err: grpc.RpcError, what: object) -> None:
     code = err.code()
     assert code in ALLOWED, (code, err.details(), what)
     if code in CHECKED_CODES:
-        status = rpc_status.from_call(err)
-        fields = []
-        for detail in status.details if status else ():
-            bad = error_details_pb2.BadRequest()
-            if detail.Unpack(bad):
-                fields += [v.field for v in bad.field_violations]
+        fields = bad_request_fields(err)
         assert len(fields) == 1 and err.details().startswith(f"{fields[0]}: "), (err.details(), what)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         assert "--" in err.details() or "queue" in err.details() or "message" in err.details(), err.details()

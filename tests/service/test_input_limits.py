@@ -14,7 +14,7 @@ from fake_engine import FakeEngine, FakeTokenizer
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
-from harness import CONTEXT_LENGTH, ServerThread
+from harness import CONTEXT_LENGTH, ServerThread, bad_request_fields
 
 from llmserve_client import Client, build_request, pb
 
@@ -45,16 +45,6 @@ LIMITS = [
 ]
 
 
-def _bad_request_fields(err: grpc.RpcError) -> list[str]:
-    status = rpc_status.from_call(err)
-    fields = []
-    for detail in status.details if status else ():
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            fields += [v.field for v in bad.field_violations]
-    return fields
-
-
 @pytest.mark.parametrize(("field", "limit", "request_pb"), LIMITS, ids=[f"{f}-{i}" for i, (f, *_) in enumerate(LIMITS)])
 def test_each_limit_names_the_field_and_the_limit(
     server: ServerThread, stub, field: str, limit: str, request_pb: pb.GenerateRequest
@@ -64,7 +54,7 @@ def test_each_limit_names_the_field_and_the_limit(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     message = err.value.details()
     assert message.startswith(f"{field}: ") and limit in message, message
-    assert _bad_request_fields(err.value) == [field]
+    assert bad_request_fields(err.value) == [field]
     assert len(message) < 200, "no caller input beyond a short prefix"
     assert "xxxxxxxxxx" not in message and "forged" not in message
     assert server.engine.num_running == 0
@@ -82,7 +72,7 @@ def test_limits_within_bounds_are_accepted(stub) -> None:
 def test_tokenize_is_bounded_too(stub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stub.Tokenize(pb.TokenizeRequest(text="x" * (MAX_PROMPT_BYTES + 1)), timeout=30)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _bad_request_fields(err.value) == ["text"]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_request_fields(err.value) == ["text"]
 
 
 def test_a_long_unknown_session_id_is_not_found_with_a_short_message(stub) -> None:
@@ -165,7 +155,7 @@ def test_undecodable_request_is_invalid_argument_without_a_traceback(
             list(result) if method == "Generate" else None
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("request: is not a valid llmserve.v1.")
-    assert _bad_request_fields(err.value) == ["request"]
+    assert bad_request_fields(err.value) == ["request"]
     assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
 
 

@@ -12,8 +12,7 @@ import pytest
 from fake_engine import FakeEngine
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
-from harness import CONTEXT_LENGTH, ServerThread, tiny_engine, wait_until
+from harness import CONTEXT_LENGTH, ServerThread, bad_request_fields, tiny_engine, wait_until
 
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
@@ -21,14 +20,7 @@ from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 def _status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str, list[str]]:
     """Code, message and the BadRequest field violations' fields."""
-    fields = []
-    status = rpc_status.from_call(err)
-    if status is not None:
-        for detail in status.details:
-            bad = error_details_pb2.BadRequest()
-            if detail.Unpack(bad):
-                fields += [v.field for v in bad.field_violations]
-    return err.code(), err.details(), fields
+    return err.code(), err.details(), bad_request_fields(err)
 
 
 def _first_error(stub, request: pb.GenerateRequest) -> grpc.RpcError:
@@ -302,7 +294,7 @@ def test_a_request_id_in_flight_waits_for_its_stream_to_end_before_it_is_a_dupli
 
 def test_errors_map_to_statuses_with_their_details() -> None:
     """The edge's error conversions on their own: the field path and reason a caller sees, and the retry delay."""
-    from google.rpc import code_pb2, error_details_pb2
+    from google.rpc import code_pb2
 
     from llmserve.engine.request import InvalidRequest, QueueFull
     from llmserve.service import RETRY_DELAY_S, ServiceError, _for_caller, status_for
