@@ -46,6 +46,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
             f"{SERVICE_TESTS}/test_sessions_grpc.py",
             f"{SERVICE_TESTS}/test_conversations.py",
             f"{SERVICE_TESTS}/test_metrics.py",  # what the call observers are told
+            f"{SERVICE_TESTS}/test_identity_scoping.py",  # session keys and request ids per identity
+            f"{SERVICE_TESTS}/test_input_limits.py",  # the limits the servicer applies before tokenizing
             "-m",
             "not real_model",
         ],

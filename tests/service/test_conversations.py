@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import ServerThread, tiny_engine, wait_until
+from harness import CONTEXT_LENGTH, ServerThread, tiny_engine, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_service_errors import _status
@@ -174,6 +174,30 @@ def test_refusals_name_what_is_wrong(client: Client) -> None:
     assert client.delete_session(chat)
     code, message, _ = _error(client, build_request(messages=[("user", "x")], session_id=chat, continue_session=True))
     assert code == grpc.StatusCode.NOT_FOUND and "deleted" in message
+
+
+def test_an_empty_new_turn_is_named_and_said_to_be_empty(client: Client) -> None:
+    chat, tokens = new_session(), new_session()
+    client.generate_text(messages=[("user", "hello")], max_new_tokens=2, session_id=chat)
+    client.generate_text(token_ids=[5, 6, 7], max_new_tokens=2, session_id=tokens)
+    empty_ids = build_request(token_ids=[], session_id=tokens, continue_session=True)
+    empty_ids.token_ids.SetInParent()
+    for request, field in [
+        (build_request(messages=[], session_id=chat, continue_session=True), "chat.messages"),
+        (build_request("", session_id=tokens, continue_session=True), "text"),
+        (empty_ids, "token_ids.ids"),
+    ]:
+        assert _error(client, request) == (grpc.StatusCode.INVALID_ARGUMENT, f"{field}: must not be empty", [field])
+
+
+def test_a_history_is_capped_at_the_models_context_by_default(client: Client) -> None:
+    """Without --max-session-tokens a conversation may grow to the model's context (1,024 tokens here), no more."""
+    session = new_session()
+    client.generate_text(token_ids=[5] * 20, max_new_tokens=4, ignore_eos=True, session_id=session)
+    request = build_request(token_ids=[6] * (CONTEXT_LENGTH - 10), session_id=session, continue_session=True)
+    code, message, fields = _error(client, request)
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["continue_session"])
+    assert f"--max-session-tokens ({CONTEXT_LENGTH})" in message
 
 
 def test_a_second_continuing_call_is_aborted_naming_the_first(client: Client) -> None:

@@ -92,7 +92,10 @@ def test_session_rpcs_need_a_session_id(stub) -> None:
         with pytest.raises(grpc.RpcError) as err:
             method(request, timeout=5)
         assert _status(err.value) == (grpc.StatusCode.INVALID_ARGUMENT, "session_id: must not be empty", ["session_id"])
-    # An id that no session can have (a control character) names nothing to delete.
+    # An id that no session can have (a control character) names nothing to read or delete.
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetSession(pb.GetSessionRequest(session_id="a\nb"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert stub.DeleteSession(pb.DeleteSessionRequest(session_id="a\nb"), timeout=5).deleted is False
 
 
