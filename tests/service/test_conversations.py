@@ -4,17 +4,21 @@ was evicted between turns; the history's limits, errors and concurrency are thos
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
-from harness import CONTEXT_LENGTH, ServerThread, tiny_engine, wait_until
+from harness import CONTEXT_LENGTH, TINY_LLAMA, ServerThread, smollm2_tokenizer, tiny_engine, tiny_model, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_service_errors import _status
 
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
 from llmserve.history import HistoryConfig
 from llmserve_client import Client, build_request, pb
 
@@ -22,6 +26,7 @@ from llmserve_client import Client, build_request, pb
 # so it evicts every idle session.
 POOL_TOKENS = 1024
 FILLER = list(range(1000, 2023))
+BOS = TINY_LLAMA["bos_token_id"]
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +203,53 @@ def test_a_history_is_capped_at_the_models_context_by_default(client: Client) ->
     code, message, fields = _error(client, request)
     assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["continue_session"])
     assert f"--max-session-tokens ({CONTEXT_LENGTH})" in message
+
+
+class _BosTokenizer:
+    """The default tokenizer, but one that starts every encoding with BOS unless told not to (as Llama's do)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        ids: list[int] = self._inner.encode(text, add_special_tokens=False, **kwargs)
+        return [BOS, *ids] if add_special_tokens else ids
+
+
+def _server_with_tokenizer(tokenizer: Any) -> ServerThread:
+    loaded = dataclasses.replace(tiny_model(), tokenizer=tokenizer)
+    return ServerThread(AsyncEngine(loaded, EngineConfig(kv_cache_tokens=8192, cuda_graphs=False))).start()
+
+
+def test_appended_text_gets_no_special_tokens_and_needs_a_tokenizer() -> None:
+    """New text in the middle of a conversation is encoded without special tokens (no BOS mid-prompt); a model
+    without a tokenizer refuses text in append mode as it does in a stateless call."""
+    srv = _server_with_tokenizer(_BosTokenizer(smollm2_tokenizer()))
+    try:
+        with Client(srv.address, timeout=60) as c:
+            c.generate_text("Once upon a time", max_new_tokens=3, ignore_eos=True, session_id="bos")
+            held = c.get_session("bos").history_tokens
+            request = build_request(" there was", session_id="bos", continue_session=True, max_new_tokens=1)
+            request.response.prompt_token_ids = True
+            prompt = list(next(iter(c.generate(request))).prompt_token_ids)
+            new = smollm2_tokenizer().encode(" there was", add_special_tokens=False)
+            assert (len(prompt), prompt[held:]) == (held + len(new), new)
+    finally:
+        srv.stop()
+    srv = _server_with_tokenizer(None)
+    try:
+        with Client(srv.address, timeout=60) as c:
+            c.generate_text(token_ids=[5, 6, 7], max_new_tokens=2, session_id="ids")
+            request = build_request("more", session_id="ids", continue_session=True)
+            message = "text: the model has no tokenizer: send token_ids"
+            assert _error(c, request) == (grpc.StatusCode.INVALID_ARGUMENT, message, ["text"])
+            no_input = pb.GenerateRequest(session_id="ids", continue_session=True)
+            assert _error(c, no_input)[::2] == (grpc.StatusCode.INVALID_ARGUMENT, ["input"])
+    finally:
+        srv.stop()
 
 
 def test_a_second_continuing_call_is_aborted_naming_the_first(client: Client) -> None:

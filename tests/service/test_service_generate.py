@@ -66,6 +66,8 @@ def test_chat_input_is_rendered_with_the_template(stub) -> None:
     assert list(responses[0].prompt_token_ids) == list(tokenized.token_ids)
     assert all(not r.prompt_token_ids for r in responses[1:])
     assert responses[-1].usage.prompt_tokens == len(tokenized.token_ids)
+    request.response.prompt_token_ids = False
+    assert all(not r.prompt_token_ids for r in stub.Generate(request, timeout=30)), "sent only when asked for"
 
 
 def test_token_ids_input_with_logprobs(stub) -> None:
