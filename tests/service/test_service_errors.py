@@ -425,3 +425,72 @@ def test_a_chat_template_renders_the_ids_without_extra_special_tokens() -> None:
     assert err.value.field == "chat.messages"
     assert err.value.reason.startswith("the chat template rejects it: roles must alternate user/assistant: xxx")
     assert len(err.value.reason) == len("the chat template rejects it: ") + 200 + len("...")
+
+
+def test_a_request_converts_to_the_engines_with_its_defaults() -> None:
+    """Every sampling and stopping field reaches the engine as sent; unset ones take their documented defaults, and
+    an unset max_new_tokens is the least of the server's default, the model's limit and the room left (at least 1)."""
+    from types import SimpleNamespace
+
+    from llmserve.config import ServerConfig
+    from llmserve.engine.protocol import ModelInfo
+    from llmserve.engine.request import SamplingParams, StoppingParams
+    from llmserve.service import GenerateServicer
+
+    engine = SimpleNamespace(model_info=ModelInfo("m", 1000, 300, "float32", "cpu", 256))
+    servicer = GenerateServicer(ServerConfig(default_max_new_tokens=200))
+
+    def convert(request: pb.GenerateRequest, prompt_len: int = 10):
+        return servicer._to_generation_request(engine, request, "r", [1] * prompt_len, None, None, None)
+
+    plain = convert(pb.GenerateRequest(text="hi"))
+    assert plain.sampling == SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+    assert plain.stopping == StoppingParams(max_new_tokens=200)
+    assert convert(pb.GenerateRequest(text="hi"), prompt_len=950).stopping.max_new_tokens == 50  # the room left
+    assert convert(pb.GenerateRequest(text="hi"), prompt_len=1000).stopping.max_new_tokens == 1
+    servicer = GenerateServicer(ServerConfig(default_max_new_tokens=500))
+    assert convert(pb.GenerateRequest(text="hi")).stopping.max_new_tokens == 300  # the model's limit
+
+    request = build_request(
+        "hi", temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3, seed=11,
+        max_new_tokens=7, min_new_tokens=2, stop=["\n"], stop_token_ids=[3, 4], ignore_eos=True,
+    )  # fmt: skip
+    request.stopping.include_stop_sequence = True
+    full = convert(request)
+    assert full.sampling == SamplingParams(
+        temperature=pytest.approx(0.7), top_k=5, top_p=pytest.approx(0.9), min_p=pytest.approx(0.05),
+        repetition_penalty=pytest.approx(1.3), seed=11,
+    )  # fmt: skip
+    assert full.stopping == StoppingParams(
+        max_new_tokens=7, min_new_tokens=2, stop_sequences=("\n",), stop_token_ids=(3, 4),
+        include_stop_sequence=True, ignore_eos=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("reason", "code", "message"),
+    [
+        ("DEADLINE", grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"),
+        ("CANCELLED", grpc.StatusCode.UNAVAILABLE, "the server cancelled the request (shutdown)"),
+        ("ERROR", grpc.StatusCode.INTERNAL, "generation failed: boom"),
+    ],
+)
+def test_endings_that_are_not_a_finish_end_the_stream_with_their_status(reason: str, code, message: str) -> None:
+    """The last message is sent first (with its finish reason), then the call ends with the ending's status."""
+    from llmserve.config import ServerConfig
+    from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams, Usage
+    from llmserve.request_log import RequestRecord
+    from llmserve.service import GenerateServicer, ServiceError
+
+    class OneDelta:
+        async def generate(self, request: GenerationRequest):
+            yield Delta(request.request_id, [5], finish_reason=FinishReason[reason], usage=Usage(3, 0, 1), error="boom")
+
+    async def stream() -> list[pb.GenerateResponse]:
+        servicer = GenerateServicer(ServerConfig())
+        gen = GenerationRequest("r", (1, 2, 3), stopping=StoppingParams(max_new_tokens=4))
+        return [r async for r in servicer._stream(OneDelta(), gen, pb.GenerateRequest(), RequestRecord("r", 0.0))]
+
+    with pytest.raises(ServiceError) as err:
+        asyncio.run(stream())
+    assert (err.value.code, err.value.message) == (code, message)
