@@ -20,6 +20,7 @@ from test_service_errors import _status
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
 from llmserve.history import HistoryConfig
+from llmserve.limits import quote_prefix
 from llmserve_client import Client, build_request, pb
 
 # A pool of 1,024 tokens (the context): a 1,023-token filler prompt plus its one new token needs all of it,
@@ -159,10 +160,18 @@ def _error(client: Client, request: pb.GenerateRequest) -> tuple[grpc.StatusCode
 
 
 def test_refusals_name_what_is_wrong(client: Client) -> None:
-    code, message, _ = _error(client, build_request("hi", session_id=new_session(), continue_session=True))
-    assert code == grpc.StatusCode.NOT_FOUND and "holds no history" in message
-    code, _, fields = _error(client, build_request("hi", continue_session=True))
-    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["session_id"])
+    unknown = new_session()
+    code, message, _ = _error(client, build_request("hi", session_id=unknown, continue_session=True))
+    assert (code, message) == (
+        grpc.StatusCode.NOT_FOUND,
+        f"session {quote_prefix(unknown)} holds no history to continue; "
+        "resend the whole conversation without continue_session to start it again",
+    )
+    assert _error(client, build_request("hi", continue_session=True)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "session_id: must be set with continue_session",
+        ["session_id"],
+    )
 
     chat, tokens = new_session(), new_session()
     client.generate_text(messages=[("user", "hello")], max_new_tokens=2, session_id=chat)

@@ -435,17 +435,33 @@ def test_a_request_converts_to_the_engines_with_its_defaults() -> None:
     from llmserve.config import ServerConfig
     from llmserve.engine.protocol import ModelInfo
     from llmserve.engine.request import SamplingParams, StoppingParams
-    from llmserve.service import GenerateServicer
+    from llmserve.service import DEADLINE_MARGIN_S, GenerateServicer
 
     engine = SimpleNamespace(model_info=ModelInfo("m", 1000, 300, "float32", "cpu", 256))
     servicer = GenerateServicer(ServerConfig(default_max_new_tokens=200))
 
-    def convert(request: pb.GenerateRequest, prompt_len: int = 10):
-        return servicer._to_generation_request(engine, request, "r", [1] * prompt_len, None, None, None)
+    def convert(request: pb.GenerateRequest, prompt_len: int = 10, deadline: float | None = None, identity=None):
+        return servicer._to_generation_request(engine, request, "r", [1] * prompt_len, None, deadline, identity)
 
     plain = convert(pb.GenerateRequest(text="hi"))
     assert plain.sampling == SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
     assert plain.stopping == StoppingParams(max_new_tokens=200)
+    assert (plain.deadline, plain.priority, plain.logprobs, plain.top_logprobs, plain.cache_salt) == (
+        None, 0, False, 0, None,
+    )  # fmt: skip
+    # The engine's deadline is the call's, a margin early, so that the last message reaches the caller in time.
+    assert convert(pb.GenerateRequest(text="hi"), deadline=100.0).deadline == 100.0 - DEADLINE_MARGIN_S
+    assert convert(pb.GenerateRequest(text="hi", priority=-3)).priority == -3
+    for options, expected in (({"top_logprobs": 1}, (True, 1)), ({"logprobs": True}, (True, 0))):
+        converted = convert(pb.GenerateRequest(text="hi", response=pb.ResponseOptions(**options)))
+        assert (converted.logprobs, converted.top_logprobs) == expected
+    # With authentication, the prefix cache is salted with the caller's identity unless it is shared.
+    assert convert(pb.GenerateRequest(text="hi"), identity="alice").cache_salt == "alice"
+    shared = GenerateServicer(ServerConfig(shared_prefix_cache=True))
+    assert (
+        shared._to_generation_request(engine, pb.GenerateRequest(text="hi"), "r", [1], None, None, "a").cache_salt
+        is None
+    )
     assert convert(pb.GenerateRequest(text="hi"), prompt_len=950).stopping.max_new_tokens == 50  # the room left
     assert convert(pb.GenerateRequest(text="hi"), prompt_len=1000).stopping.max_new_tokens == 1
     servicer = GenerateServicer(ServerConfig(default_max_new_tokens=500))
