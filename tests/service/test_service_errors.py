@@ -102,7 +102,9 @@ def test_session_rpcs_need_a_session_id(stub) -> None:
 def test_tokenize_needs_input(stub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stub.Tokenize(pb.TokenizeRequest(), timeout=5)
-    assert _status(err.value)[::2] == (grpc.StatusCode.INVALID_ARGUMENT, ["input"])
+    assert _status(err.value) == (grpc.StatusCode.INVALID_ARGUMENT, "input: set one of text, chat", ["input"])
+    message = "input: set one of text, chat, token_ids"
+    assert _status(_first_error(stub, pb.GenerateRequest())) == (grpc.StatusCode.INVALID_ARGUMENT, message, ["input"])
 
 
 # -- admission control: the server's own limit on concurrent streams ------------------------------------------
