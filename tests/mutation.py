@@ -48,6 +48,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
             f"{SERVICE_TESTS}/test_metrics.py",  # what the call observers are told
             f"{SERVICE_TESTS}/test_identity_scoping.py",  # session keys and request ids per identity
             f"{SERVICE_TESTS}/test_input_limits.py",  # the limits the servicer applies before tokenizing
+            f"{SERVICE_TESTS}/test_request_log.py",  # the record each call leaves (status, finish, prompt)
+            f"{SERVICE_TESTS}/test_auth.py",  # the caller's identity through the interceptor
             "-m",
             "not real_model",
         ],
