@@ -50,6 +50,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
             f"{SERVICE_TESTS}/test_input_limits.py",  # the limits the servicer applies before tokenizing
             f"{SERVICE_TESTS}/test_request_log.py",  # the record each call leaves (status, finish, prompt)
             f"{SERVICE_TESTS}/test_auth.py",  # the caller's identity through the interceptor
+            f"{SERVICE_TESTS}/test_tracing.py",  # what the span of each call says
             "-m",
             "not real_model",
         ],
