@@ -72,6 +72,7 @@ def test_a_span_per_call_continues_the_callers_trace(traced: TracedServer, expor
     assert tuple(span.events[-1].attributes["gen_ai.response.finish_reasons"]) == ("length",)
     assert attrs["rpc.grpc.status_code"] == 0
     assert attrs["llmserve.replica"] == "replica-a"
+    assert attrs["llmserve.session"] is False
     assert span.status.status_code is StatusCode.UNSET
 
 
@@ -79,11 +80,12 @@ def test_without_a_trace_context_the_span_is_a_root(traced: TracedServer, export
     exporter.clear()
     with grpc.insecure_channel(traced.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        list(stub.Generate(build_request(token_ids=[1000, 1001], max_new_tokens=1), timeout=60))
+        list(stub.Generate(build_request(token_ids=[1000, 1001], max_new_tokens=1, session_id="t"), timeout=60))
         with pytest.raises(grpc.RpcError):
             list(stub.Generate(build_request(token_ids=[1000], top_p=0.0), timeout=60))
     ok, invalid = exporter.get_finished_spans()
     assert ok.parent is None and invalid.parent is None
+    assert ok.attributes["llmserve.session"] is True and invalid.attributes["llmserve.session"] is False
     assert ok.context.trace_id != invalid.context.trace_id
     # Refused before the engine took it: no queued or first-token event, and the caller's error is not the server's.
     assert [e.name for e in invalid.events] == ["finish"]
