@@ -512,3 +512,12 @@ def test_endings_that_are_not_a_finish_end_the_stream_with_their_status(reason: 
     with pytest.raises(ServiceError) as err:
         asyncio.run(stream())
     assert (err.value.code, err.value.message) == (code, message)
+
+
+def test_before_the_engine_is_attached_every_call_is_unavailable_saying_so() -> None:
+    from llmserve.config import ServerConfig
+    from llmserve.service import GenerateServicer, ServiceError
+
+    with pytest.raises(ServiceError) as err:
+        GenerateServicer(ServerConfig())._ready_engine()
+    assert (err.value.code, err.value.message) == (grpc.StatusCode.UNAVAILABLE, "the model is still loading")
