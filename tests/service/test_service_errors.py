@@ -118,15 +118,22 @@ def limited() -> Iterator[ServerThread]:
 
 
 def test_resource_exhausted_beyond_max_concurrent_streams(limited: ServerThread) -> None:
+    from llmserve.service import RETRY_DELAY_S
+
     with grpc.insecure_channel(limited.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         long = build_request("Once upon a time", max_new_tokens=900, ignore_eos=True)
         calls = [stub.Generate(long, timeout=60) for _ in range(2)]
         for call in calls:
             next(call)  # both are in flight
-        code, message, _ = _status(_first_error(stub, build_request("hi", max_new_tokens=2)))
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "2 Generate streams" in message
+        err = _first_error(stub, build_request("hi", max_new_tokens=2))
+        assert (err.code(), err.details()) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "2 Generate streams in flight, the server's limit (--max-concurrent-streams); retry later",
+        )
+        retry = error_details_pb2.RetryInfo()
+        assert rpc_status.from_call(err).details[-1].Unpack(retry)
+        assert retry.retry_delay.ToNanoseconds() == int(RETRY_DELAY_S * 1e9)
         for call in calls:
             call.cancel()
         assert wait_until(lambda: limited.server.servicer.num_streams == 0, timeout=5)
