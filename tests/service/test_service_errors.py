@@ -12,6 +12,7 @@ import pytest
 from fake_engine import FakeEngine
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 from harness import CONTEXT_LENGTH, ServerThread, bad_request_fields, tiny_engine, wait_until
 
 from llmserve_client import build_request, pb
