@@ -51,6 +51,12 @@ def test_stream_concatenates_to_the_engines_own_output(server: ServerThread, stu
     assert not last.HasField("seed"), "greedy requests use no seed"
 
 
+def test_a_call_without_a_deadline_is_served(stub) -> None:
+    """Callers need not set a deadline (grpcurl sets none by default): the call has no engine deadline then."""
+    responses = list(stub.Generate(build_request(PROMPT, max_new_tokens=3, ignore_eos=True)))
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH and responses[-1].usage.completion_tokens == 3
+
+
 def test_chat_input_is_rendered_with_the_template(stub) -> None:
     chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")])
     tokenized = stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=30)
