@@ -529,3 +529,21 @@ def test_before_the_engine_is_attached_every_call_is_unavailable_saying_so() -> 
     with pytest.raises(ServiceError) as err:
         GenerateServicer(ServerConfig())._ready_engine()
     assert (err.value.code, err.value.message) == (grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+
+
+def test_attaching_an_engine_caps_histories_at_its_context_unless_configured() -> None:
+    """A servicer of its own (mutation testing maps a module fixture's start-up to that module's first test only)."""
+    from llmserve.config import ServerConfig
+    from llmserve.engine.request import InvalidRequest
+    from llmserve.history import HistoryConfig
+    from llmserve.service import GenerateServicer
+
+    servicer = GenerateServicer(ServerConfig())
+    servicer.attach(FakeEngine())
+    servicer._histories.check_length(256)  # the fake model's context
+    with pytest.raises(InvalidRequest, match=r"--max-session-tokens \(256\)"):
+        servicer._histories.check_length(257)
+    configured = GenerateServicer(ServerConfig(history=HistoryConfig(max_tokens=100)))
+    configured.attach(FakeEngine())
+    with pytest.raises(InvalidRequest, match=r"--max-session-tokens \(100\)"):
+        configured._histories.check_length(101)
