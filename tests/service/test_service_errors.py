@@ -547,3 +547,38 @@ def test_attaching_an_engine_caps_histories_at_its_context_unless_configured() -
     configured.attach(FakeEngine())
     with pytest.raises(InvalidRequest, match=r"--max-session-tokens \(100\)"):
         configured._histories.check_length(101)
+
+
+def test_the_per_identity_stream_cap_counts_streams_as_they_end() -> None:
+    """--max-streams-per-identity (here without authentication: every caller is one identity): a stream that ends
+    frees its place, and only its own."""
+    engine = FakeEngine()
+    engine.step_s = 0.05  # a 250-token stream lasts ~12 s unless cancelled
+    srv = ServerThread(engine, max_streams_per_identity=2).start()
+    try:
+        channel, stub = _fake_stub(srv)
+        with channel:
+            servicer = srv.server.servicer
+
+            def hold() -> grpc.Call:
+                call = stub.Generate(build_request("hi", max_new_tokens=250), timeout=60)
+                next(call)
+                return call
+
+            def refused() -> bool:
+                return _first_error(stub, build_request("hi")).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            first, second = hold(), hold()
+            assert refused()
+            first.cancel()
+            assert wait_until(lambda: servicer.num_streams == 1, timeout=10)
+            third = hold()  # the place the first one left
+            assert refused(), "the second is still in flight"
+            for call in (second, third):
+                call.cancel()
+            assert wait_until(lambda: servicer.num_streams == 0, timeout=10)
+            again = [hold(), hold()]  # both places free again
+            for call in again:
+                call.cancel()
+    finally:
+        srv.stop()
