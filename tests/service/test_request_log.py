@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from fake_engine import FakeEngine
 from harness import ServerThread, tiny_engine, wait_until
 
 from llmserve.request_log import JsonFormatter, logfmt_value
@@ -170,3 +171,17 @@ def test_json_log_lines(server: ServerThread) -> None:
     assert (ok["status"], ok["finish"], ok["completion_tokens"]) == ("OK", "length", 2)
     assert ok["logger"] == "llmserve.requests"
     assert next(r for r in records if r["request_id"] == FORGERY)["status"] == "INVALID_ARGUMENT"
+
+
+def test_a_call_cut_at_its_deadline_while_the_engine_is_busy_is_logged_deadline_exceeded(lines: _Lines) -> None:
+    """gRPC cancels the handler when the deadline passes before the engine ends the request (here a step takes 2 s):
+    the log says DEADLINE_EXCEEDED, as the client saw, not CANCELLED."""
+    srv = ServerThread(FakeEngine(step_s=2.0)).start()
+    try:
+        with Client(srv.address) as client, pytest.raises(grpc.RpcError) as err:
+            list(client.generate(build_request("hi", max_new_tokens=3, request_id="slow-late"), timeout=0.5))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_until(lambda: srv.server.servicer.num_streams == 0, timeout=10)
+        assert " status=DEADLINE_EXCEEDED finish=deadline " in lines.find("slow-late")
+    finally:
+        srv.stop()
