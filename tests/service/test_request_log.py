@@ -8,6 +8,7 @@ import logging
 import random
 import re
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -183,5 +184,30 @@ def test_a_call_cut_at_its_deadline_while_the_engine_is_busy_is_logged_deadline_
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert wait_until(lambda: srv.server.servicer.num_streams == 0, timeout=10)
         assert " status=DEADLINE_EXCEEDED finish=deadline " in lines.find("slow-late")
+    finally:
+        srv.stop()
+
+
+def test_the_engine_gets_the_calls_deadline_and_the_log_its_prompt_when_asked(lines: _Lines) -> None:
+    """The engine request carries the call's deadline (a margin early); --log-prompts logs the input; a call refused
+    before it had a request id is logged as request_id=-."""
+    seen: list[float | None] = []
+
+    class Recording(FakeEngine):
+        async def generate(self, request):
+            seen.append(request.deadline)
+            async for delta in super().generate(request):
+                yield delta
+
+    srv = ServerThread(Recording(), log_prompts=True).start()
+    try:
+        with Client(srv.address) as client:
+            before = time.monotonic()
+            client.generate_text("a prompt to log", max_new_tokens=2, request_id="logged", timeout=30)
+            with pytest.raises(grpc.RpcError):
+                list(client.generate(build_request("hi", top_logprobs=21), timeout=30))  # no id; refused by the limits
+        assert len(seen) == 1 and before + 29 < seen[0] < time.monotonic() + 30  # the refused one never got there
+        assert 'prompt="a prompt to log"' in lines.find("logged")
+        assert any(line.startswith("request_id=- status=INVALID_ARGUMENT ") for line in lines.lines), lines.lines[-3:]
     finally:
         srv.stop()
