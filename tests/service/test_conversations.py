@@ -15,7 +15,7 @@ import pytest
 from harness import CONTEXT_LENGTH, TINY_LLAMA, ServerThread, smollm2_tokenizer, tiny_engine, tiny_model, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_service_errors import _status
+from test_service_errors import _empty_token_ids, _status
 
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
@@ -194,8 +194,7 @@ def test_an_empty_new_turn_is_named_and_said_to_be_empty(client: Client) -> None
     chat, tokens = new_session(), new_session()
     client.generate_text(messages=[("user", "hello")], max_new_tokens=2, session_id=chat)
     client.generate_text(token_ids=[5, 6, 7], max_new_tokens=2, session_id=tokens)
-    empty_ids = build_request(token_ids=[], session_id=tokens, continue_session=True)
-    empty_ids.token_ids.SetInParent()
+    empty_ids = _empty_token_ids(session_id=tokens, continue_session=True)
     for request, field in [
         (build_request(messages=[], session_id=chat, continue_session=True), "chat.messages"),
         (build_request("", session_id=tokens, continue_session=True), "text"),

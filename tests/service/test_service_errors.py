@@ -69,8 +69,8 @@ def test_invalid_request_names_the_field(server: ServerThread, stub, channel, fi
     assert server.engine.num_running == 0
 
 
-def _empty_token_ids() -> pb.GenerateRequest:
-    request = build_request(token_ids=[])
+def _empty_token_ids(**options: object) -> pb.GenerateRequest:
+    request = build_request(token_ids=[], **options)
     request.token_ids.SetInParent()  # the input chosen, with no ids in it
     return request
 
