@@ -6,7 +6,7 @@ idle between steps, so it must stay small as the batch grows. This script builds
 2-layer tiny Llama, keeps `batch` sequences decoding, replaces only the model call (`backend.forward`, or the
 fused forward on the CPU) with one that returns ready logits, and times `EngineCore.step()`.
 
-    python benchmarks/host_overhead.py                       # CPU backend and the CUDA backend's path, on the CPU
+    python benchmarks/host_overhead.py                       # CPU backend and the CUDA backend's paths, on the CPU
     python benchmarks/host_overhead.py --batches 32 64 256 --steps 300
 """
 
@@ -58,9 +58,12 @@ def measure(batch: int, backend: str, steps: int, prompt: int = 100) -> dict[str
         max_num_seqs=batch,
         max_num_batched_tokens=max(512, batch),
         cuda_graphs=False,
+        # cuda-path-triton: the GPU's default, the varlen kernel (its graphs take block tables as wide as the
+        # context limit, 4,096 tokens here); cuda-path: the torch attention's gathered decode.
+        attention_kernel="triton" if backend == "cuda-path-triton" else "auto",
     )
     core = EngineCore(loaded, config)
-    if backend == "cuda-path":  # the CUDA backend's decode path (graph buffers, eager), on the CPU
+    if backend.startswith("cuda-path"):  # the CUDA backend's decode path (graph buffers, eager), on the CPU
         core.backend = CudaBackend(loaded, config, core.max_model_len, capture=False)
     stub_model_call(core)
     stopping = StoppingParams(max_new_tokens=steps + 64, ignore_eos=True)
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 256])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--backends", nargs="+", default=["cpu", "cuda-path"])
+    p.add_argument("--backends", nargs="+", default=["cpu", "cuda-path", "cuda-path-triton"])
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # host work is one thread's work; keep the figures comparable across machines

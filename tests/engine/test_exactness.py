@@ -163,12 +163,14 @@ async def test_real_model_greedy_equals_generate(real_model: LoadedModel) -> Non
 
 
 async def test_padded_decode_path_equals_generate() -> None:
-    """The bucketed, padded decode forward that CUDA graphs capture, run eagerly here on the CPU."""
+    """The bucketed, padded decode forward that CUDA graphs capture, run eagerly here on the CPU. The requests
+    end at different steps, so rows leave from the middle of the batch and the last rows move into the gaps."""
     from llmserve.engine.backends.cuda import CudaBackend
 
     loaded = tiny()
     prompts = random_prompts(5, 300, seed=11)
-    expected = [greedy_reference(loaded.model, p, 10) for p in prompts]
+    lengths = [10, 3, 7, 5, 12]
+    expected = [greedy_reference(loaded.model, p, n) for p, n in zip(prompts, lengths, strict=True)]
     config = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=512)
     engine = AsyncEngine(loaded, config)
     # The CUDA backend's logic on the CPU: every bucket prepared at start, replayed eagerly.
@@ -180,8 +182,8 @@ async def test_padded_decode_path_equals_generate() -> None:
     await engine.start()
     try:
         requests = [
-            GenerationRequest(f"g{i}", tuple(p), stopping=StoppingParams(10, ignore_eos=True))
-            for i, p in enumerate(prompts)
+            GenerationRequest(f"g{i}", tuple(p), stopping=StoppingParams(n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
         ]
         outputs = await asyncio.gather(*(collect(engine, r) for r in requests))
     finally:

@@ -104,11 +104,11 @@ def _one_seq() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
 
 
-async def _generate_all(engine, prompts: list[list[int]], max_new: int) -> list[list[int]]:  # noqa: ANN001
+async def _generate_all(engine, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:  # noqa: ANN001
     from llmserve.engine.request import GenerationRequest, StoppingParams
 
     async def one(i: int) -> list[int]:
-        request = GenerationRequest(f"r{i}", tuple(prompts[i]), stopping=StoppingParams(max_new, ignore_eos=True))
+        request = GenerationRequest(f"r{i}", tuple(prompts[i]), stopping=StoppingParams(max_new[i], ignore_eos=True))
         tokens: list[int] = []
         async with asyncio.timeout(120):
             async for delta in engine.generate(request):
@@ -137,7 +137,8 @@ async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> No
     loaded.model.set_attn_implementation("sdpa")  # the reference runs transformers' own attention
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 40)]
-    expected = [greedy_reference(loaded.model, p, 4) for p in prompts]
+    lengths = [6, 2, 4]  # requests that end at different steps: a row leaves from the middle of the batch
+    expected = [greedy_reference(loaded.model, p, n) for p, n in zip(prompts, lengths, strict=True)]
     config = EngineConfig(
         block_size=16, kv_cache_tokens=1024, max_num_seqs=4, max_num_batched_tokens=32, attention_kernel="triton"
     )
@@ -149,7 +150,7 @@ async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> No
         backend = TorchPagedBackend(loaded, config)
     assert backend.varlen_kernel is not None and backend.num_blocks == engine.core.pool.num_blocks
     engine.core.backend = backend
-    outputs = await _generate_all(engine, prompts, 4)
+    outputs = await _generate_all(engine, prompts, lengths)
     if graphs:
         assert backend.graphs.replays > 0
     assert outputs == expected

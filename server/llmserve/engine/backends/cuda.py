@@ -10,21 +10,24 @@ and no request ever waits on a capture. The graphs' memory is measured first,
 with a one-block cache, and left out of the KV pool's budget. A capture that fails stops the start with the
 reason; `--no-cuda-graphs` serves without them.
 
-Steps that mix prompt chunks with decodes run eagerly. With `capture=False` the same padded forward runs
-eagerly instead of from graphs; the CPU tests use that to check the padding and the buckets.
+A decode step's inputs are staged on the host in rows kept per sequence (backends/staging.py: only what
+changed is written, pinned buffers, non-blocking copies into the bucket's buffers); the graph returns the
+logits in plan order through the step's row permutation. Steps that mix prompt chunks with decodes run
+eagerly. With `capture=False` the same padded forward runs eagerly instead of from graphs; the CPU tests use
+that to check the padding, the buckets and the rows.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from llmserve.engine.backends.attention import DecodeGroup, PagedBatch, Varlen
 from llmserve.engine.backends.base import KVCache
-from llmserve.engine.backends.torch_paged import TorchPagedBackend, padded_tables
+from llmserve.engine.backends.staging import DecodeRows
+from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.plan import StepPlan
 from llmserve.models import LoadedModel
@@ -61,6 +64,7 @@ class _Graph:
     batch: PagedBatch
     input_ids: torch.Tensor
     positions: torch.Tensor
+    perm: torch.Tensor  # row of the plan's i-th sequence: the logits come back in plan order through it
     logits: torch.Tensor | None
 
 
@@ -79,6 +83,11 @@ class DecodeGraphs:
         self.varlen = backend.varlen_kernel is not None
         self.ctx_buckets = (max_ctx,) if self.varlen else context_buckets(backend.block_size, max_ctx)
         self.max_blocks = -(-max_ctx // backend.block_size)
+        kv = backend.kv
+        pin = backend.device.type == "cuda"  # page-locked: the copies to the device run asynchronously
+        self.rows = DecodeRows(
+            self.batch_buckets[-1], self.max_blocks, backend.block_size, kv.scratch_block, kv.scratch_slot, pin=pin
+        )
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0  # decode steps served from a bucket
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -101,7 +110,6 @@ class DecodeGraphs:
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Logits [len(plan.seqs), vocab], in plan order, for a decode-only step (one token per sequence)."""
         backend = self.backend
-        bs = backend.block_size
         n = len(plan.seqs)
         lens = [s.end for s in plan.seqs]
         bp, ctx = bucket(n, self.batch_buckets), bucket(max(lens), self.ctx_buckets)
@@ -109,27 +117,23 @@ class DecodeGraphs:
             raise ValueError(f"no graph bucket for {n} sequences at context {max(lens)}: check covers() first")
         entry = self._graphs[bp, ctx]
         self.replays += 1
-        pad = bp - n
-        scratch = backend.kv.scratch_block
-        ids = [s.token_ids[0] for s in plan.seqs]
-        positions = [s.start for s in plan.seqs]
-        slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in plan.seqs]
-        tables: list[Sequence[int]] = [s.block_table for s in plan.seqs]
-        entry.input_ids[0].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        entry.positions[0].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        entry.batch.slot_mapping.copy_(torch.tensor(slots + [backend.kv.scratch_slot] * pad), non_blocking=True)
+        rows = self.rows
+        rows.stage(plan.seqs, bp)
+        entry.input_ids[0].copy_(rows.ids[:bp], non_blocking=True)
+        entry.positions[0].copy_(rows.positions[:bp], non_blocking=True)
+        entry.batch.slot_mapping.copy_(rows.slots[:bp], non_blocking=True)
+        entry.perm.copy_(rows.perm[:bp], non_blocking=True)
         varlen = entry.batch.varlen
         if varlen is not None:
-            # Padded rows: one token at the scratch slot, attending to itself.
-            varlen.seq_lens.copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-            padded = padded_tables(tables + [[scratch]] * pad, self.max_blocks, scratch, torch.int32)
-            varlen.block_tables.copy_(padded, non_blocking=True)
+            varlen.seq_lens.copy_(rows.lens[:bp], non_blocking=True)
+            varlen.block_tables.copy_(rows.tables[:bp], non_blocking=True)
         else:
-            decode_slots, bias = backend.decode_tensors(tables + [[scratch]] * pad, lens + [1] * pad, ctx)
+            width = -(-ctx // backend.block_size)
+            decode_slots, bias = backend.decode_tensors(rows.tables[:bp, :width], rows.lens[:bp], ctx)
             entry.batch.decode[0].slots.copy_(decode_slots)
             entry.batch.decode[0].bias.copy_(bias)
         if entry.graph is None:
-            return backend.forward(entry.input_ids, entry.positions, None, entry.batch)[:n]
+            return backend.forward(entry.input_ids, entry.positions, None, entry.batch).index_select(0, entry.perm)[:n]
         entry.graph.replay()
         assert entry.logits is not None
         return entry.logits[:n]
@@ -168,7 +172,8 @@ class DecodeGraphs:
             ]
         input_ids = torch.zeros(1, bp, dtype=torch.long, device=dev)
         positions = torch.zeros(1, bp, dtype=torch.long, device=dev)
-        entry = _Graph(None, batch, input_ids, positions, None)
+        perm = torch.arange(bp, dtype=torch.long, device=dev)
+        entry = _Graph(None, batch, input_ids, positions, perm, None)
         if not self.capture:
             return entry
         with torch.inference_mode():
@@ -180,7 +185,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                entry.logits = backend.forward(input_ids, positions, None, batch)
+                entry.logits = backend.forward(input_ids, positions, None, batch).index_select(0, perm)
         entry.graph = graph
         return entry
 

@@ -176,16 +176,19 @@ class TorchPagedBackend:
         return [DecodeGroup(0, len(lens), slots, bias, ctx)]
 
     def decode_tensors(
-        self, tables: Sequence[Sequence[int]], lens: list[int], ctx: int
+        self, tables: Sequence[Sequence[int]] | torch.Tensor, lens: list[int] | torch.Tensor, ctx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather slots [len(tables) * ctx] and additive mask [kv_heads * len(tables), 1, ctx] for decode rows."""
+        """Gather slots [len(tables) * ctx] and additive mask [kv_heads * len(tables), 1, ctx] for decode rows.
+        `tables` as lists, or as a host tensor at least ctx's blocks wide (entries past a length are not read)."""
         bs = self.block_size
         dev = self.device
         width = -(-ctx // bs)
-        scratch = self.kv.scratch_block
-        blocks = padded_tables(tables, width, scratch, torch.long).to(dev)
+        if isinstance(tables, torch.Tensor):
+            blocks = tables[:, :width].to(dev, torch.long)
+        else:
+            blocks = padded_tables(tables, width, self.kv.scratch_block, torch.long).to(dev)
         slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(tables), -1)[:, :ctx]
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        lens_t = torch.as_tensor(lens, dtype=torch.long).to(dev)
         bias = torch.zeros(len(tables), ctx, dtype=self.dtype, device=dev)
         bias.masked_fill_(torch.arange(ctx, device=dev)[None, :] >= lens_t[:, None], float("-inf"))
         kvh = self.shape.num_kv_heads
