@@ -1,12 +1,17 @@
-"""The decode graphs' host rows (backends/staging.py): each step's inputs equal those built from scratch,
-whatever joins, leaves, grows, or has its table replaced; and a steady decode rewrites almost nothing."""
+"""Host-side step inputs. The decode graphs' rows (backends/staging.py): each step's inputs equal those built
+from scratch, whatever joins, leaves, grows, or has its table replaced; and a steady decode rewrites almost
+nothing. A prompt chunk's slots (torch_paged.chunk_slots) equal the per-position formula."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from llmserve.engine.backends.staging import DecodeRows
+from llmserve.engine.backends.torch_paged import chunk_slots
 from llmserve.engine.plan import SeqStep
 
 BS = 4
@@ -97,3 +102,16 @@ def test_a_steady_decode_writes_only_new_blocks() -> None:
     _check(rows, steps, 64)
     after = rows.perm[:63].tolist()
     assert after[:62] == before[1:63] and after[62] == before[0]
+
+
+@given(
+    st.sampled_from([1, 4, 16]),
+    st.lists(st.integers(0, 10_000), min_size=1, max_size=40),
+    st.data(),
+)
+def test_chunk_slots_equal_the_per_position_formula(block_size: int, table: list[int], data: st.DataObject) -> None:
+    positions = len(table) * block_size
+    start = data.draw(st.integers(0, positions - 1))
+    end = data.draw(st.integers(start + 1, positions))
+    expected = [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    assert chunk_slots(table, start, end, block_size) == expected
