@@ -25,6 +25,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Deltas the step thread delivered since its last flush, handed to the event loop in one call per step:
+        # a call_soon_threadsafe per delta costs the step thread ~1 ms at 256 sequences, one per step ~0.03 ms.
+        self._outbox: list[tuple[asyncio.Queue[Delta], Delta]] = []
+        self.core.flush = self._flush
 
     @property
     def tokenizer(self) -> Any:  # a transformers tokenizer, or None for random-weight models
@@ -95,14 +99,12 @@ class AsyncEngine:
         self.core.validate(request)
         if self.core.num_waiting >= self.config.max_waiting:
             raise QueueFull(f"{self.core.num_waiting} requests waiting")
-        loop = self._loop or asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
 
-        def deliver(delta: Delta) -> None:
-            try:
-                loop.call_soon_threadsafe(deltas.put_nowait, delta)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
+        def deliver(delta: Delta) -> None:  # on the step thread, which flushes after each step
+            self._outbox.append((deltas, delta))
 
         handle = self.core.submit(request, deliver)
         finished = False
@@ -115,6 +117,16 @@ class AsyncEngine:
             if not finished:
                 self.core.abort(handle)
 
+    def _flush(self) -> None:
+        """On the step thread: hand the deltas delivered since the last flush to the event loop, in one call."""
+        if not self._outbox or self._loop is None:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            self._loop.call_soon_threadsafe(_dispatch, batch)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
     def _warm_up(self) -> None:
         request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
         done = threading.Event()
@@ -125,3 +137,8 @@ class AsyncEngine:
 
         self.core.submit(request, deliver)
         self.core.run_until(done)
+
+
+def _dispatch(batch: list[tuple[asyncio.Queue[Delta], Delta]]) -> None:
+    for deltas, delta in batch:
+        deltas.put_nowait(delta)

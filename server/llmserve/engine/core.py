@@ -128,6 +128,9 @@ class EngineCore:
         self._failures = 0
         self.dead_reason: str | None = None
         self.steps = 0
+        # Called on the step thread after every pass of the loop that may have delivered deltas: a front end
+        # that buffers its deliveries hands them on here, once per step instead of once per delta.
+        self.flush: Callable[[], None] = lambda: None
 
     # -- called from any thread ------------------------------------------------------------------
 
@@ -163,6 +166,7 @@ class EngineCore:
         while not done.is_set():
             self._drain_inbox()
             self.step()
+            self.flush()
 
     def get_session(self, session_id: str) -> SessionInfo | None:
         with self.lock:
@@ -211,6 +215,7 @@ class EngineCore:
         """Step until `stop` is set; then cancel whatever is left."""
         while not stop.is_set():
             self._drain_inbox()
+            self.flush()  # the final deltas of aborted requests, at once (a no-op when there are none)
             if not self.scheduler.has_work:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -220,10 +225,12 @@ class EngineCore:
             except Exception as exc:  # a fault in the books, not in a forward: fail every request, never hang them
                 log.exception("engine step failed")
                 self._die(f"engine step failed: {type(exc).__name__}: {exc}")
+            self.flush()
         self._drain_inbox()
         with self.lock:
             for live in list(self._live.values()):
                 self._finish(live, FinishReason.CANCELLED)
+        self.flush()
 
     def step(self) -> None:
         """One iteration: schedule, execute, update, emit."""
