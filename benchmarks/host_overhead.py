@@ -8,15 +8,22 @@ fused forward on the CPU) with one that returns ready logits, and times `EngineC
 
     python benchmarks/host_overhead.py                       # CPU backend and the CUDA backend's paths, on the CPU
     python benchmarks/host_overhead.py --batches 32 64 256 --steps 300
+    python benchmarks/host_overhead.py --front-end           # deltas through AsyncEngine to an event loop
+
+With --front-end every request is a stream of AsyncEngine.generate consumed on an event loop thread, as in the
+server, and a step's time includes handing its deltas to that loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
@@ -28,6 +35,7 @@ make_importable()
 
 import torch  # noqa: E402
 
+from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
 from llmserve.engine.backends.cuda import CudaBackend  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core import EngineCore  # noqa: E402
@@ -49,7 +57,36 @@ def stub_model_call(core: EngineCore) -> None:
     backend.forward = forward  # type: ignore[method-assign]
 
 
-def measure(batch: int, backend: str, steps: int, prompt: int = 100) -> dict[str, float]:
+def submit_through_front_end(engine: AsyncEngine, requests: list[GenerationRequest]) -> Callable[[], None]:
+    """Consume each request's stream on an event loop thread of its own, as the server does; returns what
+    cancels the streams and stops the loop."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    ended: list[str] = []
+
+    async def consume(request: GenerationRequest) -> None:
+        try:
+            async for _ in engine.generate(request):
+                pass
+        finally:
+            ended.append(request.request_id)
+
+    streams = [asyncio.run_coroutine_threadsafe(consume(request), loop) for request in requests]
+    while engine.core._submitted < len(requests):
+        time.sleep(0.01)
+
+    def stop() -> None:
+        for stream in streams:
+            stream.cancel()
+        while len(ended) < len(streams):
+            time.sleep(0.01)
+        loop.call_soon_threadsafe(loop.stop)
+
+    return stop
+
+
+def measure(batch: int, backend: str, steps: int, prompt: int = 100, front_end: bool = False) -> dict[str, float]:
     """Median and P90 host milliseconds per decode step with `batch` sequences running."""
     loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
     config = EngineConfig(
@@ -62,21 +99,32 @@ def measure(batch: int, backend: str, steps: int, prompt: int = 100) -> dict[str
         # context limit, 4,096 tokens here); cuda-path: the torch attention's gathered decode.
         attention_kernel="triton" if backend == "cuda-path-triton" else "auto",
     )
-    core = EngineCore(loaded, config)
+    engine = AsyncEngine(loaded, config) if front_end else None
+    core = engine.core if engine is not None else EngineCore(loaded, config)
     if backend.startswith("cuda-path"):  # the CUDA backend's decode path (graph buffers, eager), on the CPU
         core.backend = CudaBackend(loaded, config, core.max_model_len, capture=False)
     stub_model_call(core)
     stopping = StoppingParams(max_new_tokens=steps + 64, ignore_eos=True)
-    for i in range(batch):
-        core.submit(GenerationRequest(f"r{i}", tuple(range(1, prompt + 1)), stopping=stopping), lambda d: None)
+    requests = [GenerationRequest(f"r{i}", tuple(range(1, prompt + 1)), stopping=stopping) for i in range(batch)]
+    stop = None
+    if engine is not None:
+        stop = submit_through_front_end(engine, requests)
+    else:
+        for request in requests:
+            core.submit(request, lambda d: None)
+    flush = getattr(core, "flush", lambda: None)  # the front end's hand-off of the step's deltas
     core._drain_inbox()
     while len(core.scheduler.running) < batch or any(s.num_uncomputed > 1 for s in core.scheduler.running):
         core.step()  # prefill until every sequence decodes one token a step
+        flush()
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         core.step()
+        flush()
         times.append((time.perf_counter() - started) * 1e3)
+    if stop is not None:
+        stop()
     times.sort()
     return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * len(times))]}
 
@@ -86,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 256])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--backends", nargs="+", default=["cpu", "cuda-path", "cuda-path-triton"])
+    p.add_argument("--front-end", action="store_true", help="stream every request through AsyncEngine.generate")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # host work is one thread's work; keep the figures comparable across machines
     results = {}
     for backend in args.backends:
         for batch in args.batches:
-            r = measure(batch, backend, args.steps)
+            r = measure(batch, backend, args.steps, front_end=args.front_end)
             results[f"{backend}/{batch}"] = r
             print(f"{backend:10s} batch {batch:4d}: median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
     if args.json:
