@@ -51,6 +51,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
             f"{SERVICE_TESTS}/test_request_log.py",  # the record each call leaves (status, finish, prompt)
             f"{SERVICE_TESTS}/test_auth.py",  # the caller's identity through the interceptor
             f"{SERVICE_TESTS}/test_tracing.py",  # what the span of each call says
+            f"{SERVICE_TESTS}/test_robustness.py::test_a_stalled_reader_is_aborted_and_frees_its_slot",  # its log
             "-m",
             "not real_model",
         ],

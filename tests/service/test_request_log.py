@@ -211,3 +211,23 @@ def test_the_engine_gets_the_calls_deadline_and_the_log_its_prompt_when_asked(li
         assert any(line.startswith("request_id=- status=INVALID_ARGUMENT ") for line in lines.lines), lines.lines[-3:]
     finally:
         srv.stop()
+
+
+def test_an_unexpected_failure_is_logged_by_its_type(lines: _Lines) -> None:
+    """An exception no gRPC status stands for (a fault in the engine) reaches the client as UNKNOWN and the log
+    names its type."""
+
+    class Faulty(FakeEngine):
+        async def generate(self, request):
+            raise RuntimeError("a fault in the books")
+            yield  # an async generator, as the engine's
+
+    srv = ServerThread(Faulty()).start()
+    try:
+        with Client(srv.address) as client, pytest.raises(grpc.RpcError) as err:
+            list(client.generate(build_request("hi", max_new_tokens=2, request_id="faulty"), timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNKNOWN
+        assert wait_until(lambda: srv.server.servicer.num_streams == 0, timeout=10)
+        assert " status=RuntimeError " in lines.find("faulty")
+    finally:
+        srv.stop()

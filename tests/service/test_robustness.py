@@ -7,6 +7,7 @@ CI runs short variants; the long ones are behind environment variables:
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -276,12 +277,18 @@ def _timed(stub: generate_pb2_grpc.GenerateServiceStub, request: pb.GenerateRequ
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
 
 
-def test_a_stalled_reader_is_aborted_and_frees_its_slot() -> None:
+def test_a_stalled_reader_is_aborted_and_frees_its_slot(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="llmserve.requests")
     srv = ServerThread(tiny_engine(), stream_stall_timeout_s=2.0).start()
     try:
         with grpc.insecure_channel(srv.address, options=SMALL_WINDOW) as slow, grpc.insecure_channel(srv.address) as ok:
             big = build_request(
-                "Once upon a time", max_new_tokens=1000, ignore_eos=True, top_logprobs=20, return_token_ids=True
+                "Once upon a time",
+                max_new_tokens=1000,
+                ignore_eos=True,
+                top_logprobs=20,
+                return_token_ids=True,
+                request_id="stalled",
             )
             stalled = generate_pb2_grpc.GenerateServiceStub(slow).Generate(big, timeout=120)
             next(stalled)  # then read nothing
@@ -299,6 +306,9 @@ def test_a_stalled_reader_is_aborted_and_frees_its_slot() -> None:
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--stream-stall-timeout" in err.value.details()
             assert received < 1000
+            # The engine request was cut, not finished: the log says so beside the status.
+            logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request_id=stalled ")]
+            assert len(logged) == 1 and " status=RESOURCE_EXHAUSTED finish=cancelled " in logged[0], logged
     finally:
         srv.stop()
 

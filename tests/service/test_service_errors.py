@@ -238,6 +238,25 @@ def test_drain_finishes_in_flight_streams_and_refuses_new_ones(fake: ServerThrea
     fake.server = None  # already stopped
 
 
+def test_drain_waits_for_the_last_stream_and_no_longer(fake: ServerThread) -> None:
+    """With two streams in flight, the drain lets the longer one finish after the shorter ends, and returns as
+    soon as it has (well inside its 60 s grace)."""
+    channel, stub = _fake_stub(fake)
+    with channel:
+        short = stub.Generate(build_request("hi", max_new_tokens=10), timeout=60)
+        long = stub.Generate(build_request("hi", max_new_tokens=200), timeout=60)  # ~1 s of fake steps
+        next(short), next(long)
+        started = time.monotonic()
+        stopping = threading.Thread(target=fake.run, args=(fake.server.stop(60.0),))
+        stopping.start()
+        assert list(short)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        rest = list(long)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 200
+        stopping.join(timeout=30)
+        assert not stopping.is_alive() and time.monotonic() - started < 30
+    fake.server = None  # already stopped
+
+
 def test_a_draining_servicer_refuses_new_streams_while_the_listener_is_open(fake: ServerThread) -> None:
     """Drain begins in the servicer before the listener closes: a call that still gets through is refused by the
     servicer itself (UNAVAILABLE, saying why), while the stream already in flight finishes."""
