@@ -105,6 +105,30 @@ def _metaspace_unigram() -> PreTrainedTokenizerFast:
 SENTENCEPIECE = {"bpe-byte-fallback": _sentencepiece_bpe(), "unigram-metaspace": _metaspace_unigram()}
 
 
+# --- the decode it calls --------------------------------------------------------------------------------------
+
+
+def test_fast_tokenizers_are_decoded_by_their_backend_and_others_by_their_own_decode(smol) -> None:
+    """A transformers fast tokenizer without clean-up is decoded by its Rust backend (a quarter of the cost); one
+    whose decode does more (clean-up, or an override) keeps its own decode, and the text follows it."""
+    from llmserve.engine.detokenizer import _tokenizer_facts
+
+    assert _tokenizer_facts(smol).decode.__name__ == "fast"
+    for name in SENTENCEPIECE:
+        assert _tokenizer_facts(SENTENCEPIECE[name]).decode.__name__ == "fast", name
+    cleaning = _sentencepiece_bpe()
+    cleaning.clean_up_tokenization_spaces = True
+    assert _tokenizer_facts(cleaning).decode.__name__ == "slow"
+    shouting = _sentencepiece_bpe()
+    plain_decode = shouting.decode
+    shouting.decode = lambda ids, skip_special_tokens=True: plain_decode(  # type: ignore[method-assign]
+        ids, skip_special_tokens=skip_special_tokens
+    ).upper()
+    ids = shouting.encode("hello world, my friend")
+    deltas, tail = run(IncrementalDetokenizer(shouting), ids)
+    assert joined(deltas, tail) == "HELLO WORLD, MY FRIEND"
+
+
 # --- exactness and UTF-8 ----------------------------------------------------------------------------------
 
 
