@@ -388,6 +388,26 @@ async def test_deltas_reach_the_event_loop_once_per_step_not_once_per_delta(engi
     assert handoffs <= steps + 1, (handoffs, steps, deltas)
 
 
+async def test_a_consumer_that_falls_behind_gets_what_it_has_not_taken_in_one_delta(engine: AsyncEngine) -> None:
+    """The first token comes alone; a consumer that then stops reading while the engine finishes gets the rest
+    in one delta, equal to what a consumer that keeps up gets in many: tokens, logprobs, the final's usage."""
+    prompt = [5, 6, 7]
+    keeping_up, steady = await run(engine, req("up", prompt, max_new=24, logprobs=True, top_logprobs=2))
+    stream = engine.generate(req("behind", prompt, max_new=24, logprobs=True, top_logprobs=2))
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        first = await stream.__anext__()
+        while engine.num_running or engine._outbox:  # finished, and its last step's deltas handed over
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        rest = [delta async for delta in stream]
+    assert len(first.token_ids) == 1 and len(rest) == 1
+    last = rest[0]
+    assert first.token_ids + last.token_ids == keeping_up
+    assert [lp.token_id for lp in first.logprobs + last.logprobs] == keeping_up
+    assert [lp.top for lp in first.logprobs + last.logprobs] == [lp.top for d in steady for lp in d.logprobs]
+    assert last.finish_reason is FinishReason.LENGTH and last.usage.completion_tokens == 24
+
+
 # -- the step loop driven by hand (no thread): books, counters and the paths a live engine rarely takes ---------------
 
 

@@ -25,6 +25,28 @@ async def _engine_output(server: ServerThread, request: GenerationRequest) -> tu
     return ids, text
 
 
+def test_a_reader_that_falls_behind_gets_fuller_messages_with_the_same_output(server: ServerThread, stub) -> None:
+    """A client that stops reading (a small flow-control window fills, so the server's writes wait) gets what
+    it had not taken in fewer, fuller messages once it reads again: the same ids, text and logprobs as a client
+    that keeps up."""
+    options = dict(max_new_tokens=48, ignore_eos=True, return_token_ids=True, top_logprobs=20)
+    steady = list(stub.Generate(build_request(PROMPT, **options), timeout=60))
+    small_window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    with grpc.insecure_channel(server.address, options=small_window) as slow:
+        from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+
+        call = generate_pb2_grpc.GenerateServiceStub(slow).Generate(build_request(PROMPT, **options), timeout=60)
+        first = next(call)
+        assert wait_until(lambda: server.engine.num_running == 0, timeout=30)
+        late = [first, *call]
+    assert len(first.token_ids) == 1 and max(len(r.token_ids) for r in late) > 1
+    assert len(late) < len(steady)
+    for field in ("token_ids", "logprobs"):
+        assert [x for r in late for x in getattr(r, field)] == [x for r in steady for x in getattr(r, field)], field
+    assert "".join(r.text for r in late) == "".join(r.text for r in steady)
+    assert late[-1].usage.completion_tokens == 48 and late[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def test_stream_concatenates_to_the_engines_own_output(server: ServerThread, stub) -> None:
     request = build_request(PROMPT, max_new_tokens=24, ignore_eos=True, return_token_ids=True, request_id="cmp-1")
     responses = list(stub.Generate(request, timeout=60))

@@ -92,6 +92,9 @@ class AsyncEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         """Stream the request's deltas. Raises InvalidRequest, EngineDead or QueueFull before the first one.
 
+        One delta per step while the consumer keeps up. After the first (its first token, always alone), the
+        deltas a consumer has not yet taken come as one: a reader that falls behind (a slow client, or a
+        front end at its limit of messages a second) gets fewer, fuller messages instead of a growing queue.
         Closing or cancelling the consumer aborts the request in the engine.
         """
         if self.dead:
@@ -109,10 +112,15 @@ class AsyncEngine:
         handle = self.core.submit(request, deliver)
         finished = False
         try:
-            while not finished:
-                delta = await deltas.get()
+            delta = await deltas.get()  # the first token goes out alone, as soon as it exists
+            while True:
                 finished = delta.finished
                 yield delta
+                if finished:
+                    return
+                delta = await deltas.get()
+                while not delta.finished and not deltas.empty():
+                    delta = delta.then(deltas.get_nowait())
         finally:
             if not finished:
                 self.core.abort(handle)

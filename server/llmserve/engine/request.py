@@ -189,6 +189,23 @@ class Delta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: Delta) -> Delta:
+        """This delta followed by a later one of the same request, as one (for a reader that fell behind)."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return Delta(
+            self.request_id,
+            self.token_ids + later.token_ids,
+            self.text + later.text,
+            logprobs,
+            later.finish_reason,
+            later.usage,
+            later.timing,
+            later.seed,
+            later.error,
+        )
+
 
 @dataclass(slots=True)
 class SampleRow:

@@ -98,9 +98,10 @@ class GenerateServiceServicer:
 
     def Generate(self, request, context):
         """Generate streams the completion of one prompt. The server sends one message per engine
-        iteration that produced tokens for this request, as soon as it is produced; the last message
-        has finish_reason set and carries usage, timing and the seed used. Cancelling the call or
-        letting its deadline pass stops generation within one engine iteration.
+        iteration that produced tokens for this request, as soon as it is produced; the first token
+        always comes alone, and a reader that falls behind gets what it has not yet taken in one
+        message. The last message has finish_reason set and carries usage, timing and the seed used.
+        Cancelling the call or letting its deadline pass stops generation within one engine iteration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
