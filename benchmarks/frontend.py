@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                 await engine.shutdown()
 
         results["in-process"].append(asyncio.run(in_process()))
-        results["grpc"].append(_over_grpc(stubbed_engine(args.streams, args.tokens), args.streams, args.tokens, args.seconds))
+        results["grpc"].append(
+            _over_grpc(stubbed_engine(args.streams, args.tokens), args.streams, args.tokens, args.seconds)
+        )
         print(f"in-process {results['in-process'][-1]:,.0f} tok/s, over gRPC {results['grpc'][-1]:,.0f} tok/s")
     local, remote = statistics.median(results["in-process"]), statistics.median(results["grpc"])
     print(f"median: in-process {local:,.0f}, over gRPC {remote:,.0f} tok/s ({remote / local:.0%} of in-process)")
