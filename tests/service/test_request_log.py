@@ -177,13 +177,22 @@ def test_json_log_lines(server: ServerThread) -> None:
 def test_a_call_cut_at_its_deadline_while_the_engine_is_busy_is_logged_deadline_exceeded(lines: _Lines) -> None:
     """gRPC cancels the handler when the deadline passes before the engine ends the request (here a step takes 2 s):
     the log says DEADLINE_EXCEEDED, as the client saw, not CANCELLED."""
-    srv = ServerThread(FakeEngine(step_s=2.0)).start()
+    request = build_request("hi", max_new_tokens=3, request_id="slow-late")
+    code, line = _one_failing_call(FakeEngine(step_s=2.0), request, 0.5, lines)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert " status=DEADLINE_EXCEEDED finish=deadline " in line
+
+
+def _one_failing_call(
+    engine: FakeEngine, request: pb.GenerateRequest, timeout: float, lines: _Lines
+) -> tuple[grpc.StatusCode, str]:
+    """Serve `engine`, make one call that must fail; its status code and its log line."""
+    srv = ServerThread(engine).start()
     try:
         with Client(srv.address) as client, pytest.raises(grpc.RpcError) as err:
-            list(client.generate(build_request("hi", max_new_tokens=3, request_id="slow-late"), timeout=0.5))
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            list(client.generate(request, timeout=timeout))
         assert wait_until(lambda: srv.server.servicer.num_streams == 0, timeout=10)
-        assert " status=DEADLINE_EXCEEDED finish=deadline " in lines.find("slow-late")
+        return err.value.code(), lines.find(request.request_id)
     finally:
         srv.stop()
 
@@ -222,12 +231,6 @@ def test_an_unexpected_failure_is_logged_by_its_type(lines: _Lines) -> None:
             raise RuntimeError("a fault in the books")
             yield  # an async generator, as the engine's
 
-    srv = ServerThread(Faulty()).start()
-    try:
-        with Client(srv.address) as client, pytest.raises(grpc.RpcError) as err:
-            list(client.generate(build_request("hi", max_new_tokens=2, request_id="faulty"), timeout=30))
-        assert err.value.code() == grpc.StatusCode.UNKNOWN
-        assert wait_until(lambda: srv.server.servicer.num_streams == 0, timeout=10)
-        assert " status=RuntimeError " in lines.find("faulty")
-    finally:
-        srv.stop()
+    code, line = _one_failing_call(Faulty(), build_request("hi", max_new_tokens=2, request_id="faulty"), 30, lines)
+    assert code == grpc.StatusCode.UNKNOWN
+    assert " status=RuntimeError " in line
