@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements as one prepared script for a lent device (issue 12): the engine checks (exactness on
 # CUDA, bf16 agreement, graphs on/off), the issue's figures for three random-weight shapes (gpu_perf.py:
-# nano-vllm's workload in-process and over gRPC, decode step times and the GPU's idle share), then the
-# 32-client ladder in SmolLM2-135M's shape. Results go to $OUT when set (the device tool's output folder), else
+# nano-vllm's workload in-process and over gRPC, decode step times and the GPU's idle share), the host side's
+# ceiling (frontend.py), then the 32-client ladder in SmolLM2-135M's shape. Results go to $OUT when set (the device tool's output folder), else
 # to benchmarks/results. Needs no tokenizer and no network; the device image lacks grpcio-health-checking,
 # grpcio-reflection, grpcio-status and prometheus-client, which travel as wheels (device README).
 # Not yet timed on a GPU as a whole: run the parts one by one first if the device time is short.
@@ -14,6 +14,8 @@ py="${PYTHON:-python}"
 status=0
 "$py" benchmarks/gpu_check.py --out "$out" || status=1
 "$py" benchmarks/gpu_perf.py --out "$out" || status=1
+# The host side's ceiling on this machine's CPU (model call stubbed): in-process vs over gRPC, about a minute.
+"$py" benchmarks/frontend.py --json "$out/frontend.json" || status=1
 "$py" benchmarks/run.py --device cuda --dtype bfloat16 --model random:smollm2-135m \
   --systems dynamic,hf_continuous,llmserve --out-dir "$out" "$@" || status=1
 exit "$status"
