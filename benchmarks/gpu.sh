@@ -2,9 +2,10 @@
 # The GPU measurements as one prepared script for a lent device (issue 12): the engine checks (exactness on
 # CUDA, bf16 agreement, graphs on/off), the issue's figures for three random-weight shapes (gpu_perf.py:
 # nano-vllm's workload in-process and over gRPC, decode step times and the GPU's idle share), the host side's
-# ceiling (frontend.py), then the 32-client ladder in SmolLM2-135M's shape. Results go to $OUT when set (the device tool's output folder), else
-# to benchmarks/results. Needs no tokenizer and no network; the device image lacks grpcio-health-checking,
-# grpcio-reflection, grpcio-status and prometheus-client, which travel as wheels (device README).
+# ceiling (frontend.py), then the 32-client ladder in SmolLM2-135M's shape. Results go to $OUT when set (the
+# device tool's output folder), else to benchmarks/results. Needs no tokenizer and no network; the device image
+# lacks grpcio-health-checking, grpcio-reflection, grpcio-status and prometheus-client, which travel as wheels
+# (device README).
 # Not yet timed on a GPU as a whole: run the parts one by one first if the device time is short.
 set -uo pipefail
 cd "$(dirname "$0")/.."
