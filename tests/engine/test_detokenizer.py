@@ -129,6 +129,53 @@ def test_fast_tokenizers_are_decoded_by_their_backend_and_others_by_their_own_de
     assert joined(deltas, tail) == "HELLO WORLD, MY FRIEND"
 
 
+def _smol_decoding_specials_differently(skip: bool):  # noqa: ANN202
+    """A fresh SmolLM2 tokenizer whose decode marks special tokens, only when skip_special_tokens is `skip`."""
+    tok = AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path()), local_files_only=True)
+    plain, specials = tok.decode, set(tok.all_special_ids)
+
+    def decode(ids, skip_special_tokens=True):  # noqa: ANN001, ANN202
+        text = plain(ids, skip_special_tokens=skip_special_tokens)
+        return text + "!" if skip_special_tokens == skip and any(i in specials for i in ids) else text
+
+    tok.decode = decode
+    return tok
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_decode_that_differs_only_on_special_tokens_is_kept(skip: bool) -> None:
+    """The probe puts a special token in every run and tries both ways of skipping them: a tokenizer whose own
+    decode differs from its backend's only there keeps its own."""
+    from llmserve.engine.detokenizer import _tokenizer_facts
+
+    assert _tokenizer_facts(_smol_decoding_specials_differently(skip)).decode.__name__ == "slow"
+
+
+def test_tokenizers_the_probe_cannot_vouch_for_keep_their_own_decode(smol) -> None:
+    """A backend but no clean-up setting (unknown: treated as cleaning up), or no vocabulary to probe with."""
+    from llmserve.engine.detokenizer import _tokenizer_facts
+
+    class Bare:
+        backend_tokenizer = smol.backend_tokenizer
+        all_special_ids = smol.all_special_ids
+
+        def get_vocab(self) -> dict[str, int]:
+            return smol.get_vocab()
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return smol.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    class Empty(Bare):
+        clean_up_tokenization_spaces = False
+
+        def get_vocab(self) -> dict[str, int]:
+            return {}
+
+    for tokenizer in (Bare(), Empty()):
+        assert _tokenizer_facts(tokenizer).decode.__name__ == "slow", type(tokenizer).__name__
+    assert joined(*run(IncrementalDetokenizer(Bare()), smol.encode("hello world"))) == "hello world"
+
+
 # --- exactness and UTF-8 ----------------------------------------------------------------------------------
 
 
