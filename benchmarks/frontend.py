@@ -19,10 +19,8 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -108,24 +106,11 @@ async def _client(address: str, streams: int, tokens: int, seconds: float) -> fl
 
 
 def _over_grpc(engine: AsyncEngine, streams: int, tokens: int, seconds: float) -> float:
-    from llmserve.app import LLMServer
-    from llmserve.config import ServerConfig
+    from tests.service.harness import ServerThread  # an LLMServer on a loopback port, on a loop of its own
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def run(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
-
-    async def create() -> LLMServer:
-        return LLMServer(ServerConfig(address="127.0.0.1:0", max_concurrent_streams=max(1024, streams)))
-
-    server = run(create())
-    run(server.start())
-    run(server.serve(engine))
+    server = ServerThread(engine, max_concurrent_streams=max(1024, streams)).start()
     try:
-        args = ["--client", f"127.0.0.1:{server.port}", "--streams", str(streams), "--tokens", str(tokens)]
+        args = ["--client", server.address, "--streams", str(streams), "--tokens", str(tokens)]
         out = subprocess.run(
             [sys.executable, __file__, *args, "--seconds", str(seconds)],
             env=child_env(),
@@ -135,9 +120,7 @@ def _over_grpc(engine: AsyncEngine, streams: int, tokens: int, seconds: float) -
         ).stdout
         return float(out.strip().splitlines()[-1])
     finally:
-        run(server.stop(0))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=30)
+        server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,10 +111,10 @@ class DecodeGraphs:
         """Logits [len(plan.seqs), vocab], in plan order, for a decode-only step (one token per sequence)."""
         backend = self.backend
         n = len(plan.seqs)
-        lens = [s.end for s in plan.seqs]
-        bp, ctx = bucket(n, self.batch_buckets), bucket(max(lens), self.ctx_buckets)
+        longest = max(s.end for s in plan.seqs)
+        bp, ctx = bucket(n, self.batch_buckets), bucket(longest, self.ctx_buckets)
         if bp is None or ctx is None:
-            raise ValueError(f"no graph bucket for {n} sequences at context {max(lens)}: check covers() first")
+            raise ValueError(f"no graph bucket for {n} sequences at context {longest}: check covers() first")
         entry = self._graphs[bp, ctx]
         self.replays += 1
         rows = self.rows
@@ -128,8 +128,7 @@ class DecodeGraphs:
             varlen.seq_lens.copy_(rows.lens[:bp], non_blocking=True)
             varlen.block_tables.copy_(rows.tables[:bp], non_blocking=True)
         else:
-            width = -(-ctx // backend.block_size)
-            decode_slots, bias = backend.decode_tensors(rows.tables[:bp, :width], rows.lens[:bp], ctx)
+            decode_slots, bias = backend.decode_tensors(rows.tables[:bp], rows.lens[:bp], ctx)
             entry.batch.decode[0].slots.copy_(decode_slots)
             entry.batch.decode[0].bias.copy_(bias)
         if entry.graph is None:
