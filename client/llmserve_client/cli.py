@@ -75,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default="")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], over generated tokens")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], over generated tokens")
+    gen.add_argument(
+        "--logit-bias", action="append", default=[], metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)"
+    )
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="the answer is JSON valid against this schema file")
+    constraint.add_argument("--json-object", action="store_true", help="the answer is one JSON object")
+    constraint.add_argument("--regex", help="the whole answer matches this regular expression")
+    constraint.add_argument("--grammar", metavar="FILE", help="the answer follows this Lark grammar file")
+    constraint.add_argument(
+        "--choice", metavar="A,B,C", help="the answer is exactly one of these comma-separated strings"
+    )
     gen.add_argument(
         "--json", action="store_true", help="print each response message as one line of JSON (proto field names)"
     )
@@ -124,6 +137,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        **_sampling_controls(args),
     ):
         if args.json:
             print(json_format.MessageToJson(response, indent=None, preserving_proto_field_name=True), flush=True)
@@ -144,6 +158,32 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _sampling_controls(args: argparse.Namespace) -> dict[str, Any]:
+    """The penalties, logit bias and constraint flags as build_request arguments (files read here)."""
+    bias: dict[int, float] = {}
+    for item in args.logit_bias:
+        token, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--logit-bias {item!r}: expected ID=BIAS")
+        bias[int(token)] = float(value)
+    out: dict[str, Any] = {
+        "frequency_penalty": args.frequency_penalty,
+        "presence_penalty": args.presence_penalty,
+        "logit_bias": bias,
+        "json_object": args.json_object,
+        "regex": args.regex,
+    }
+    if args.json_schema is not None:
+        with open(args.json_schema, encoding="utf-8") as f:
+            out["json_schema"] = f.read()
+    if args.grammar is not None:
+        with open(args.grammar, encoding="utf-8") as f:
+            out["grammar"] = f.read()
+    if args.choice is not None:
+        out["choice"] = [option for option in args.choice.split(",") if option]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
@@ -48,12 +49,22 @@ def build_request(
     top_logprobs: int = 0,
     return_prompt_token_ids: bool = False,
     priority: int = 0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    json_schema: str | Mapping[str, object] | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; exactly one of `prompt` (text), `messages` (chat) or `token_ids` must be given.
 
     Arguments left at their defaults leave the field unset, so the server's defaults apply (greedy,
     the server's max_new_tokens). The server validates ranges; see generate.proto for each field.
     `continue_session` (with `session_id`) sends only the new turn: the server prepends the session's history.
+    At most one constraint: `json_schema` (text, or a dict sent as JSON), `json_object`, `regex`, `grammar`
+    (llguidance's Lark syntax) or `choice` (the allowed answers).
     """
     inputs = {"prompt": prompt, "messages": messages, "token_ids": token_ids}
     given = [name for name, value in inputs.items() if value is not None]
@@ -79,6 +90,11 @@ def build_request(
         s.repetition_penalty = repetition_penalty
     if seed is not None:
         s.seed = seed
+    s.frequency_penalty = frequency_penalty
+    s.presence_penalty = presence_penalty
+    if logit_bias:
+        s.logit_bias.update(logit_bias)
+    _set_constraint(request.constraint, json_schema, json_object, regex, grammar, choice)
 
     st = request.stopping
     if max_new_tokens is not None:
@@ -95,6 +111,39 @@ def build_request(
     r.top_logprobs = top_logprobs
     r.prompt_token_ids = return_prompt_token_ids
     return request
+
+
+def _set_constraint(
+    constraint: pb.Constraint,
+    json_schema: str | Mapping[str, object] | None,
+    json_object: bool,
+    regex: str | None,
+    grammar: str | None,
+    choice: Sequence[str] | None,
+) -> None:
+    given = {
+        name: value
+        for name, value in (
+            ("json_schema", json_schema),
+            ("json_object", json_object or None),
+            ("regex", regex),
+            ("grammar", grammar),
+            ("choice", choice),
+        )
+        if value is not None
+    }
+    if len(given) > 1:
+        raise ValueError(f"give at most one constraint (got {', '.join(given)})")
+    if json_schema is not None:
+        constraint.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        constraint.json_object = True
+    elif regex is not None:
+        constraint.regex = regex
+    elif grammar is not None:
+        constraint.grammar = grammar
+    elif choice is not None:
+        constraint.choice.options.extend(choice)
 
 
 def tokenize_request(text: str | None = None, *, messages: Iterable[Message] | None = None) -> pb.TokenizeRequest:

@@ -50,6 +50,8 @@ class InputLimits:
     # UTF-8 bytes of text/chat input; None: 16 bytes per token of the model's context (known once it loads).
     max_prompt_bytes: int | None = None
     max_top_logprobs: int = MAX_TOP_LOGPROBS
+    max_logit_bias: int = 300  # entries of sampling.logit_bias (OpenAI's limit)
+    max_constraint_chars: int = 65536  # characters of a constraint's schema, regex or grammar, or all its choices
 
 
 @dataclass(slots=True, frozen=True)
@@ -318,6 +320,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "UTF-8 bytes of a text or chat input, checked before tokenization; unset: 16 per token of context",
     )
     g.value("--max-top-logprobs", _top_logprobs, limits.max_top_logprobs, "largest response.top_logprobs")
+    g.value("--max-logit-bias", _positive_int, limits.max_logit_bias, "entries of sampling.logit_bias per request")
+    g.value(
+        "--max-constraint-chars",
+        _positive_int,
+        limits.max_constraint_chars,
+        "characters of a request's constraint (JSON schema, regex, grammar, or all choices together)",
+    )
 
     g = _Flags(parser.add_argument_group("operations"), env)
     g.value("--metrics-port", _port, server.metrics_port, "serve Prometheus metrics at :PORT/metrics (0: off)")
@@ -358,6 +367,18 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED",
     )
     g.switch("--no-prefix-caching", "turn off automatic prefix caching")
+    g.value(
+        "--constraint-compile-timeout",
+        _positive_float,
+        engine.constraint_compile_timeout_s,
+        "seconds a request's constraint may take to compile; beyond it INVALID_ARGUMENT",
+    )
+    g.value(
+        "--constraint-cache-size",
+        _positive_int,
+        engine.constraint_cache_size,
+        "compiled constraints kept (least recently used dropped first)",
+    )
     ttl_help = "seconds an idle session's cache and history are kept"
     g.value("--session-ttl", _non_negative_float, engine.session_ttl_s, ttl_help)
     g.value(
@@ -454,6 +475,8 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
                 chat_roles=args.chat_roles,
                 max_prompt_bytes=args.max_prompt_bytes,
                 max_top_logprobs=args.max_top_logprobs,
+                max_logit_bias=args.max_logit_bias,
+                max_constraint_chars=args.max_constraint_chars,
             ),
             history=HistoryConfig(
                 ttl_s=args.session_ttl,
@@ -475,6 +498,8 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             max_model_len=args.max_model_len,
             max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching,
+            constraint_compile_timeout_s=args.constraint_compile_timeout,
+            constraint_cache_size=args.constraint_cache_size,
             session_ttl_s=args.session_ttl,
             max_sessions=args.max_sessions,
             session_pool_fraction=args.session_pool_fraction,

@@ -78,6 +78,39 @@ def check_generate(request: pb.GenerateRequest, limits: InputLimits, max_prompt_
         raise InvalidRequest(
             "response.top_logprobs", f"must be in [0, {limits.max_top_logprobs}] (--max-top-logprobs), got {top}"
         )
+    bias = request.sampling.logit_bias
+    if len(bias) > limits.max_logit_bias:
+        raise InvalidRequest(
+            "sampling.logit_bias",
+            f"has {len(bias)} entries, the limit is {limits.max_logit_bias} (--max-logit-bias)",
+        )
+    _check_token_ids("sampling.logit_bias", list(bias), vocab_size)
+    _check_constraint(request.constraint, limits.max_constraint_chars)
+
+
+def _check_constraint(constraint: pb.Constraint, max_chars: int) -> None:
+    """A constraint's size: its text, or all its choices together, in characters (before any compiling)."""
+    kind = constraint.WhichOneof("kind")
+    if kind in ("json_schema", "regex", "grammar"):
+        text = getattr(constraint, kind)
+        if not text:
+            raise InvalidRequest(f"constraint.{kind}", "must not be empty")
+        if len(text) > max_chars:
+            raise InvalidRequest(
+                f"constraint.{kind}", f"is {len(text)} characters, the limit is {max_chars} (--max-constraint-chars)"
+            )
+    elif kind == "choice":
+        options = constraint.choice.options
+        if not options:
+            raise InvalidRequest("constraint.choice.options", "must not be empty")
+        if any(not option for option in options):
+            raise InvalidRequest("constraint.choice.options", "must not contain an empty string")
+        chars = sum(len(option) for option in options)
+        if chars > max_chars:
+            raise InvalidRequest(
+                "constraint.choice.options",
+                f"are {chars} characters together, the limit is {max_chars} (--max-constraint-chars)",
+            )
 
 
 def check_input(request: pb.GenerateRequest | pb.TokenizeRequest, limits: InputLimits, max_prompt_bytes: int) -> None:

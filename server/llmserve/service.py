@@ -25,6 +25,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
 from llmserve.engine.request import (
+    ConstraintKind,
+    ConstraintSpec,
     Delta,
     EngineDead,
     FinishReason,
@@ -56,6 +58,9 @@ _FIELD_PATHS = {
     "top_p": "sampling.top_p",
     "min_p": "sampling.min_p",
     "repetition_penalty": "sampling.repetition_penalty",
+    "frequency_penalty": "sampling.frequency_penalty",
+    "presence_penalty": "sampling.presence_penalty",
+    "logit_bias": "sampling.logit_bias",
     "seed": "sampling.seed",
     "max_new_tokens": "stopping.max_new_tokens",
     "min_new_tokens": "stopping.min_new_tokens",
@@ -364,6 +369,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             min_p=s.min_p,
             repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
             seed=s.seed if s.HasField("seed") else None,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
         )
         if st.HasField("max_new_tokens"):
             max_new_tokens = st.max_new_tokens
@@ -392,6 +400,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             top_logprobs=request.response.top_logprobs,
             # With authentication on, a caller's prompts share cached blocks only with its own (unless shared).
             cache_salt=None if identity is None or self._config.shared_prefix_cache else identity,
+            constraint=_constraint_spec(request.constraint),
         )
 
     async def Tokenize(
@@ -580,6 +589,17 @@ def _chat_token_ids(tokenizer: Any, messages: Sequence[pb.ChatMessage]) -> list[
     # The template already wrote the special tokens it wants.
     ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
     return ids
+
+
+def _constraint_spec(constraint: pb.Constraint) -> ConstraintSpec | None:
+    """The request's constraint as the engine takes it; None when unset (or json_object: false)."""
+    kind = constraint.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not constraint.json_object):
+        return None
+    if kind == "choice":
+        return ConstraintSpec(ConstraintKind.CHOICE, choices=tuple(constraint.choice.options))
+    text = "" if kind == "json_object" else getattr(constraint, kind)
+    return ConstraintSpec(ConstraintKind(kind), text)
 
 
 def _input_text(request: pb.GenerateRequest) -> str:

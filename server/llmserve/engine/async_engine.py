@@ -8,9 +8,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.constraints import Compiled, ConstraintCompiler
 from llmserve.engine.core import EngineCore
 from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
-from llmserve.engine.request import Delta, EngineDead, GenerationRequest, QueueFull, StoppingParams
+from llmserve.engine.request import (
+    ConstraintSpec,
+    Delta,
+    EngineDead,
+    GenerationRequest,
+    InvalidRequest,
+    QueueFull,
+    StoppingParams,
+)
 from llmserve.models import LoadedModel
 
 
@@ -29,6 +38,15 @@ class AsyncEngine:
         # a call_soon_threadsafe per delta costs the step thread ~1 ms at 256 sequences, one per step ~0.03 ms.
         self._outbox: list[tuple[asyncio.Queue[Delta], Delta]] = []
         self.core.flush = self._flush
+        self.constraints: ConstraintCompiler | None = None
+        if loaded.tokenizer is not None:
+            self.constraints = ConstraintCompiler(
+                loaded.tokenizer,
+                loaded.vocab_size,
+                loaded.eos_token_ids,
+                cache_size=config.constraint_cache_size,
+                timeout_s=config.constraint_compile_timeout_s,
+            )
 
     @property
     def tokenizer(self) -> Any:  # a transformers tokenizer, or None for random-weight models
@@ -76,6 +94,8 @@ class AsyncEngine:
         """Stop the step thread; requests still running end with CANCELLED."""
         self._stop.set()
         self.core.wake()
+        if self.constraints is not None:
+            self.constraints.close()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
@@ -102,6 +122,10 @@ class AsyncEngine:
         self.core.validate(request)
         if self.core.num_waiting >= self.config.max_waiting:
             raise QueueFull(f"{self.core.num_waiting} requests waiting")
+        constraint = None
+        if request.constraint is not None:
+            # Before the request is queued, on a worker thread: a slow compile delays this caller only.
+            constraint = (await self._compile(request.constraint)).start()
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
@@ -109,7 +133,7 @@ class AsyncEngine:
         def deliver(delta: Delta) -> None:  # on the step thread, which flushes after each step
             self._outbox.append((deltas, delta))
 
-        handle = self.core.submit(request, deliver)
+        handle = self.core.submit(request, deliver, constraint)
         finished = False
         try:
             delta = await deltas.get()  # the first token goes out alone, as soon as it exists
@@ -124,6 +148,11 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.core.abort(handle)
+
+    async def _compile(self, spec: ConstraintSpec) -> Compiled:
+        if self.constraints is None:
+            raise InvalidRequest(spec.field, "the model has no tokenizer: constraints need one")
+        return await self.constraints.compile(spec)
 
     def _flush(self) -> None:
         """On the step thread: hand the deltas delivered since the last flush to the event loop, in one call."""

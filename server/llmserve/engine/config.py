@@ -35,3 +35,6 @@ class EngineConfig:
         True  # CPU float32 linears through oneDNN, weights packed once (backends/cpu/packed_linear.py)
     )
     fused_layers: bool = True  # CPU Llama-family models through the fused forward (backends/cpu/fused_layers.py)
+    # Constraints (engine/constraints.py): compiled off the step thread within this bound, cached per kind and text.
+    constraint_compile_timeout_s: float = 10.0
+    constraint_cache_size: int = 256

@@ -23,6 +23,7 @@ import torch
 from llmserve.engine.backends import create_backend
 from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.constraints import ConstraintState
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
@@ -55,6 +56,7 @@ class Add:
     request: GenerationRequest
     deliver: Callable[[Delta], None]
     arrival: float  # time.monotonic()
+    constraint: ConstraintState | None = None  # the compiled constraint's fresh state, when the request has one
 
 
 @dataclass(slots=True, frozen=True)
@@ -144,12 +146,15 @@ class EngineCore:
                 f"({self.pool.num_blocks * self.pool.block_size} tokens)",
             )
 
-    def submit(self, request: GenerationRequest, deliver: Callable[[Delta], None]) -> int:
+    def submit(
+        self, request: GenerationRequest, deliver: Callable[[Delta], None], constraint: ConstraintState | None = None
+    ) -> int:
         """Queue a validated request; `deliver` is called (on the step thread) with each delta. Returns the
-        handle that `abort` takes."""
+        handle that `abort` takes. A request with a constraint comes with its compiled state (compiling is the
+        front end's job, off this thread), which the step thread alone advances from then on."""
         handle = next(self._handles)
         self._submitted += 1  # written by the submitting thread only; _drained by the step thread only
-        self._inbox.put(Add(handle, request, deliver, time.monotonic()))
+        self._inbox.put(Add(handle, request, deliver, time.monotonic(), constraint))
         self._wake.set()
         return handle
 
@@ -289,6 +294,7 @@ class EngineCore:
             command.handle,
             stop_ids=frozenset(stopping.stop_token_ids),
             eos_ids=frozenset() if stopping.ignore_eos else frozenset(self.loaded.eos_token_ids),
+            constraint=command.constraint,
         )
         params = request.sampling
         if not params.greedy:
@@ -321,10 +327,15 @@ class EngineCore:
             seq.first_token = now
         text = ""
         reason = None
+        constraint = seq.constraint
+        if constraint is not None and not constraint.accept(token_id):  # the mask let through what it forbids
+            raise RuntimeError(f"the constraint rejected token {token_id}: {constraint.error}")
         if token_id in seq.stop_ids:
             reason = FinishReason.STOP_TOKEN
         elif token_id in seq.eos_ids:
             reason = FinishReason.EOS
+        elif constraint is not None and constraint.done:  # complete: only the end could follow
+            reason = FinishReason.CONSTRAINT
         if live.detok is not None:
             pushed = live.detok.push([token_id])
             text = pushed.text

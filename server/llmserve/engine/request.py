@@ -11,8 +11,12 @@ import enum
 import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from llmserve.engine.constraints import ConstraintState
 
 MAX_TOP_LOGPROBS = 20
 # Sampling values past these act as the bound (see SamplingParams): beyond them float32 arithmetic would
@@ -20,6 +24,9 @@ MAX_TOP_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5  # below: greedy, as in vLLM
 MAX_TEMPERATURE = 1e6  # above: as 1e6, uniform over the tokens left to float32 precision
 PENALTY_RANGE = (1e-6, 1e6)  # repetition_penalty is applied clamped into this range
+# OpenAI's bounds for frequency_penalty/presence_penalty and for each logit_bias value.
+ADDITIVE_PENALTY_BOUND = 2.0
+LOGIT_BIAS_BOUND = 100.0
 
 
 class InvalidRequest(ValueError):
@@ -43,6 +50,7 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     ERROR = "error"
+    CONSTRAINT = "constraint"  # the request's constraint is complete and admits nothing more
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,10 +68,26 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # OpenAI's semantics, over the generated tokens only (not the prompt): a token generated c times has
+    # c * frequency_penalty + (c > 0) * presence_penalty subtracted from its logit.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # (token id, bias) pairs, each id once: the bias is added to that token's logit every step.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether any penalty or bias changes the logits before the pick (greedy rows then need the full path)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
@@ -79,6 +103,21 @@ class SamplingParams:
             raise InvalidRequest("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise InvalidRequest("seed", f"must be in [0, 2**63), got {self.seed}")
+        bound = ADDITIVE_PENALTY_BOUND
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -bound <= value <= bound):
+                raise InvalidRequest(name, f"must be in [-{bound:g}, {bound:g}], got {value}")
+        seen: set[int] = set()
+        for token_id, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND):
+                raise InvalidRequest(
+                    "logit_bias",
+                    f"token {token_id}: bias must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got {bias}",
+                )
+            if token_id in seen:
+                raise InvalidRequest("logit_bias", f"token {token_id} is given twice")
+            seen.add(token_id)
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,6 +142,35 @@ class StoppingParams:
             raise InvalidRequest("stop_sequences", "must not contain an empty string")
 
 
+class ConstraintKind(enum.Enum):
+    """What a constraint's text is; the value is the request field's name (under `constraint.`)."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    GRAMMAR = "grammar"
+    CHOICE = "choice"
+
+
+@dataclass(slots=True, frozen=True)
+class ConstraintSpec:
+    """A constraint on the generated text, as the caller wrote it (compiled by engine/constraints.py).
+
+    `text` is the schema, regex or grammar; `choices` the strings of a choice. Hashable: it is the key of
+    the compile cache.
+    """
+
+    kind: ConstraintKind
+    text: str = ""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def field(self) -> str:
+        """The request field it came from, for error messages."""
+        suffix = ".options" if self.kind is ConstraintKind.CHOICE else ""
+        return f"constraint.{self.kind.value}{suffix}"
+
+
 @dataclass(slots=True, frozen=True)
 class GenerationRequest:
     """A request as the engine accepts it: prompt already tokenized.
@@ -121,6 +189,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     cache_salt: str | None = None
+    constraint: ConstraintSpec | None = None
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
         """Check everything that needs no engine state; raise InvalidRequest naming the field."""
@@ -142,6 +211,8 @@ class GenerationRequest:
             )
         if any(t < 0 or t >= vocab_size for t in self.stopping.stop_token_ids):
             raise InvalidRequest("stop_token_ids", f"ids must be in [0, {vocab_size})")
+        if any(t < 0 or t >= vocab_size for t, _ in self.sampling.logit_bias):
+            raise InvalidRequest("logit_bias", f"token ids must be in [0, {vocab_size})")
         if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
@@ -212,8 +283,10 @@ class SampleRow:
     """What the sampler needs about one request for one step.
 
     `generator` must be set for sampled rows (not `params.greedy`); it may live on the CPU or on the logits'
-    device (the latter avoids a copy). `token_ids` (prompt + generated) is only read for the repetition
-    penalty. `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens.
+    device (the latter avoids a copy). `token_ids` (prompt + generated) is only read for the penalties: the
+    repetition penalty reads all of it, frequency and presence penalties only `token_ids[num_prompt:]`.
+    `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens. `constraint` (the
+    request's grammar state) allows only the tokens that keep the generated text within its language.
     """
 
     params: SamplingParams
@@ -222,6 +295,8 @@ class SampleRow:
     blocked_token_ids: Seq[int]
     logprobs: bool
     top_logprobs: int
+    num_prompt: int = 0
+    constraint: ConstraintState | None = None
 
 
 class SeqStatus(enum.Enum):
@@ -256,6 +331,7 @@ class Sequence:
     num_preemptions: int = 0
     stop_ids: frozenset[int] = frozenset()  # the request's stop token ids
     eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
+    constraint: ConstraintState | None = None  # the grammar state of a constrained request (generated tokens only)
     _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes
 
     def __post_init__(self) -> None:
@@ -275,6 +351,8 @@ class Sequence:
             blocked_token_ids=tuple(self.stop_ids | self.eos_ids) if blocking else (),
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
+            num_prompt=self.num_prompt,
+            constraint=self.constraint,
         )
         if not blocking:
             self._row = row

@@ -1,9 +1,10 @@
 """Batched next-token sampling with per-request seeds.
 
 One call per engine step picks one token for each row of a [rows, vocab] logits tensor. Greedy rows take
-the argmax (bit-for-bit what transformers' greedy search picks). Sampled rows follow transformers' order:
-repetition penalty, blocked ids, temperature, top-k, top-p, min-p, then an inverse-CDF draw with one
-uniform number from the row's own generator.
+the argmax (bit-for-bit what transformers' greedy search picks). Every row first gets its logit edits, in
+vLLM's order: repetition penalty, then the additive ones (frequency and presence penalties over generated
+tokens, logit bias), then blocked ids. Sampled rows then follow transformers' order: temperature, top-k,
+top-p, min-p, then an inverse-CDF draw with one uniform number from the row's own generator.
 
 Batch invariance is the point of the design: a seeded request gets the same tokens whatever else shares
 its batch. So randomness never comes from a shared RNG, and a row's arithmetic only uses kernels that
@@ -24,6 +25,7 @@ from itertools import chain
 
 import torch
 
+from llmserve.engine.constraints import constraint_masks
 from llmserve.engine.request import MAX_TEMPERATURE, PENALTY_RANGE, SampleRow, SamplingParams, TokenLogprob
 
 __all__ = ["RowFailed", "SampleRow", "Sampled", "sample", "sample_each", "warped_weights", "nucleus_floor"]
@@ -80,12 +82,22 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
         raise ValueError(f"logits must be [{len(rows)}, vocab], got {list(logits.shape)}")
     if not rows:
         return [], []
-    if all(_plain_greedy(row) for row in rows):
+    constrained = [i for i, row in enumerate(rows) if row.constraint is not None]
+    if not constrained and all(_plain_greedy(row) for row in rows):
         return logits.argmax(dim=-1).tolist(), [None] * len(rows)
 
     device = logits.device
+    masked = _select(constrained, len(rows), device)
+    masks = None
+    if masked is not None:
+        # First: on CUDA the forward may still be running, and the grammar work on the CPU overlaps with it.
+        states = [state for i in constrained if (state := rows[i].constraint) is not None]
+        masks = constraint_masks(states, logits.shape[1], device)
     x = logits.to(torch.float32, copy=True)
+    if masked is not None and masks is not None:
+        _add_rows(x, masked, masks)
     _apply_repetition_penalty(x, rows)
+    _apply_additive(x, rows)
     _apply_blocked(x, rows)
     _tame(x)
     # A row with every token blocked has nothing to pick from: it takes the model's best token instead.
@@ -101,10 +113,19 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
         chosen[sel] = _draw(x[sel], [rows[i] for i in sampled])
     if not bool(alive.all()):
         raw = logits.to(torch.float32, copy=True)
+        if masked is not None and masks is not None:  # a constraint still holds: only blocked ids give way
+            _add_rows(raw, masked, masks)
         _tame(raw)
         chosen = torch.where(alive, chosen, raw.argmax(dim=-1))
     token_ids = chosen.tolist()
     return token_ids, _logprobs(logits, rows, chosen)
+
+
+def _add_rows(x: torch.Tensor, sel: torch.Tensor | slice, values: torch.Tensor) -> None:
+    if isinstance(sel, slice):
+        x.add_(values)
+    else:
+        x[sel] += values
 
 
 def _tame(x: torch.Tensor) -> None:
@@ -113,7 +134,7 @@ def _tame(x: torch.Tensor) -> None:
 
 
 def _plain_greedy(row: SampleRow) -> bool:
-    return row.params.greedy and row.params.repetition_penalty == 1.0 and not row.blocked_token_ids and not row.logprobs
+    return row.params.greedy and not row.params.edits_logits and not row.blocked_token_ids and not row.logprobs
 
 
 def _index(positions: list[int], device: torch.device) -> torch.Tensor:
@@ -137,6 +158,43 @@ def _apply_repetition_penalty(x: torch.Tensor, rows: list[SampleRow]) -> None:
     row_idx, cols, penalty = (t.to(x.device, non_blocking=True) for t in (row_idx, cols, penalty))
     seen = x[row_idx, cols]
     x[row_idx, cols] = torch.where(seen > 0, seen / penalty, seen * penalty)
+
+
+def _apply_additive(x: torch.Tensor, rows: list[SampleRow]) -> None:
+    """OpenAI's frequency and presence penalties (over generated tokens) and logit bias, for all rows at once.
+
+    Each touched logit gets one subtraction of `count * frequency + presence` (counts are exact integers from
+    `unique`), and one addition of its bias: no accumulation whose rounding could depend on the order of
+    duplicates or on the batch.
+    """
+    vocab = x.shape[1]
+    penalised = [
+        i
+        for i, row in enumerate(rows)
+        if (row.params.frequency_penalty or row.params.presence_penalty) and len(row.token_ids) > row.num_prompt
+    ]
+    if penalised:
+        generated = [rows[i].token_ids[rows[i].num_prompt :] for i in penalised]
+        lengths = torch.tensor([len(g) for g in generated])
+        cols = torch.tensor(list(chain.from_iterable(generated)), dtype=torch.long)
+        row_idx = torch.repeat_interleave(torch.arange(len(penalised)), lengths)
+        keys, counts = torch.unique(row_idx * vocab + cols, return_counts=True)
+        local, cols = keys // vocab, keys % vocab
+        frequency = torch.tensor([rows[i].params.frequency_penalty for i in penalised], dtype=torch.float32)
+        presence = torch.tensor([rows[i].params.presence_penalty for i in penalised], dtype=torch.float32)
+        amount = counts.to(torch.float32) * frequency[local] + presence[local]
+        rows_at = torch.tensor(penalised, dtype=torch.long)[local]
+        rows_at, cols, amount = (t.to(x.device, non_blocking=True) for t in (rows_at, cols, amount))
+        x[rows_at, cols] -= amount
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if biased:
+        pairs = [rows[i].params.logit_bias for i in biased]
+        lengths = torch.tensor([len(p) for p in pairs])
+        row_idx = torch.repeat_interleave(torch.tensor(biased, dtype=torch.long), lengths)
+        cols = torch.tensor([t for p in pairs for t, _ in p], dtype=torch.long)
+        bias = torch.tensor([b for p in pairs for _, b in p], dtype=torch.float32)
+        row_idx, cols, bias = (t.to(x.device, non_blocking=True) for t in (row_idx, cols, bias))
+        x[row_idx, cols] += bias
 
 
 def _apply_blocked(x: torch.Tensor, rows: list[SampleRow]) -> None:
