@@ -89,6 +89,7 @@ class ConstraintCompiler:
     _cache: OrderedDict[ConstraintSpec, concurrent.futures.Future[Compiled]] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _lltokenizer: Any = None
+    _spellable: frozenset[int] = frozenset()  # the bytes that occur in some token of the vocabulary
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
     compiles: int = 0  # compiles started (cache misses), for tests and the benchmark
 
@@ -131,6 +132,16 @@ class ConstraintCompiler:
         """On a worker thread: the library's grammar for `spec`, checked; InvalidRequest with its reason."""
         grammar = _grammar(spec)
         tokenizer = self._llguidance_tokenizer()
+        for i, option in enumerate(spec.choices):
+            # The library's mask is only sound for text the vocabulary can spell (SmolLM2's has no token with the
+            # byte 0xF1, so nothing in U+40000-U+7FFFF, nor a few control characters).
+            missing = set(option.encode("utf-8", "surrogatepass")) - self._spellable
+            if missing:
+                raise InvalidRequest(
+                    spec.field,
+                    f"option {i} has characters the model's vocabulary cannot spell (bytes "
+                    f"{', '.join(f'0x{b:02x}' for b in sorted(missing))})",
+                )
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(spec.field, _short(matcher.get_error()))
@@ -142,9 +153,14 @@ class ConstraintCompiler:
     def _llguidance_tokenizer(self) -> Any:
         with self._lock:  # built once (~0.4 s for SmolLM2's 49,152 tokens), by the first compile
             if self._lltokenizer is None:
-                self._lltokenizer = llguidance.hf.from_tokenizer(
+                tokenizer = llguidance.hf.from_tokenizer(
                     self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_ids)
                 )
+                spellable: set[int] = set()
+                for token in range(tokenizer.vocab_size):
+                    spellable.update(tokenizer.decode_bytes([token]))
+                self._spellable = frozenset(spellable)
+                self._lltokenizer = tokenizer
             return self._lltokenizer
 
     def close(self) -> None:

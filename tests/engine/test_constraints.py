@@ -1,0 +1,336 @@
+"""engine/constraints.py: compiling (refusals name the field and the library's reason, the cache, the time
+bound), and constrained generation checked by independent validators (jsonschema, re.fullmatch, membership)
+on a tiny random model that speaks SmolLM2's vocabulary, greedy and sampled, alone and batched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+from harness import tiny_engine  # noqa: E402
+
+from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
+from llmserve.engine.constraints import ConstraintCompiler, fill_bitmask  # noqa: E402
+from llmserve.engine.request import (  # noqa: E402
+    ConstraintKind,
+    ConstraintSpec,
+    Delta,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    SamplingParams,
+    StoppingParams,
+)
+
+SCHEMA = ConstraintKind.JSON_SCHEMA
+COMPLETE = (FinishReason.CONSTRAINT, FinishReason.EOS)
+PROMPT = (1, 504, 3374, 8437, 28, 2000, 314)
+MAX_NEW = 160
+
+
+@pytest.fixture(scope="module")
+def engine_loop() -> Any:
+    """A started engine over the tiny model, on an event loop of its own thread (shared by the module)."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    engine = tiny_engine(max_num_seqs=32)
+    asyncio.run_coroutine_threadsafe(engine.start(), loop).result(120)
+    yield engine, loop
+    asyncio.run_coroutine_threadsafe(engine.shutdown(), loop).result(60)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def _run(engine_loop: Any, coro: Any) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, engine_loop[1]).result(300)
+
+
+async def _generate(engine: AsyncEngine, request: GenerationRequest) -> tuple[list[int], str, Delta]:
+    ids: list[int] = []
+    text = ""
+    async for delta in engine.generate(request):
+        ids += delta.token_ids
+        text += delta.text
+    return ids, text, delta
+
+
+def _request(rid: str, spec: ConstraintSpec | None, seed: int | None, max_new: int = MAX_NEW) -> GenerationRequest:
+    sampling = SamplingParams() if seed is None else SamplingParams(temperature=1.0, seed=seed)
+    return GenerationRequest(
+        rid, PROMPT, sampling=sampling, stopping=StoppingParams(max_new_tokens=max_new), constraint=spec
+    )
+
+
+def _all(engine_loop: Any, requests: list[GenerationRequest]) -> list[tuple[list[int], str, Delta]]:
+    engine = engine_loop[0]
+
+    async def go() -> list[tuple[list[int], str, Delta]]:
+        return list(await asyncio.gather(*(_generate(engine, r) for r in requests)))
+
+    out: list[tuple[list[int], str, Delta]] = _run(engine_loop, go())
+    return out
+
+
+# -- compiling ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm_tokenizer: Any) -> ConstraintCompiler:
+    return ConstraintCompiler(smollm_tokenizer, 49152, (2,))
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (ConstraintSpec(SCHEMA, "{not json"), "is not JSON"),
+        (ConstraintSpec(SCHEMA, "[1, 2]"), "must be a JSON object"),
+        (ConstraintSpec(SCHEMA, '{"type": "strin"}'), "strin"),
+        (ConstraintSpec(SCHEMA, '{"not": {"type": "string"}}'), "not"),
+        (ConstraintSpec(SCHEMA, '{"type": "array", "uniqueItems": true}'), "uniqueItems"),
+        (ConstraintSpec(SCHEMA, '{"if": {"type": "string"}, "then": {"minLength": 2}}'), "if"),
+        (ConstraintSpec(SCHEMA, '{"type": "string", "format": "hostnamexx"}'), "hostnamexx"),
+        (ConstraintSpec(SCHEMA, '{"oneOf": [{"type": "integer"}, {"type": "number"}]}'), "oneOf"),
+        (ConstraintSpec(SCHEMA, '{"$ref": "http://example.com/s.json"}'), "http://example.com/s.json"),
+        (ConstraintSpec(ConstraintKind.REGEX, "[a-"), "unclosed character class"),
+        (ConstraintSpec(ConstraintKind.REGEX, "(a)\\1"), "backreference"),
+        (ConstraintSpec(ConstraintKind.GRAMMAR, "start: missing"), "missing"),
+    ],
+)
+def test_a_refused_constraint_names_its_field_and_the_librarys_reason(
+    compiler: ConstraintCompiler, spec: ConstraintSpec, reason: str
+) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        compiler.compile_now(spec)
+    assert err.value.field == spec.field
+    assert reason.lower() in err.value.reason.lower(), err.value.reason
+    assert "<state>" not in err.value.reason and len(err.value.reason) <= 300
+
+
+def test_compiles_are_cached_per_spec_and_least_recently_used_goes_first(smollm_tokenizer: Any) -> None:
+    compiler = ConstraintCompiler(smollm_tokenizer, 49152, (2,), cache_size=2)
+    a, b, c = (ConstraintSpec(ConstraintKind.CHOICE, choices=(x,)) for x in ("a", "b", "c"))
+    first = compiler.compile_now(a)
+    assert compiler.compile_now(a) is first and compiler.compiles == 1
+    compiler.compile_now(b)
+    compiler.compile_now(a)  # a is now the most recently used
+    compiler.compile_now(c)  # evicts b
+    assert compiler.compiles == 3
+    assert compiler.compile_now(a) is first and compiler.compiles == 3
+    compiler.compile_now(b)
+    assert compiler.compiles == 4
+    bad = ConstraintSpec(ConstraintKind.REGEX, "(")
+    for _ in range(2):  # a refusal is cached too
+        with pytest.raises(InvalidRequest):
+            compiler.compile_now(bad)
+    assert compiler.compiles == 5
+
+
+async def test_concurrent_requests_for_one_spec_share_one_compile(smollm_tokenizer: Any) -> None:
+    compiler = ConstraintCompiler(smollm_tokenizer, 49152, (2,))
+    spec = ConstraintSpec(SCHEMA, '{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    results = await asyncio.gather(*(compiler.compile(spec) for _ in range(8)))
+    assert compiler.compiles == 1 and all(r is results[0] for r in results)
+    # Each request gets its own state: advancing one leaves the others at the start.
+    one, two = results[0].start(), results[0].start()
+    assert one.accept(smollm_tokenizer.encode("{", add_special_tokens=False)[0])
+    assert not two.done and fill_bitmask([one], 49152).tolist() != fill_bitmask([two], 49152).tolist()
+
+
+async def test_a_compile_past_the_time_bound_is_refused_and_still_lands_in_the_cache(smollm_tokenizer: Any) -> None:
+    # A fresh compiler's first compile also builds the library's tokenizer (~0.4 s): never within 1 ns.
+    compiler = ConstraintCompiler(smollm_tokenizer, 49152, (2,), timeout_s=1e-9)
+    spec = ConstraintSpec(ConstraintKind.REGEX, "[0-9]+")
+    with pytest.raises(InvalidRequest) as err:
+        await compiler.compile(spec)
+    assert err.value.field == "constraint.regex" and "--constraint-compile-timeout" in err.value.reason
+    compiler.timeout_s = 60.0
+    assert (await compiler.compile(spec)) is not None and compiler.compiles == 1
+
+
+# -- generation, checked by independent validators -----------------------------------------------------------
+
+_leaf = st.one_of(
+    st.tuples(st.integers(-50, 50), st.integers(0, 60)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}
+    ),
+    st.integers(1, 12).map(lambda n: {"type": "string", "maxLength": n}),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.lists(
+        st.one_of(st.text("abcxyz", min_size=1, max_size=5), st.integers(-9, 99)), min_size=1, max_size=4, unique=True
+    ).map(lambda v: {"enum": v}),
+    st.sampled_from([0, 2, 5]).map(lambda m: {"type": "number", "minimum": -m, "maximum": m + 0.5}),
+)
+
+
+def _objects(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    props = st.dictionaries(st.text("abcdefgh", min_size=1, max_size=6), children, min_size=1, max_size=4)
+    return props.flatmap(
+        lambda p: st.sets(st.sampled_from(sorted(p))).map(
+            lambda req: {"type": "object", "properties": p, "required": sorted(req), "additionalProperties": False}
+        )
+    )
+
+
+def _arrays(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.tuples(children, st.integers(0, 2), st.integers(0, 2)).map(
+        lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]}
+    )
+
+
+schemas = st.recursive(_leaf, lambda children: st.one_of(_objects(children), _arrays(children)), max_leaves=8)
+object_schemas = _objects(schemas)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batch=st.lists(object_schemas, min_size=4, max_size=8), seed=st.integers(0, 2**31))
+def test_json_schema_outputs_that_finish_validate(engine_loop: Any, batch: list[dict[str, Any]], seed: int) -> None:
+    requests = []
+    for i, schema in enumerate(batch):
+        spec = ConstraintSpec(SCHEMA, json.dumps(schema))
+        requests += [_request(f"g{i}", spec, None), _request(f"s{i}", spec, seed + i)]
+    for request, (_, text, last) in zip(requests, _all(engine_loop, requests), strict=True):
+        schema = json.loads(request.constraint.text)  # type: ignore[union-attr]
+        if last.finish_reason in COMPLETE:
+            jsonschema.validate(json.loads(text), schema)
+        else:
+            assert last.finish_reason is FinishReason.LENGTH, last
+            assert last.usage is not None and last.usage.completion_tokens == MAX_NEW
+
+
+def test_json_object_and_schema_outputs_mostly_finish(engine_loop: Any) -> None:
+    """The random model finishes most small schemas within the budget (so the test above checks real outputs)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    specs = [ConstraintSpec(SCHEMA, json.dumps(schema))] * 6 + [ConstraintSpec(ConstraintKind.JSON_OBJECT)] * 2
+    requests = [_request(f"m{i}", spec, i) for i, spec in enumerate(specs)]
+    results = _all(engine_loop, requests)
+    finished = 0
+    for spec, (_, text, last) in zip(specs, results, strict=True):
+        if last.finish_reason in COMPLETE:
+            finished += 1
+            value = json.loads(text)
+            if spec.kind is SCHEMA:
+                jsonschema.validate(value, schema)
+            else:
+                assert isinstance(value, dict)
+    assert finished >= 5
+
+
+_atom = st.one_of(
+    st.sampled_from("abcxyz019"),
+    st.sampled_from(["[a-f]", "[0-9]", "[xyz]", "[A-C]"]),
+)
+_piece = st.tuples(_atom, st.sampled_from(["", "?", "{2}", "{1,3}", "{0,2}"])).map("".join)
+_sequence = st.lists(_piece, min_size=1, max_size=5).map("".join)
+regexes = st.one_of(_sequence, st.tuples(_sequence, _sequence).map(lambda t: f"({t[0]}|{t[1]})"))
+regexes = st.lists(regexes, min_size=1, max_size=3).map("".join)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.lists(regexes, min_size=4, max_size=8), seed=st.integers(0, 2**31))
+def test_regex_outputs_that_finish_fullmatch(engine_loop: Any, batch: list[str], seed: int) -> None:
+    requests = []
+    for i, pattern in enumerate(batch):
+        spec = ConstraintSpec(ConstraintKind.REGEX, pattern)
+        requests += [_request(f"g{i}", spec, None, 40), _request(f"s{i}", spec, seed + i, 40)]
+    for request, (_, text, last) in zip(requests, _all(engine_loop, requests), strict=True):
+        pattern = request.constraint.text  # type: ignore[union-attr]
+        assert last.finish_reason in COMPLETE, (pattern, text, last)  # bounded patterns always finish
+        assert re.fullmatch(pattern, text), (pattern, text)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    # Characters the vocabulary can spell (see the test below for those it cannot).
+    options=st.lists(
+        st.text(st.characters(max_codepoint=0xFFFF, exclude_categories=("Cs", "Cc")), min_size=1, max_size=12),
+        min_size=1,
+        max_size=6,
+        unique=True,
+    ),
+    seed=st.integers(0, 2**31),
+)
+def test_choice_outputs_are_one_of_the_options(engine_loop: Any, options: list[str], seed: int) -> None:
+    spec = ConstraintSpec(ConstraintKind.CHOICE, choices=tuple(options))
+    requests = [_request("g", spec, None, 64)] + [_request(f"s{i}", spec, seed + i, 64) for i in range(4)]
+    for _, text, last in _all(engine_loop, requests):
+        assert last.finish_reason in COMPLETE, (options, text, last)
+        assert text in options, (options, text)
+
+
+def test_a_choice_the_vocabulary_cannot_spell_is_refused(compiler: ConstraintCompiler) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        compiler.compile_now(ConstraintSpec(ConstraintKind.CHOICE, choices=("ok", "\U00040000")))
+    assert (
+        err.value.field == "constraint.choice.options" and "option 1" in err.value.reason and "0xf1" in err.value.reason
+    )
+
+
+def test_the_grammar_kind_takes_lark(engine_loop: Any) -> None:
+    grammar = 'start: "answer=" NUMBER ("," NUMBER)?\nNUMBER: /[1-9][0-9]{0,2}/\n'
+    requests = [_request(f"l{i}", ConstraintSpec(ConstraintKind.GRAMMAR, grammar), i, 32) for i in range(6)]
+    for _, text, last in _all(engine_loop, requests):
+        assert last.finish_reason in COMPLETE
+        assert re.fullmatch(r"answer=[1-9][0-9]{0,2}(,[1-9][0-9]{0,2})?", text), text
+
+
+def test_unconstrained_rows_give_the_same_tokens_beside_constrained_ones(engine_loop: Any) -> None:
+    plain = [_request(f"p{i}", None, None, 24) for i in range(4)]
+    alone = [ids for ids, _, _ in _all(engine_loop, plain)]
+    specs = [ConstraintSpec(SCHEMA, '{"type": "object"}'), ConstraintSpec(ConstraintKind.REGEX, "[a-z]{5,20}")]
+    mixed = [_request(f"c{i}", specs[i % 2], i, 24) for i in range(6)] + [
+        _request(f"q{i}", None, None, 24) for i in range(4)
+    ]
+    together = _all(engine_loop, mixed)
+    assert [ids for ids, _, _ in together[6:]] == alone
+
+
+def test_a_failing_compile_leaves_the_other_streams_alone(engine_loop: Any) -> None:
+    engine = engine_loop[0]
+    plain = [_request(f"a{i}", None, None, 24) for i in range(3)]
+    alone = [ids for ids, _, _ in _all(engine_loop, plain)]
+
+    async def go() -> tuple[list[Any], BaseException | None]:
+        streams = [asyncio.ensure_future(_generate(engine, r)) for r in plain]
+        failure = None
+        try:
+            await _generate(engine, _request("bad", ConstraintSpec(SCHEMA, '{"not": {}}'), None))
+        except InvalidRequest as exc:
+            failure = exc
+        return list(await asyncio.gather(*streams)), failure
+
+    results, failure = _run(engine_loop, go())
+    assert isinstance(failure, InvalidRequest) and failure.field == "constraint.json_schema"
+    assert [ids for ids, _, _ in results] == alone
+
+
+def test_ignore_eos_still_ends_a_complete_constraint(engine_loop: Any) -> None:
+    request = GenerationRequest(
+        "ie",
+        PROMPT,
+        stopping=StoppingParams(max_new_tokens=50, ignore_eos=True, min_new_tokens=0),
+        constraint=ConstraintSpec(ConstraintKind.CHOICE, choices=("yes", "no")),
+    )
+    _, text, last = _run(engine_loop, _generate(engine_loop[0], request))
+    assert text in ("yes", "no") and last.finish_reason is FinishReason.CONSTRAINT
