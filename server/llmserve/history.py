@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 from llmserve.engine.request import Delta, FinishReason, InvalidRequest
 
 # A turn is recorded only when the call produced a whole answer.
-NORMAL_FINISH = frozenset({FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP_SEQUENCE, FinishReason.STOP_TOKEN})
+NORMAL_FINISH = frozenset(
+    {
+        FinishReason.EOS,
+        FinishReason.LENGTH,
+        FinishReason.STOP_SEQUENCE,
+        FinishReason.STOP_TOKEN,
+        FinishReason.CONSTRAINT,
+    }
+)
 # Bytes charged per held message on top of its UTF-8 text (the tuple, two str objects): an estimate that keeps
 # many tiny messages from looking free.
 MESSAGE_OVERHEAD_BYTES = 128

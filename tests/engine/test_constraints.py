@@ -334,3 +334,34 @@ def test_ignore_eos_still_ends_a_complete_constraint(engine_loop: Any) -> None:
     )
     _, text, last = _run(engine_loop, _generate(engine_loop[0], request))
     assert text in ("yes", "no") and last.finish_reason is FinishReason.CONSTRAINT
+
+
+def test_the_sampler_picks_the_best_allowed_token_greedy_and_never_a_forbidden_one(
+    compiler: ConstraintCompiler, smollm_tokenizer: Any
+) -> None:
+    import torch
+
+    from llmserve.engine.request import SampleRow
+    from llmserve.engine.sampler import sample
+
+    compiled = compiler.compile_now(ConstraintSpec(ConstraintKind.REGEX, "(cat|dog|[0-9]{2})"))
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(0))
+    states = [compiled.start() for _ in range(6)]  # one each: the library borrows each matcher once per call
+    bits = fill_bitmask(states[:1], 49152)[0].tolist()
+    allowed = [t for t in range(49152) if (bits[t // 32] >> (t % 32)) & 1]  # decoded here, bit by bit
+    assert 0 < len(allowed) < 1000
+    rows = [
+        SampleRow(SamplingParams(), None, [], (), False, 0, constraint=states[0]),
+        SampleRow(SamplingParams(), None, [], (), False, 0),  # unconstrained beside it: its own argmax
+        SampleRow(SamplingParams(), None, [], tuple(allowed), False, 0, constraint=states[1]),  # all blocked
+    ] + [
+        SampleRow(
+            SamplingParams(temperature=1.5), torch.Generator().manual_seed(s), [], (), False, 0, constraint=states[s]
+        )
+        for s in range(3, 6)
+    ]
+    ids, _ = sample(logits, rows)
+    assert ids[0] == max(allowed, key=lambda t: logits[0, t].item())
+    assert ids[1] == int(logits[1].argmax())
+    assert ids[2] == max(allowed, key=lambda t: logits[2, t].item()), "blocked ids give way, the constraint does not"
+    assert all(t in allowed for t in ids[3:])
