@@ -77,3 +77,29 @@ def test_errors_exit_one_with_the_status(server: ServerThread) -> None:
     )
     assert out.returncode == 1
     assert "UNAVAILABLE" in out.stderr or "DEADLINE_EXCEEDED" in out.stderr
+
+
+def test_generate_with_a_json_schema_file_a_regex_or_a_choice(server: ServerThread, tmp_path) -> None:  # noqa: ANN001
+    import re
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    out = cli(server, "generate", "Answer:", "--json-schema", str(path), "--max-new-tokens", "40", "--stats")
+    assert out.returncode == 0, out.stderr
+    assert "finish=constraint" in out.stderr
+    value = json.loads(out.stdout)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+    out = cli(server, "generate", "Year:", "--regex", "19[0-9]{2}", "--temperature", "1", "--seed", "3")
+    assert out.returncode == 0 and re.fullmatch("19[0-9]{2}\n", out.stdout), out
+    out = cli(
+        server, "generate", "Colour:", "--choice", "red,green,blue", "--logit-bias", "5=-100", "--presence-penalty", "1"
+    )
+    assert out.returncode == 0 and out.stdout in ("red\n", "green\n", "blue\n"), out
+    out = cli(server, "generate", "Bad:", "--regex", "[0-")
+    assert out.returncode == 1 and "INVALID_ARGUMENT: constraint.regex:" in out.stderr

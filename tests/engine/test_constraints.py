@@ -365,3 +365,62 @@ def test_the_sampler_picks_the_best_allowed_token_greedy_and_never_a_forbidden_o
     assert ids[1] == int(logits[1].argmax())
     assert ids[2] == max(allowed, key=lambda t: logits[2, t].item()), "blocked ids give way, the constraint does not"
     assert all(t in allowed for t in ids[3:])
+
+
+@pytest.mark.real_model
+def test_the_default_model_answers_within_its_constraints(real_model: Any) -> None:
+    """SmolLM2-135M-Instruct asked in chat for a schema, a date and a label: greedy and sampled answers validate."""
+    from llmserve.engine.config import EngineConfig
+
+    tok = real_model.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "languages": {"type": "array", "items": {"enum": ["en", "fr", "es", "de"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "languages"],
+        "additionalProperties": False,
+    }
+    asks = [
+        ("Describe a French teacher as JSON with name, age and languages.", ConstraintSpec(SCHEMA, json.dumps(schema))),
+        (
+            "When did the Berlin wall fall? Answer with a date.",
+            ConstraintSpec(ConstraintKind.REGEX, r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+        ),
+        ("Is the sky green? Answer yes or no.", ConstraintSpec(ConstraintKind.CHOICE, choices=("yes", "no"))),
+    ]
+
+    def prompt(question: str) -> tuple[int, ...]:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        return tuple(tok.encode(text, add_special_tokens=False))
+
+    requests = []
+    for i, (question, spec) in enumerate(asks):
+        for seed in (None, 7):
+            sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.7, seed=seed)
+            stopping = StoppingParams(max_new_tokens=80)
+            requests.append(GenerationRequest(f"r{i}-{seed}", prompt(question), sampling, stopping, constraint=spec))
+
+    async def go() -> list[tuple[list[int], str, Delta]]:
+        engine = AsyncEngine(real_model, EngineConfig(kv_cache_tokens=4096, max_num_seqs=8, cuda_graphs=False))
+        await engine.start()
+        try:
+            return list(await asyncio.gather(*(_generate(engine, r) for r in requests)))
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(go())
+    for request, (_, text, last) in zip(requests, results, strict=True):
+        spec = request.constraint
+        assert spec is not None
+        assert last.finish_reason in COMPLETE, (request.request_id, text, last)
+        if spec.kind is SCHEMA:
+            jsonschema.validate(json.loads(text), schema)
+        elif spec.kind is ConstraintKind.REGEX:
+            assert re.fullmatch(spec.text, text), text
+        else:
+            assert text in spec.choices
