@@ -244,7 +244,7 @@ class Sequence:
     seq_no: int
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain_hash of each full block, in order
     num_computed: int = 0
     num_cached_prompt: int = 0
     num_prompt: int = 0
