@@ -428,7 +428,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # An id no Generate call could have used names no session: the same NOT_FOUND as any unknown id.
         if is_valid_id(request.session_id, self._limits.max_session_id_length):
             key = self._session_key(context, request.session_id)
-            info = engine.get_session(key)
+            info = await engine.get_session(key)
             held = self._histories.get(key)
         if info is None and held is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {quote_prefix(request.session_id)}")
@@ -455,7 +455,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return pb.DeleteSessionResponse(deleted=False)
         key = self._session_key(context, request.session_id)
         held = self._histories.delete(key)
-        cached = engine.delete_session(key)
+        cached = await engine.delete_session(key)
         return pb.DeleteSessionResponse(deleted=held or cached)
 
     # -- sessions: keys, histories and append mode (history.py holds the book-keeping) -------------
