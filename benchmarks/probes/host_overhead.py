@@ -6,9 +6,9 @@ idle between steps, so it must stay small as the batch grows. This script builds
 2-layer tiny Llama, keeps `batch` sequences decoding, replaces only the model call (`backend.forward`, or the
 fused forward on the CPU) with one that returns ready logits, and times `EngineCore.step()`.
 
-    python benchmarks/host_overhead.py                       # CPU backend and the CUDA backend's paths, on the CPU
-    python benchmarks/host_overhead.py --batches 32 64 256 --steps 300
-    python benchmarks/host_overhead.py --front-end           # deltas through AsyncEngine to an event loop
+    python benchmarks/probes/host_overhead.py             # CPU backend and the CUDA backend's paths, on the CPU
+    python benchmarks/probes/host_overhead.py --batches 32 64 256 --steps 300
+    python benchmarks/probes/host_overhead.py --front-end           # deltas through AsyncEngine to an event loop
 
 With --front-end every request is a stream of AsyncEngine.generate consumed on an event loop thread, as in the
 server, and a step's time includes handing its deltas to that loop.
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.paths import make_importable  # noqa: E402
 
@@ -111,17 +111,18 @@ def measure(batch: int, backend: str, steps: int, prompt: int = 100, front_end: 
         stop = submit_through_front_end(engine, requests)
     else:
         for request in requests:
-            core.submit(request, lambda d: None)
-    flush = getattr(core, "flush", lambda: None)  # the front end's hand-off of the step's deltas
-    core._drain_inbox()
+            core.submit(request)
+    # The step thread's hand-off of each step's outputs: to the event loop with the front end, else dropped.
+    emit: Callable[[list], None] = engine._emit if engine is not None else (lambda outputs: None)
+    core.drain_inbox()
     while len(core.scheduler.running) < batch or any(s.num_uncomputed > 1 for s in core.scheduler.running):
         core.step()  # prefill until every sequence decodes one token a step
-        flush()
+        emit(core.take_outputs())
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         core.step()
-        flush()
+        emit(core.take_outputs())
         times.append((time.perf_counter() - started) * 1e3)
     if stop is not None:
         stop()
