@@ -46,10 +46,15 @@ from tests.tiny import tiny_config  # noqa: E402
 VOCAB = 512
 
 
+# With --tokenizer the stub's logits pick this id, a plain word piece in SmolLM2's vocabulary (under VOCAB).
+TEXT_TOKEN = 300
+
+
 def stub_model_call(core: EngineCore) -> None:
     """Replace the backend's model call (not its metadata) with ready logits of the right shape."""
     backend = core.backend
     logits = torch.zeros(1024, VOCAB)
+    logits[:, TEXT_TOKEN] = 1.0
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: object):
         return logits[: input_ids.shape[1] if keep is None else len(keep)]
@@ -86,9 +91,13 @@ def submit_through_front_end(engine: AsyncEngine, requests: list[GenerationReque
     return stop
 
 
-def measure(batch: int, backend: str, steps: int, prompt: int = 100, front_end: bool = False) -> dict[str, float]:
-    """Median and P90 host milliseconds per decode step with `batch` sequences running."""
+def measure(
+    batch: int, backend: str, steps: int, prompt: int = 100, front_end: bool = False, tokenizer: object = None
+) -> dict[str, float]:
+    """Median and P90 host milliseconds per decode step with `batch` sequences running (detokenized with
+    `tokenizer` where the engine does that, when one is given)."""
     loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
+    loaded.tokenizer = tokenizer
     config = EngineConfig(
         block_size=16,
         kv_cache_tokens=batch * (prompt + steps + 64) + 1024,
@@ -137,12 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", nargs="+", default=["cpu", "cuda-path", "cuda-path-triton"])
     p.add_argument("--front-end", action="store_true", help="stream every request through AsyncEngine.generate")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--tokenizer", action="store_true", help="detokenize with the default model's tokenizer")
     args = p.parse_args(argv)
+    tokenizer = None
+    if args.tokenizer:
+        from llmserve.models import load_model
+
+        tokenizer = load_model().tokenizer
     torch.set_num_threads(1)  # host work is one thread's work; keep the figures comparable across machines
     results = {}
     for backend in args.backends:
         for batch in args.batches:
-            r = measure(batch, backend, args.steps, front_end=args.front_end)
+            r = measure(batch, backend, args.steps, front_end=args.front_end, tokenizer=tokenizer)
             results[f"{backend}/{batch}"] = r
             print(f"{backend:10s} batch {batch:4d}: median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
     if args.json:
