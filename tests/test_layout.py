@@ -14,7 +14,17 @@ import llmserve
 PACKAGE = Path(llmserve.__file__).parent
 # Modules the gRPC edge and the flags are made of: they must load without torch (the served process makes its
 # process settings before torch loads; see tests/test_process.py for the import itself).
-TORCH_FREE = ("config", "limits", "history", "auth", "request_log", "process", "__main__", "engine/request")
+TORCH_FREE = (
+    "config",
+    "limits",
+    "history",
+    "auth",
+    "telemetry/request_log",
+    "telemetry/call",
+    "process",
+    "__main__",
+    "engine/request",
+)
 
 
 def module_name(path: Path) -> str:
