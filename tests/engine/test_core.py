@@ -25,8 +25,8 @@ from llmserve.engine.request import (
     Usage,
 )
 from llmserve.models import from_config
+from llmserve.testing import greedy_reference, tiny_config
 from tests.stepspy import StepSpy
-from tests.tiny import greedy_reference, tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
 
