@@ -424,3 +424,32 @@ def test_the_default_model_answers_within_its_constraints(real_model: Any) -> No
             assert re.fullmatch(spec.text, text), text
         else:
             assert text in spec.choices
+
+
+_NASTY = [
+    "true",
+    "false",
+    "{}",
+    '{"type": 5}',
+    '{"properties": []}',
+    '{"$ref": "#/nowhere"}',
+    "[" * 20000 + "]" * 20000,
+    '{"a":' * 5000 + "1" + "}" * 5000,
+    '{"type": "string", "pattern": "(("}',
+    '{"type": "integer", "minimum": 5, "maximum": 1}',
+    '{"enum": []}',
+]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from([SCHEMA, ConstraintKind.REGEX, ConstraintKind.GRAMMAR]),
+    text=st.one_of(st.sampled_from(_NASTY), st.text(max_size=60), st.text("[](){}|*+?\\^$.:\"'/ab01", max_size=40)),
+)
+def test_any_text_compiles_or_is_refused_naming_the_field(compiler: ConstraintCompiler, kind, text) -> None:  # noqa: ANN001
+    try:
+        compiled = compiler.compile_now(ConstraintSpec(kind, text))
+    except InvalidRequest as exc:
+        assert exc.field == f"constraint.{kind.value}"
+        return
+    compiled.start()  # a compiled one starts

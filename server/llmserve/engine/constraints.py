@@ -176,11 +176,13 @@ def _grammar(spec: ConstraintSpec) -> str:
             schema = json.loads(text)
         except ValueError as exc:
             raise InvalidRequest(spec.field, f"is not JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidRequest(spec.field, "is nested too deeply") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest(spec.field, "must be a JSON object (a schema)")
         try:
             grammar: str = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise InvalidRequest(spec.field, _short(str(exc))) from None
         return grammar
     if kind is ConstraintKind.REGEX:
