@@ -358,6 +358,24 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED",
     )
     g.switch("--no-prefix-caching", "turn off automatic prefix caching")
+    g.value(
+        "--kv-offload-gib",
+        _non_negative_float,
+        engine.kv_offload_bytes / (1 << 30),
+        "host memory for KV blocks the pool evicts (reloaded on a later prefix or session match); 0: off",
+    )
+    g.value(
+        "--kv-offload-dir",
+        str,
+        engine.kv_offload_dir,
+        "folder for a disk tier of evicted KV blocks (kept across restarts, per model); unset: off",
+    )
+    g.value(
+        "--kv-offload-disk-gib",
+        _positive_float,
+        engine.kv_offload_disk_bytes / (1 << 30),
+        "most KV payload the disk tier keeps (least recently used deleted first)",
+    )
     ttl_help = "seconds an idle session's cache and history are kept"
     g.value("--session-ttl", _non_negative_float, engine.session_ttl_s, ttl_help)
     g.value(
@@ -484,5 +502,8 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             native_attention=not args.no_native_attention,
             packed_linear=not args.no_packed_linear,
             fused_layers=not args.no_fused_layers,
+            kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)),
+            kv_offload_dir=args.kv_offload_dir,
+            kv_offload_disk_bytes=int(args.kv_offload_disk_gib * (1 << 30)),
         ),
     )

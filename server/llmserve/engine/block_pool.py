@@ -179,6 +179,10 @@ class BlockPool:
         self._content[block] = (parent or _UNSALTED_ROOT, tuple(tokens))
         self._hash_to_block[block_hash] = block
 
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether some block (owned or cached) holds the prefix with this digest."""
+        return block_hash in self._hash_to_block
+
     def content(self, block: int) -> BlockContent | None:
         """What a hashed block holds, or None for an anonymous one."""
         block_hash, content = self.block_hash[block], self._content[block]

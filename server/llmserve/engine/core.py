@@ -21,9 +21,11 @@ from typing import Any
 import torch
 
 from llmserve.engine.backends import create_backend
+from llmserve.engine.backends.base import BlockCopier
 from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.kv_tiers.worker import KVTiers, build_tiers
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import (
@@ -104,7 +106,9 @@ class EngineCore:
             )
             self.max_model_len = self.sliding_window
         self.backend = create_backend(loaded, config, self.max_model_len)
-        self.pool = BlockPool(self.backend.num_blocks, config.block_size)
+        # Lower KV tiers (--kv-offload-*): raises ValueError naming the flag when they cannot be had.
+        self.tiers = build_tiers(config, loaded, BlockCopier(self.backend.kv))
+        self.pool = BlockPool(self.backend.num_blocks, config.block_size, track_evictions=self.tiers is not None)
         self.sessions = SessionStore(
             self.pool,
             ttl_s=config.session_ttl_s,
@@ -117,7 +121,10 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
+            tiers=self.tiers,
         )
+        if self.tiers is not None:
+            self.tiers.start()
         self.lock = threading.Lock()  # guards scheduler/sessions/pool against the front end's session calls
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -172,9 +179,20 @@ class EngineCore:
         with self.lock:
             self.sessions.expire()
             session = self.sessions.get(session_id)
-            if session is None:
+            if session is not None:
+                return SessionInfo(session_id, len(session.token_ids), session.last_used_wall)
+            departed = self.sessions.departed.get(session_id)
+            if departed is None or self.tiers is None:
                 return None
-            return SessionInfo(session_id, len(session.token_ids), session.last_used_wall)
+            # Evicted from the pool: its full blocks may still be cached there, then in a tier, in chain order.
+            hashes, last_used = departed
+            in_pool = 0
+            while in_pool < len(hashes) and self.pool.holds(hashes[in_pool]):
+                in_pool += 1
+            in_tiers = self.tiers.cached_tokens(hashes[in_pool:], self.pool.block_size)
+            if in_pool == 0 and in_tiers == 0:
+                return None
+            return SessionInfo(session_id, in_pool * self.pool.block_size, last_used, in_tiers)
 
     def delete_session(self, session_id: str) -> bool:
         with self.lock:
@@ -202,6 +220,7 @@ class EngineCore:
             session_misses=scheduler.num_session_misses,
             session_evictions=dict(sessions.evictions),
             prefix_cache_hits=scheduler.num_prefix_cache_hits,
+            kv_tiers=self.tiers.stats() if self.tiers is not None else None,
         )
 
     @property
@@ -231,14 +250,32 @@ class EngineCore:
             for live in list(self._live.values()):
                 self._finish(live, FinishReason.CANCELLED)
         self.flush()
+        self.close_tiers()
+
+    def close_tiers(self) -> None:
+        """Write every hashed block still in the pool to the tiers and finish their writes (at shutdown: a
+        restarted server finds the conversations on disk). Idempotent."""
+        if self.tiers is not None:
+            with self.lock:
+                self.tiers.write_back(self.pool)
+            self.tiers.close()
 
     def step(self) -> None:
         """One iteration: schedule, execute, update, emit."""
         now = time.monotonic()
         with self.lock:
             self._expire_deadlines(now)
+            if self.tiers is not None:
+                self._finish_loads(self.tiers)
             plan = self.scheduler.schedule()
+            if self.tiers is not None:
+                # Before the forward, which may overwrite the evicted blocks: copy them out, start the loads.
+                self.tiers.offload(plan.offloads)
+                for block, content in plan.loads:
+                    self.tiers.load(block, content)
         if not plan.seqs:
+            if self.tiers is not None and self.tiers.in_flight:
+                self.tiers.wait(0.05)  # only loads to wait for: sleep until one ends rather than spin
             return
         for entry in plan.seqs:
             if entry.seq.first_scheduled is None:
@@ -379,6 +416,18 @@ class EngineCore:
         first = seq.first_token if seq.first_token is not None else now
         delta.timing = Timing(started - seq.arrival, first - seq.arrival, now - seq.arrival)
         live.deliver(delta)
+
+    def _finish_loads(self, tiers: KVTiers) -> None:
+        """Write the KV of finished loads into their blocks and report them (a failed one is recomputed)."""
+        for result in tiers.poll():
+            ok = result.data is not None
+            if result.data is not None:
+                try:
+                    tiers.copier.write(result.block, result.data)
+                except Exception:  # a bad payload (shape, dtype) is a failed load, not a failed step
+                    log.exception("writing reloaded KV into block %d failed", result.block)
+                    ok = False
+            self.scheduler.load_done(result.block, ok)
 
     def _expire_deadlines(self, now: float) -> None:
         for live in [lv for lv in self._live.values() if lv.seq.request.deadline is not None]:
