@@ -68,9 +68,9 @@ def run(core: EngineCore, prompt: list[int], max_new: int, session: str | None =
     raise AssertionError("no final delta")
 
 
-def prompts(seed: int, n: int, length: int) -> list[list[int]]:
+def prompts(seed: int, n: int, length: int, vocab: int = TINY_VOCAB) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, TINY_VOCAB) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def conversation(core: EngineCore, sessions: bool, seed: int = 0) -> tuple[list[int], int, list[int]]:
@@ -240,3 +240,44 @@ def test_disk_tier_files_are_checked_whole(tmp_path: Path) -> None:
         tier.path(content.block_hash).read_bytes()
     )
     assert foreign.open() == 0  # a file copied from another model's folder is not read
+
+
+def test_tier_metrics_are_exported(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from llmserve.metrics import _tier_metrics
+
+    core = core_for(tiny64(), kv_offload_dir=str(tmp_path), kv_offload_bytes=64 << 20)
+    conversation(core, sessions=True)
+    stats = core.stats().kv_tiers
+
+    class Tiers:
+        def collect(self):  # noqa: ANN202
+            return _tier_metrics(stats)
+
+    registry = CollectorRegistry()
+    registry.register(Tiers())
+    text = generate_latest(registry).decode()
+    host = stats.tiers["host"]
+    assert f'llmserve_kv_tier_loaded_blocks_total{{tier="host"}} {float(host.loaded_blocks)}' in text
+    assert f'llmserve_kv_tier_stored_blocks_total{{tier="disk"}}' in text
+    assert f'llmserve_kv_tier_used_blocks{{tier="host"}} {float(len(core.tiers.host.index))}' in text  # type: ignore[union-attr]
+    assert f"llmserve_kv_tier_reload_seconds_count {float(host.loaded_blocks)}" in text
+    core.close_tiers()
+
+
+def test_default_model_in_float32_reloads_the_tokens_of_a_recompute_and_of_no_eviction(
+    real_model: LoadedModel, tmp_path: Path
+) -> None:
+    """SmolLM2 in float32: for a session and for a shared prefix, reload == recompute == no eviction."""
+    small = dict(kv_cache_tokens=24 * BS, max_num_batched_tokens=256)
+    for sessions in (True, False):
+        tiered = core_for(real_model, kv_offload_dir=str(tmp_path / str(sessions)), **small)
+        reloaded, cached, _ = conversation(tiered, sessions, seed=11)
+        assert cached >= 8 * BS and tier_counters(tiered, "disk").loaded_blocks > 0
+        tiered.close_tiers()
+        recomputed, plain_cached, _ = conversation(core_for(real_model, **small), sessions, seed=11)
+        assert plain_cached == 0
+        kept, kept_cached, _ = conversation(core_for(real_model, kv_cache_tokens=200 * BS), sessions, seed=11)
+        assert kept_cached >= 8 * BS  # a pool big enough that nothing was evicted
+        assert reloaded == recomputed == kept

@@ -25,7 +25,7 @@ from llmserve.engine.backends.base import BlockCopier
 from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.engine.kv_tiers.worker import KVTiers, build_tiers
+from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import (
@@ -184,15 +184,8 @@ class EngineCore:
             departed = self.sessions.departed.get(session_id)
             if departed is None or self.tiers is None:
                 return None
-            # Evicted from the pool: its full blocks may still be cached there, then in a tier, in chain order.
-            hashes, last_used = departed
-            in_pool = 0
-            while in_pool < len(hashes) and self.pool.holds(hashes[in_pool]):
-                in_pool += 1
-            in_tiers = self.tiers.cached_tokens(hashes[in_pool:], self.pool.block_size)
-            if in_pool == 0 and in_tiers == 0:
-                return None
-            return SessionInfo(session_id, in_pool * self.pool.block_size, last_used, in_tiers)
+            in_pool, in_tiers = self.tiers.where(departed[0], self.pool)
+            return SessionInfo(session_id, in_pool, departed[1], in_tiers) if in_pool or in_tiers else None
 
     def delete_session(self, session_id: str) -> bool:
         with self.lock:
@@ -266,7 +259,7 @@ class EngineCore:
         with self.lock:
             self._expire_deadlines(now)
             if self.tiers is not None:
-                self._finish_loads(self.tiers)
+                self.tiers.finish_loads(self.scheduler.load_done)
             plan = self.scheduler.schedule()
             if self.tiers is not None:
                 # Before the forward, which may overwrite the evicted blocks: copy them out, start the loads.
@@ -416,18 +409,6 @@ class EngineCore:
         first = seq.first_token if seq.first_token is not None else now
         delta.timing = Timing(started - seq.arrival, first - seq.arrival, now - seq.arrival)
         live.deliver(delta)
-
-    def _finish_loads(self, tiers: KVTiers) -> None:
-        """Write the KV of finished loads into their blocks and report them (a failed one is recomputed)."""
-        for result in tiers.poll():
-            ok = result.data is not None
-            if result.data is not None:
-                try:
-                    tiers.copier.write(result.block, result.data)
-                except Exception:  # a bad payload (shape, dtype) is a failed load, not a failed step
-                    log.exception("writing reloaded KV into block %d failed", result.block)
-                    ok = False
-            self.scheduler.load_done(result.block, ok)
 
     def _expire_deadlines(self, now: float) -> None:
         for live in [lv for lv in self._live.values() if lv.seq.request.deadline is not None]:

@@ -298,20 +298,18 @@ class Scheduler:
         hashes = seq.block_hashes
         parent = prefix_root(seq.request.cache_salt)
         pins: list[int] = []
-        i = 0
-        while i < num_full:
-            block = self.pool.lookup(hashes[i], parent, tokens[i * bs : (i + 1) * bs])
-            if block is None:
-                break
-            pins.append(block)
-            parent = hashes[i]
-            i += 1
         waits: list[int] = []
         loads: list[BlockContent] = []
+        i = 0
+        # Block by block: the pool, else a load already running, else a tier. The pool may have kept the later
+        # blocks of a prefix whose first ones it evicted.
         while i < num_full:
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(hashes[i], parent, block_tokens)
             loading = self._loading.get(hashes[i])
-            if loading is not None and self._load_content[loading] == BlockContent(hashes[i], parent, block_tokens):
+            if block is not None:
+                pins.append(block)
+            elif loading is not None and self._load_content[loading] == BlockContent(hashes[i], parent, block_tokens):
                 waits.append(loading)
             elif loading is None and tiers.has(hashes[i], parent, block_tokens):
                 loads.append(BlockContent(hashes[i], parent, block_tokens))

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +180,19 @@ class KVTiers:
                 self._reload.observe(now - result.started)
         return done
 
+    def finish_loads(self, report: Callable[[int, bool], None]) -> None:
+        """Write the KV of finished loads into their blocks (before the next forward) and `report(block, ok)`
+        each; a failed one is recomputed."""
+        for result in self.poll():
+            ok = result.data is not None
+            if result.data is not None:
+                try:
+                    self.copier.write(result.block, result.data)
+                except Exception:  # a bad payload (shape, dtype) is a failed load, not a failed step
+                    log.exception("writing reloaded KV into block %d failed", result.block)
+                    ok = False
+            report(result.block, ok)
+
     def wait(self, timeout: float) -> None:
         """Block until a load finishes (or `timeout`): the step loop's idle wait while only loads are pending."""
         self._done_event.wait(timeout)
@@ -262,15 +275,19 @@ class KVTiers:
             dropped_writes=self.dropped_writes,
         )
 
-    def cached_tokens(self, block_hashes: Sequence[BlockHash], block_size: int) -> int:
-        """Tokens of a chain of blocks that the tiers hold, counted from the first block (for GetSession)."""
-        n = 0
-        for block_hash in block_hashes:
+    def where(self, block_hashes: Sequence[BlockHash], pool: BlockPool) -> tuple[int, int]:
+        """(tokens in the pool, tokens in the tiers after those) of a chain of full blocks, from its first block
+        on (for GetSession of a session the pool evicted)."""
+        in_pool = 0
+        while in_pool < len(block_hashes) and pool.holds(block_hashes[in_pool]):
+            in_pool += 1
+        in_tiers = in_pool
+        for block_hash in block_hashes[in_pool:]:
             in_host = self.host is not None and block_hash in self.host.index
             if not (in_host or (self.disk is not None and block_hash in self.disk.index)):
                 break
-            n += block_size
-        return n
+            in_tiers += 1
+        return in_pool * pool.block_size, (in_tiers - in_pool) * pool.block_size
 
 
 def build_tiers(config: Any, loaded: Any, copier: BlockCopier) -> KVTiers | None:
