@@ -260,7 +260,7 @@ def test_tier_metrics_are_exported(tmp_path: Path) -> None:
     text = generate_latest(registry).decode()
     host = stats.tiers["host"]
     assert f'llmserve_kv_tier_loaded_blocks_total{{tier="host"}} {float(host.loaded_blocks)}' in text
-    assert f'llmserve_kv_tier_stored_blocks_total{{tier="disk"}}' in text
+    assert 'llmserve_kv_tier_stored_blocks_total{tier="disk"}' in text
     assert f'llmserve_kv_tier_used_blocks{{tier="host"}} {float(len(core.tiers.host.index))}' in text  # type: ignore[union-attr]
     assert f"llmserve_kv_tier_reload_seconds_count {float(host.loaded_blocks)}" in text
     core.close_tiers()
