@@ -33,8 +33,8 @@ from llmserve.engine.kv_tiers.index import TierCounters
 log = logging.getLogger(__name__)
 
 RELOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-# Disk writes queued behind the step at most (blocks); past it an offload is dropped rather than wait.
-MAX_PENDING_WRITES = 4096
+# Bytes of disk writes queued behind the step at most; past it an offload is dropped rather than wait.
+MAX_PENDING_BYTES = 1 << 30
 _LOAD, _WRITE, _STOP = 0, 1, 2  # worker priorities: loads before writes, the stop after both
 
 
@@ -144,7 +144,7 @@ class KVTiers:
                 self.host.put(content, data)
             if self.disk is not None and not in_disk:
                 with self._lock:
-                    if len(self._pending) >= MAX_PENDING_WRITES:
+                    if (len(self._pending) + 1) * self.copier.block_bytes > MAX_PENDING_BYTES:
                         self.dropped_writes += 1
                         continue
                     self._pending[content.block_hash] = (content, data)
