@@ -95,11 +95,12 @@ async def conversations(loaded: LoadedModel, spec: TiersSpec, disk_dir: str | No
         wall = time.perf_counter() - start
     finally:
         await engine.shutdown()
+    prompt_tokens = sum(t.prompt_tokens for t in returning)
     return {
         "mode": "disk tier" if disk_dir else "recompute",
         "returning_turns": len(returning),
         "mean_returning_prompt_tokens": sum(t.prompt_tokens for t in returning) / max(1, len(returning)),
-        "cached_share": sum(t.cached_prompt_tokens for t in returning) / max(1, sum(t.prompt_tokens for t in returning)),
+        "cached_share": sum(t.cached_prompt_tokens for t in returning) / max(1, prompt_tokens),
         "ttft_p50_s": percentile([t.ttft_s for t in returning], 50),
         "ttft_p99_s": percentile([t.ttft_s for t in returning], 99),
         "wall_s": wall,
