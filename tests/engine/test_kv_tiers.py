@@ -281,3 +281,18 @@ def test_default_model_in_float32_reloads_the_tokens_of_a_recompute_and_of_no_ev
         kept, kept_cached, _ = conversation(core_for(real_model, kv_cache_tokens=200 * BS), sessions, seed=11)
         assert kept_cached >= 8 * BS  # a pool big enough that nothing was evicted
         assert reloaded == recomputed == kept
+
+
+def test_writes_that_fail_under_the_server_are_counted_and_recomputed(tmp_path: Path) -> None:
+    """The tier's folder vanishes while serving (as a full or failed disk would refuse writes): nothing is
+    stored, nothing errs, the returning turn recomputes and gets the same tokens."""
+    import shutil
+
+    loaded = tiny64()
+    core = core_for(loaded, kv_offload_dir=str(tmp_path / "tier"))
+    shutil.rmtree(tmp_path / "tier")
+    got, _, history = conversation(core, sessions=True)
+    core.close_tiers()  # waits for the queued writes
+    counters = tier_counters(core, "disk")
+    assert counters.failed_stores > 0 and counters.stored_blocks == 0
+    assert got == reference(loaded, history, 8)
