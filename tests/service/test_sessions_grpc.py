@@ -83,3 +83,23 @@ def test_get_session_reports_tokens_in_the_pool_and_in_the_disk_tier_apart(tmp_p
             assert last.usage.cached_prompt_tokens >= gone.cached_tokens + gone.tier_cached_tokens
     finally:
         srv.stop()
+
+
+def test_a_conversation_returning_after_a_server_restart_reloads_its_kv_from_disk(tmp_path) -> None:  # noqa: ANN001
+    prompt = list(range(300, 460))
+    tokens = {}
+    for life in ("before", "after"):
+        srv = ServerThread(tiny_engine(kv_offload_dir=str(tmp_path))).start()
+        try:
+            with Client(srv.address, timeout=60) as client:
+                ask = prompt if life == "before" else prompt + tokens["before"] + [9]
+                out = list(
+                    client.generate(
+                        token_ids=ask, max_new_tokens=4, ignore_eos=True, session_id="c", return_token_ids=True
+                    )
+                )
+                tokens[life] = [t for r in out for t in r.token_ids]
+                cached = out[-1].usage.cached_prompt_tokens
+        finally:
+            srv.stop()  # the shutdown writes the pool's blocks to the disk tier
+    assert cached >= 160  # the new server's first call found the old server's KV on disk
