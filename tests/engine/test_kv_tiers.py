@@ -296,3 +296,16 @@ def test_writes_that_fail_under_the_server_are_counted_and_recomputed(tmp_path: 
     counters = tier_counters(core, "disk")
     assert counters.failed_stores > 0 and counters.stored_blocks == 0
     assert got == reference(loaded, history, 8)
+
+
+def test_the_server_refuses_to_start_on_an_unwritable_tier_folder(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    flags = ["--port", "0", "--metrics-port", "0", "--kv-offload-dir", str(not_a_folder / "sub")]
+    proc = subprocess.run([sys.executable, "-m", "llmserve", *flags], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2  # bad settings
+    assert "--kv-offload-dir" in proc.stderr and "not a writable folder" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -31,7 +31,8 @@ SUFFIX = ".kv"
 
 
 class DiskTierError(ValueError):
-    """The disk tier cannot start (folder not writable, bound below one block): a start-up error."""
+    """The KV tiers cannot start as configured (folder not writable, a bound below one block, no prefix
+    caching): a start-up error that names the flag; `python -m llmserve` exits 2 with it."""
 
 
 def checksum(payload: bytes | memoryview) -> bytes:

@@ -26,7 +26,7 @@ import torch
 
 from llmserve.engine.backends.base import BlockCopier, BlockData
 from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, Evicted
-from llmserve.engine.kv_tiers.disk import DiskTier
+from llmserve.engine.kv_tiers.disk import DiskTier, DiskTierError
 from llmserve.engine.kv_tiers.host import HostTier
 from llmserve.engine.kv_tiers.index import TierCounters
 
@@ -291,18 +291,18 @@ class KVTiers:
 
 
 def build_tiers(config: Any, loaded: Any, copier: BlockCopier) -> KVTiers | None:
-    """The tiers the engine config asks for (None: none); raises ValueError with the flag at fault."""
+    """The tiers the engine config asks for (None: none); raises DiskTierError naming the flag at fault."""
     host_bytes = config.kv_offload_bytes
     disk_dir = config.kv_offload_dir
     if not host_bytes and not disk_dir:
         return None
     if not config.enable_prefix_caching:
-        raise ValueError("--kv-offload-gib / --kv-offload-dir need prefix caching (drop --no-prefix-caching)")
+        raise DiskTierError("--kv-offload-gib / --kv-offload-dir need prefix caching (drop --no-prefix-caching)")
     block_bytes = copier.block_bytes
     host = None
     if host_bytes:
         if host_bytes < block_bytes:
-            raise ValueError(f"--kv-offload-gib: {host_bytes} bytes hold no KV block ({block_bytes} bytes each)")
+            raise DiskTierError(f"--kv-offload-gib: {host_bytes} bytes hold no KV block ({block_bytes} bytes each)")
         host = HostTier(host_bytes, block_bytes)
     disk = None
     if disk_dir:
