@@ -31,4 +31,5 @@ loaded = runner.load(settings)
 run = asyncio.run(runner.measure(system, loaded, settings, Path("/tmp")))
 m = run.measurements[0]
 windows = [window_stats(m, i).output_tokens_per_s for i in range(len(m.window_starts))]
-print(json.dumps({"root": str(root), "system": system, "error": run.error, "windows": windows, "load": run.loadavg_before}))
+out = {"root": str(root), "system": system, "error": run.error, "windows": windows, "load": run.loadavg_before}
+print(json.dumps(out))
