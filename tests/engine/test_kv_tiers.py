@@ -21,7 +21,7 @@ from llmserve.engine.core import EngineCore
 from llmserve.engine.kv_tiers.disk import DiskTier, DiskTierError
 from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
-from tests.tiny import TINY_VOCAB, greedy_reference, tiny_config
+from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
 
 BS = 16
 
@@ -50,7 +50,7 @@ def core_for(loaded: LoadedModel, **overrides: object) -> EngineCore:
 
 def run(core: EngineCore, prompt: list[int], max_new: int, session: str | None = None, salt: str | None = None):
     """One call, stepped on this thread until it ends: (tokens, prompt tokens served from cached KV)."""
-    deltas: list = []
+    outputs: list = []
     request = GenerationRequest(
         f"r{random.random()}",
         tuple(prompt),
@@ -58,12 +58,13 @@ def run(core: EngineCore, prompt: list[int], max_new: int, session: str | None =
         session_id=session,
         cache_salt=salt,
     )
-    core.submit(request, deltas.append)
+    handle = core.submit(request)
     for _ in range(100_000):
-        core._drain_inbox()
-        if deltas and deltas[-1].finished:
-            assert deltas[-1].error is None
-            return [t for d in deltas for t in d.token_ids], deltas[-1].usage.cached_prompt_tokens
+        core.drain_inbox()
+        outputs += [o for o in core.take_outputs() if o.handle == handle]
+        if outputs and outputs[-1].finished:
+            assert outputs[-1].error is None
+            return [t for o in outputs for t in o.token_ids], outputs[-1].usage.cached_prompt_tokens
         core.step()
     raise AssertionError("no final delta")
 
@@ -194,16 +195,22 @@ def test_one_identity_never_reads_another_identity_s_blocks(tmp_path: Path) -> N
     core.close_tiers()
 
 
+def session_info(core: EngineCore, session_id: str):  # noqa: ANN201
+    reply = core.query_session(session_id)
+    core.drain_inbox()
+    return reply.result(timeout=0)
+
+
 def test_get_session_reports_pool_and_tier_tokens_apart(tmp_path: Path) -> None:
     loaded = tiny64()
     core = core_for(loaded, kv_offload_dir=str(tmp_path))
     a, b, c = prompts(7, 3, 9 * BS)
     run(core, a, 8, "A")
-    held = core.get_session("A")
+    held = session_info(core, "A")
     assert held is not None and held.cached_tokens == 9 * BS + 7 and held.tier_tokens == 0
     run(core, b, 8, "B")
     run(core, c, 8, "C")
-    gone = core.get_session("A")
+    gone = session_info(core, "A")
     assert gone is not None and gone.tier_tokens > 0 and gone.cached_tokens + gone.tier_tokens <= 9 * BS + 7
     core.close_tiers()
 
@@ -245,7 +252,7 @@ def test_disk_tier_files_are_checked_whole(tmp_path: Path) -> None:
 def test_tier_metrics_are_exported(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from llmserve.metrics import _tier_metrics
+    from llmserve.telemetry.metrics import _tier_metrics
 
     core = core_for(tiny64(), kv_offload_dir=str(tmp_path), kv_offload_bytes=64 << 20)
     conversation(core, sessions=True)

@@ -1,6 +1,6 @@
 """Book-keeping for the fixed pool of KV blocks: reference counts, free lists and prefix hashes.
 
-No tensors live here; the runner owns the KV memory and this class only says which block ids are whose.
+No tensors live here; the backend owns the KV memory and this class only says which block ids are whose.
 A block is in exactly one of four states:
 - owned: ref_count > 0 (held by running sequences and/or sessions, or by waiting sequences that pin it while
   their other blocks load);

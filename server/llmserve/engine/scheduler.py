@@ -52,6 +52,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.running: list[Sequence] = []
+        self.live: dict[int, Sequence] = {}  # every sequence not yet finished, waiting or running, by seq_no
         self._waiting: list[tuple[int, int, Sequence]] = []
         self._num_waiting = 0
         self.num_preemptions = 0
@@ -89,6 +90,7 @@ class Scheduler:
         return bool(self.running) or self._num_waiting > 0
 
     def add(self, seq: Sequence) -> None:
+        self.live[seq.seq_no] = seq
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (-seq.request.priority, seq.seq_no, seq))
         self._num_waiting += 1
@@ -181,6 +183,7 @@ class Scheduler:
                 self.pool.release(pending.pins)
         else:
             self.running.remove(seq)
+        del self.live[seq.seq_no]
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         session_id = seq.request.session_id
