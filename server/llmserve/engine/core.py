@@ -251,13 +251,10 @@ class EngineCore:
             self.tiers.finish_loads(self.scheduler.load_done)
         plan = self.scheduler.schedule()
         if self.tiers is not None:
-            # Before the forward, which may overwrite the evicted blocks: copy them out, start the loads.
-            self.tiers.offload(plan.offloads)
-            for block, content in plan.loads:
-                self.tiers.load(block, content)
+            self.tiers.begin(plan)  # before the forward, which may overwrite the blocks evicted for it
         if not plan.seqs:
-            if self.tiers is not None and self.tiers.in_flight:
-                self.tiers.wait(0.05)  # only loads to wait for: sleep until one ends rather than spin
+            if self.tiers is not None:
+                self.tiers.wait(0.05)  # only loads to wait for (if any): sleep until one ends rather than spin
             return
         for entry in plan.seqs:
             if entry.seq.first_scheduled is None:

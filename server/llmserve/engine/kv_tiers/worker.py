@@ -29,6 +29,7 @@ from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, Evict
 from llmserve.engine.kv_tiers.disk import DiskTier, DiskTierError
 from llmserve.engine.kv_tiers.host import HostTier
 from llmserve.engine.kv_tiers.index import TierCounters
+from llmserve.engine.plan import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +194,17 @@ class KVTiers:
                     ok = False
             report(result.block, ok)
 
+    def begin(self, plan: StepPlan) -> None:
+        """A step's tier work, before its forward: copy out the blocks its schedule evicted, start its loads."""
+        self.offload(plan.offloads)
+        for block, content in plan.loads:
+            self.load(block, content)
+
     def wait(self, timeout: float) -> None:
-        """Block until a load finishes (or `timeout`): the step loop's idle wait while only loads are pending."""
-        self._done_event.wait(timeout)
+        """Block until a load finishes (or `timeout`; at once when none is in flight): the step loop's idle wait
+        while only loads are pending."""
+        if self.in_flight:
+            self._done_event.wait(timeout)
 
     def write_back(self, pool: BlockPool) -> int:
         """Offload every hashed block still in the pool (at shutdown, so that a restart finds it on disk)."""
