@@ -11,14 +11,17 @@ import argparse
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from llmserve.engine.config import EngineConfig
-from llmserve.history import HistoryConfig
+from llmserve.history import HistoryConfig, check_store_spec
 
 ENV_PREFIX = "LLMSERVE_"
 DEFAULT_ADDRESS = "0.0.0.0:50051"
 LOG_FORMATS = ("text", "json")
+# The history store of `python -m llmserve` when --history-store is unset: a file in the model cache directory.
+DEFAULT_HISTORY_FILE = "sessions.sqlite3"
 DEFAULT_CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20  # what the engine can return (llmserve.engine.request.MAX_TOP_LOGPROBS)
 
@@ -406,8 +409,34 @@ def _history_flags(g: _Flags) -> None:
         "--session-history-mib",
         _positive_float,
         history.max_bytes / (1 << 20),
-        "memory cap of all held session histories in MiB (least recently used evicted first)",
+        "cap of all held session histories in MiB, as the store holds them (least recently used evicted first)",
     )
+    g.value(
+        "--history-store",
+        check_store_spec,
+        None,
+        "where session histories live: memory (this process), sqlite:PATH (survives restarts), "
+        f"redis://HOST:PORT/DB (shared by replicas); unset: sqlite:<cache dir>/{DEFAULT_HISTORY_FILE}",
+    )
+    g.switch(
+        "--history-store-optional",
+        "start even when the history store does not answer (calls with a session id fail UNAVAILABLE until it "
+        "does); without it the server exits with status 2",
+    )
+    g.value(
+        "--history-lease",
+        _positive_float,
+        history.lease_s,
+        "seconds a continuing call's lock on its session outlives the call's last renewal (sqlite, redis): the "
+        "longest a crashed replica blocks a session",
+    )
+
+
+def _default_history_store(cache_dir: str | None) -> str:
+    """sqlite: in the cache directory (as llmserve.models.default_cache_root finds it; --cache-dir and
+    $LLMSERVE_CACHE_DIR are one setting)."""
+    root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "llmserve"
+    return f"sqlite:{root / DEFAULT_HISTORY_FILE}"
 
 
 def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -460,6 +489,9 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
                 max_sessions=args.max_sessions,
                 max_bytes=int(args.session_history_mib * (1 << 20)),
                 max_tokens=args.max_session_tokens,
+                store=args.history_store or _default_history_store(args.cache_dir),
+                optional=args.history_store_optional,
+                lease_s=args.history_lease,
             ),
             metrics_port=args.metrics_port,
             replica_name=args.replica_name,

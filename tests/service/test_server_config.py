@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from llmserve.config import DEFAULT_ADDRESS, Config, from_args
@@ -10,7 +13,11 @@ from llmserve.engine.config import EngineConfig
 
 def test_defaults() -> None:
     config = from_args([], env={})
-    assert config == Config()
+    # The one default that differs from the dataclass's (which tests use): histories in a file of the cache dir.
+    home_store = f"sqlite:{Path.home() / '.cache' / 'llmserve' / 'sessions.sqlite3'}"
+    assert config.server.history.store == home_store
+    history = dataclasses.replace(config.server.history, store="memory")
+    assert dataclasses.replace(config, server=dataclasses.replace(config.server, history=history)) == Config()
     assert config.server.address == DEFAULT_ADDRESS == "0.0.0.0:50051"
     assert config.server.reflection and not config.server.log_prompts
     assert config.engine == EngineConfig()
@@ -76,3 +83,15 @@ def test_tls_flags() -> None:
         from_args(["--tls-cert", "c.pem"], env={})
     with pytest.raises(SystemExit):
         from_args(["--tls-client-ca", "ca.pem"], env={})
+
+
+def test_history_store_flags() -> None:
+    h = from_args([], env={"LLMSERVE_CACHE_DIR": "/data/cache"}).server.history
+    assert (h.store, h.optional, h.lease_s) == ("sqlite:/data/cache/sessions.sqlite3", False, 10.0)
+    argv = ["--history-store", "redis://10.0.0.5:6379/2", "--history-store-optional", "--history-lease", "3"]
+    h = from_args(argv, env={}).server.history
+    assert (h.store, h.optional, h.lease_s) == ("redis://10.0.0.5:6379/2", True, 3.0)
+    assert from_args([], env={"LLMSERVE_HISTORY_STORE": "memory"}).server.history.store == "memory"
+    for bad in ("sqlite:", "postgres://x", "mem"):
+        with pytest.raises(SystemExit):
+            from_args(["--history-store", bad], env={})
