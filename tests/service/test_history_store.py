@@ -19,7 +19,7 @@ from harness import ServerThread, tiny_engine
 from redis_server import RedisServer
 
 from llmserve.history import HistoryConfig
-from llmserve_client import NO_RETRY, Client, build_request, pb
+from llmserve_client import NO_RETRY, Client, build_request
 
 OPTIONS = dict(ignore_eos=True, return_token_ids=True, return_prompt_token_ids=True)
 
@@ -93,7 +93,9 @@ def test_two_continuations_at_once_on_two_servers_one_proceeds_never_a_mix(
             outcomes: dict[str, object] = {}
             go = threading.Barrier(2)
 
-            def call(name: str, client: Client, mark: int) -> None:
+            def call(
+                name: str, client: Client, mark: int, go: threading.Barrier = go, outcomes: dict[str, object] = outcomes
+            ) -> None:
                 go.wait()
                 try:
                     outcomes[name] = _run(
