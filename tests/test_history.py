@@ -256,6 +256,33 @@ async def test_a_running_call_renews_its_lease(make: Make) -> None:
     assert await held_ids(store, "s") == [1, 2, 3, 4]
 
 
+async def test_a_start_cancelled_midway_frees_its_lease(tmp_path: Path) -> None:
+    """A caller that goes away while its continuing call is taking the lease leaves the session free at once,
+    not for --history-lease: the store call lands, then the lease is released. The call is held inside SQLite
+    (another connection holds the write lock) while the caller is cancelled."""
+    path = tmp_path / "h.db"
+    store = SqliteHistoryStore(HistoryConfig(lease_s=600), path, max_tokens=100)
+    await tokens_turn(store, "s", [1], [2])
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    task = asyncio.ensure_future(store.start("s", "gone", continues=True))
+    await asyncio.sleep(0.3)  # the store's thread now waits on the lock, inside the lease's transaction
+    task.cancel()
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(500):
+        try:
+            await (await store.start("s", "next", continues=True)).release()
+            break
+        except HistoryBusy:
+            await asyncio.sleep(0.01)
+    else:
+        pytest.fail("the cancelled call's lease still holds the session")
+    await store.close()
+
+
 async def test_missing_history_says_why_it_ended(make: Make) -> None:
     clock = Clock()
     if make.kind == "redis":  # type: ignore[attr-defined]

@@ -26,12 +26,14 @@ import sys
 import time
 import uuid
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from llmserve.engine.request import Delta, FinishReason, InvalidRequest
 
 log = logging.getLogger("llmserve.history")
+T = TypeVar("T")
 
 # A turn is recorded only when the call produced a whole answer.
 NORMAL_FINISH = frozenset({FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP_SEQUENCE, FinishReason.STOP_TOKEN})
@@ -361,6 +363,10 @@ def _held(turn: Turn) -> History:
 class LeasedStore(HistoryStore):
     """A store shared by processes: continuing calls take an expiring lease, renewed while they run."""
 
+    def __init__(self, config: HistoryConfig, *, max_tokens: int | None = None) -> None:
+        super().__init__(config, max_tokens=max_tokens)
+        self._cleanups: set[asyncio.Future[None]] = set()
+
     @abc.abstractmethod
     async def _renew(self, key: str, token: str) -> bool:
         """Extend the lease by lease_s if `token` still holds it; whether it does."""
@@ -372,6 +378,27 @@ class LeasedStore(HistoryStore):
     @staticmethod
     def new_token() -> str:
         return uuid.uuid4().hex
+
+    async def leased(self, pending: Awaitable[T], key: str, token: str) -> T:
+        """Await the store call that may take `token`'s lease. A caller cancelled meanwhile (its client went
+        away) leaves the call to land, then frees the lease: it never blocks the session for lease_s."""
+        task = asyncio.ensure_future(pending)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda done: self._free_after(done, key, token))
+            raise
+
+    def _free_after(self, done: asyncio.Future[T], key: str, token: str) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        cleanup = asyncio.ensure_future(self._free_quietly(key, token))
+        self._cleanups.add(cleanup)
+        cleanup.add_done_callback(self._cleanups.discard)
+
+    async def _free_quietly(self, key: str, token: str) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            await self._release_lease(key, token)
 
     def hold(self, turn: Turn) -> None:
         """Renew the turn's lease in the background until it commits or is released."""

@@ -213,7 +213,8 @@ class RedisHistoryStore(LeasedStore):
     async def start(self, key: str, request_id: str, *, continues: bool) -> Turn:
         token = self.new_token() if continues else ""
         ms = int(self.config.lease_s * 1000)
-        reply = await self._run("start", key, int(continues), token, request_id, ms)
+        pending = self._run("start", key, int(continues), token, request_id, ms)
+        reply = await (self.leased(pending, key, token) if continues else pending)
         status = reply[0].decode()
         if status == "busy":
             raise HistoryBusy(key, reply[1].decode(errors="replace"))

@@ -119,7 +119,7 @@ class SqliteHistoryStore(LeasedStore):
             row = await self._call("start", _read, key)
             return Turn(self, key, request_id, None, epoch=row["epoch"] if row is not None else 0)
         token = self.new_token()
-        epoch, taken = await self._call("start", self._take, key, request_id, token)
+        epoch, taken = await self.leased(self._call("start", self._take, key, request_id, token), key, token)
         turn = Turn(self, key, request_id, self._history(taken), epoch=epoch, lease=token)
         self.hold(turn)
         return turn
