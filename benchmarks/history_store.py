@@ -91,11 +91,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         continue_session=t > 0,
                         max_new_tokens=args.answer,
                         ignore_eos=True,
+                        return_token_ids=True,
                     )
                     began = time.perf_counter()
                     first = None
                     async for response in clients[name].generate(request):
-                        if first is None and response.text:
+                        if first is None and response.token_ids:
                             first = time.perf_counter()
                     end = time.perf_counter()
                     if t > 0:
