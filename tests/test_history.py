@@ -30,6 +30,7 @@ from llmserve.history import (
     LeaseLost,
     MemoryHistoryStore,
     NoHistory,
+    StoreUnavailable,
     Turn,
     open_store,
 )
@@ -463,3 +464,60 @@ class DifferentialMachine(RuleBasedStateMachine):
 
 TestDifferentialMachine = DifferentialMachine.TestCase
 TestDifferentialMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+async def test_a_locked_sqlite_file_fails_the_call_naming_it_and_the_next_call_works(tmp_path: Path) -> None:
+    path = tmp_path / "h.db"
+    store = SqliteHistoryStore(HistoryConfig(), path, max_tokens=100, busy_timeout_s=0.2)
+    await tokens_turn(store, "s", [1], [2])
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another process writing, or stuck
+    try:
+        with pytest.raises(StoreUnavailable, match="locked") as err:
+            await store.start("s", "r", continues=True)
+        assert f"sqlite:{path}" in str(err.value) and "write lock" in str(err.value)
+        assert store.stats["start"].errors == 1
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    await tokens_turn(store, "s", [3], [4], continues=True)
+    assert await held_ids(store, "s") == [1, 2, 3, 4]
+    await store.close()
+
+
+async def test_a_damaged_sqlite_file_fails_each_call_naming_it_and_never_crashes(tmp_path: Path) -> None:
+    """The file damaged under a running server (here: before the store's first call, which opens it lazily, as
+    a server started with --history-store-optional does): every call fails StoreUnavailable naming the file and
+    saying it is damaged; the start-up check says the same."""
+    path = tmp_path / "h.db"
+    store = SqliteHistoryStore(HistoryConfig(), path, max_tokens=100)
+    await tokens_turn(store, "s", [1], [2])
+    await store.close()
+    for name in (path, path.with_name("h.db-wal"), path.with_name("h.db-shm")):
+        if name.exists():
+            name.write_bytes(b"\x00garbage" * 1000)
+    store = SqliteHistoryStore(HistoryConfig(), path, max_tokens=100)
+    for call in (store.start("s", "r", continues=True), store.get("s"), store.delete("s")):
+        with pytest.raises(StoreUnavailable, match="damaged") as err:
+            await call
+        assert f"sqlite:{path}" in str(err.value)
+    assert store.stats["start"].errors == store.stats["get"].errors == 1
+    await store.close()
+    with pytest.raises(StoreUnavailable, match="damaged"):
+        await SqliteHistoryStore(HistoryConfig(), path).connect()
+
+
+async def test_a_full_sqlite_file_fails_the_commit_and_keeps_the_earlier_turn(tmp_path: Path) -> None:
+    """A full disk, as SQLite reports it (the file capped at its current pages with max_page_count): the commit
+    fails StoreUnavailable saying so, nothing half written, the earlier turn intact."""
+    store = SqliteHistoryStore(HistoryConfig(), tmp_path / "h.db", max_tokens=100_000)
+    await tokens_turn(store, "s", [1], [2])
+    pages = await store._call("cap", lambda conn: conn.execute("PRAGMA page_count").fetchone()[0])
+    await store._call("cap", lambda conn: conn.execute(f"PRAGMA max_page_count = {pages}").fetchone())
+    turn = await store.start("s", "r", continues=True)
+    turn.begin(HistoryInput.TOKENS, store.continue_tokens(turn, list(range(20_000)), "token_ids"))
+    with pytest.raises(StoreUnavailable, match="full"):
+        await finish(turn, [3])
+    assert await held_ids(store, "s") == [1, 2]
+    await (await store.start("s", "retry", continues=True)).release()  # the failed call freed its lease
+    await store.close()

@@ -478,7 +478,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         cached = engine.delete_session(key)
         return pb.DeleteSessionResponse(deleted=held or cached)
 
-    # -- sessions: keys, histories and append mode (history.py holds the book-keeping) -------------
+    # -- sessions: keys, histories and append mode (history/ holds the book-keeping) ---------------
 
     def _session_key(self, context: grpc.aio.ServicerContext[Any, Any], session_id: str) -> str:
         """The key a caller's session id is stored under, in the engine's cache and in the history store.

@@ -51,10 +51,15 @@ class MemoryHistoryStore(HistoryStore):
         return self._nbytes
 
     async def get(self, key: str) -> History | None:
-        self.expire()
-        return self._histories.get(key)
+        with self.timed("get"):
+            self.expire()
+            return self._histories.get(key)
 
     async def start(self, key: str, request_id: str, *, continues: bool) -> Turn:
+        with self.timed("start"):
+            return self._start(key, request_id, continues)
+
+    def _start(self, key: str, request_id: str, continues: bool) -> Turn:
         self.expire()
         turns = self._in_flight.setdefault(key, [])
         held = None
@@ -84,6 +89,10 @@ class MemoryHistoryStore(HistoryStore):
                 del self._in_flight[turn.key]
 
     async def delete(self, key: str) -> bool:
+        with self.timed("delete"):
+            return self._delete(key)
+
+    def _delete(self, key: str) -> bool:
         for turn in self._in_flight.get(key, ()):
             turn.dropped = True
         existed = self._remove(key)

@@ -228,7 +228,7 @@ class RedisHistoryStore(LeasedStore):
 
     async def commit(self, turn: Turn) -> None:
         self.stop_renewal(turn)
-        token, turn.lease = turn.lease, None
+        token = turn.lease
         done: Finished = turn.finished()
         cfg = self.config
         reply = await self._run(
@@ -247,6 +247,7 @@ class RedisHistoryStore(LeasedStore):
             reason_count(cfg.max_sessions),
             reason_bytes(cfg.max_bytes),
         )
+        turn.lease = None  # freed by the commit; a failed commit leaves it to release()
         if reply == b"lost":
             raise LeaseLost(turn.key)
 

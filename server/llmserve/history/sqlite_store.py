@@ -126,8 +126,8 @@ class SqliteHistoryStore(LeasedStore):
 
     async def commit(self, turn: Turn) -> None:
         self.stop_renewal(turn)
-        token, turn.lease = turn.lease, None
-        await self._call("commit", self._commit, turn.key, token, turn.epoch, turn.finished())
+        await self._call("commit", self._commit, turn.key, turn.lease, turn.epoch, turn.finished())
+        turn.lease = None  # freed by the commit; a failed commit leaves it to release()
 
     async def delete(self, key: str) -> bool:
         return await self._call("delete", self._delete, key)
