@@ -33,3 +33,25 @@ def test_importing_llmserve_changes_nothing() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": "/usr/bin"})
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_the_served_process_makes_its_settings_before_torch_loads() -> None:
+    """`python -m llmserve` calls configure_process() before anything imports torch: the config, the parser and
+    --help load no tensor library (they did, through history -> engine.request, so libgomp had read its
+    settings before they were made)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import llmserve.__main__, llmserve.config as c; c.build_parser({}); "
+        "c.from_args(['--port', '0'], env={}); loaded = sorted(m for m in ('torch', 'transformers', 'numpy') "
+        "if m in sys.modules); print(loaded)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+    helped = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "llmserve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert helped.returncode == 0 and "--port" in helped.stdout, helped.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in helped.stderr.splitlines() if line.startswith("import")}
+    assert "llmserve.config" in imported and not imported & {"torch", "transformers"}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from llmserve.config import from_args
 from llmserve.process import configure_process
-from llmserve.request_log import configure_logging
+from llmserve.telemetry.request_log import configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:

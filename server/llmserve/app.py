@@ -30,10 +30,10 @@ from llmserve.auth import Authenticator, AuthInterceptor, TokenStore
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.request import InvalidRequest
 from llmserve.history import StoreUnavailable
-from llmserve.metrics import ServerMetrics
 from llmserve.service import SERVICE_NAME, GenerateServicer, StreamStalled, status_for
-from llmserve.tracing import Tracing
-from llmserve.tracing import from_env as tracing_from_env
+from llmserve.telemetry.metrics import ServerMetrics
+from llmserve.telemetry.tracing import Tracing
+from llmserve.telemetry.tracing import from_env as tracing_from_env
 from llmserve_client.pb.llmserve.v1 import generate_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:

@@ -46,8 +46,8 @@ from llmserve.history import (
     open_store,
 )
 from llmserve.limits import check_generate, check_input, is_valid_id, prompt_byte_limit, quote_prefix
-from llmserve.observe import CallObserver, FinishedCall
-from llmserve.request_log import MAX_LOGGED_PROMPT_CHARS, RequestRecord, clip
+from llmserve.telemetry.call import CallObserver, CallRecord
+from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS, clip, log_call
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
@@ -212,7 +212,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         identity = caller_identity()
-        record = RequestRecord(request.request_id or "-", time.monotonic(), identity=identity)
+        record = CallRecord(request.request_id or "-", time.monotonic(), identity=identity)
         remaining = context.time_remaining()
         call_deadline = None if remaining is None else time.monotonic() + remaining
         key: _InFlightKey | None = None
@@ -245,7 +245,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             at_deadline = call_deadline is not None and time.monotonic() >= call_deadline - DEADLINE_MARGIN_S
             record.status = "DEADLINE_EXCEEDED" if at_deadline else "CANCELLED"
             if record.queued is not None:
-                record.finish = "deadline" if at_deadline else "cancelled"
+                record.finish_reason = "deadline" if at_deadline else "cancelled"
             raise
         except Exception as exc:
             status = status_for(exc)
@@ -253,42 +253,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if isinstance(exc, (InvalidRequest, QueueFull, EngineDead)):
                 record.queued = None  # the engine refused it before taking it
             elif isinstance(exc, StreamStalled):
-                record.finish = "cancelled"
+                record.finish_reason = "cancelled"
             raise
         finally:
             if turn is not None:
                 await turn.release()
             if key is not None:
                 self._release(key)
-            record.emit()
-            if self._observers:
-                self._tell_observers(record, bool(request.session_id), context)
+            self._record_end(record, bool(request.session_id), context)
 
-    def _tell_observers(
-        self, record: RequestRecord, has_session: bool, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> None:
-        status = record.status if record.status in _CODE_NAMES.values() else "UNKNOWN"
-        finish = None if record.finish == "-" else record.finish
-        if finish is None and record.queued is not None:
-            finish = {"CANCELLED": "cancelled", "DEADLINE_EXCEEDED": "deadline"}.get(status)
-        call = FinishedCall(
-            code=status,
-            start=record.start,
-            end=time.monotonic(),
-            start_ns=record.start_ns,
-            queued=record.queued,
-            finish_reason=finish,
-            token_times=record.token_times,
-            prompt_tokens=record.prompt_tokens,
-            cached_prompt_tokens=record.cached,
-            completion_tokens=record.completion,
-            queue_s=record.queue_s,
-            has_session=has_session,
-            metadata=tuple(context.invocation_metadata() or ()),
-        )
+    def _record_end(self, record: CallRecord, has_session: bool, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Close the call's record once; the log line, the metrics and the trace are all made from it."""
+        record.close(has_session=has_session, metadata=context.invocation_metadata())
+        log_call(record)
         for observer in self._observers:
             try:
-                observer.call_finished(call)
+                observer.call_finished(record)
             except Exception:  # an observer's bug must not fail the call or the others
                 log.exception("call observer %r failed", observer)
 
@@ -342,7 +322,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         engine: Engine,
         gen_request: GenerationRequest,
         request: pb.GenerateRequest,
-        record: RequestRecord,
+        record: CallRecord,
         turn: Turn | None = None,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Yield one response per delta; raise for endings that are not a normal finish."""
@@ -448,7 +428,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # An id no Generate call could have used names no session: the same NOT_FOUND as any unknown id.
         if is_valid_id(request.session_id, self._limits.max_session_id_length):
             key = self._session_key(context, request.session_id)
-            info = engine.get_session(key)
+            info = await engine.get_session(key)
             held = await self._histories.get(key)
         if info is None and held is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {quote_prefix(request.session_id)}")
@@ -475,7 +455,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return pb.DeleteSessionResponse(deleted=False)
         key = self._session_key(context, request.session_id)
         held = await self._histories.delete(key)
-        cached = engine.delete_session(key)
+        cached = await engine.delete_session(key)
         return pb.DeleteSessionResponse(deleted=held or cached)
 
     # -- sessions: keys, histories and append mode (history/ holds the book-keeping) ---------------

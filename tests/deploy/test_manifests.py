@@ -13,8 +13,8 @@ import yaml
 
 from llmserve.config import ServerConfig, from_args
 from llmserve.engine.protocol import EngineStats
-from llmserve.metrics import ServerMetrics
 from llmserve.service import SERVICE_NAME
+from llmserve.telemetry.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.engine.block_pool import BlockPool, NoFreeBlocks, chain_hash
+from llmserve.engine.block_pool import BlockPool, NoFreeBlocks, chain_hash, prefix_root
 
 
 def test_sizes_must_be_positive() -> None:
@@ -72,64 +72,74 @@ def test_acquiring_a_free_block_is_refused() -> None:
     assert pool.ref_count == [0, 0] and pool.num_free == 2
 
 
+def put(pool: BlockPool, block: int, tokens: list[int], parent: bytes | None = None) -> bytes:
+    """Register `block` as holding `tokens` after `parent`; its hash."""
+    h = chain_hash(parent, tokens)
+    pool.register(block, h, parent, tokens)
+    return h
+
+
+def find(pool: BlockPool, tokens: list[int], parent: bytes | None = None) -> int | None:
+    return pool.lookup(chain_hash(parent, tokens), parent, tokens)
+
+
 def test_a_registered_block_is_cached_when_released_and_revived_by_acquire() -> None:
     pool = BlockPool(3, 2)
-    h = chain_hash(None, [1, 2])
     (block,) = pool.allocate(1)
-    pool.register(block, h)
-    assert pool.lookup(h) == block and pool.block_hash[block] == h
+    h = put(pool, block, [1, 2])
+    assert find(pool, [1, 2]) == block and pool.block_hash[block] == h
     pool.release([block])
-    assert pool.num_cached == 1 and pool.num_free == 3 and pool.lookup(h) == block
+    assert pool.num_cached == 1 and pool.num_free == 3 and find(pool, [1, 2]) == block
     pool.check([])
     pool.acquire([block])  # revived: no longer evictable
     assert pool.ref_count[block] == 1 and pool.num_cached == 0 and pool.num_free == 2
     pool.check([[block]])
     assert pool.allocate(2) == [1, 2]  # the revived block is not handed out again
-    assert pool.lookup(h) == block
+    assert find(pool, [1, 2]) == block
 
 
 def test_fresh_blocks_are_preferred_to_cached_ones_and_cached_ones_go_least_recently_freed_first() -> None:
     pool = BlockPool(4, 2)
     blocks = pool.allocate(3)
-    hashes = [chain_hash(None, [i, i]) for i in range(3)]
-    for block, h in zip(blocks, hashes, strict=True):
-        pool.register(block, h)
+    contents = [[i, i] for i in range(3)]
+    for block, tokens in zip(blocks, contents, strict=True):
+        put(pool, block, tokens)
     pool.release([blocks[1]])
     pool.release([blocks[0]])
     pool.release([blocks[2]])
     assert pool.num_cached == 3 and pool.num_free == 4
     assert pool.allocate(1) == [3]  # the never-used block first: every cached prefix survives
-    assert all(pool.lookup(h) is not None for h in hashes)
+    assert all(find(pool, tokens) is not None for tokens in contents)
     assert pool.allocate(1) == [blocks[1]]  # then the cached block freed first
-    assert pool.lookup(hashes[1]) is None and pool.block_hash[blocks[1]] is None
-    assert pool.lookup(hashes[0]) == blocks[0] and pool.lookup(hashes[2]) == blocks[2]
+    assert find(pool, contents[1]) is None and pool.block_hash[blocks[1]] is None
+    assert find(pool, contents[0]) == blocks[0] and find(pool, contents[2]) == blocks[2]
     assert pool.allocate(2) == [blocks[0], blocks[2]]
-    assert pool.num_cached == 0 and all(pool.lookup(h) is None for h in hashes)
+    assert pool.num_cached == 0 and all(find(pool, tokens) is None for tokens in contents)
     pool.check([[3], [blocks[1]], [blocks[0]], [blocks[2]]])
 
 
 def test_reviving_a_cached_block_takes_it_out_of_the_eviction_order() -> None:
     pool = BlockPool(2, 2)
     a, b = pool.allocate(2)
-    pool.register(a, 11)
-    pool.register(b, 22)
+    put(pool, a, [1, 1])
+    put(pool, b, [2, 2])
     pool.release([a, b])
     pool.acquire([a])
     pool.release([a])  # freed again: now the most recently freed
     assert pool.allocate(1) == [b]
-    assert pool.lookup(11) == a and pool.lookup(22) is None
+    assert find(pool, [1, 1]) == a and find(pool, [2, 2]) is None
 
 
 def test_register_needs_an_owned_block_and_keeps_the_first_copy_of_a_prefix() -> None:
     pool = BlockPool(3, 2)
     with pytest.raises(ValueError, match="block 0 is not owned"):
-        pool.register(0, 5)
+        put(pool, 0, [5, 5])
     a, b = pool.allocate(2)
-    pool.register(a, 5)
-    pool.register(b, 5)  # the same prefix again: b stays anonymous
-    assert pool.lookup(5) == a and pool.block_hash[b] is None
-    pool.register(a, 6)  # a block keeps the hash it has
-    assert pool.block_hash[a] == 5 and pool.lookup(6) is None
+    h = put(pool, a, [5, 5])
+    put(pool, b, [5, 5])  # the same prefix again: b stays anonymous
+    assert find(pool, [5, 5]) == a and pool.block_hash[b] is None
+    put(pool, a, [6, 6])  # a block keeps the hash it has
+    assert pool.block_hash[a] == h and find(pool, [6, 6]) is None
     pool.release([b])
     assert pool.num_cached == 0 and pool.num_free == 2  # anonymous: straight back to the free list
     pool.release([a])
@@ -140,13 +150,13 @@ def test_register_needs_an_owned_block_and_keeps_the_first_copy_of_a_prefix() ->
 def test_clear_cache_forgets_every_unreferenced_prefix_in_freeing_order() -> None:
     pool = BlockPool(3, 2)
     a, b, c = pool.allocate(3)
-    for block, h in ((a, 1), (b, 2), (c, 3)):
-        pool.register(block, h)
+    for block, token in ((a, 1), (b, 2), (c, 3)):
+        put(pool, block, [token, token])
     pool.release([b])
     pool.release([a])  # c stays owned
     pool.clear_cache()
     assert pool.num_cached == 0 and pool.num_free == 2
-    assert pool.lookup(1) is None and pool.lookup(2) is None and pool.lookup(3) == c
+    assert find(pool, [1, 1]) is None and find(pool, [2, 2]) is None and find(pool, [3, 3]) == c
     assert pool.block_hash[a] is None and pool.block_hash[b] is None
     pool.check([[c]])
     assert pool.allocate(2) == [a, b]  # pushed in freeing order, popped from the end: the last freed comes first
@@ -154,9 +164,30 @@ def test_clear_cache_forgets_every_unreferenced_prefix_in_freeing_order() -> Non
 
 def test_chain_hash_depends_on_the_parent_and_every_token() -> None:
     base = chain_hash(None, [1, 2, 3])
-    assert base == chain_hash(None, (1, 2, 3))
-    assert len({base, chain_hash(7, [1, 2, 3]), chain_hash(None, [1, 2, 4]), chain_hash(None, [1, 2])}) == 4
+    assert base == chain_hash(None, (1, 2, 3)) and len(base) == 16
+    other_root = prefix_root("tenant-a")
+    assert chain_hash(None, [1]) == chain_hash(prefix_root(None), [1])
+    assert len({base, chain_hash(other_root, [1, 2, 3]), chain_hash(None, [1, 2, 4]), chain_hash(None, [1, 2])}) == 4
     assert chain_hash(base, [4]) != chain_hash(chain_hash(None, [1, 2, 4]), [4])
+    # Fixed-width tokens: a split of the same digits is another block, and so are large ids.
+    assert chain_hash(None, [12, 3]) != chain_hash(None, [1, 23])
+    assert chain_hash(None, [2**40]) != chain_hash(None, [0])
+    assert prefix_root("a") != prefix_root("b") != prefix_root(None)
+
+
+def test_a_hit_is_checked_against_the_blocks_parent_and_tokens() -> None:
+    # A digest that matches by collision (planted here: the index itself cannot be made to collide) is a miss,
+    # never another prompt's KV.
+    pool = BlockPool(2, 2)
+    (block,) = pool.allocate(1)
+    h = put(pool, block, [1, 2])
+    assert pool.lookup(h, None, [1, 2]) == block and pool.num_hash_mismatches == 0
+    assert pool.lookup(h, None, [1, 3]) is None
+    assert pool.lookup(h, prefix_root("someone else"), [1, 2]) is None
+    assert pool.num_hash_mismatches == 2
+    pool.release([block])
+    pool.allocate(2)  # evicted: its content is forgotten with its hash
+    assert pool.lookup(h, None, [1, 2]) is None and pool.num_hash_mismatches == 2
 
 
 # -- check(): each kind of bad book is reported --------------------------------------------------------------------
@@ -195,14 +226,14 @@ def test_check_reports_a_lost_block() -> None:
 def test_check_reports_a_hash_index_that_disagrees() -> None:
     pool = BlockPool(3, 2)
     (block,) = pool.allocate(1)
-    pool.register(block, 9)
-    pool._hash_to_block[9] = 2
+    h = put(pool, block, [9, 9])
+    pool._hash_to_block[h] = 2
     with pytest.raises(ValueError, match="hash index disagrees at block 2"):
         pool.check([[block]])
 
 
 def test_check_reports_a_free_block_with_a_hash() -> None:
     pool = BlockPool(3, 2)
-    pool.block_hash[1] = 4
+    pool.block_hash[1] = chain_hash(None, [4])
     with pytest.raises(ValueError, match="^a free block still has a hash$"):
         pool.check([])

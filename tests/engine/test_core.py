@@ -13,6 +13,7 @@ import torch
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
+from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import (
     EngineDead,
     FinishReason,
@@ -304,18 +305,17 @@ async def test_a_sampling_failure_fails_its_request_alone(engine: AsyncEngine, m
 
 
 async def test_a_request_failing_after_its_forward_fails_alone(engine: AsyncEngine, monkeypatch) -> None:  # noqa: ANN001
-    """Stop checks and detokenization run per request: one that raises ends ERROR, the others go on."""
-    from llmserve.engine.core import EngineCore
+    """Stop checks and detokenization (the front end's output processor) run per request: one that raises ends
+    ERROR and is stopped in the core, the others go on."""
+    real = OutputProcessor._delta
 
-    real = EngineCore._append
-
-    def fragile(self, live, token_id, lp, now):  # noqa: ANN001, ANN202
-        if live.seq.request_id == "fragile" and live.seq.num_generated >= 2:
+    def fragile(self, stream, output):  # noqa: ANN001, ANN202
+        if stream.request_id == "fragile" and stream.num_generated >= 2:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
-        return real(self, live, token_id, lp, now)
+        return real(self, stream, output)
 
     expected, _ = await run(engine, req("steady-alone", [4, 5, 6], max_new=10))
-    monkeypatch.setattr(EngineCore, "_append", fragile)
+    monkeypatch.setattr(OutputProcessor, "_delta", fragile)
     (fragile_tokens, fragile_deltas), (tokens, deltas) = await asyncio.gather(
         run(engine, req("fragile", [1, 2, 3], max_new=10)), run(engine, req("steady", [4, 5, 6], max_new=10))
     )
@@ -323,7 +323,10 @@ async def test_a_request_failing_after_its_forward_fails_alone(engine: AsyncEngi
     assert fragile_deltas[-1].error.startswith("UnicodeDecodeError: ") and "planted" in fragile_deltas[-1].error
     assert len(fragile_tokens) == 2
     assert tokens == expected and deltas[-1].finish_reason is FinishReason.LENGTH
-    assert engine.num_running == 0 and not engine.dead
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        while engine.num_running:  # the core was told to stop the fragile one: it ends within a step
+            await asyncio.sleep(0.01)
+    assert not engine.dead and len(engine._outputs) == 0
 
 
 async def test_extreme_sampling_values_never_fail_a_batch(engine: AsyncEngine) -> None:
@@ -396,7 +399,7 @@ async def test_a_consumer_that_falls_behind_gets_what_it_has_not_taken_in_one_de
     stream = engine.generate(req("behind", prompt, max_new=24, logprobs=True, top_logprobs=2))
     async with asyncio.timeout(RUN_TIMEOUT_S):
         first = await stream.__anext__()
-        while engine.num_running or engine._outbox:  # finished, and its last step's deltas handed over
+        while engine.num_running or len(engine._outputs):  # finished, and its last step's outputs processed
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         rest = [delta async for delta in stream]
@@ -418,11 +421,15 @@ def stepped_core(**overrides) -> EngineCore:  # noqa: ANN003
 
 
 def serve(core: EngineCore, request: GenerationRequest, max_steps: int = 200) -> list:
-    """Submit and step on this thread until the request's final delta; returns every delta."""
+    """Submit and step on this thread until the request's final delta; returns every delta, made by an output
+    processor over the model's tokenizer as the front end would."""
     deltas: list = []
-    core.submit(request, deltas.append)
+    processor = OutputProcessor(core.loaded.tokenizer)
+    processor.add(core.submit(request), request, deltas.append)
     for _ in range(max_steps):
-        core._drain_inbox()
+        core.drain_inbox()
+        for handle, keep in processor.process(core.take_outputs()):
+            core.abort(handle, keep)
         if deltas and deltas[-1].finished:
             return deltas
         core.step()
@@ -443,23 +450,44 @@ def test_stats_read_the_books() -> None:
     assert (stats.session_hits, stats.session_misses, stats.prefix_cache_hits) == (0, 1, 1)
     assert stats.session_evictions == {"memory": 0, "limit": 0, "ttl": 0}
     assert stats.session_evictions is not core.sessions.evictions  # a snapshot, not the live dict
-    core.submit(req("w", [1, 2, 3]), lambda delta: None)
+    core.submit(req("w", [1, 2, 3]))
     assert core.stats().waiting == 1 and core.num_waiting == 1  # still in the inbox
-    core._drain_inbox()
+    core.drain_inbox()
     assert core.stats().waiting == 1 and core.scheduler.num_waiting == 1  # now in the scheduler's queue
     core.step()
     stats = core.stats()
     assert (stats.running, stats.waiting, stats.preemptions) == (1, 0, 0) and core.num_running == 1
 
 
-def test_sessions_are_read_and_deleted_under_the_books() -> None:
+def ask(core: EngineCore, session_id: str, *, delete: bool = False) -> object:
+    """A session query through the inbox, answered when this thread drains it (it is the step thread here)."""
+    reply = core.query_session(session_id, delete=delete)
+    assert not reply.done()  # only the thread that owns the books answers
+    core.drain_inbox()
+    return reply.result(timeout=0)
+
+
+def test_sessions_are_read_and_deleted_through_the_inbox() -> None:
     core = stepped_core()
-    assert core.get_session("conv") is None and core.delete_session("conv") is False
+    assert ask(core, "conv") is None and ask(core, "conv", delete=True) is False
     timing = serve(core, req("s", list(range(3, 20)), max_new=3, session_id="conv"))[-1].timing
     assert core.steps == 3 and timing.ttft_s < timing.total_s < 60  # the first token came a step before the last
-    info = core.get_session("conv")
+    info = ask(core, "conv")
     assert (info.session_id, info.cached_tokens) == ("conv", 19) and abs(info.last_used - time.time()) < 60
-    assert core.delete_session("conv") is True and core.get_session("conv") is None
+    assert ask(core, "conv", delete=True) is True and ask(core, "conv") is None
+
+
+async def test_session_queries_reach_a_busy_step_thread_and_one_that_stopped(engine: AsyncEngine) -> None:
+    stream = engine.generate(req("busy", list(range(3, 20)), max_new=200, session_id="other"))
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        await stream.__anext__()
+        assert await engine.get_session("conv") is None  # answered between two steps
+        await run(engine, req("s", list(range(3, 20)), max_new=3, session_id="conv"))
+        assert (await engine.get_session("conv")).cached_tokens == 19
+        await stream.aclose()
+        await engine.shutdown()
+        assert (await engine.get_session("conv")).cached_tokens == 19  # no step thread: answered at once
+        assert await engine.delete_session("conv") is True and await engine.get_session("conv") is None
 
 
 def test_only_consecutive_failed_steps_kill_the_engine() -> None:
@@ -495,12 +523,12 @@ def test_a_request_that_reaches_a_dead_engine_gets_its_error() -> None:
 
 def test_an_engine_that_is_stopped_cancels_what_is_left() -> None:
     core = stepped_core()
-    deltas: list = []
-    core.submit(req("left", [1, 2, 3], max_new=50), deltas.append)
+    outputs: list = []
+    core.submit(req("left", [1, 2, 3], max_new=50))
     stop = threading.Event()
     stop.set()
-    core.run(stop)  # drains the inbox, steps no more
-    assert [d.finish_reason for d in deltas] == [FinishReason.CANCELLED] and core.num_running == 0
+    core.run(stop, outputs.extend)  # drains the inbox, steps no more
+    assert [o.finish_reason for o in outputs] == [FinishReason.CANCELLED] and core.num_running == 0
 
 
 def test_sliding_window_is_read_where_the_config_enables_it() -> None:
@@ -550,12 +578,12 @@ def test_eos_ends_a_request_unless_it_ignores_eos_and_prefix_caching_can_be_off(
 def test_a_dying_engine_fails_the_requests_still_waiting() -> None:
     core = stepped_core(max_num_seqs=1)
     core.backend.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("gone"))  # noqa: ARG005
-    finals: dict[str, object] = {}
     for i in range(4):
-        core.submit(req(f"r{i}", [1, 2, 3]), lambda delta: finals.setdefault(delta.request_id, delta))
-    core._drain_inbox()
+        core.submit(req(f"r{i}", [1, 2, 3]))
+    core.drain_inbox()
     for _ in range(3):  # one running request per step: the third failure kills the engine
         core.step()
+    finals = {out.request_id: out for out in core.take_outputs()}
     assert core.dead_reason == "3 consecutive failed steps, last: RuntimeError: gone"
     waiting = finals["r3"]
     assert waiting.finish_reason is FinishReason.ERROR and waiting.error == core.dead_reason
@@ -577,7 +605,7 @@ def with_text(core: EngineCore, prompt: list[int], n: int) -> tuple[list[int], d
     """The greedy tokens for `prompt`, a tokenizer that spells each distinct one as a letter, and their text."""
     greedy = [t for d in serve(core, req("greedy", prompt, max_new=n)) for t in d.token_ids]
     pieces = {t: bytes([ord("a") + i]) for i, t in enumerate(dict.fromkeys(greedy))}
-    core.tokenizer = PieceTokenizer(pieces)
+    core.loaded.tokenizer = PieceTokenizer(pieces)
     return greedy, pieces, "".join(pieces[t].decode() for t in greedy)
 
 
@@ -636,7 +664,7 @@ def test_a_failed_forward_leaves_no_session_behind() -> None:
     core.backend.execute = second_fails
     final = serve(core, req("failed", list(range(3, 40)), session_id="conv"))[-1]
     assert final.finish_reason is FinishReason.ERROR and final.usage.completion_tokens == 1
-    assert core.get_session("conv") is None
+    assert ask(core, "conv") is None
     assert core.pool.num_free == core.pool.num_blocks
 
 
@@ -645,16 +673,17 @@ def test_a_fault_in_the_books_fails_the_requests_instead_of_hanging_them() -> No
     waited forever and the engine still looked alive. Now the engine dies and says why."""
     core = stepped_core()
     finals: dict[str, object] = {}
-    core.submit(
-        req("caught", [1, 2, 3], max_new=50), lambda d: finals.setdefault(d.request_id, d) if d.finished else None
-    )
+    core.submit(req("caught", [1, 2, 3], max_new=50))
+
+    def emit(outputs: list) -> None:
+        finals.update((out.request_id, out) for out in outputs if out.finished)
 
     def broken() -> None:
         raise RuntimeError("books out of balance")
 
     core.scheduler.schedule = broken
     stop = threading.Event()
-    thread = threading.Thread(target=core.run, args=(stop,), daemon=True)
+    thread = threading.Thread(target=core.run, args=(stop, emit), daemon=True)
     thread.start()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while "caught" not in finals and time.monotonic() < deadline:
@@ -665,3 +694,45 @@ def test_a_fault_in_the_books_fails_the_requests_instead_of_hanging_them() -> No
     final = finals["caught"]
     assert final.finish_reason is FinishReason.ERROR and "books out of balance" in final.error
     assert core.dead_reason == "engine step failed: RuntimeError: books out of balance" and not thread.is_alive()
+
+
+class ThreadRecordingTokenizer(PieceTokenizer):
+    """A PieceTokenizer that notes which thread each decode ran on."""
+
+    def __init__(self, pieces: dict[int, bytes]) -> None:
+        super().__init__(pieces)
+        self.threads: set[str] = set()
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.threads.add(threading.current_thread().name)
+        return super().decode(token_ids, skip_special_tokens)
+
+
+async def test_the_step_thread_never_detokenizes_and_a_stop_string_ends_the_request_in_the_core() -> None:
+    """Text and stop strings are the front end's: every decode runs on the event loop's thread, none on the step
+    thread; a stop string found there ends the stream and stops the request in the core, whose session then
+    holds exactly the tokens the caller was sent (not the ones the core made while the stop was on its way)."""
+    loaded = from_config(tiny_config(max_positions=512), dtype=torch.float64)
+    core = EngineCore(loaded, CONFIG)
+    greedy, pieces, text = with_text(core, [5, 6, 7], 12)
+    tokenizer = ThreadRecordingTokenizer(pieces)
+    loaded.tokenizer = tokenizer
+    eng = AsyncEngine(loaded, CONFIG)
+    spy = StepSpy(eng.core, step_delay_s=0.01)  # steps slower than the stop's trip back to the core
+    await eng.start()
+    try:
+        stop = text[4:6]
+        cut = text.find(stop)
+        stopping = StoppingParams(12, stop_sequences=(stop,), ignore_eos=True)
+        tokens, deltas = await run(eng, req("s", [5, 6, 7], stopping=stopping, session_id="conv"))
+        final = await asyncio.to_thread(spy.final, "s")
+    finally:
+        await eng.shutdown()
+    assert "".join(d.text for d in deltas) == text[:cut] and deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE
+    assert tokens == greedy[: cut + 2] and deltas[-1].usage.completion_tokens == cut + 2
+    assert deltas[-1].timing.ttft_s <= deltas[-1].timing.total_s
+    assert final is not None and final.finish_reason is FinishReason.STOP_SEQUENCE
+    assert final.usage.completion_tokens == cut + 2
+    # The sent tokens' KV, the last one's too if the core computed it before the stop arrived; never more.
+    assert 3 + cut + 1 <= (await eng.get_session("conv")).cached_tokens <= 3 + cut + 2
+    assert tokenizer.threads and "llmserve-engine" not in tokenizer.threads

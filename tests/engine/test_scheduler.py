@@ -491,6 +491,22 @@ def test_a_block_is_hashed_only_once_it_is_full() -> None:
     pool.check([])
 
 
+def test_a_prefix_hit_whose_tokens_differ_is_recomputed_not_reused() -> None:
+    """A digest that matched another prompt's block (planted in the index: BLAKE2b-128 cannot be made to collide)
+    must not hand that block's KV to this prompt: the hit is checked against the block's tokens and parent."""
+    pool, _, scheduler, _ = books(num_blocks=16)
+    victim = new_seq(1, [1, 2, 3, 4, 5, 6, 7, 8, 9], max_new=1)
+    drive(scheduler, victim)
+    attacker = new_seq(2, [4, 3, 2, 1, 8, 7, 6, 5, 9], max_new=1)
+    for tokens, parent in (([1, 2, 3, 4], None), ([5, 6, 7, 8], chain_hash(None, [1, 2, 3, 4]))):
+        block = pool.lookup(chain_hash(parent, tokens), parent, tokens)
+        assert block is not None
+        forged = chain_hash(chain_hash(None, [4, 3, 2, 1]) if parent else None, tokens[::-1])
+        pool._hash_to_block[forged] = block
+    drive(scheduler, attacker)
+    assert attacker.num_cached_prompt == 0 and pool.num_hash_mismatches == 1
+
+
 def test_a_one_token_prompt_leaves_a_one_token_session() -> None:
     _, sessions, scheduler, _ = books()
     drive(scheduler, new_seq(1, [5], max_new=1, session="s"))

@@ -100,7 +100,7 @@ async def test_turn_two_reuses_turn_one_prompt_and_answer() -> None:
         second = first + answer + [7, 8, 9]
         _, usage2 = await run(engines.warm, "t2", second, 5, session="s")
         assert usage2.cached_prompt_tokens >= 0.95 * (len(first) + len(answer))
-        info = engines.warm.get_session("s")
+        info = await engines.warm.get_session("s")
         assert info.cached_tokens == len(second) + 5 - 1
 
 
@@ -121,9 +121,9 @@ async def test_sessions_are_evicted_lru_and_live_requests_never_suffer() -> None
         eng = engines.warm
         for i in range(6):
             await run(eng, f"s{i}", [i + 1] * 60, 4, session=f"s{i}")
-        assert eng.get_session("s5") is not None
-        assert eng.get_session("s0") is None  # least recently used went first
-        kept = [i for i in range(6) if eng.get_session(f"s{i}") is not None]
+        assert await eng.get_session("s5") is not None
+        assert await eng.get_session("s0") is None  # least recently used went first
+        kept = [i for i in range(6) if await eng.get_session(f"s{i}") is not None]
         assert kept == list(range(6 - len(kept), 6))
         # A request needing nearly the whole pool: sessions make way, nothing is preempted.
         before = eng.core.scheduler.num_preemptions
@@ -140,11 +140,11 @@ async def test_session_limits_ttl_and_delete() -> None:
         pool = eng.core.pool
         for i in range(3):
             await run(eng, f"m{i}", [i + 5] * 30, 3, session=f"m{i}")
-        assert eng.get_session("m0") is None and eng.get_session("m2") is not None  # max_sessions=2
-        assert eng.delete_session("m2") is True and eng.get_session("m2") is None
-        assert eng.delete_session("m2") is False
+        assert await eng.get_session("m0") is None and await eng.get_session("m2") is not None  # max_sessions=2
+        assert await eng.delete_session("m2") is True and await eng.get_session("m2") is None
+        assert await eng.delete_session("m2") is False
         await asyncio.sleep(0.4)
-        assert eng.get_session("m1") is None  # idle past the TTL
+        assert await eng.get_session("m1") is None  # idle past the TTL
         pool.clear_cache()
         assert pool.num_free == pool.num_blocks
 
@@ -167,7 +167,7 @@ async def test_two_concurrent_calls_on_one_session() -> None:
             assert tokens == cold
             assert usage.cached_prompt_tokens > 0
         # The session keeps whichever finished last: the longer answer.
-        info = engines.warm.get_session("x")
+        info = await engines.warm.get_session("x")
         assert info.cached_tokens == len(prompts[1]) + lengths[1] - 1
 
 

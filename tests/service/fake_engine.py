@@ -76,12 +76,12 @@ class FakeEngine:
         running = len(self._running)
         return EngineStats(running, 0, 64, 0, 0, 16, len(self._sessions), 0, 0, 0, 0, {}, 0)
 
-    def get_session(self, session_id: str) -> SessionInfo | None:
+    async def get_session(self, session_id: str) -> SessionInfo | None:
         if session_id not in self._sessions:
             return None
         return SessionInfo(session_id, self._sessions[session_id], time.time())
 
-    def delete_session(self, session_id: str) -> bool:
+    async def delete_session(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:

@@ -16,7 +16,7 @@ import pytest
 from fake_engine import FakeEngine
 from harness import ServerThread, tiny_engine, wait_until
 
-from llmserve.request_log import JsonFormatter, logfmt_value
+from llmserve.telemetry.request_log import JsonFormatter, logfmt_value
 from llmserve_client import Client, build_request, pb
 
 

@@ -13,10 +13,11 @@ from llmserve.engine.config import EngineConfig
 
 def test_defaults() -> None:
     config = from_args([], env={})
-    # The one default that differs from the dataclass's (which tests use): histories in a file of the cache dir.
+    # The one default from_args fills in (the dataclass's None is memory, for in-process servers): histories in a
+    # file of the cache directory.
     home_store = f"sqlite:{Path.home() / '.cache' / 'llmserve' / 'sessions.sqlite3'}"
     assert config.server.history.store == home_store
-    history = dataclasses.replace(config.server.history, store="memory")
+    history = dataclasses.replace(config.server.history, store=None)
     assert dataclasses.replace(config, server=dataclasses.replace(config.server, history=history)) == Config()
     assert config.server.address == DEFAULT_ADDRESS == "0.0.0.0:50051"
     assert config.server.reflection and not config.server.log_prompts
@@ -83,6 +84,53 @@ def test_tls_flags() -> None:
         from_args(["--tls-cert", "c.pem"], env={})
     with pytest.raises(SystemExit):
         from_args(["--tls-client-ca", "ca.pem"], env={})
+
+
+def leaf_fields(obj: object, prefix: str = "") -> dict[str, object]:
+    """Every setting of a config dataclass tree: dotted path -> default."""
+    import dataclasses
+
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(leaf_fields(value, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = value
+    return out
+
+
+def test_every_setting_is_one_flag_whose_default_is_the_fields() -> None:
+    """Each flag is declared once (llmserve.flags.FLAGS): every config field is set by exactly one flag, except
+    the few that are not flags on purpose, and the parser's default is the dataclass's own."""
+    from llmserve.config import all_flags, build_parser
+
+    not_flags = {"server.address": "--address or --host/--port", "engine.cpu_kv_cache_bytes": "a fixed budget"}
+    settings = leaf_fields(Config())
+    targets = [t for flag in all_flags() for t in flag.targets]
+    assert sorted(t for t in set(targets) if targets.count(t) > 1) == []
+    assert set(settings) - set(targets) == set(not_flags)
+    assert set(targets) <= set(settings)
+    names = [flag.name for flag in all_flags()]
+    assert len(names) == len(set(names))
+    parser = build_parser({})
+    defaults = {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}
+    for flag in all_flags():
+        for target in flag.targets:
+            expected = settings[target]
+            if flag.invert:
+                expected = not expected
+            elif flag.from_field is not None:
+                expected = flag.from_field(expected)
+            assert defaults[flag.name] == expected, flag.name
+    assert from_args(["--session-history-mib", "2"], env={}).server.history.max_bytes == 2 << 20
+    both = from_args(["--session-ttl", "7", "--max-sessions", "3"], env={})
+    assert (both.engine.session_ttl_s, both.server.history.ttl_s) == (7.0, 7.0)
+    assert (both.engine.max_sessions, both.server.history.max_sessions) == (3, 3)
+    env = {"LLMSERVE_NO_FUSED_LAYERS": "1", "LLMSERVE_CHAT_ROLES": "user"}
+    assert not from_args([], env=env).engine.fused_layers and from_args([], env=env).server.limits.chat_roles == (
+        "user",
+    )
 
 
 def test_history_store_flags() -> None:

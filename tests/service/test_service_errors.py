@@ -355,14 +355,15 @@ def test_errors_map_to_statuses_with_their_details() -> None:
     assert _for_caller(InvalidRequest("something_new", "odd"), pb.GenerateRequest(text="hi")).field == "something_new"
 
 
-def test_call_observers_are_told_the_code_the_finish_and_the_metadata() -> None:
+def test_call_observers_are_told_the_code_the_finish_and_the_metadata(caplog: pytest.LogCaptureFixture) -> None:
     """What metrics and tracing read about each ended call: unmapped failures are UNKNOWN, a cancel or deadline that
-    reached the engine without a finish reason reads as one, and an observer's exception reaches no one else."""
+    reached the engine without a finish reason reads as one, and an observer's exception reaches no one else. The
+    request log line is made from the same closed record: it says the same finish."""
     from types import SimpleNamespace
 
     from llmserve.config import ServerConfig
-    from llmserve.request_log import RequestRecord
     from llmserve.service import GenerateServicer
+    from llmserve.telemetry.call import CallRecord
 
     seen: list = []
 
@@ -377,20 +378,22 @@ def test_call_observers_are_told_the_code_the_finish_and_the_metadata() -> None:
     servicer = GenerateServicer(ServerConfig(), observers=[Broken(), Recorder()])
     context = SimpleNamespace(invocation_metadata=lambda: (("x-session-id", "s"),))
     cases = [
-        (RequestRecord("a", 1.0, status="ValueError", queued=2.0), "UNKNOWN", None),
-        (RequestRecord("b", 1.0, status="CANCELLED", queued=2.0), "CANCELLED", "cancelled"),
-        (RequestRecord("c", 1.0, status="DEADLINE_EXCEEDED", queued=2.0), "DEADLINE_EXCEEDED", "deadline"),
-        (RequestRecord("d", 1.0, status="CANCELLED"), "CANCELLED", None),  # refused before the engine took it
-        (RequestRecord("e", 1.0, status="OK", queued=2.0, finish="length"), "OK", "length"),
+        (CallRecord("a", 1.0, status="ValueError", queued=2.0), "UNKNOWN", None),
+        (CallRecord("b", 1.0, status="CANCELLED", queued=2.0), "CANCELLED", "cancelled"),
+        (CallRecord("c", 1.0, status="DEADLINE_EXCEEDED", queued=2.0), "DEADLINE_EXCEEDED", "deadline"),
+        (CallRecord("d", 1.0, status="CANCELLED"), "CANCELLED", None),  # refused before the engine took it
+        (CallRecord("e", 1.0, status="OK", queued=2.0, finish_reason="length"), "OK", "length"),
     ]
-    for record, _, _ in cases:
-        servicer._tell_observers(record, True, context)
+    with caplog.at_level("INFO", logger="llmserve.requests"):
+        for record, _, _ in cases:
+            servicer._record_end(record, True, context)
     assert [(call.code, call.finish_reason) for call in seen] == [(code, finish) for _, code, finish in cases]
+    logged = [r.getMessage() for r in caplog.records if r.name == "llmserve.requests" and r.levelname == "INFO"]
+    assert [f"finish={finish or '-'}" in line for line, (_, _, finish) in zip(logged, cases, strict=True)] == [True] * 5
+    assert "status=ValueError" in logged[0]  # the log names an unmapped fault by its type
     call = seen[-1]
     assert call.has_session is True and call.metadata == (("x-session-id", "s"),) and call.start_ns > 0
-    servicer._tell_observers(
-        RequestRecord("f", 1.0, status="OK"), False, SimpleNamespace(invocation_metadata=lambda: None)
-    )
+    servicer._record_end(CallRecord("f", 1.0, status="OK"), False, SimpleNamespace(invocation_metadata=lambda: None))
     assert seen[-1].has_session is False and seen[-1].metadata == ()
 
 
@@ -524,8 +527,8 @@ def test_endings_that_are_not_a_finish_end_the_stream_with_their_status(reason: 
     """The last message is sent first (with its finish reason), then the call ends with the ending's status."""
     from llmserve.config import ServerConfig
     from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams, Usage
-    from llmserve.request_log import RequestRecord
     from llmserve.service import GenerateServicer, ServiceError
+    from llmserve.telemetry.call import CallRecord
 
     class OneDelta:
         async def generate(self, request: GenerationRequest):
@@ -534,7 +537,7 @@ def test_endings_that_are_not_a_finish_end_the_stream_with_their_status(reason: 
     async def stream() -> list[pb.GenerateResponse]:
         servicer = GenerateServicer(ServerConfig())
         gen = GenerationRequest("r", (1, 2, 3), stopping=StoppingParams(max_new_tokens=4))
-        return [r async for r in servicer._stream(OneDelta(), gen, pb.GenerateRequest(), RequestRecord("r", 0.0))]
+        return [r async for r in servicer._stream(OneDelta(), gen, pb.GenerateRequest(), CallRecord("r", 0.0))]
 
     with pytest.raises(ServiceError) as err:
         asyncio.run(stream())

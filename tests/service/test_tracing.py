@@ -13,9 +13,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from llmserve import tracing
 from llmserve.app import LLMServer
 from llmserve.config import from_args
+from llmserve.telemetry import tracing
 from llmserve_client import build_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 

@@ -1,4 +1,9 @@
-"""The asyncio front end of the engine: `generate()` streams a request's deltas; the step loop runs on a thread."""
+"""The asyncio front end of the engine: `generate()` streams a request's deltas; the step loop runs on a thread.
+
+The step thread hands each step's token outputs to the event loop in one call; there the output processor
+(output_processor.py) turns them into deltas (text, stop strings) and routes each to its stream. Detokenizing
+costs the event loop, not the thread that feeds the device.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from typing import Any
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.request import Delta, EngineDead, GenerationRequest, QueueFull, StoppingParams
 from llmserve.models import LoadedModel
@@ -25,10 +32,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Deltas the step thread delivered since its last flush, handed to the event loop in one call per step:
-        # a call_soon_threadsafe per delta costs the step thread ~1 ms at 256 sequences, one per step ~0.03 ms.
-        self._outbox: list[tuple[asyncio.Queue[Delta], Delta]] = []
-        self.core.flush = self._flush
+        self._outputs = OutputProcessor(loaded.tokenizer)  # used on the event loop only
 
     @property
     def tokenizer(self) -> Any:  # a transformers tokenizer, or None for random-weight models
@@ -69,7 +73,9 @@ class AsyncEngine:
         """Warm up (one short generation, off the event loop), then start the step thread."""
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._warm_up)
-        self._thread = threading.Thread(target=self.core.run, args=(self._stop,), name="llmserve-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self.core.run, args=(self._stop, self._emit), name="llmserve-engine", daemon=True
+        )
         self._thread.start()
 
     async def shutdown(self) -> None:
@@ -79,15 +85,24 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+            self.core.drain_inbox()  # a session query that came as the thread ended: answered here
 
     def stats(self) -> EngineStats:
         return self.core.stats()
 
-    def get_session(self, session_id: str) -> SessionInfo | None:
-        return self.core.get_session(session_id)
+    async def get_session(self, session_id: str) -> SessionInfo | None:
+        """The cached session's state, asked of the step thread through its inbox (answered within a step)."""
+        answer = await self._ask(session_id, delete=False)
+        return answer if isinstance(answer, SessionInfo) else None
 
-    def delete_session(self, session_id: str) -> bool:
-        return self.core.delete_session(session_id)
+    async def delete_session(self, session_id: str) -> bool:
+        return bool(await self._ask(session_id, delete=True))
+
+    async def _ask(self, session_id: str, *, delete: bool) -> SessionInfo | bool | None:
+        reply = self.core.query_session(session_id, delete=delete)
+        if self._thread is None:  # no step thread: nothing else touches the books, answer here
+            self.core.drain_inbox()
+        return await asyncio.wrap_future(reply)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         """Stream the request's deltas. Raises InvalidRequest, EngineDead or QueueFull before the first one.
@@ -105,11 +120,8 @@ class AsyncEngine:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
-
-        def deliver(delta: Delta) -> None:  # on the step thread, which flushes after each step
-            self._outbox.append((deltas, delta))
-
-        handle = self.core.submit(request, deliver)
+        handle = self.core.submit(request)
+        self._outputs.add(handle, request, deltas.put_nowait)  # before any output can reach the loop
         finished = False
         try:
             delta = await deltas.get()  # the first token goes out alone, as soon as it exists
@@ -123,30 +135,30 @@ class AsyncEngine:
                     delta = delta.then(deltas.get_nowait())
         finally:
             if not finished:
+                self._outputs.discard(handle)
                 self.core.abort(handle)
 
-    def _flush(self) -> None:
-        """On the step thread: hand the deltas delivered since the last flush to the event loop, in one call."""
-        if not self._outbox or self._loop is None:
+    def _emit(self, outputs: list[EngineOutput]) -> None:
+        """On the step thread: hand one pass's outputs to the event loop, in one call (a call_soon_threadsafe per
+        delta cost the step thread ~1 ms at 256 sequences, one per step ~0.03 ms)."""
+        if self._loop is None:
             return
-        batch, self._outbox = self._outbox, []
         try:
-            self._loop.call_soon_threadsafe(_dispatch, batch)
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        """On the event loop: deltas to their streams; requests a stop string ended are stopped in the core."""
+        for handle, keep_generated in self._outputs.process(outputs):
+            self.core.abort(handle, keep_generated)
+
     def _warm_up(self) -> None:
+        """One short generation stepped on this thread, before the step thread starts."""
         request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
-        done = threading.Event()
-
-        def deliver(delta: Delta) -> None:
-            if delta.finished:
-                done.set()
-
-        self.core.submit(request, deliver)
-        self.core.run_until(done)
-
-
-def _dispatch(batch: list[tuple[asyncio.Queue[Delta], Delta]]) -> None:
-    for deltas, delta in batch:
-        deltas.put_nowait(delta)
+        handle = self.core.submit(request)
+        while True:
+            self.core.drain_inbox()
+            self.core.step()
+            if any(out.handle == handle and out.finished for out in self.core.take_outputs()):
+                return

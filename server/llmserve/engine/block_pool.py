@@ -1,26 +1,49 @@
 """Book-keeping for the fixed pool of KV blocks: reference counts, free lists and prefix hashes.
 
-No tensors live here; the runner owns the KV memory and this class only says which block ids are whose.
+No tensors live here; the backend owns the KV memory and this class only says which block ids are whose.
 A block is in exactly one of three states:
 - owned: ref_count > 0 (held by running sequences and/or sessions);
 - cached: ref_count == 0 but its content is known by a prefix hash, so a later request may revive it;
   cached blocks are evicted least recently freed first when fresh blocks are needed;
 - free: ref_count == 0 and no hash.
+
+A block's prefix hash is a 128-bit BLAKE2b digest over its parent's digest and its own tokens, chained from a
+root that carries the cache salt. A prompt cannot be crafted to collide with another caller's block, and a hit
+is still checked against the block's recorded parent and tokens, so even a collision could not serve KV that
+is not the prompt's own. The digests are stable across processes (no per-process key): a lower KV tier may
+keep blocks under them across a restart.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+BlockHash = bytes  # 16 bytes: see chain_hash
+_DIGEST_BYTES = 16
 
 
 class NoFreeBlocks(RuntimeError):
     """Raised by allocate() when fewer blocks are free than asked for; callers check can_allocate first."""
 
 
-def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """Hash of a full block given the hash of the block before it, so equal hashes mean equal prefixes."""
-    return hash((parent, tuple(tokens)))
+def prefix_root(salt: str | None) -> BlockHash:
+    """The parent of a prompt's first block: one root per cache salt, so salts never share a block."""
+    data = b"llmserve.prefix.v1" if salt is None else b"llmserve.prefix.v1\x00salt\x00" + salt.encode()
+    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
+
+
+_UNSALTED_ROOT = prefix_root(None)
+
+
+def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+    """Digest of a full block given its parent's digest (None: the unsalted root), so equal digests mean
+    equal prefixes. Tokens are hashed as fixed-width integers: no two token lists share an encoding."""
+    digest = hashlib.blake2b(_UNSALTED_ROOT if parent is None else parent, digest_size=_DIGEST_BYTES)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class BlockPool:
@@ -32,8 +55,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self._hash_to_block: dict[int, int] = {}
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        # What a hashed block holds, checked on every hit: its parent's digest and its own tokens.
+        self._content: list[tuple[BlockHash, tuple[int, ...]] | None] = [None] * num_blocks
+        self._hash_to_block: dict[BlockHash, int] = {}
+        self.num_hash_mismatches = 0  # hits whose content differed from the prompt's: never reused
         # Pop from the end; reversed so that low ids come out first (nicer to read in tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()
@@ -57,9 +83,18 @@ class BlockPool:
         """How many blocks hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def lookup(self, block_hash: int) -> int | None:
-        """The block whose content has this prefix hash, owned or cached, if any."""
-        return self._hash_to_block.get(block_hash)
+    def lookup(self, block_hash: BlockHash, parent: BlockHash | None, tokens: Sequence[int]) -> int | None:
+        """The block, owned or cached, that holds exactly these tokens after this parent, if any.
+
+        `block_hash` is chain_hash(parent, tokens) (parent None: the unsalted root); the block's recorded content
+        is compared too, so a digest that matched by collision is a miss (and counted in num_hash_mismatches)."""
+        block = self._hash_to_block.get(block_hash)
+        if block is None:
+            return None
+        if self._content[block] != (parent or _UNSALTED_ROOT, tuple(tokens)):
+            self.num_hash_mismatches += 1
+            return None
+        return block
 
     # -- changes ---------------------------------------------------------------------------------
 
@@ -100,8 +135,8 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Record that an owned, full block holds the prefix with this hash.
+    def register(self, block: int, block_hash: BlockHash, parent: BlockHash | None, tokens: Sequence[int]) -> None:
+        """Record that an owned, full block holds `tokens` after the prefix `parent`, with this hash.
 
         If another block already holds that prefix, the first one stays the canonical copy and this
         block stays anonymous (it is freed normally).
@@ -111,6 +146,7 @@ class BlockPool:
         if self.block_hash[block] is not None or block_hash in self._hash_to_block:
             return
         self.block_hash[block] = block_hash
+        self._content[block] = (parent or _UNSALTED_ROOT, tuple(tokens))
         self._hash_to_block[block_hash] = block
 
     def clear_cache(self) -> None:
@@ -125,6 +161,7 @@ class BlockPool:
         if block_hash is not None:
             del self._hash_to_block[block_hash]
             self.block_hash[block] = None
+            self._content[block] = None
 
     # -- checking --------------------------------------------------------------------------------
 

@@ -1,9 +1,12 @@
-"""The engine's step loop: typed commands in, one step at a time, deltas out.
+"""The engine's step loop: typed commands in, one step at a time, token outputs out.
 
 A step reads as its five parts: drain the inbox (`Add`, `Abort`), schedule (the scheduler's `StepPlan`),
-execute (the backend: one forward, the rows that sample), update the books, emit each request's delta. The
-step thread owns all engine state; other threads only put commands in the inbox and use the session methods,
-which take the book-keeping lock.
+execute (the backend: one forward, the rows that sample), update the books, collect each request's
+`EngineOutput` (token ids, logprobs, finish facts; no text). `run()` hands each pass's outputs to the `emit`
+callback it is given, once per pass; the front end (async_engine.py with output_processor.py) owns text,
+stop strings and the caller's deltas. The step thread owns all engine state and takes no lock: other threads
+only put commands in the inbox, session queries too (`SessionQuery`, answered through a future when the
+inbox is next drained), and read `stats()`.
 """
 
 from __future__ import annotations
@@ -15,26 +18,24 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from llmserve.engine.backends import create_backend
 from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.outputs import EngineOutput, RequestStart
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import (
-    Delta,
     FinishReason,
     GenerationRequest,
     InvalidRequest,
     SeqStatus,
     Sequence,
     Timing,
-    TokenLogprob,
     Usage,
 )
 from llmserve.engine.sampler import RowFailed, Sampled
@@ -49,31 +50,37 @@ MAX_CONSECUTIVE_FAILURES = 3
 
 @dataclass(slots=True, frozen=True)
 class Add:
-    """Start serving `request`; its deltas go to `deliver` (called on the step thread)."""
+    """Start serving `request` under `handle`."""
 
     handle: int
     request: GenerationRequest
-    deliver: Callable[[Delta], None]
     arrival: float  # time.monotonic()
 
 
 @dataclass(slots=True, frozen=True)
 class Abort:
-    """Stop the request `submit` returned `handle` for; its final delta says CANCELLED."""
+    """Stop the request `submit` returned `handle` for; its final output says CANCELLED.
+
+    With `keep_generated` the front end ended the request itself (a stop string in its text after that many
+    generated tokens): tokens past those are dropped, so the session keeps exactly what the caller was sent,
+    and the request finishes as STOP_SEQUENCE."""
 
     handle: int
+    keep_generated: int | None = None
 
 
-Command = Add | Abort
+@dataclass(slots=True, frozen=True)
+class SessionQuery:
+    """Read (`delete` False: a SessionInfo or None) or delete (True: whether anything was held) a cached session;
+    the answer comes through `reply` from the thread that drains the inbox."""
+
+    session_id: str
+    delete: bool
+    reply: Future[SessionInfo | bool | None]
 
 
-@dataclass(slots=True, eq=False)
-class _Live:
-    """A request inside the engine: its sequence, detokenizer and where its deltas go."""
-
-    seq: Sequence
-    detok: IncrementalDetokenizer | None
-    deliver: Callable[[Delta], None]
+Command = Add | Abort | SessionQuery
+Emit = Callable[[list[EngineOutput]], None]
 
 
 def sliding_window(config: object) -> int | None:
@@ -87,12 +94,11 @@ def sliding_window(config: object) -> int | None:
 
 class EngineCore:
     """Owns scheduler, sessions, block pool and backend; `step()` is one iteration. Not thread-safe itself:
-    the step thread calls step(); others only use submit(), abort() and the session methods."""
+    the step thread calls step(); others only use submit(), abort(), query_session() and stats()."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded
         self.config = config
-        self.tokenizer: Any = loaded.tokenizer  # a transformers tokenizer (its decode returns str here)
         self.max_model_len = min(config.max_model_len or loaded.context_length, loaded.context_length)
         self.sliding_window = sliding_window(loaded.model.config)
         if self.sliding_window is not None and self.sliding_window < self.max_model_len:
@@ -118,19 +124,15 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.lock = threading.Lock()  # guards scheduler/sessions/pool against the front end's session calls
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._handles = itertools.count(1)  # also each sequence's arrival order (seq_no)
-        self._live: dict[int, _Live] = {}
+        self._outputs: list[EngineOutput] = []  # this pass's, until take_outputs()
         self._submitted = 0
         self._drained = 0
         self._failures = 0
         self.dead_reason: str | None = None
         self.steps = 0
-        # Called on the step thread after every pass of the loop that may have delivered deltas: a front end
-        # that buffers its deliveries hands them on here, once per step instead of once per delta.
-        self.flush: Callable[[], None] = lambda: None
 
     # -- called from any thread ------------------------------------------------------------------
 
@@ -144,41 +146,29 @@ class EngineCore:
                 f"({self.pool.num_blocks * self.pool.block_size} tokens)",
             )
 
-    def submit(self, request: GenerationRequest, deliver: Callable[[Delta], None]) -> int:
-        """Queue a validated request; `deliver` is called (on the step thread) with each delta. Returns the
-        handle that `abort` takes."""
+    def submit(self, request: GenerationRequest) -> int:
+        """Queue a validated request; returns the handle that its outputs carry and `abort` takes."""
         handle = next(self._handles)
         self._submitted += 1  # written by the submitting thread only; _drained by the step thread only
-        self._inbox.put(Add(handle, request, deliver, time.monotonic()))
+        self._inbox.put(Add(handle, request, time.monotonic()))
         self._wake.set()
         return handle
 
-    def abort(self, handle: int) -> None:
-        self._inbox.put(Abort(handle))
+    def abort(self, handle: int, keep_generated: int | None = None) -> None:
+        """End a request (see `Abort`); a handle that already finished is ignored."""
+        self._inbox.put(Abort(handle, keep_generated))
         self._wake.set()
 
     def wake(self) -> None:
         """Make an idle step loop look at its inbox and stop flag now."""
         self._wake.set()
 
-    def run_until(self, done: threading.Event) -> None:
-        """Step on the calling thread until `done` is set (the warm-up, before the step thread starts)."""
-        while not done.is_set():
-            self._drain_inbox()
-            self.step()
-            self.flush()
-
-    def get_session(self, session_id: str) -> SessionInfo | None:
-        with self.lock:
-            self.sessions.expire()
-            session = self.sessions.get(session_id)
-            if session is None:
-                return None
-            return SessionInfo(session_id, len(session.token_ids), session.last_used_wall)
-
-    def delete_session(self, session_id: str) -> bool:
-        with self.lock:
-            return self.sessions.delete(session_id)
+    def query_session(self, session_id: str, *, delete: bool = False) -> Future[SessionInfo | bool | None]:
+        """Ask about (or delete) a cached session; answered when the inbox is next drained (within a step)."""
+        reply: Future[SessionInfo | bool | None] = Future()
+        self._inbox.put(SessionQuery(session_id, delete, reply))
+        self._wake.set()
+        return reply
 
     @property
     def num_running(self) -> int:
@@ -211,11 +201,12 @@ class EngineCore:
 
     # -- the step thread -------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
-        """Step until `stop` is set; then cancel whatever is left."""
+    def run(self, stop: threading.Event, emit: Emit) -> None:
+        """Step until `stop` is set, handing each pass's outputs to `emit` in one call; then cancel whatever
+        is left."""
         while not stop.is_set():
-            self._drain_inbox()
-            self.flush()  # the final deltas of aborted requests, at once (a no-op when there are none)
+            self.drain_inbox()
+            self._emit_pending(emit)  # the final outputs of aborted requests, at once (none: nothing to do)
             if not self.scheduler.has_work:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -225,19 +216,22 @@ class EngineCore:
             except Exception as exc:  # a fault in the books, not in a forward: fail every request, never hang them
                 log.exception("engine step failed")
                 self._die(f"engine step failed: {type(exc).__name__}: {exc}")
-            self.flush()
-        self._drain_inbox()
-        with self.lock:
-            for live in list(self._live.values()):
-                self._finish(live, FinishReason.CANCELLED)
-        self.flush()
+            self._emit_pending(emit)
+        self.drain_inbox()
+        for seq in list(self.scheduler.live.values()):
+            self._finish(seq, FinishReason.CANCELLED)
+        self._emit_pending(emit)
+
+    def take_outputs(self) -> list[EngineOutput]:
+        """The outputs collected since the last call (commands drained, steps taken), in order."""
+        outputs, self._outputs = self._outputs, []
+        return outputs
 
     def step(self) -> None:
-        """One iteration: schedule, execute, update, emit."""
+        """One iteration: schedule, execute, update, collect outputs."""
         now = time.monotonic()
-        with self.lock:
-            self._expire_deadlines(now)
-            plan = self.scheduler.schedule()
+        self._expire_deadlines(now)
+        plan = self.scheduler.schedule()
         if not plan.seqs:
             return
         for entry in plan.seqs:
@@ -251,14 +245,12 @@ class EngineCore:
         self._failures = 0
         self.steps += 1
         emit_time = time.monotonic()
-        with self.lock:
-            self.scheduler.update(plan)
-            for entry, result in zip(plan.sampling, results, strict=True):
-                self._emit(self._live[entry.seq.seq_no], result, emit_time)
+        self.scheduler.update(plan)
+        for entry, result in zip(plan.sampling, results, strict=True):
+            self._append(entry.seq, result, emit_time)
 
-    # -- internals -------------------------------------------------------------------------------
-
-    def _drain_inbox(self) -> None:
+    def drain_inbox(self) -> None:
+        """Apply every queued command (on the step thread, or the thread that steps by hand)."""
         while True:
             try:
                 command = self._inbox.get_nowait()
@@ -267,19 +259,45 @@ class EngineCore:
             if isinstance(command, Add):
                 self._drained += 1
                 self._add(command)
-            else:
-                live = self._live.get(command.handle)
-                if live is not None:
-                    with self.lock:
-                        self._finish(live, FinishReason.CANCELLED)
+            elif isinstance(command, SessionQuery):
+                command.reply.set_result(self._answer(command))
+            elif (seq := self.scheduler.live.get(command.handle)) is not None:
+                if command.keep_generated is None:
+                    self._finish(seq, FinishReason.CANCELLED)
+                else:
+                    del seq.token_ids[seq.num_prompt + command.keep_generated :]
+                    seq.num_computed = min(seq.num_computed, len(seq.token_ids))
+                    self._finish(seq, FinishReason.STOP_SEQUENCE)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _answer(self, query: SessionQuery) -> SessionInfo | bool | None:
+        if query.delete:
+            return self.sessions.delete(query.session_id)
+        self.sessions.expire()
+        session = self.sessions.get(query.session_id)
+        if session is None:
+            return None
+        return SessionInfo(query.session_id, len(session.token_ids), session.last_used_wall)
+
+    def _emit_pending(self, emit: Emit) -> None:
+        if self._outputs:
+            emit(self.take_outputs())
 
     def _add(self, command: Add) -> None:
         request = command.request
         if self.dead_reason is not None:
             n = len(request.prompt_token_ids)
-            final = Delta(request.request_id, [], finish_reason=FinishReason.ERROR, usage=Usage(n, 0, 0))
-            final.error = self.dead_reason
-            command.deliver(final)
+            self._outputs.append(
+                EngineOutput(
+                    command.handle,
+                    request.request_id,
+                    [],
+                    finish_reason=FinishReason.ERROR,
+                    usage=Usage(n, 0, 0),
+                    error=self.dead_reason,
+                )
+            )
             return
         stopping = request.stopping
         seq = Sequence(
@@ -294,55 +312,35 @@ class EngineCore:
         if not params.greedy:
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
             seq.generator = torch.Generator(device=self.backend.device).manual_seed(seq.seed)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, stopping.stop_sequences, stopping.include_stop_sequence)
-        self._live[command.handle] = _Live(seq, detok, command.deliver)
-        with self.lock:
-            self.scheduler.add(seq)
+        self.scheduler.add(seq)
 
-    def _emit(self, live: _Live, result: Sampled | RowFailed, now: float) -> None:
-        """Hand a sampled token to its request; a failure here is that request's alone."""
+    def _append(self, seq: Sequence, result: Sampled | RowFailed, now: float) -> None:
+        """Hand a sampled token to its request; a failed row is that request's alone."""
         if isinstance(result, RowFailed):
-            self._finish(live, FinishReason.ERROR, error=result.error)
+            self._finish(seq, FinishReason.ERROR, error=result.error)
             return
-        try:
-            self._append(live, result.token_id, result.logprob, now)
-        except Exception as exc:  # its stop strings or detokenizer
-            log.exception("request %r failed after its forward", live.seq.request_id)
-            if live.seq.status is not SeqStatus.FINISHED:
-                self._finish(live, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
-
-    def _append(self, live: _Live, token_id: int, lp: TokenLogprob | None, now: float) -> None:
-        seq = live.seq
-        stopping = seq.request.stopping
+        token_id = result.token_id
         seq.token_ids.append(token_id)
+        output = EngineOutput(
+            seq.seq_no, seq.request_id, [token_id], [result.logprob] if result.logprob is not None else None
+        )
         if seq.first_token is None:
             seq.first_token = now
-        text = ""
+            started = seq.first_scheduled if seq.first_scheduled is not None else now
+            output.start = RequestStart(
+                seq.num_prompt, seq.num_cached_prompt, seq.seed, seq.arrival, started - seq.arrival, now - seq.arrival
+            )
         reason = None
         if token_id in seq.stop_ids:
             reason = FinishReason.STOP_TOKEN
         elif token_id in seq.eos_ids:
             reason = FinishReason.EOS
-        if live.detok is not None:
-            pushed = live.detok.push([token_id])
-            text = pushed.text
-            if reason is None and pushed.stop_sequence is not None:
-                reason = FinishReason.STOP_SEQUENCE
-        if reason is None and (
-            seq.num_generated >= stopping.max_new_tokens or len(seq.token_ids) >= self.max_model_len
-        ):
+        elif seq.num_generated >= seq.request.stopping.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = FinishReason.LENGTH
-        delta = Delta(seq.request_id, [token_id], text, [lp] if lp is not None else None)
         if reason is None:
-            live.deliver(delta)
-            return
-        if live.detok is not None and reason is not FinishReason.STOP_SEQUENCE:
-            delta.text += live.detok.flush()
-            if live.detok.stopped_on is not None:  # the held-back tail completed a stop string
-                reason = FinishReason.STOP_SEQUENCE
-        self._finish(live, reason, delta=delta)
+            self._outputs.append(output)
+        else:
+            self._finish(seq, reason, output=output)
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
         """The shared forward raised: every request in it fails, and none of their KV may be reused."""
@@ -352,43 +350,38 @@ class EngineCore:
         if self._failures >= MAX_CONSECUTIVE_FAILURES:
             # Set before the batch hears of its failure, so that callers see a dead engine at once.
             self.dead_reason = f"{MAX_CONSECUTIVE_FAILURES} consecutive failed steps, last: {error}"
-        with self.lock:
-            self.scheduler.abandon(plan)
-            for entry in plan.seqs:
-                live = self._live.get(entry.seq.seq_no)
-                if live is not None:
-                    self._finish(live, FinishReason.ERROR, error=error)
+        self.scheduler.abandon(plan)
+        for entry in plan.seqs:
+            if entry.seq.status is not SeqStatus.FINISHED:
+                self._finish(entry.seq, FinishReason.ERROR, error=error)
         if self.dead_reason is not None:
             self._die(self.dead_reason)
 
     def _finish(
-        self, live: _Live, reason: FinishReason, *, delta: Delta | None = None, error: str | None = None
+        self, seq: Sequence, reason: FinishReason, *, output: EngineOutput | None = None, error: str | None = None
     ) -> None:
-        """Retire a live request (caller holds the lock) and deliver its final delta."""
-        seq = live.seq
+        """Retire a live request and collect its final output."""
         self.scheduler.finish(seq, reason)
-        del self._live[seq.seq_no]
-        if delta is None:
-            delta = Delta(seq.request_id, [])
+        if output is None:
+            output = EngineOutput(seq.seq_no, seq.request_id, [])
         now = time.monotonic()
-        delta.finish_reason = reason
-        delta.error = error
-        delta.seed = seq.seed
-        delta.usage = Usage(seq.num_prompt, seq.num_cached_prompt, seq.num_generated)
+        output.finish_reason = reason
+        output.error = error
+        output.seed = seq.seed
+        output.usage = Usage(seq.num_prompt, seq.num_cached_prompt, seq.num_generated)
         started = seq.first_scheduled if seq.first_scheduled is not None else now
         first = seq.first_token if seq.first_token is not None else now
-        delta.timing = Timing(started - seq.arrival, first - seq.arrival, now - seq.arrival)
-        live.deliver(delta)
+        output.timing = Timing(started - seq.arrival, first - seq.arrival, now - seq.arrival)
+        self._outputs.append(output)
 
     def _expire_deadlines(self, now: float) -> None:
-        for live in [lv for lv in self._live.values() if lv.seq.request.deadline is not None]:
-            deadline = live.seq.request.deadline
+        for seq in [s for s in self.scheduler.live.values() if s.request.deadline is not None]:
+            deadline = seq.request.deadline
             if deadline is not None and deadline <= now:
-                self._finish(live, FinishReason.DEADLINE)
+                self._finish(seq, FinishReason.DEADLINE)
 
     def _die(self, reason: str) -> None:
         log.error("engine is dead: %s", reason)
         self.dead_reason = reason
-        with self.lock:
-            for live in list(self._live.values()):
-                self._finish(live, FinishReason.ERROR, error=reason)
+        for seq in list(self.scheduler.live.values()):
+            self._finish(seq, FinishReason.ERROR, error=reason)

@@ -11,8 +11,10 @@ import enum
 import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the request types are torch-free: the edge and the config import no tensor library
+    import torch
 
 MAX_TOP_LOGPROBS = 20
 # Sampling values past these act as the bound (see SamplingParams): beyond them float32 arithmetic would
@@ -244,7 +246,7 @@ class Sequence:
     seq_no: int
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain_hash of each full block, in order
     num_computed: int = 0
     num_cached_prompt: int = 0
     num_prompt: int = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 
-from llmserve.engine.block_pool import BlockPool, chain_hash
+from llmserve.engine.block_pool import BlockPool, chain_hash, prefix_root
 from llmserve.engine.plan import SeqStep, StepPlan
 from llmserve.engine.request import FinishReason, SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
@@ -36,6 +36,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.running: list[Sequence] = []
+        self.live: dict[int, Sequence] = {}  # every sequence not yet finished, waiting or running, by seq_no
         self._waiting: list[tuple[int, int, Sequence]] = []
         self._num_waiting = 0
         self.num_preemptions = 0
@@ -54,6 +55,7 @@ class Scheduler:
         return bool(self.running) or self._num_waiting > 0
 
     def add(self, seq: Sequence) -> None:
+        self.live[seq.seq_no] = seq
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (-seq.request.priority, seq.seq_no, seq))
         self._num_waiting += 1
@@ -125,6 +127,7 @@ class Scheduler:
             self._num_waiting -= 1  # its heap entry is dropped lazily
         else:
             self.running.remove(seq)
+        del self.live[seq.seq_no]
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         session_id = seq.request.session_id
@@ -203,11 +206,13 @@ class Scheduler:
         shared: list[int] = []
         if self.enable_prefix_caching:
             self._hash_blocks(seq, limit // bs)
-            for block_hash in seq.block_hashes[: limit // bs]:
-                block = self.pool.lookup(block_hash)
+            parent = prefix_root(seq.request.cache_salt)
+            for i, block_hash in enumerate(seq.block_hashes[: limit // bs]):
+                block = self.pool.lookup(block_hash, parent, tokens[i * bs : (i + 1) * bs])
                 if block is None:
                     break
                 shared.append(block)
+                parent = block_hash
         session_id = seq.request.session_id
         if session_id is not None:
             matched, blocks = self.sessions.match(session_id, tokens)
@@ -221,9 +226,8 @@ class Scheduler:
     def _hash_blocks(self, seq: Sequence, num_full: int) -> None:
         bs = self.pool.block_size
         hashes = seq.block_hashes
-        salt = seq.request.cache_salt
-        # The salt is folded into the first block's hash, so every later block inherits it through the chain.
-        root = None if salt is None else hash(("cache_salt", salt))
+        # The salt is the root of the chain, so every block inherits it through its parents.
+        root = prefix_root(seq.request.cache_salt) if len(hashes) < num_full else b""
         while len(hashes) < num_full:
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[i * bs : (i + 1) * bs]))
@@ -234,7 +238,9 @@ class Scheduler:
         self._hash_blocks(seq, num_full)
         for i in range(computed_before // bs, num_full):
             if self.pool.block_hash[seq.block_table[i]] is None:
-                self.pool.register(seq.block_table[i], seq.block_hashes[i])
+                parent = seq.block_hashes[i - 1] if i else prefix_root(seq.request.cache_salt)
+                tokens = seq.token_ids[i * bs : (i + 1) * bs]
+                self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens)
 
 
 def _step(seq: Sequence, n: int) -> SeqStep:

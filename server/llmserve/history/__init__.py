@@ -64,8 +64,8 @@ def check_store_spec(text: str) -> str:
 
 
 def open_store(config: HistoryConfig, *, max_tokens: int | None = None) -> HistoryStore:
-    """The store `config.store` names, not yet connected (the server calls `connect()` at start)."""
-    spec = check_store_spec(config.store)
+    """The store `config.store` names (None: memory), not yet connected (the server calls `connect()` at start)."""
+    spec = check_store_spec(config.store or "memory")
     if spec == "memory":
         return MemoryHistoryStore(config, max_tokens=max_tokens)
     if spec.startswith("sqlite:"):

@@ -62,8 +62,10 @@ class HistoryInput(enum.Enum):
 class HistoryConfig:
     """Limits of the history store and where it lives. `max_tokens` None: the model's context length.
 
-    `store`: "memory", "sqlite:PATH" or "redis://HOST:PORT/DB". `optional`: a store unreachable at start
-    leaves the server serving stateless calls (calls with a session id fail UNAVAILABLE until it answers).
+    `store`: "memory", "sqlite:PATH" or "redis://HOST:PORT/DB"; None: memory for a server built in-process,
+    `sqlite:<cache dir>/sessions.sqlite3` for `python -m llmserve` (config.from_args fills it in).
+    `optional`: a store unreachable at start leaves the server serving stateless calls (calls with a session id
+    fail UNAVAILABLE until it answers).
     `lease_s`: how long a continuing call's lease outlives its holder's last renewal (shared stores).
     """
 
@@ -71,7 +73,7 @@ class HistoryConfig:
     max_sessions: int = 4096
     max_bytes: int = 256 << 20
     max_tokens: int | None = None
-    store: str = "memory"
+    store: str | None = None
     optional: bool = False
     lease_s: float = 10.0
 

@@ -8,11 +8,11 @@ computes the same layer with
   packed_linear applies);
 - RMSNorm, the residual add folded into the next RMSNorm, rotary embedding and SiLU-and-multiply as single
   passes (csrc/fused_ops.c through native.FusedOps);
-- the runner's paged attention, called directly.
+- the backend's paged attention, called directly.
 
 It serves Llama, Mistral, Qwen2 and Qwen3 checkpoints (SiLU MLP, RMSNorm, rotary embedding computed by the
 model's own rotary module, so every rope scaling type works), float32 or float64, on the CPU. `build`
-returns None for anything else and the runner calls the model's own forward. The model itself is left as
+returns None for anything else and the backend calls the model's own forward. The model itself is left as
 it is: `generate` on it still runs transformers' code.
 """
 
@@ -30,7 +30,7 @@ from transformers.activations import SiLUActivation
 from llmserve.engine.backends.cpu import native, packed_linear
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# runner.paged_attention: (module, query [1, H, T, D], key, value [1, KVH, T, D], mask, scaling=, llmserve_batch=)
+# attention.paged_attention: (module, query [1, H, T, D], key, value [1, KVH, T, D], mask, scaling=, llmserve_batch=)
 Attention = Callable[..., tuple[torch.Tensor, None]]
 SILU_TYPES = (nn.SiLU, SiLUActivation)
 
@@ -117,7 +117,7 @@ class FusedForward:
     def build(cls, model: Any, ops: native.FusedOps | None, pack: bool, attention: Attention) -> FusedForward | None:
         """The fused forward of `model`, or None where it does not apply (another architecture, a device
         other than the CPU, a dtype the kernels lack, or no compiled kernels). `pack`: run the linears on
-        packed oneDNN weights (float32 only); `attention`: the runner's paged attention function."""
+        packed oneDNN weights (float32 only); `attention`: the backend's paged attention function."""
         param = next(model.parameters())
         config = model.config
         if ops is None or param.device.type != "cpu" or param.dtype not in ops.dtypes:

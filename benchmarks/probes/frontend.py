@@ -1,14 +1,14 @@
 """How many tokens a second the serving path carries when the model costs nothing: in-process vs over gRPC.
 
 The real engine (scheduler, step thread, sampling, the per-step hand-off to the event loop) over a 2-layer tiny
-Llama whose model call is stubbed out (benchmarks/host_overhead.py's stub: ready logits), so the figures are the
+Llama whose model call is stubbed out (benchmarks/probes/host_overhead.py's stub: ready logits), so the figures are the
 host side's ceiling: what the engine, the service and gRPC can carry whatever the device. `--streams` closed-loop
 streams each ask for `--tokens` token ids (ids in, ids out, no tokenizer) again and again; in-process they are
 consumed on an event loop with `AsyncEngine.generate`, over gRPC by a client in a process of its own (grpc.aio)
 talking to an LLMServer in this one. The two alternate, `--rounds` times each; tokens/s over each window after a
 one-second warm-up.
 
-    python benchmarks/frontend.py [--streams 256] [--tokens 128] [--seconds 10] [--rounds 2]
+    python benchmarks/probes/frontend.py [--streams 256] [--tokens 128] [--seconds 10] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.paths import child_env, make_importable  # noqa: E402
 
@@ -31,7 +31,7 @@ make_importable()
 
 import torch  # noqa: E402
 
-from benchmarks.host_overhead import VOCAB, stub_model_call  # noqa: E402
+from benchmarks.probes.host_overhead import VOCAB, stub_model_call  # noqa: E402
 from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402

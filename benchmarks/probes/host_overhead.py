@@ -6,9 +6,9 @@ idle between steps, so it must stay small as the batch grows. This script builds
 2-layer tiny Llama, keeps `batch` sequences decoding, replaces only the model call (`backend.forward`, or the
 fused forward on the CPU) with one that returns ready logits, and times `EngineCore.step()`.
 
-    python benchmarks/host_overhead.py                       # CPU backend and the CUDA backend's paths, on the CPU
-    python benchmarks/host_overhead.py --batches 32 64 256 --steps 300
-    python benchmarks/host_overhead.py --front-end           # deltas through AsyncEngine to an event loop
+    python benchmarks/probes/host_overhead.py             # CPU backend and the CUDA backend's paths, on the CPU
+    python benchmarks/probes/host_overhead.py --batches 32 64 256 --steps 300
+    python benchmarks/probes/host_overhead.py --front-end           # deltas through AsyncEngine to an event loop
 
 With --front-end every request is a stream of AsyncEngine.generate consumed on an event loop thread, as in the
 server, and a step's time includes handing its deltas to that loop.
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.paths import make_importable  # noqa: E402
 
@@ -46,10 +46,15 @@ from tests.tiny import tiny_config  # noqa: E402
 VOCAB = 512
 
 
+# With --tokenizer the stub's logits pick this id, a plain word piece in SmolLM2's vocabulary (under VOCAB).
+TEXT_TOKEN = 300
+
+
 def stub_model_call(core: EngineCore) -> None:
     """Replace the backend's model call (not its metadata) with ready logits of the right shape."""
     backend = core.backend
     logits = torch.zeros(1024, VOCAB)
+    logits[:, TEXT_TOKEN] = 1.0
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: object):
         return logits[: input_ids.shape[1] if keep is None else len(keep)]
@@ -86,9 +91,13 @@ def submit_through_front_end(engine: AsyncEngine, requests: list[GenerationReque
     return stop
 
 
-def measure(batch: int, backend: str, steps: int, prompt: int = 100, front_end: bool = False) -> dict[str, float]:
-    """Median and P90 host milliseconds per decode step with `batch` sequences running."""
+def measure(
+    batch: int, backend: str, steps: int, prompt: int = 100, front_end: bool = False, tokenizer: object = None
+) -> dict[str, float]:
+    """Median and P90 host milliseconds per decode step with `batch` sequences running (detokenized with
+    `tokenizer` where the engine does that, when one is given)."""
     loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
+    loaded.tokenizer = tokenizer
     config = EngineConfig(
         block_size=16,
         kv_cache_tokens=batch * (prompt + steps + 64) + 1024,
@@ -111,17 +120,18 @@ def measure(batch: int, backend: str, steps: int, prompt: int = 100, front_end: 
         stop = submit_through_front_end(engine, requests)
     else:
         for request in requests:
-            core.submit(request, lambda d: None)
-    flush = getattr(core, "flush", lambda: None)  # the front end's hand-off of the step's deltas
-    core._drain_inbox()
+            core.submit(request)
+    # The step thread's hand-off of each step's outputs: to the event loop with the front end, else dropped.
+    emit: Callable[[list], None] = engine._emit if engine is not None else (lambda outputs: None)
+    core.drain_inbox()
     while len(core.scheduler.running) < batch or any(s.num_uncomputed > 1 for s in core.scheduler.running):
         core.step()  # prefill until every sequence decodes one token a step
-        flush()
+        emit(core.take_outputs())
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         core.step()
-        flush()
+        emit(core.take_outputs())
         times.append((time.perf_counter() - started) * 1e3)
     if stop is not None:
         stop()
@@ -136,12 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", nargs="+", default=["cpu", "cuda-path", "cuda-path-triton"])
     p.add_argument("--front-end", action="store_true", help="stream every request through AsyncEngine.generate")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--tokenizer", action="store_true", help="detokenize with the default model's tokenizer")
     args = p.parse_args(argv)
+    tokenizer = None
+    if args.tokenizer:
+        from llmserve.models import load_model
+
+        tokenizer = load_model().tokenizer
     torch.set_num_threads(1)  # host work is one thread's work; keep the figures comparable across machines
     results = {}
     for backend in args.backends:
         for batch in args.batches:
-            r = measure(batch, backend, args.steps, front_end=args.front_end)
+            r = measure(batch, backend, args.steps, front_end=args.front_end, tokenizer=tokenizer)
             results[f"{backend}/{batch}"] = r
             print(f"{backend:10s} batch {batch:4d}: median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
     if args.json:

@@ -1,4 +1,4 @@
-"""One log line per Generate call, and the process's two log formats.
+"""One log line per Generate call (from its CallRecord), and the process's two log formats.
 
 Text (the default) writes `key=value` pairs; any value that is not a plain token (letters, digits, `._:/@+-`)
 is written as a JSON string, so a caller's request id, session id or prompt can neither end the line nor
@@ -13,10 +13,9 @@ import logging
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.engine.request import Delta
+from llmserve.telemetry.call import CallRecord
 
 log = logging.getLogger("llmserve.requests")
 
@@ -39,63 +38,30 @@ def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-@dataclass(slots=True)
-class RequestRecord:
-    """What the one log line per Generate call says."""
+def call_fields(call: CallRecord) -> dict[str, Any]:
+    """The line's fields, in order; caller-controlled values are clipped here and quoted by the formatter."""
+    first = call.first_token
+    out: dict[str, Any] = {
+        "request_id": clip(call.request_id, MAX_LOGGED_ID_CHARS),
+        "status": call.status,
+        "finish": call.finish_reason or "-",
+        "prompt_tokens": call.prompt_tokens,
+        "cached_tokens": call.cached_prompt_tokens,
+        "completion_tokens": call.completion_tokens,
+        "ttft_ms": None if first is None else round((first - call.start) * 1e3, 1),
+        "duration_ms": round((call.end - call.start) * 1e3, 1),
+    }
+    if call.identity is not None:
+        out["identity"] = call.identity
+    if call.prompt is not None:
+        out["prompt"] = clip(call.prompt, MAX_LOGGED_PROMPT_CHARS)
+    return out
 
-    request_id: str
-    start: float
-    identity: str | None = None
-    start_ns: int = field(default_factory=time.time_ns)
-    first_token: float | None = None
-    queued: float | None = None  # when handed to the engine
-    token_times: list[float] = field(default_factory=list)
-    queue_s: float | None = None
-    prompt_tokens: int = 0
-    cached: int = 0
-    completion: int = 0
-    finish: str = "-"
-    status: str = "UNKNOWN"
-    prompt: str | None = None
 
-    def observe(self, delta: Delta) -> None:
-        if delta.token_ids:
-            now = time.monotonic()
-            self.token_times.append(now)
-            if self.first_token is None:
-                self.first_token = now
-        self.completion += len(delta.token_ids)
-        if delta.finish_reason is not None:
-            self.finish = delta.finish_reason.value
-        if delta.usage is not None:
-            self.prompt_tokens = delta.usage.prompt_tokens
-            self.cached = delta.usage.cached_prompt_tokens
-            self.completion = delta.usage.completion_tokens
-        if delta.timing is not None:
-            self.queue_s = delta.timing.queue_s
-
-    def fields(self) -> dict[str, Any]:
-        """The line's fields, in order; caller-controlled values are clipped here and quoted by the formatter."""
-        ttft = None if self.first_token is None else round((self.first_token - self.start) * 1e3, 1)
-        out: dict[str, Any] = {
-            "request_id": clip(self.request_id, MAX_LOGGED_ID_CHARS),
-            "status": self.status,
-            "finish": self.finish,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached,
-            "completion_tokens": self.completion,
-            "ttft_ms": ttft,
-            "duration_ms": round((time.monotonic() - self.start) * 1e3, 1),
-        }
-        if self.identity is not None:
-            out["identity"] = self.identity
-        if self.prompt is not None:
-            out["prompt"] = clip(self.prompt, MAX_LOGGED_PROMPT_CHARS)
-        return out
-
-    def emit(self) -> None:
-        fields = self.fields()
-        log.info(format_fields(fields), extra={"fields": fields})
+def log_call(call: CallRecord) -> None:
+    """The one log line of a closed call."""
+    fields = call_fields(call)
+    log.info(format_fields(fields), extra={"fields": fields})
 
 
 def format_fields(fields: dict[str, Any]) -> str:

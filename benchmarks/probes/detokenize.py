@@ -4,7 +4,7 @@ The default model's tokenizer, README text as the generated ids, with and withou
 tokenizer's own `decode` (transformers' Python layers around the Rust tokenizer) with the Rust backend's decode
 that the detokenizer uses where the two agree, alternated in one run.
 
-    python benchmarks/detokenize.py [--sequences 256] [--steps 200] [--rounds 3]
+    python benchmarks/probes/detokenize.py [--sequences 256] [--steps 200] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.paths import make_importable  # noqa: E402
 
@@ -27,7 +27,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from llmserve.engine import detokenizer  # noqa: E402
 from llmserve.models import convert_gguf, default_gguf_path  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def step_ms(tokenizer: object, ids: list[int], sequences: int, steps: int, stops: list[str]) -> float:

@@ -16,7 +16,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from llmserve.observe import FinishedCall
+from llmserve.telemetry.call import CallRecord
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -38,7 +38,7 @@ class Tracing:
         self.replica = replica
         self._tracer = provider.get_tracer("llmserve")
 
-    def call_finished(self, call: FinishedCall) -> None:
+    def call_finished(self, call: CallRecord) -> None:
         from opentelemetry import propagate
         from opentelemetry.trace import SpanKind, Status, StatusCode
 

@@ -1,8 +1,8 @@
 """Issue 12's GPU figures in one run: nano-vllm's workload in-process and over gRPC, decode step times with the
 GPU's idle share, per random-weight shape; written as benchmarks/results/latest-gpu.json's summary.
 
-    python benchmarks/gpu_perf.py --out DIR                        # on the GPU: all three shapes, bf16
-    python benchmarks/gpu_perf.py --device cpu --smoke --out DIR   # the same code on tiny sizes (tested in CI)
+    python benchmarks/probes/gpu_perf.py --out DIR                        # on the GPU: all three shapes, bf16
+    python benchmarks/probes/gpu_perf.py --device cpu --smoke --out DIR   # the same code on tiny sizes (tested in CI)
 
 nano-vllm's workload: 256 sequences, prompt and output lengths uniform in 100-1,024, all submitted at once,
 EOS ignored; output tokens over the wall time from the first submission to the last token. Over gRPC the
@@ -11,7 +11,7 @@ server is `python -m llmserve` in its own process, the client this one (llmserve
 Decode step: `batch` sequences decoding at ~300 tokens of context (CUDA graphs on); wall milliseconds per
 `EngineCore.step`, and the share of that wall time the GPU spent outside the model call (CUDA events around
 each forward, i.e. host work the GPU waited on). The ladder's 32-client figures come from benchmarks/run.py
-(`benchmarks/gpu.sh`), whose reports sit beside this file's summary; `ladder32` is left for them.
+(`benchmarks/probes/gpu.sh`), whose reports sit beside this file's summary; `ladder32` is left for them.
 
 On the lent GPU machine the wheels it lacks travel with the call (grpcio-health-checking, grpcio-reflection,
 grpcio-status, prometheus-client; see the device tool's README).
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.paths import child_env, make_importable  # noqa: E402
 
@@ -142,8 +142,8 @@ def decode_step(loaded: LoadedModel, batch: int, steps: int, context: int) -> di
     vocab = loaded.vocab_size
     for i in range(batch):
         prompt = tuple((i * 7 + j) % (vocab - 3) + 3 for j in range(context))
-        core.submit(GenerationRequest(f"d{i}", prompt, stopping=stopping), lambda d: None)
-    core._drain_inbox()
+        core.submit(GenerationRequest(f"d{i}", prompt, stopping=stopping))
+    core.drain_inbox()
     while len(core.scheduler.running) < batch or any(s.num_uncomputed > 1 for s in core.scheduler.running):
         core.step()
     cuda = loaded.device.type == "cuda"
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-        "command": " ".join(["python", "benchmarks/gpu_perf.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python", "benchmarks/probes/gpu_perf.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     for shape in args.shapes.split(","):
         summary[shape] = measure_shape(shape, args)

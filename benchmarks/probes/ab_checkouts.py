@@ -3,7 +3,7 @@
 Run it once per checkout, alternating (A B A B), and compare the windows' output tokens/s:
 
     git worktree add /tmp/old <commit before a change>
-    for root in /tmp/old . /tmp/old .; do .venv/bin/python benchmarks/ab_checkouts.py "$root"; done
+    for root in /tmp/old . /tmp/old .; do .venv/bin/python benchmarks/probes/ab_checkouts.py "$root"; done
 
 Each run imports the benchmark code and llmserve from the checkout it is given and prints one JSON line.
 """

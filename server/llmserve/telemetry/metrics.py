@@ -29,7 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmserve.observe import FinishedCall
+from llmserve.telemetry.call import CallRecord
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -131,7 +131,7 @@ class ServerMetrics:
         """Report this engine's book-keeping from now on."""
         self.engine.engine = engine
 
-    def call_finished(self, call: FinishedCall) -> None:
+    def call_finished(self, call: CallRecord) -> None:
         code = call.code if call.code in _CODES else "UNKNOWN"
         self.requests.labels(code).inc()
         if call.queued is None:

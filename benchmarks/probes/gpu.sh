@@ -13,10 +13,10 @@ export HF_HUB_OFFLINE=1
 out="${OUT:-benchmarks/results}"
 py="${PYTHON:-python}"
 status=0
-"$py" benchmarks/gpu_check.py --out "$out" || status=1
-"$py" benchmarks/gpu_perf.py --out "$out" || status=1
+"$py" benchmarks/probes/gpu_check.py --out "$out" || status=1
+"$py" benchmarks/probes/gpu_perf.py --out "$out" || status=1
 # The host side's ceiling on this machine's CPU (model call stubbed): in-process vs over gRPC, about a minute.
-"$py" benchmarks/frontend.py --json "$out/frontend.json" || status=1
+"$py" benchmarks/probes/frontend.py --json "$out/frontend.json" || status=1
 "$py" benchmarks/run.py --device cuda --dtype bfloat16 --model random:smollm2-135m \
   --systems dynamic,hf_continuous,llmserve --out-dir "$out" "$@" || status=1
 exit "$status"

@@ -1,0 +1,279 @@
+"""The flags of `python -m llmserve`, each declared once: `FLAGS`, read by llmserve.config, which generates the
+parser, the environment variables and the mapping onto the config dataclasses from it (a flag's default is its
+field's dataclass default). Add a setting by adding its field to a config dataclass and one entry here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.engine.request import MAX_TOP_LOGPROBS
+from llmserve.history import check_store_spec
+
+DEFAULT_ADDRESS = "0.0.0.0:50051"
+LOG_FORMATS = ("text", "json")
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a port number in [0, 65535], got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be > 0, got {value}")
+    return value
+
+
+def _log_format(text: str) -> str:
+    value = text.strip().lower()
+    if value not in LOG_FORMATS:
+        raise ValueError(f"must be one of {', '.join(LOG_FORMATS)}, got {text!r}")
+    return value
+
+
+def _roles(text: str) -> tuple[str, ...]:
+    roles = tuple(role.strip() for role in text.split(",") if role.strip())
+    if not roles:
+        raise ValueError("give at least one role")
+    return roles
+
+
+def _top_logprobs(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+    return value
+
+
+def _mib_to_bytes(mib: float) -> int:
+    return int(mib * (1 << 20))
+
+
+def _bytes_to_mib(nbytes: int) -> float:
+    return nbytes / (1 << 20)
+
+
+@dataclass(slots=True, frozen=True)
+class Flag:
+    """One flag. `targets` are dotted paths into Config ("engine.block_size"); a flag may set several fields
+    (the session TTL is the cache's and the history's), or none (read by from_args itself: --host, --port).
+    `parse` None makes a switch; `invert` a switch that turns its field off. `to_field`/`from_field` convert
+    between the flag's unit and the field's (MiB and bytes)."""
+
+    name: str
+    targets: tuple[str, ...]
+    help: str
+    parse: Callable[[str], Any] | None = None
+    invert: bool = False
+    to_field: Callable[[Any], Any] | None = None
+    from_field: Callable[[Any], Any] | None = None
+    default: Any = None  # only for flags without a target
+    shown: Callable[[Any], str] = str  # how --help writes the default
+
+
+def _flag(name: str, target: str | tuple[str, ...], parse: Callable[[str], Any], help_text: str, **kw: Any) -> Flag:
+    return Flag(name, (target,) if isinstance(target, str) else target, help_text, parse, **kw)
+
+
+def _switch(name: str, target: str, help_text: str, *, invert: bool = False) -> Flag:
+    return Flag(name, (target,), help_text, invert=invert)
+
+
+def _roles_text(roles: tuple[str, ...]) -> str:
+    return ",".join(roles)
+
+
+_HOST, _PORT = DEFAULT_ADDRESS.rsplit(":", 1)
+
+# (group title, its flags), in --help order.
+FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
+    (
+        "model",
+        (
+            _flag("--model", "model.spec", str, "model: a local transformers folder, a .gguf file or random:NAME; "
+                  "unset: the default"),
+            _flag("--device", "model.device", str, "device: auto, cpu, cuda, cuda:N"),
+            _flag("--dtype", "model.dtype", str, "weights' dtype: auto, float32, bfloat16, float16"),
+            _flag("--cache-dir", "model.cache_dir", str, "where converted models are cached; unset: ~/.cache/llmserve"),
+        ),
+    ),
+    (
+        "server",
+        (
+            _flag("--address", (), str, f"host:port to listen on (overrides --host/--port); default {DEFAULT_ADDRESS}"),
+            _flag("--host", (), str, "interface to listen on", default=_HOST),
+            _flag("--port", (), _port, "port to listen on (0: any free port)", default=int(_PORT)),
+            _flag("--max-concurrent-streams", "server.max_concurrent_streams", _positive_int,
+                  "Generate streams in flight at once; beyond it calls get RESOURCE_EXHAUSTED"),
+            _flag("--default-max-new-tokens", "server.default_max_new_tokens", _positive_int,
+                  "max_new_tokens for requests that leave it unset (capped by the context)"),
+            _flag("--grace-period", "server.grace_period_s", _non_negative_float,
+                  "seconds in-flight streams get to finish after SIGTERM/SIGINT before they are cancelled"),
+            _switch("--no-reflection", "server.reflection", "turn off gRPC server reflection", invert=True),
+            _switch("--log-prompts", "server.log_prompts", "log prompt text with each request (debugging only)"),
+            _flag("--log-level", "server.log_level", str.upper, "DEBUG, INFO, WARNING or ERROR"),
+            _flag("--tls-cert", "server.tls_cert", str,
+                  "PEM certificate chain: serve TLS (needs --tls-key); unset: plaintext"),
+            _flag("--tls-key", "server.tls_key", str, "PEM private key of --tls-cert"),
+            _flag("--tls-client-ca", "server.tls_client_ca", str,
+                  "PEM root certificates: require client certificates signed by them"),
+            _flag("--max-receive-message-bytes", "server.max_receive_message_bytes", _positive_int,
+                  "largest request message accepted; beyond it RESOURCE_EXHAUSTED"),
+            _flag("--stream-stall-timeout", "server.stream_stall_timeout_s", _positive_float,
+                  "seconds a Generate stream may wait on a client that reads nothing before it is aborted"),
+            _flag("--keepalive-min-ping-interval", "server.keepalive_min_ping_interval_s", _positive_float,
+                  "seconds: clients may send keepalive pings this often; more often gets GOAWAY too_many_pings"),
+            _flag("--log-format", "server.log_format", _log_format,
+                  "text (key=value, caller values quoted) or json"),
+        ),
+    ),
+    (
+        "authentication",
+        (
+            _flag("--auth-token-file", "server.auth_token_file", str,
+                  "Kubernetes static token file (token,identity[,...] per line): GenerateService calls need "
+                  "'authorization: Bearer <token>'; re-read on SIGHUP"),
+            _switch("--identity-from-cert", "server.identity_from_cert",
+                    "with --tls-client-ca: the caller's identity is its certificate's SAN (or CN)"),
+            _switch("--reflection-requires-auth", "server.reflection_requires_auth",
+                    "with authentication on, reflection needs it too"),
+            _switch("--shared-prefix-cache", "server.shared_prefix_cache",
+                    "with authentication on, share the prefix cache across identities (a common system prompt is "
+                    "computed once, but a caller can tell from cached_prompt_tokens what others sent)"),
+            _flag("--max-streams-per-identity", "server.max_streams_per_identity", _positive_int,
+                  "Generate streams one identity may have in flight; beyond it RESOURCE_EXHAUSTED"),
+        ),
+    ),
+    (
+        "input limits (INVALID_ARGUMENT beyond them)",
+        (
+            _flag("--max-request-id-length", "server.limits.max_request_id_length", _positive_int,
+                  "characters of request_id"),
+            _flag("--max-session-id-length", "server.limits.max_session_id_length", _positive_int,
+                  "characters of session_id"),
+            _flag("--max-stop-sequences", "server.limits.max_stop_sequences", _positive_int,
+                  "stop sequences per request"),
+            _flag("--max-stop-sequences-chars", "server.limits.max_stop_sequences_chars", _positive_int,
+                  "characters of all stop sequences of a request together"),
+            _flag("--max-stop-token-ids", "server.limits.max_stop_token_ids", _positive_int,
+                  "stop token ids per request"),
+            _flag("--max-chat-messages", "server.limits.max_chat_messages", _positive_int, "messages per chat input"),
+            _flag("--chat-roles", "server.limits.chat_roles", _roles, "comma-separated roles a chat message may have",
+                  shown=_roles_text),
+            _flag("--max-prompt-bytes", "server.limits.max_prompt_bytes", _positive_int,
+                  "UTF-8 bytes of a text or chat input, checked before tokenization; unset: 16 per token of context"),
+            _flag("--max-top-logprobs", "server.limits.max_top_logprobs", _top_logprobs,
+                  "largest response.top_logprobs"),
+        ),
+    ),
+    (
+        "operations",
+        (
+            _flag("--metrics-port", "server.metrics_port", _port,
+                  "serve Prometheus metrics at :PORT/metrics (0: off)"),
+            _flag("--replica-name", "server.replica_name", str,
+                  "name returned in the x-llmserve-replica trailing metadata; unset: host name and port"),
+            _switch("--tracing", "server.tracing",
+                    "OpenTelemetry spans for Generate calls, exported as the OTEL_* variables say"),
+        ),
+    ),
+    (
+        "engine",
+        (
+            _flag("--kv-cache-tokens", "engine.kv_cache_tokens", _positive_int,
+                  "KV cache size in tokens; unset: --kv-cache-memory-fraction of free memory"),
+            _flag("--kv-cache-memory-fraction", "engine.kv_cache_memory_fraction", _fraction,
+                  "share of free device memory (CUDA) or of the CPU budget for the KV cache"),
+            _flag("--block-size", "engine.block_size", _positive_int, "tokens per KV cache block"),
+            _flag("--max-num-seqs", "engine.max_num_seqs", _positive_int, "most sequences in one batch"),
+            _flag("--max-num-batched-tokens", "engine.max_num_batched_tokens", _positive_int,
+                  "most tokens in one forward (prefill chunks plus decodes)"),
+            _flag("--max-model-len", "engine.max_model_len", _positive_int, "context length cap; unset: the model's"),
+            _flag("--max-waiting", "engine.max_waiting", _positive_int,
+                  "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED"),
+            _switch("--no-prefix-caching", "engine.enable_prefix_caching", "turn off automatic prefix caching",
+                    invert=True),
+            _flag("--cpu-kernels", "engine.cpu_kernels", _one_of("auto", "require", "off"),
+                  "CPU backend's compiled kernels (built at install time): auto (use them where installed, else "
+                  "warn and run the torch paths), require (refuse to start without them), off"),
+        ),
+    ),
+    (
+        "sessions",
+        (
+            _flag("--session-ttl", ("engine.session_ttl_s", "server.history.ttl_s"), _non_negative_float,
+                  "seconds an idle session's cache and history are kept"),
+            _flag("--max-sessions", ("engine.max_sessions", "server.history.max_sessions"), _positive_int,
+                  "most sessions kept (caches and, counted apart, histories)"),
+            _flag("--session-pool-fraction", "engine.session_pool_fraction", _fraction,
+                  "largest share of the KV cache idle sessions may hold"),
+            _flag("--max-session-tokens", "server.history.max_tokens", _positive_int,
+                  "most tokens a session's history may hold; a longer continued prompt is INVALID_ARGUMENT; "
+                  "unset: the context"),
+            _flag("--session-history-mib", "server.history.max_bytes", _positive_float,
+                  "cap of all held session histories in MiB, as the store holds them (least recently used "
+                  "evicted first)", to_field=_mib_to_bytes, from_field=_bytes_to_mib),
+            _flag("--history-store", "server.history.store", check_store_spec,
+                  "where session histories live: memory (this process), sqlite:PATH (survives restarts), "
+                  "redis://HOST:PORT/DB (shared by replicas); unset: sqlite:<cache dir>/sessions.sqlite3"),
+            _switch("--history-store-optional", "server.history.optional",
+                    "start even when the history store does not answer (calls with a session id fail UNAVAILABLE "
+                    "until it does); without it the server exits with status 2"),
+            _flag("--history-lease", "server.history.lease_s", _positive_float,
+                  "seconds a continuing call's lock on its session outlives the call's last renewal (sqlite, "
+                  "redis): the longest a crashed replica blocks a session"),
+        ),
+    ),
+    (
+        "debugging (kernel A/B switches)",
+        (
+            _switch("--no-cuda-graphs", "engine.cuda_graphs", "turn off CUDA graphs for the decode step",
+                    invert=True),
+            _flag("--attention-kernel", "engine.attention_kernel", _one_of("auto", "triton", "torch"),
+                  "CUDA attention: triton (one varlen paged kernel per layer), torch (gathered decode groups, SDPA "
+                  "per prompt chunk), auto (triton where installed)"),
+            _switch("--no-native-attention", "engine.native_attention",
+                    "CPU: decode attention through torch instead of the compiled kernel", invert=True),
+            _switch("--no-packed-linear", "engine.packed_linear",
+                    "CPU float32: plain linear layers instead of packed oneDNN weights", invert=True),
+            _switch("--no-fused-layers", "engine.fused_layers",
+                    "CPU: transformers' own layer forward instead of the fused one (Llama family)", invert=True),
+        ),
+    ),
+)  # fmt: skip

@@ -1,0 +1,100 @@
+"""The server's layout holds across its packages: no import cycle among llmserve's modules, the engine knows
+nothing of gRPC, and the edge (config, limits, history, auth, request log) imports no tensor library itself.
+
+The engine's own rules (module length, the backend seam, device checks) are in tests/engine/test_layout.py.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import llmserve
+
+PACKAGE = Path(llmserve.__file__).parent
+# Modules the gRPC edge and the flags are made of: they must load without torch (the served process makes its
+# process settings before torch loads; see tests/test_process.py for the import itself).
+TORCH_FREE = (
+    "config",
+    "limits",
+    "flags",
+    "history/__init__",
+    "history/base",
+    "history/memory",
+    "history/sqlite_store",
+    "history/redis_store",
+    "auth",
+    "telemetry/request_log",
+    "telemetry/call",
+    "process",
+    "__main__",
+    "engine/request",
+)
+
+
+def module_name(path: Path) -> str:
+    parts = ["llmserve", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, *, module_level_only: bool = False) -> set[str]:
+    """The modules a file imports (inside functions too unless module_level_only; not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    nodes: list[ast.AST] = []
+    if module_level_only:
+        for node in tree.body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            nodes.extend(ast.walk(node))
+    else:
+        nodes = list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_import_cycle_among_the_servers_modules() -> None:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {
+        name: {m for m in imports(path, module_level_only=True) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+    assert {"llmserve.service", "llmserve.engine.core", "llmserve.config"} <= set(graph)
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in done:
+            return
+        assert name not in visiting, " -> ".join([*visiting[visiting.index(name) :], name])
+        visiting.append(name)
+        for dep in sorted(graph[name]):
+            visit(dep)
+        visiting.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_the_engine_imports_no_grpc() -> None:
+    offenders = {
+        str(p.relative_to(PACKAGE)): sorted(m for m in imports(p) if m.split(".")[0] in {"grpc", "google"})
+        for p in (PACKAGE / "engine").rglob("*.py")
+    }
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_the_edge_and_the_flags_import_no_tensor_library() -> None:
+    offenders = {}
+    for name in TORCH_FREE:
+        found = imports(PACKAGE / f"{name}.py", module_level_only=True)
+        heavy = sorted(m for m in found if m.split(".")[0] in {"torch", "numpy", "transformers"})
+        if heavy:
+            offenders[name] = heavy
+    assert not offenders
