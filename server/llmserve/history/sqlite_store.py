@@ -4,7 +4,8 @@ One table, one row per session key: the history when one is held, else why the l
 NOT_FOUND reason); the session's deletion count (`epoch`); and the lease of the call continuing it. Every
 write is one `BEGIN IMMEDIATE` transaction, so a turn is committed whole or not at all, and processes sharing
 the file (WAL mode) see one continuing call per session: the lease is taken and checked inside the
-transaction. Commits are `synchronous=FULL`: a committed turn survives a crash of the machine too.
+transaction. Commits are `synchronous=FULL`: a committed turn survives a crash of the machine too (leases
+are not synced: see `_write`).
 
 Calls run on one thread of the store's own, off the event loop; `busy_timeout` bounds how long a write waits
 for another process's lock before the call fails UNAVAILABLE naming the file. TTL: rows idle for longer are
@@ -191,7 +192,7 @@ class SqliteHistoryStore(LeasedStore):
 
     def _take(self, conn: sqlite3.Connection, key: str, request_id: str, token: str) -> tuple[int, sqlite3.Row]:
         now = self._clock()
-        with _write(conn):
+        with _write(conn, durable=False):
             row = _read(conn, key)
             if row is not None and row["lease"] is not None and row["lease_until"] > now:
                 raise HistoryBusy(key, row["lease_holder"])
@@ -249,12 +250,12 @@ class SqliteHistoryStore(LeasedStore):
 
     def _renew_in(self, conn: sqlite3.Connection, key: str, token: str) -> bool:
         until = self._clock() + self.config.lease_s
-        with _write(conn):
+        with _write(conn, durable=False):
             cur = conn.execute("UPDATE sessions SET lease_until = ? WHERE key = ? AND lease = ?", (until, key, token))
             return cur.rowcount == 1
 
     def _release_in(self, conn: sqlite3.Connection, key: str, token: str) -> None:
-        with _write(conn):
+        with _write(conn, durable=False):
             conn.execute(
                 "UPDATE sessions SET lease = NULL, lease_holder = NULL WHERE key = ? AND lease = ?", (key, token)
             )
@@ -341,8 +342,13 @@ def _schema(conn: sqlite3.Connection) -> None:
 
 
 @contextlib.contextmanager
-def _write(conn: sqlite3.Connection) -> Iterator[None]:
-    """One write transaction, taken at once (BEGIN IMMEDIATE) so that two processes never both read then write."""
+def _write(conn: sqlite3.Connection, *, durable: bool = True) -> Iterator[None]:
+    """One write transaction, taken at once (BEGIN IMMEDIATE) so that two processes never both read then write.
+
+    `durable`: synced to disk before it returns (synchronous=FULL). Leases are not: a lease lost with the
+    machine only frees its session early, and the next durable commit syncs the WAL frames before it too.
+    """
+    conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
     conn.execute("BEGIN IMMEDIATE")
     try:
         yield

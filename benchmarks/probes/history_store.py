@@ -7,7 +7,7 @@ rotating which store goes first) so that drift in the machine's load falls on al
 store: the client's TTFT (the store's `start` is on it: read the history, take the lease) and the call's
 duration (the `commit` is on it, before the last message) of every continuing turn, P50 and P90.
 
-    python -m benchmarks.history_store [--sessions 12] [--turns 8] [--model random:tiny] [--out PATH]
+    python -m benchmarks.probes.history_store [--sessions 12] [--turns 8] [--model random:tiny] [--out PATH]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         total[name].append(end - began)
                 order = order[1:] + order[:1]
         result: dict[str, Any] = {
-            "command": "python -m benchmarks.history_store " + " ".join(args.argv),
+            "command": "python -m benchmarks.probes.history_store " + " ".join(args.argv),
             "model": args.model,
             "sessions": args.sessions,
             "turns": args.turns,
