@@ -7,7 +7,7 @@ import os
 from llmserve.process import configure_process
 
 configure_process()  # as `python -m llmserve` does: before torch is imported
-# Triton kernels run through Triton's interpreter on the CPU (tests/engine/test_triton_attention.py). Triton
+# Triton kernels run through Triton's interpreter on the CPU (tests/engine/backends/test_triton_attention.py). Triton
 # decides per kernel, and for its own library once, when it is first imported, which torch may do early.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Servers the tests start as subprocesses keep their session histories in memory unless a test names a store:

@@ -37,7 +37,11 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "sampler": ("engine/sampler.py", [f"{ENGINE_TESTS}/test_sampler.py"]),
     # Its real_model tests need only the default model's tokenizer.
     "detokenizer": ("engine/detokenizer.py", [f"{ENGINE_TESTS}/test_detokenizer.py"]),
-    "core": ("engine/core.py", [f"{ENGINE_TESTS}/test_core.py"]),
+    "core": ("engine/core.py", [f"{ENGINE_TESTS}/test_core.py", f"{ENGINE_TESTS}/test_async_engine.py"]),
+    "output_processor": (
+        "engine/output_processor.py",
+        [f"{ENGINE_TESTS}/test_output_processor.py", f"{ENGINE_TESTS}/test_core.py"],
+    ),
     "service": (
         "service.py",
         [

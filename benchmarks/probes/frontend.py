@@ -36,7 +36,7 @@ from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
 from llmserve.models import from_config  # noqa: E402
-from tests.tiny import tiny_config  # noqa: E402
+from llmserve.testing import tiny_config  # noqa: E402
 
 PROMPT = tuple(range(1, 17))
 WARM_UP_S = 1.0

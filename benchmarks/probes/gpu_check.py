@@ -27,7 +27,7 @@ from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
 from llmserve.models import LoadedModel, from_config, random_model  # noqa: E402
-from tests.tiny import greedy_reference, tiny_config  # noqa: E402
+from llmserve.testing import greedy_reference, tiny_config  # noqa: E402
 
 
 async def run_engine(loaded: LoadedModel, config: EngineConfig, prompts: list[list[int]], max_new: int):

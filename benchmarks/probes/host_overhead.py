@@ -41,7 +41,7 @@ from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core import EngineCore  # noqa: E402
 from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
 from llmserve.models import from_config  # noqa: E402
-from tests.tiny import tiny_config  # noqa: E402
+from llmserve.testing import tiny_config  # noqa: E402
 
 VOCAB = 512
 

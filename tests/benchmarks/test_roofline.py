@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks import roofline  # noqa: E402
 from benchmarks.analysis import floor_share, targets  # noqa: E402
 from benchmarks.metrics import PointSummary, WindowStats  # noqa: E402
-from tests.tiny import tiny_config  # noqa: E402
+from llmserve.testing import tiny_config  # noqa: E402
 
 PEAK = roofline.MachinePeak("cpu", "float32", matmul_flops_per_s=100e9, read_bytes_per_s=20e9, copy_bytes_per_s=20e9)
 PROMPTS = [32, 100, 300, 1000]

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from benchmarks import run  # noqa: E402
 from llmserve.models import from_config  # noqa: E402
-from tests.tiny import tiny_config  # noqa: E402
+from llmserve.testing import tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

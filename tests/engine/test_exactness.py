@@ -16,7 +16,7 @@ from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.request import FinishReason, GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
-from tests.tiny import TINY_VOCAB, greedy_reference, tiny_config
+from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
 
 
 async def run_all(

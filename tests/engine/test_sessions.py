@@ -16,7 +16,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams
 from llmserve.engine.sessions import SessionStore
 from llmserve.models import from_config
-from tests.tiny import TINY_VOCAB, greedy_reference, tiny_config
+from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
 
 BASE = dict(block_size=8, max_num_seqs=16, max_num_batched_tokens=128)
 

@@ -14,7 +14,7 @@ from llmserve.engine.backends.cpu.fused_layers import FusedForward
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
-from tests.tiny import TINY_VOCAB, tiny_config
+from llmserve.testing import TINY_VOCAB, tiny_config
 
 OPS = native.load_fused()
 assert OPS is not None, "the CPU kernels are not installed: run `make kernels`"

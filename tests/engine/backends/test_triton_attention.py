@@ -131,7 +131,7 @@ async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> No
     from llmserve.engine.backends.torch_paged import TorchPagedBackend
     from llmserve.engine.config import EngineConfig
     from llmserve.models import from_config
-    from tests.tiny import greedy_reference, tiny_config
+    from llmserve.testing import greedy_reference, tiny_config
 
     loaded = from_config(tiny_config(), dtype=torch.float32)
     loaded.model.set_attn_implementation("sdpa")  # the reference runs transformers' own attention

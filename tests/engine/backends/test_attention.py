@@ -13,7 +13,7 @@ from llmserve.engine.backends.attention import PagedBatch, paged_attention
 from llmserve.engine.backends.cpu.backend import QUERY_BLOCK, CpuBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.models import from_config
-from tests.tiny import tiny_config
+from llmserve.testing import tiny_config
 
 
 @pytest.mark.parametrize(("cached", "length"), [(0, 3 * QUERY_BLOCK + 5), (37, 2 * QUERY_BLOCK), (200, 17)])

@@ -12,7 +12,7 @@ from llmserve.engine.backends.cpu import native
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
-from tests.tiny import tiny_config
+from llmserve.testing import tiny_config
 
 
 def gathered_attention(

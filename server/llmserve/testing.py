@@ -1,7 +1,11 @@
-"""Tiny random-weight model configs for tests (two layers, grouped-query attention where the family has it), and
-transformers' own greedy generation as the reference the engine is held to."""
+"""Tiny random-weight model configs for the tests and the benchmarks' probes (two layers, grouped-query attention
+where the family has it), and transformers' own greedy generation as the reference the engine is held to.
+
+Shared by tests/ and benchmarks/, so neither imports the other; the served process never imports it."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
@@ -11,7 +15,7 @@ TINY_VOCAB = 512
 
 def tiny_config(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positions: int = 2048) -> PretrainedConfig:
     """A two-layer model of the given family with grouped-query attention where the family has it."""
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -32,12 +36,14 @@ def tiny_config(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positio
     if family == "qwen3":
         return Qwen3Config(**common, head_dim=16)
     if family == "gpt2":
-        gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=1, eos_token_id=2)
+        gpt2: dict[str, Any] = dict(
+            n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=1, eos_token_id=2
+        )
         return GPT2Config(vocab_size=vocab_size, **gpt2)
     raise ValueError(family)
 
 
-def greedy_reference(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
+def greedy_reference(model: Any, prompt: list[int], max_new: int) -> list[int]:
     """transformers' own greedy generation, one prompt alone, exactly `max_new` tokens."""
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
     with torch.inference_mode():
@@ -49,4 +55,5 @@ def greedy_reference(model: torch.nn.Module, prompt: list[int], max_new: int) ->
             do_sample=False,
             eos_token_id=None,
         )
-    return out[0, len(prompt) :].tolist()
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    return tokens

@@ -9,7 +9,7 @@ from llmserve.engine.backends.cpu import packed_linear
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
-from tests.tiny import TINY_VOCAB, tiny_config
+from llmserve.testing import TINY_VOCAB, tiny_config
 
 # Decided without the function under test, so that a broken `available` fails here instead of skipping.
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -1,0 +1,20 @@
+"""Fixtures of the engine tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.models import from_config
+from llmserve.testing import tiny_config
+from tests.engine.engine_helpers import CONFIG
+
+
+@pytest.fixture
+async def engine():
+    loaded = from_config(tiny_config(max_positions=512), dtype=torch.float64)
+    eng = AsyncEngine(loaded, CONFIG)
+    await eng.start()
+    yield eng
+    await eng.shutdown()

@@ -1,0 +1,82 @@
+"""Helpers shared by the engine tests: a tiny engine's config, requests, streaming a request to its end, and a
+core stepped by hand on the calling thread with an output processor as the front end would."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.request import (
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
+from llmserve.models import from_config
+from llmserve.testing import tiny_config
+
+CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
+
+
+# Every generation here takes well under a second: a stuck engine fails the test in seconds, not at pytest's timeout.
+RUN_TIMEOUT_S = 30.0
+
+
+async def run(engine: AsyncEngine, request: GenerationRequest) -> tuple[list[int], list]:
+    tokens, deltas = [], []
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        async for delta in engine.generate(request):
+            tokens.extend(delta.token_ids)
+            deltas.append(delta)
+    return tokens, deltas
+
+
+def req(
+    rid: str, prompt: list[int], *, max_new: int = 16, sampling: SamplingParams | None = None, **kw
+) -> GenerationRequest:
+    stopping = kw.pop("stopping", StoppingParams(max_new_tokens=max_new, ignore_eos=True))
+    return GenerationRequest(rid, tuple(prompt), sampling=sampling or SamplingParams(), stopping=stopping, **kw)
+
+
+def stepped_core(**overrides) -> EngineCore:  # noqa: ANN003
+    settings = dict(block_size=16, kv_cache_tokens=1024, max_num_seqs=4, max_num_batched_tokens=64)
+    settings.update(overrides)
+    return EngineCore(from_config(tiny_config(max_positions=512), dtype=torch.float32), EngineConfig(**settings))
+
+
+def serve(core: EngineCore, request: GenerationRequest, max_steps: int = 200) -> list:
+    """Submit and step on this thread until the request's final delta; returns every delta, made by an output
+    processor over the model's tokenizer as the front end would."""
+    deltas: list = []
+    processor = OutputProcessor(core.loaded.tokenizer)
+    processor.add(core.submit(request), request, deltas.append)
+    for _ in range(max_steps):
+        core.drain_inbox()
+        for handle, keep in processor.process(core.take_outputs()):
+            core.abort(handle, keep)
+        if deltas and deltas[-1].finished:
+            return deltas
+        core.step()
+    raise AssertionError("no final delta")
+
+
+class PieceTokenizer:
+    """Each id is a byte string, as in byte-level BPE: decode joins them and decodes UTF-8 with replacement."""
+
+    def __init__(self, pieces: dict[int, bytes]) -> None:
+        self.pieces = pieces
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.pieces.get(i, b"?") for i in token_ids).decode("utf-8", errors="replace")
+
+
+def with_text(core: EngineCore, prompt: list[int], n: int) -> tuple[list[int], dict[int, bytes], str]:
+    """The greedy tokens for `prompt`, a tokenizer that spells each distinct one as a letter, and their text."""
+    greedy = [t for d in serve(core, req("greedy", prompt, max_new=n)) for t in d.token_ids]
+    pieces = {t: bytes([ord("a") + i]) for i, t in enumerate(dict.fromkeys(greedy))}
+    core.loaded.tokenizer = PieceTokenizer(pieces)
+    return greedy, pieces, "".join(pieces[t].decode() for t in greedy)

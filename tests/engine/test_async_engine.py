@@ -1,0 +1,415 @@
+"""The engine's asyncio front end (AsyncEngine with its output processor) over a running step thread: seeds, validation,
+cancellation, failures, deadlines, coalescing, session queries, text and stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.request import (
+    EngineDead,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    QueueFull,
+    SamplingParams,
+    StoppingParams,
+)
+from llmserve.models import from_config
+from llmserve.testing import greedy_reference, tiny_config
+from tests.engine.engine_helpers import CONFIG, RUN_TIMEOUT_S, PieceTokenizer, req, run, with_text
+from tests.stepspy import StepSpy
+
+
+async def test_seeded_sampling_is_the_same_alone_and_in_any_batch(engine: AsyncEngine) -> None:
+    sampling = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+    prompt = list(range(3, 40))
+    alone, _ = await run(engine, req("alone", prompt, sampling=sampling))
+    others = [
+        req(f"o{i}", list(range(i, i + 5 + 7 * i)), sampling=SamplingParams(temperature=1.0, seed=i)) for i in range(7)
+    ]
+    results = await asyncio.gather(
+        run(engine, req("batched", prompt, sampling=sampling)), *(run(engine, o) for o in others)
+    )
+    assert results[0][0] == alone
+    different_seed, _ = await run(
+        engine, req("other", prompt, sampling=SamplingParams(temperature=0.9, top_k=50, seed=99))
+    )
+    assert different_seed != alone
+
+
+async def test_final_delta_reports_usage_timing_and_seed(engine: AsyncEngine) -> None:
+    tokens, deltas = await run(engine, req("u", [5, 6, 7], max_new=5, sampling=SamplingParams(temperature=1.0)))
+    last = deltas[-1]
+    assert last.finish_reason is FinishReason.LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 5) and len(tokens) == 5
+    assert last.seed is not None
+    assert 0 <= last.timing.queue_s <= last.timing.ttft_s <= last.timing.total_s
+    assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+async def test_logprobs_and_top_n(engine: AsyncEngine) -> None:
+    _, deltas = await run(engine, req("lp", [5, 6, 7], max_new=3, logprobs=True, top_logprobs=5))
+    lps = [lp for d in deltas for lp in (d.logprobs or [])]
+    assert len(lps) == 3
+    for lp in lps:
+        assert len(lp.top) == 5 and lp.top[0][0] == lp.token_id  # greedy picks the most likely
+        assert lp.logprob <= 0 and [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+async def test_stop_token_and_eos_and_min_new_tokens(engine: AsyncEngine) -> None:
+    greedy, _ = await run(engine, req("g", [9, 8, 7], max_new=12))
+    stop_at = greedy[4]
+    first = greedy.index(stop_at)
+    tokens, deltas = await run(
+        engine, req("s", [9, 8, 7], stopping=StoppingParams(max_new_tokens=12, stop_token_ids=(stop_at,)))
+    )
+    assert tokens == greedy[: first + 1] and deltas[-1].finish_reason is FinishReason.STOP_TOKEN
+    tokens, _ = await run(
+        engine, req("m", [9, 8, 7], stopping=StoppingParams(12, min_new_tokens=first + 2, stop_token_ids=(stop_at,)))
+    )
+    assert stop_at not in tokens[: first + 2]
+    # EOS is honoured unless ignore_eos: make the model's first greedy token the EOS id.
+    engine.core.loaded.eos_token_ids = (greedy[0],)
+    tokens, deltas = await run(engine, req("e", [9, 8, 7], stopping=StoppingParams(max_new_tokens=12)))
+    assert tokens == greedy[:1] and deltas[-1].finish_reason is FinishReason.EOS
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(sampling=SamplingParams(temperature=-0.5)), "temperature"),
+        (dict(sampling=SamplingParams(top_p=0.0)), "top_p"),
+        (dict(sampling=SamplingParams(top_p=1.5)), "top_p"),
+        (dict(sampling=SamplingParams(top_k=-1)), "top_k"),
+        (dict(stopping=StoppingParams(max_new_tokens=0)), "max_new_tokens"),
+        (dict(stopping=StoppingParams(max_new_tokens=600)), "max_new_tokens"),
+        (dict(prompt=[]), "prompt"),
+        (dict(prompt=[1] * 600), "prompt"),
+        (dict(prompt=[10**6]), "prompt_token_ids"),
+        (dict(top_logprobs=21), "top_logprobs"),
+    ],
+)
+async def test_bad_input_is_rejected_naming_the_field(engine: AsyncEngine, kwargs: dict, field: str) -> None:
+    prompt = kwargs.pop("prompt", [1, 2, 3])
+    request = GenerationRequest("bad", tuple(prompt), **kwargs)
+    with pytest.raises(InvalidRequest) as info:
+        await run(engine, request)
+    assert info.value.field == field
+    assert engine.num_running == 0 and engine.num_waiting == 0
+
+
+async def test_request_that_never_fits_the_pool_is_rejected() -> None:
+    loaded = from_config(tiny_config(), dtype=torch.float32)
+    eng = AsyncEngine(loaded, EngineConfig(block_size=16, kv_cache_tokens=64))
+    with pytest.raises(InvalidRequest) as info:
+        async for _ in eng.generate(req("big", [1] * 60, max_new=10)):
+            pass
+    assert info.value.field == "max_new_tokens" and info.value.reason.endswith("never fits the KV pool (64 tokens)")
+    eng.core.validate(req("whole-pool", [1] * 60, max_new=4))  # exactly the pool's 64 tokens: served
+
+
+async def test_cancelled_consumer_frees_its_blocks_within_an_iteration(engine: AsyncEngine) -> None:
+    pool = engine.core.pool
+    spy = StepSpy(engine.core, step_delay_s=0.01)  # 400 tokens take >= 4 s: finishing alone cannot pass
+    stream = engine.generate(req("c", list(range(100)), max_new=400))
+    first = await stream.__anext__()
+    assert first.token_ids
+    cancelled_at = spy.num_steps
+    await stream.aclose()
+    assert (await asyncio.to_thread(spy.final, "c", 2.0)).finish_reason is FinishReason.CANCELLED
+    assert spy.steps_with("c", since=cancelled_at) <= 2
+    assert engine.num_running == 0 and pool.num_free == pool.num_blocks
+
+
+async def test_task_cancellation_aborts_the_request(engine: AsyncEngine) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(req("t", [1, 2, 3], max_new=400)):
+            started.set()
+
+    spy = StepSpy(engine.core, step_delay_s=0.01)
+    task = asyncio.create_task(consume())
+    await started.wait()
+    cancelled_at = spy.num_steps
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (await asyncio.to_thread(spy.final, "t", 2.0)).finish_reason is FinishReason.CANCELLED
+    assert spy.steps_with("t", since=cancelled_at) <= 2
+    assert engine.num_running == 0
+
+
+async def test_deadline_finishes_the_request(engine: AsyncEngine) -> None:
+    tokens, deltas = await run(engine, req("d", [1, 2, 3], max_new=400, deadline=time.monotonic() + 0.05))
+    assert deltas[-1].finish_reason is FinishReason.DEADLINE and len(tokens) < 400
+
+
+async def test_a_failed_forward_fails_its_batch_and_the_engine_keeps_serving(engine: AsyncEngine) -> None:
+    backend = engine.core.backend
+    real = backend.execute
+    calls = 0
+
+    def flaky(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    backend.execute = flaky
+    _, deltas = await run(engine, req("f1", [1, 2, 3]))
+    assert deltas[-1].finish_reason is FinishReason.ERROR and "boom" in deltas[-1].error
+    tokens, deltas = await run(engine, req("f2", [1, 2, 3], max_new=4))
+    assert deltas[-1].finish_reason is FinishReason.LENGTH and len(tokens) == 4
+    assert not engine.dead
+
+
+async def test_an_engine_that_cannot_recover_marks_itself_dead(engine: AsyncEngine) -> None:
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("device lost")
+
+    engine.core.backend.execute = broken
+    for i in range(3):
+        _, deltas = await run(engine, req(f"x{i}", [1, 2, 3]))
+        assert deltas[-1].finish_reason is FinishReason.ERROR
+    assert engine.dead and "device lost" in engine.dead_reason
+    with pytest.raises(EngineDead):
+        await run(engine, req("after", [1, 2, 3]))
+
+
+async def test_queue_full_past_max_waiting() -> None:
+    loaded = from_config(tiny_config(), dtype=torch.float32)
+    eng = AsyncEngine(loaded, EngineConfig(block_size=16, kv_cache_tokens=4096, max_waiting=2))
+    # Not started: nothing leaves the queue.
+    waiting = [asyncio.create_task(run(eng, req(f"w{i}", [1, 2]))) for i in range(2)]
+    await asyncio.sleep(0.05)
+    assert eng.num_waiting == 2
+    with pytest.raises(QueueFull):
+        await run(eng, req("q", [1, 2]))
+    for task in waiting:
+        task.cancel()
+
+
+async def test_a_failed_forward_leaves_nothing_in_the_prefix_cache() -> None:
+    """The failed step's blocks were never written: the same prompt afterwards must be computed cold."""
+    loaded = from_config(tiny_config(max_positions=512), dtype=torch.float64)
+    loaded.model.set_attn_implementation("sdpa")  # for the reference; the engine swaps in its own
+    prompt = list(range(3, 40))  # two full blocks of 16
+    cold = greedy_reference(loaded.model, prompt, 8)
+    eng = AsyncEngine(loaded, CONFIG)
+    await eng.start()
+    try:
+        backend = eng.core.backend
+        real = backend.execute
+
+        def fail_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            backend.execute = real
+            raise RuntimeError("boom")
+
+        backend.execute = fail_once
+        _, deltas = await run(eng, req("failed", prompt, max_new=4))
+        assert deltas[-1].finish_reason is FinishReason.ERROR
+        tokens, deltas = await run(eng, req("after", prompt, max_new=8))
+        assert deltas[-1].usage.cached_prompt_tokens == 0
+        assert tokens == cold
+        assert eng.core.pool.num_free == eng.core.pool.num_blocks
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_sampling_failure_fails_its_request_alone(engine: AsyncEngine, monkeypatch) -> None:  # noqa: ANN001
+    """One row whose sampling raises ends ERROR; the rest of the batch gets exactly its tokens."""
+    import llmserve.engine.sampler as sampler_module
+
+    real = sampler_module.sample
+
+    def picky(logits, rows):  # noqa: ANN001, ANN202
+        if any(row.params.seed == 666 for row in rows):
+            raise RuntimeError("bad row")
+        return real(logits, rows)
+
+    prompts = {f"ok{i}": list(range(i + 2, i + 12)) for i in range(4)}
+    alone = {rid: (await run(engine, req(rid + "-alone", p, max_new=12)))[0] for rid, p in prompts.items()}
+    monkeypatch.setattr(sampler_module, "sample", picky)  # sample_each calls it for the batch, then per row
+    bad = req("bad", [7, 8, 9], max_new=12, sampling=SamplingParams(temperature=1.0, seed=666))
+    results = await asyncio.gather(
+        run(engine, bad), *(run(engine, req(rid, p, max_new=12)) for rid, p in prompts.items())
+    )
+    bad_deltas = results[0][1]
+    assert bad_deltas[-1].finish_reason is FinishReason.ERROR and "bad row" in bad_deltas[-1].error
+    for (rid, _), (tokens, deltas) in zip(prompts.items(), results[1:], strict=True):
+        assert tokens == alone[rid] and deltas[-1].finish_reason is FinishReason.LENGTH
+    assert not engine.dead and engine.core._failures == 0
+
+
+async def test_a_request_failing_after_its_forward_fails_alone(engine: AsyncEngine, monkeypatch) -> None:  # noqa: ANN001
+    """Stop checks and detokenization (the front end's output processor) run per request: one that raises ends
+    ERROR and is stopped in the core, the others go on."""
+    real = OutputProcessor._delta
+
+    def fragile(self, stream, output):  # noqa: ANN001, ANN202
+        if stream.request_id == "fragile" and stream.num_generated >= 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
+        return real(self, stream, output)
+
+    expected, _ = await run(engine, req("steady-alone", [4, 5, 6], max_new=10))
+    monkeypatch.setattr(OutputProcessor, "_delta", fragile)
+    (fragile_tokens, fragile_deltas), (tokens, deltas) = await asyncio.gather(
+        run(engine, req("fragile", [1, 2, 3], max_new=10)), run(engine, req("steady", [4, 5, 6], max_new=10))
+    )
+    assert fragile_deltas[-1].finish_reason is FinishReason.ERROR
+    assert fragile_deltas[-1].error.startswith("UnicodeDecodeError: ") and "planted" in fragile_deltas[-1].error
+    assert len(fragile_tokens) == 2
+    assert tokens == expected and deltas[-1].finish_reason is FinishReason.LENGTH
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        while engine.num_running:  # the core was told to stop the fragile one: it ends within a step
+            await asyncio.sleep(0.01)
+    assert not engine.dead and len(engine._outputs) == 0
+
+
+async def test_extreme_sampling_values_never_fail_a_batch(engine: AsyncEngine) -> None:
+    """Valid but extreme values (top_p that underflows float32, ...) are served, batched with normal rows."""
+    extremes = [
+        SamplingParams(temperature=1.0, top_p=1e-46),
+        SamplingParams(temperature=1e-46),
+        SamplingParams(temperature=1e300, repetition_penalty=1e-300),
+        SamplingParams(temperature=1.0, repetition_penalty=1e300, min_p=1.0, top_k=2**31 - 1),
+    ]
+    normal, _ = await run(engine, req("normal-alone", [5, 6, 7], max_new=8))
+    for round_ in range(3):  # three in a row used to kill the engine
+        results = await asyncio.gather(
+            run(engine, req(f"n{round_}", [5, 6, 7], max_new=8)),
+            *(run(engine, req(f"x{round_}-{i}", [1, 2, 3], max_new=8, sampling=s)) for i, s in enumerate(extremes)),
+        )
+        assert results[0][0] == normal
+        for tokens, deltas in results:
+            assert deltas[-1].finish_reason is FinishReason.LENGTH and len(tokens) == 8
+    assert not engine.dead
+
+
+async def test_abort_stops_the_request_within_two_steps(engine: AsyncEngine) -> None:
+    """After abort, the engine schedules the request in at most the step under way and the next one, and its
+    final delta says CANCELLED; an engine that let it run would schedule it for hundreds more steps."""
+    spy = StepSpy(engine.core, step_delay_s=0.01)
+    stream = engine.generate(req("victim", list(range(40)), max_new=400))
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        for _ in range(3):
+            await stream.__anext__()
+    cancelled_at = spy.num_steps
+    await stream.aclose()  # aborts the request
+    final = await asyncio.to_thread(spy.final, "victim")
+    assert final is not None and final.finish_reason is FinishReason.CANCELLED
+    await asyncio.sleep(0.1)  # ten more steps' time: an ignored abort would show here
+    assert spy.steps_with("victim", since=cancelled_at) <= 2
+    assert final.usage.completion_tokens < 400
+    assert engine.num_running == 0
+
+
+async def test_deltas_reach_the_event_loop_once_per_step_not_once_per_delta(engine: AsyncEngine) -> None:
+    """The step thread hands a step's deltas to the event loop in one call: eight streams of 16 tokens cost about
+    as many thread-to-loop hand-offs as steps, not one per delta (~1 ms a step at 256 sequences)."""
+    loop = asyncio.get_running_loop()
+    handoffs = 0
+    original = loop.call_soon_threadsafe
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        nonlocal handoffs
+        handoffs += 1
+        return original(*args, **kwargs)
+
+    steps_before = engine.core.steps
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        results = await asyncio.gather(*(run(engine, req(f"h{i}", [i + 1, 2, 3], max_new=16)) for i in range(8)))
+    finally:
+        del loop.call_soon_threadsafe
+    steps = engine.core.steps - steps_before
+    # 128 tokens, one output each, in about 20 batched steps; a loaded machine's slow loop may coalesce the
+    # deltas a stream has not taken, so the count of tokens, not of deltas, is what is fixed.
+    assert all(len(tokens) == 16 for tokens, _ in results) and steps < 8 * 16 // 2
+    assert handoffs <= steps + 1, (handoffs, steps)
+
+
+async def test_a_consumer_that_falls_behind_gets_what_it_has_not_taken_in_one_delta(engine: AsyncEngine) -> None:
+    """The first token comes alone; a consumer that then stops reading while the engine finishes gets the rest
+    in one delta, equal to what a consumer that keeps up gets in many: tokens, logprobs, the final's usage."""
+    prompt = [5, 6, 7]
+    keeping_up, steady = await run(engine, req("up", prompt, max_new=24, logprobs=True, top_logprobs=2))
+    stream = engine.generate(req("behind", prompt, max_new=24, logprobs=True, top_logprobs=2))
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        first = await stream.__anext__()
+        while engine.num_running or len(engine._outputs):  # finished, and its last step's outputs processed
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        rest = [delta async for delta in stream]
+    assert len(first.token_ids) == 1 and len(rest) == 1
+    last = rest[0]
+    assert first.token_ids + last.token_ids == keeping_up
+    assert [lp.token_id for lp in first.logprobs + last.logprobs] == keeping_up
+    assert [lp.top for lp in first.logprobs + last.logprobs] == [lp.top for d in steady for lp in d.logprobs]
+    assert last.finish_reason is FinishReason.LENGTH and last.usage.completion_tokens == 24
+
+
+async def test_session_queries_reach_a_busy_step_thread_and_one_that_stopped(engine: AsyncEngine) -> None:
+    stream = engine.generate(req("busy", list(range(3, 20)), max_new=200, session_id="other"))
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        await stream.__anext__()
+        assert await engine.get_session("conv") is None  # answered between two steps
+        await run(engine, req("s", list(range(3, 20)), max_new=3, session_id="conv"))
+        assert (await engine.get_session("conv")).cached_tokens == 19
+        await stream.aclose()
+        await engine.shutdown()
+        assert (await engine.get_session("conv")).cached_tokens == 19  # no step thread: answered at once
+        assert await engine.delete_session("conv") is True and await engine.get_session("conv") is None
+
+
+class ThreadRecordingTokenizer(PieceTokenizer):
+    """A PieceTokenizer that notes which thread each decode ran on."""
+
+    def __init__(self, pieces: dict[int, bytes]) -> None:
+        super().__init__(pieces)
+        self.threads: set[str] = set()
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.threads.add(threading.current_thread().name)
+        return super().decode(token_ids, skip_special_tokens)
+
+
+async def test_the_step_thread_never_detokenizes_and_a_stop_string_ends_the_request_in_the_core() -> None:
+    """Text and stop strings are the front end's: every decode runs on the event loop's thread, none on the step
+    thread; a stop string found there ends the stream and stops the request in the core, whose session then
+    holds exactly the tokens the caller was sent (not the ones the core made while the stop was on its way)."""
+    loaded = from_config(tiny_config(max_positions=512), dtype=torch.float64)
+    core = EngineCore(loaded, CONFIG)
+    greedy, pieces, text = with_text(core, [5, 6, 7], 12)
+    tokenizer = ThreadRecordingTokenizer(pieces)
+    loaded.tokenizer = tokenizer
+    eng = AsyncEngine(loaded, CONFIG)
+    spy = StepSpy(eng.core, step_delay_s=0.01)  # steps slower than the stop's trip back to the core
+    await eng.start()
+    try:
+        stop = text[4:6]
+        cut = text.find(stop)
+        stopping = StoppingParams(12, stop_sequences=(stop,), ignore_eos=True)
+        tokens, deltas = await run(eng, req("s", [5, 6, 7], stopping=stopping, session_id="conv"))
+        final = await asyncio.to_thread(spy.final, "s")
+    finally:
+        await eng.shutdown()
+    assert "".join(d.text for d in deltas) == text[:cut] and deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE
+    assert tokens == greedy[: cut + 2] and deltas[-1].usage.completion_tokens == cut + 2
+    assert deltas[-1].timing.ttft_s <= deltas[-1].timing.total_s
+    assert final is not None and final.finish_reason is FinishReason.STOP_SEQUENCE
+    assert final.usage.completion_tokens == cut + 2
+    # The sent tokens' KV, the last one's too if the core computed it before the stop arrived; never more.
+    assert 3 + cut + 1 <= (await eng.get_session("conv")).cached_tokens <= 3 + cut + 2
+    assert tokenizer.threads and "llmserve-engine" not in tokenizer.threads
