@@ -20,6 +20,7 @@ TORCH_FREE = (
     "flags",
     "history/__init__",
     "history/base",
+    "history/lease",
     "history/memory",
     "history/sqlite_store",
     "history/redis_store",

@@ -29,7 +29,6 @@ from llmserve.history.base import (
     HistoryBusy,
     HistoryConfig,
     HistoryInput,
-    LeasedStore,
     LeaseLost,
     NoHistory,
     StoreUnavailable,
@@ -42,6 +41,7 @@ from llmserve.history.base import (
     reason_deleted,
     reason_ttl,
 )
+from llmserve.history.lease import LeasedStore
 
 PREFIX = "llmserve:"
 TOMBSTONE_S = 24 * 3600

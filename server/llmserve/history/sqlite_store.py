@@ -32,7 +32,6 @@ from llmserve.history.base import (
     HistoryBusy,
     HistoryConfig,
     HistoryInput,
-    LeasedStore,
     LeaseLost,
     NoHistory,
     StoreUnavailable,
@@ -45,6 +44,7 @@ from llmserve.history.base import (
     reason_deleted,
     reason_ttl,
 )
+from llmserve.history.lease import LeasedStore
 
 T = TypeVar("T")
 SCHEMA_VERSION = 1
