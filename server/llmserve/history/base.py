@@ -1,8 +1,8 @@
 """What every history store shares: the types, a call's `Turn`, and the `HistoryStore` contract.
 
 A store maps a session key to the conversation held for it (`History`). Three implementations keep the same
-contract (memory.py; sqlite_store.py and redis_store.py, with the leases of lease.py); the servicer only ever sees this interface and
-translates `NoHistory`, `HistoryBusy`, `LeaseLost` and `StoreUnavailable` into status codes.
+contract (memory.py; sqlite_store.py and redis_store.py, with the leases of lease.py); the servicer only ever
+sees this interface and translates `NoHistory`, `HistoryBusy`, `LeaseLost` and `StoreUnavailable` into status codes.
 
 What a commit is: a turn that finished normally is written in one atomic store operation (one SQLite
 transaction, one Redis script) *before* the call's last message is sent. A crash before that operation loses
