@@ -20,11 +20,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(config.server.log_level, config.server.log_format)
     from llmserve.app import run
     from llmserve.auth import TokenFileError
+    from llmserve.engine.kv_tiers.disk import DiskTierError
 
     try:
         return asyncio.run(run(config))
     except TokenFileError as exc:
         logging.getLogger("llmserve").error("auth token file: %s", exc)
+        return 2
+    except DiskTierError as exc:
+        logging.getLogger("llmserve").error("KV tiers: %s", exc)
         return 2
 
 

@@ -89,6 +89,14 @@ def _bytes_to_mib(nbytes: int) -> float:
     return nbytes / (1 << 20)
 
 
+def _gib_to_bytes(gib: float) -> int:
+    return int(gib * (1 << 30))
+
+
+def _bytes_to_gib(nbytes: int) -> float:
+    return nbytes / (1 << 30)
+
+
 @dataclass(slots=True, frozen=True)
 class Flag:
     """One flag. `targets` are dotted paths into Config ("engine.block_size"); a flag may set several fields
@@ -229,6 +237,14 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED"),
             _switch("--no-prefix-caching", "engine.enable_prefix_caching", "turn off automatic prefix caching",
                     invert=True),
+            _flag("--kv-offload-gib", "engine.kv_offload_bytes", _non_negative_float,
+                  "host memory for KV blocks the pool evicts (reloaded on a later prefix or session match); 0: off",
+                  to_field=_gib_to_bytes, from_field=_bytes_to_gib),
+            _flag("--kv-offload-dir", "engine.kv_offload_dir", str,
+                  "folder for a disk tier of evicted KV blocks (kept across restarts, per model); unset: off"),
+            _flag("--kv-offload-disk-gib", "engine.kv_offload_disk_bytes", _positive_float,
+                  "most KV payload the disk tier keeps in GiB (least recently used deleted first)",
+                  to_field=_gib_to_bytes, from_field=_bytes_to_gib),
             _flag("--cpu-kernels", "engine.cpu_kernels", _one_of("auto", "require", "off"),
                   "CPU backend's compiled kernels (built at install time): auto (use them where installed, else "
                   "warn and run the torch paths), require (refuse to start without them), off"),

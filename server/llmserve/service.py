@@ -436,6 +436,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         used = 0.0
         if info is not None:
             response.cached_tokens = info.cached_tokens
+            response.tier_cached_tokens = info.tier_tokens
             used = info.last_used
         if held is not None:
             response.history_turns = held.turns

@@ -237,3 +237,31 @@ def test_check_reports_a_free_block_with_a_hash() -> None:
     pool.block_hash[1] = chain_hash(None, [4])
     with pytest.raises(ValueError, match="^a free block still has a hash$"):
         pool.check([])
+
+
+def test_evicted_hashed_blocks_are_listed_for_offload_and_loads_register_only_when_sound() -> None:
+    from llmserve.engine.block_pool import BlockContent
+
+    pool = BlockPool(2, 2, track_evictions=True)
+    a, b = pool.allocate(2)
+    root = prefix_root(None)
+    h = chain_hash(root, [1, 2])
+    pool.register(a, h, root, [1, 2])
+    pool.release([a, b])
+    assert pool.take_evicted() == []
+    (first,) = pool.allocate(1)  # the free block goes first: nothing evicted
+    (second,) = pool.allocate(1)  # then the cached one, whose KV must be read out before it is overwritten
+    assert first == b and second == a
+    (evicted,) = pool.take_evicted()
+    assert evicted.block == a and evicted.content == BlockContent(h, root, (1, 2))
+    assert pool.take_evicted() == [] and not pool.holds(h)
+    pool.release([first, second])
+    ok, bad = pool.begin_load(2)
+    assert pool.num_loading == 2 and pool.is_loading(ok)
+    pool.check([])  # the loads' own references balance the books
+    pool.end_load(ok, BlockContent(h, root, (1, 2)))
+    pool.end_load(bad, None)
+    assert pool.lookup(h, root, [1, 2]) == ok and pool.block_hash[bad] is None
+    with pytest.raises(ValueError, match="not loading"):
+        pool.end_load(ok, None)
+    pool.check([])

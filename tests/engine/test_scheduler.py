@@ -17,7 +17,8 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmserve.engine.block_pool import BlockPool, chain_hash
+from llmserve.engine.block_pool import BlockContent, BlockPool, Evicted, chain_hash
+from llmserve.engine.kv_tiers.index import TierIndex
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.request import FinishReason, GenerationRequest, SeqStatus, Sequence, StoppingParams
 from llmserve.engine.scheduler import Scheduler
@@ -43,10 +44,16 @@ class EngineBooks(RuleBasedStateMachine):
         max_seqs=st.integers(min_value=1, max_value=5),
         budget=st.integers(min_value=8, max_value=24),
         prefix=st.booleans(),
+        tier_blocks=st.sampled_from([8, 40, 2, 0]),
     )
-    def setup(self, num_blocks: int, max_seqs: int, budget: int, prefix: bool) -> None:
+    def setup(self, num_blocks: int, max_seqs: int, budget: int, prefix: bool, tier_blocks: int) -> None:
         self.clock = Clock()
-        self.pool = BlockPool(num_blocks, BLOCK_SIZE)
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE, track_evictions=tier_blocks > 0)
+        # A lower tier: the real index (LRU, bounded, content-checked) over a shadow of the KV it keeps.
+        self.tier = TierIndex(tier_blocks, 1) if tier_blocks else None
+        self.tier_kv: dict[bytes, list[tuple[int, ...] | int | None]] = {}
+        self.loads: list[tuple[int, BlockContent]] = []
+        self.past: list[tuple[list[int], str | None]] = []  # finished conversations, to come back to
         self.sessions = SessionStore(
             self.pool,
             ttl_s=10.0,
@@ -55,7 +62,12 @@ class EngineBooks(RuleBasedStateMachine):
             clock=self.clock,
         )
         self.scheduler = Scheduler(
-            self.pool, self.sessions, max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_prefix_caching=prefix
+            self.pool,
+            self.sessions,
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            enable_prefix_caching=prefix,
+            tiers=self.tier,
         )
         self.live: list[Sequence] = []
         self.n = 0
@@ -99,12 +111,26 @@ class EngineBooks(RuleBasedStateMachine):
         cut = data.draw(st.integers(0, len(cached)))
         self.add_prompt(cached[:cut] + extra, 3, session_id)
 
+    @precondition(lambda self: self.past)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=4))
+    def come_back(self, data: st.DataObject, extra: list[int]) -> None:
+        """A conversation returns after its session (and maybe its cached blocks) went: a tier may hold its KV."""
+        tokens, session = data.draw(st.sampled_from(self.past))
+        self.add_prompt(tokens + extra, 2, session)
+
     def schedule(self) -> StepPlan:
         """One schedule() call, checked for admission order and the running-count limit."""
         waiting = [seq for seq in self.live if seq.status is SeqStatus.WAITING]
         out = self.scheduler.schedule()
         admitted = [seq for seq in waiting if seq.status is SeqStatus.RUNNING]
-        left = [seq for seq in waiting if seq.status is SeqStatus.WAITING]
+        # A sequence whose KV loads waits without holding up the others: it is outside the order.
+        left = [seq for seq in waiting if seq.status is SeqStatus.WAITING and not self.scheduler.is_loading(seq)]
+        # What the core does before the forward: copy out the evicted blocks' KV, start the loads.
+        for evicted in out.offloads:
+            self.offload(evicted)  # its KV is intact until the forward (even if a preemption freed it again)
+        for block, _ in out.loads:
+            assert self.pool.is_loading(block) and self.pool.block_hash[block] is None
+        self.loads += out.loads
 
         def order(seq: Sequence) -> tuple[int, int]:
             return (-seq.request.priority, seq.seq_no)
@@ -114,6 +140,13 @@ class EngineBooks(RuleBasedStateMachine):
             assert max(map(order, admitted)) < min(map(order, left))
         assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
         return out
+
+    def offload(self, evicted: Evicted) -> None:
+        """What the tier worker does with an evicted block: keep a copy of its KV, LRU-bounded."""
+        assert self.tier is not None
+        self.tier_kv[evicted.content.block_hash] = list(self.kv[evicted.block])
+        for gone in self.tier.add(evicted.content):
+            self.tier_kv.pop(gone, None)
 
     def write(self, seq: Sequence, n: int, garbage: bool = False) -> None:
         """What the forward writes: the KV of the sequence's next n tokens, into its own slots."""
@@ -148,6 +181,7 @@ class EngineBooks(RuleBasedStateMachine):
             if seq.num_generated >= seq.request.stopping.max_new_tokens:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
                 self.live.remove(seq)
+                self.past = (self.past + [(list(seq.token_ids), seq.request.session_id)])[-6:]
 
     @rule(copied=st.booleans())
     def fail_step(self, copied: bool) -> None:
@@ -176,6 +210,39 @@ class EngineBooks(RuleBasedStateMachine):
     def preempt(self, data: st.DataObject) -> None:
         self.scheduler.preempt(data.draw(st.sampled_from(self.scheduler.running)))
 
+    @precondition(lambda self: self.loads)
+    @rule(data=st.data(), ok=st.sampled_from([True, True, False]))
+    def finish_load(self, data: st.DataObject, ok: bool) -> None:
+        """A load ends: the tier's KV arrives, or the load fails (a corrupt, truncated or vanished block)."""
+        block, content = data.draw(st.sampled_from(self.loads))
+        self.loads.remove((block, content))
+        stored = self.tier_kv.get(content.block_hash)
+        ok = ok and stored is not None
+        # A failed read may leave anything behind in the block.
+        self.kv[block] = list(stored) if ok and stored is not None else [GARBAGE] * BLOCK_SIZE
+        self.scheduler.load_done(block, ok)
+        assert not self.pool.is_loading(block)
+
+    @precondition(lambda self: self.pool.num_cached > 0 or len(self.sessions) > 0)
+    @rule(n=st.integers(1, 40), drop_sessions=st.booleans())
+    def squeeze(self, n: int, drop_sessions: bool) -> None:
+        """Something else takes free blocks for a while (as a burst of requests would), evicting cached ones (and
+        maybe every idle session first): their KV goes to the tier before it is overwritten."""
+        while drop_sessions and self.sessions.evict_one():
+            pass
+        taken = self.pool.allocate(min(n, self.pool.num_free))
+        for evicted in self.pool.take_evicted():
+            self.offload(evicted)
+        for block in taken:
+            self.kv[block] = [GARBAGE] * BLOCK_SIZE
+        self.pool.release(taken)
+
+    @precondition(lambda self: self.tier_kv)
+    @rule(data=st.data())
+    def lose_tier_block(self, data: st.DataObject) -> None:
+        """A block file is deleted or corrupted under the server: the index still lists it, its loads fail."""
+        del self.tier_kv[data.draw(st.sampled_from(sorted(self.tier_kv)))]
+
     @rule(session=st.sampled_from(["a", "b", "c", "d"]))
     def delete_session(self, session: str) -> None:
         self.sessions.delete(session)
@@ -189,7 +256,17 @@ class EngineBooks(RuleBasedStateMachine):
         if not hasattr(self, "pool"):
             return
         owners = [seq.block_table for seq in self.scheduler.running] + self.sessions.owners()
-        self.pool.check(owners)
+        self.pool.check(owners + self.scheduler.pinned())
+        assert self.pool.num_loading == len(self.loads) == self.scheduler.num_loads_in_flight
+        if self.tier is not None:
+            assert len(self.tier) <= self.tier.capacity_blocks
+            assert set(self.tier_kv) <= set(self.tier.oldest_first())
+            for block_hash, kv in self.tier_kv.items():
+                # What a tier keeps is what the block held when it was evicted: its tokens' KV.
+                content = self.tier.get(block_hash)
+                assert content is not None
+                assert chain_hash(content.parent, content.tokens) == block_hash
+                assert kv[-1] is not None and kv[-1] != GARBAGE and kv[-1][-BLOCK_SIZE:] == content.tokens
         for seq in self.live:
             if seq.status is SeqStatus.WAITING:
                 assert seq.block_table == []
@@ -218,6 +295,8 @@ class EngineBooks(RuleBasedStateMachine):
             return
         for seq in list(self.live):
             self.scheduler.finish(seq, FinishReason.CANCELLED)
+        for block, _ in self.loads:
+            self.scheduler.load_done(block, False)
         while self.sessions.evict_one():
             pass
         self.pool.clear_cache()

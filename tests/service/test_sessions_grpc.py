@@ -56,3 +56,50 @@ def test_real_model_chat_turn_two_reuses_the_conversation() -> None:
             assert cached >= 0.95 * (usage1.prompt_tokens + usage1.completion_tokens), (cached, usage1)
     finally:
         srv.stop()
+
+
+def test_get_session_reports_tokens_in_the_pool_and_in_the_disk_tier_apart(tmp_path) -> None:  # noqa: ANN001
+    """A session the small pool evicted is still reported, its KV counted in the tier, and its next turn reloads."""
+    engine = tiny_engine(kv_cache_tokens=20 * 16, session_pool_fraction=0.5, kv_offload_dir=str(tmp_path))
+    srv = ServerThread(engine).start()
+    try:
+        with Client(srv.address, timeout=60) as client:
+            prompts = {s: list(range(100 + 200 * i, 244 + 200 * i)) for i, s in enumerate("ABC")}
+            answers = {}
+            for s, prompt in prompts.items():
+                out = list(
+                    client.generate(
+                        token_ids=prompt, max_new_tokens=8, ignore_eos=True, session_id=s, return_token_ids=True
+                    )
+                )
+                answers[s] = [t for r in out for t in r.token_ids]
+            held = client.get_session("C")
+            assert held is not None and held.cached_tokens == 144 + 7 and held.tier_cached_tokens == 0
+            gone = client.get_session("A")
+            assert gone is not None and gone.tier_cached_tokens >= 8 * 16
+            assert gone.cached_tokens + gone.tier_cached_tokens <= 144 + 7
+            second = prompts["A"] + answers["A"] + [5]
+            last = list(client.generate(token_ids=second, max_new_tokens=2, ignore_eos=True, session_id="A"))[-1]
+            assert last.usage.cached_prompt_tokens >= gone.cached_tokens + gone.tier_cached_tokens
+    finally:
+        srv.stop()
+
+
+def test_a_conversation_returning_after_a_server_restart_reloads_its_kv_from_disk(tmp_path) -> None:  # noqa: ANN001
+    prompt = list(range(300, 460))
+    tokens = {}
+    for life in ("before", "after"):
+        srv = ServerThread(tiny_engine(kv_offload_dir=str(tmp_path))).start()
+        try:
+            with Client(srv.address, timeout=60) as client:
+                ask = prompt if life == "before" else prompt + tokens["before"] + [9]
+                out = list(
+                    client.generate(
+                        token_ids=ask, max_new_tokens=4, ignore_eos=True, session_id="c", return_token_ids=True
+                    )
+                )
+                tokens[life] = [t for r in out for t in r.token_ids]
+                cached = out[-1].usage.cached_prompt_tokens
+        finally:
+            srv.stop()  # the shutdown writes the pool's blocks to the disk tier
+    assert cached >= 160  # the new server's first call found the old server's KV on disk

@@ -1,11 +1,17 @@
 """Book-keeping for the fixed pool of KV blocks: reference counts, free lists and prefix hashes.
 
 No tensors live here; the backend owns the KV memory and this class only says which block ids are whose.
-A block is in exactly one of three states:
-- owned: ref_count > 0 (held by running sequences and/or sessions);
+A block is in exactly one of four states:
+- owned: ref_count > 0 (held by running sequences and/or sessions, or by waiting sequences that pin it while
+  their other blocks load);
+- loading: owned, and its KV is being read back from a lower tier (kv_tiers); the load holds one reference
+  until `end_load`, which registers the block's hash when the KV arrived sound;
 - cached: ref_count == 0 but its content is known by a prefix hash, so a later request may revive it;
   cached blocks are evicted least recently freed first when fresh blocks are needed;
 - free: ref_count == 0 and no hash.
+A prefix whose block was evicted may live on "in a lower tier": that state belongs to the tier's index (by
+digest), not to a block id. With `track_evictions`, each evicted cached block is listed (`take_evicted`) so
+that its KV is copied out to the tier before the block is written again.
 
 A block's prefix hash is a 128-bit BLAKE2b digest over its parent's digest and its own tokens, chained from a
 root that carries the cache salt. A prompt cannot be crafted to collide with another caller's block, and a hit
@@ -20,9 +26,27 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 BlockHash = bytes  # 16 bytes: see chain_hash
 _DIGEST_BYTES = 16
+
+
+@dataclass(slots=True, frozen=True)
+class BlockContent:
+    """What a hashed block holds: its digest, its parent's digest and its own tokens (one block's worth)."""
+
+    block_hash: BlockHash
+    parent: BlockHash
+    tokens: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Evicted:
+    """A cached block the pool just handed out again: its KV still holds `content` until the next forward."""
+
+    block: int
+    content: BlockContent
 
 
 class NoFreeBlocks(RuntimeError):
@@ -49,7 +73,7 @@ def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
 class BlockPool:
     """A fixed set of `num_blocks` KV blocks of `block_size` token slots each."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, track_evictions: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
@@ -63,6 +87,9 @@ class BlockPool:
         # Pop from the end; reversed so that low ids come out first (nicer to read in tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()
+        self.track_evictions = track_evictions
+        self._evicted: list[Evicted] = []
+        self._loading: set[int] = set()
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -108,6 +135,9 @@ class BlockPool:
                 block = self._free.pop()
             else:
                 block, _ = self._cached.popitem(last=False)
+                content = self.content(block) if self.track_evictions else None
+                if content is not None:
+                    self._evicted.append(Evicted(block, content))
                 self._forget_hash(block)
             self.ref_count[block] = 1
             out.append(block)
@@ -149,6 +179,47 @@ class BlockPool:
         self._content[block] = (parent or _UNSALTED_ROOT, tuple(tokens))
         self._hash_to_block[block_hash] = block
 
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether some block (owned or cached) holds the prefix with this digest."""
+        return block_hash in self._hash_to_block
+
+    def content(self, block: int) -> BlockContent | None:
+        """What a hashed block holds, or None for an anonymous one."""
+        block_hash, content = self.block_hash[block], self._content[block]
+        if block_hash is None or content is None:
+            return None
+        return BlockContent(block_hash, *content)
+
+    def take_evicted(self) -> list[Evicted]:
+        """The hashed blocks evicted since the last call (with `track_evictions`), oldest first. Their KV must be
+        read before the next forward, which may overwrite it."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    def is_loading(self, block: int) -> bool:
+        return block in self._loading
+
+    def begin_load(self, n: int) -> list[int]:
+        """Allocate `n` blocks for KV that a lower tier is reading back; each stays loading (one reference held
+        by the load) until `end_load`."""
+        blocks = self.allocate(n)
+        self._loading.update(blocks)
+        return blocks
+
+    def end_load(self, block: int, content: BlockContent | None) -> None:
+        """The load into `block` is over: with `content` (the KV arrived and was checked) the block now holds
+        that prefix; with None it failed and the block stays anonymous. The load's reference is dropped."""
+        if block not in self._loading:
+            raise ValueError(f"block {block} is not loading")
+        self._loading.remove(block)
+        if content is not None:
+            self.register(block, content.block_hash, content.parent, content.tokens)
+        self.release([block])
+
     def clear_cache(self) -> None:
         """Forget all cached (unreferenced) prefixes, making their blocks free."""
         while self._cached:
@@ -171,6 +242,8 @@ class BlockPool:
         Raises ValueError on any leak, double free or miscount; for tests and debugging.
         """
         expected = [0] * self.num_blocks
+        for block in self._loading:
+            expected[block] += 1  # the load's own reference
         for blocks in owners:
             for block in blocks:
                 expected[block] += 1
@@ -189,3 +262,5 @@ class BlockPool:
                 raise ValueError(f"hash index disagrees at block {block}")
         if any(self.block_hash[b] is not None for b in free):
             raise ValueError("a free block still has a hash")
+        if any(self.block_hash[b] is not None for b in self._loading):
+            raise ValueError("a loading block already has a hash")

@@ -34,4 +34,8 @@ class EngineConfig:
     packed_linear: bool = (
         True  # CPU float32 linears through oneDNN, weights packed once (backends/cpu/packed_linear.py)
     )
+    # KV tiers below the pool (engine/kv_tiers): bytes of host memory, and a folder with its byte bound on disk.
+    kv_offload_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 4 << 30
     fused_layers: bool = True  # CPU Llama-family models through the fused forward (backends/cpu/fused_layers.py)

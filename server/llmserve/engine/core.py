@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.engine.backends import create_backend
+from llmserve.engine.backends.base import BlockCopier
 from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.outputs import EngineOutput, RequestStart
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
@@ -110,7 +112,9 @@ class EngineCore:
             )
             self.max_model_len = self.sliding_window
         self.backend = create_backend(loaded, config, self.max_model_len)
-        self.pool = BlockPool(self.backend.num_blocks, config.block_size)
+        # Lower KV tiers (--kv-offload-*): raises DiskTierError naming the flag when they cannot be had.
+        self.tiers = build_tiers(config, loaded, BlockCopier(self.backend.kv))
+        self.pool = BlockPool(self.backend.num_blocks, config.block_size, track_evictions=self.tiers is not None)
         self.sessions = SessionStore(
             self.pool,
             ttl_s=config.session_ttl_s,
@@ -123,7 +127,10 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
+            tiers=self.tiers,
         )
+        if self.tiers is not None:
+            self.tiers.start()
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._handles = itertools.count(1)  # also each sequence's arrival order (seq_no)
@@ -192,6 +199,7 @@ class EngineCore:
             session_misses=scheduler.num_session_misses,
             session_evictions=dict(sessions.evictions),
             prefix_cache_hits=scheduler.num_prefix_cache_hits,
+            kv_tiers=self.tiers.stats() if self.tiers is not None else None,
         )
 
     @property
@@ -221,6 +229,14 @@ class EngineCore:
         for seq in list(self.scheduler.live.values()):
             self._finish(seq, FinishReason.CANCELLED)
         self._emit_pending(emit)
+        self.close_tiers()
+
+    def close_tiers(self) -> None:
+        """Write every hashed block still in the pool to the tiers and finish their writes (at shutdown, on the
+        thread that stepped: a restarted server finds the conversations on disk). Idempotent."""
+        if self.tiers is not None:
+            self.tiers.write_back(self.pool)
+            self.tiers.close()
 
     def take_outputs(self) -> list[EngineOutput]:
         """The outputs collected since the last call (commands drained, steps taken), in order."""
@@ -231,8 +247,14 @@ class EngineCore:
         """One iteration: schedule, execute, update, collect outputs."""
         now = time.monotonic()
         self._expire_deadlines(now)
+        if self.tiers is not None:
+            self.tiers.finish_loads(self.scheduler.load_done)
         plan = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.begin(plan)  # before the forward, which may overwrite the blocks evicted for it
         if not plan.seqs:
+            if self.tiers is not None:
+                self.tiers.wait(0.05)  # only loads to wait for (if any): sleep until one ends rather than spin
             return
         for entry in plan.seqs:
             if entry.seq.first_scheduled is None:
@@ -276,9 +298,13 @@ class EngineCore:
             return self.sessions.delete(query.session_id)
         self.sessions.expire()
         session = self.sessions.get(query.session_id)
-        if session is None:
+        if session is not None:
+            return SessionInfo(query.session_id, len(session.token_ids), session.last_used_wall)
+        departed = self.sessions.departed.get(query.session_id)
+        if departed is None or self.tiers is None:
             return None
-        return SessionInfo(query.session_id, len(session.token_ids), session.last_used_wall)
+        in_pool, in_tiers = self.tiers.where(departed[0], self.pool)  # evicted: what is left, and where
+        return SessionInfo(query.session_id, in_pool, departed[1], in_tiers) if in_pool or in_tiers else None
 
     def _emit_pending(self, emit: Emit) -> None:
         if self._outputs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from llmserve.engine.block_pool import BlockContent, Evicted
 from llmserve.engine.request import SampleRow, Sequence
 
 
@@ -44,11 +45,17 @@ class StepPlan:
 
     Each copy's source holds a reference until the step is accounted (`Scheduler.update` or `abandon`), so that
     nothing reallocates it first.
+
+    With KV tiers: `offloads` are the cached blocks this schedule evicted, whose KV must be read out before the
+    forward (which may overwrite them); `loads` are blocks to fill from a lower tier, each reported back with
+    `Scheduler.load_done` (the sequences that wait for them stay in the queue until then).
     """
 
     seqs: list[SeqStep] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    offloads: list[Evicted] = field(default_factory=list)
+    loads: list[tuple[int, BlockContent]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -28,8 +28,9 @@ class ModelInfo:
 @dataclass(slots=True)
 class SessionInfo:
     session_id: str
-    cached_tokens: int
+    cached_tokens: int  # tokens whose KV the pool holds
     last_used: float  # unix time
+    tier_tokens: int = 0  # tokens whose KV a lower tier (host memory, disk) holds, past those in the pool
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class EngineStats:
     session_misses: int
     session_evictions: dict[str, int]
     prefix_cache_hits: int
+    kv_tiers: Any = None  # kv_tiers.worker.TierStats when tiers are on
 
 
 class Engine(Protocol):

@@ -6,16 +6,31 @@ in chunks while running streams keep getting one token per step. Running sequenc
 oldest first; when blocks run out, idle sessions are evicted, then the newest running sequence is
 preempted (its blocks freed, recomputed later). Waiting sequences are admitted by priority, then age,
 reusing session and prefix-cached blocks.
+
+With KV tiers (`tiers`), a waiting sequence whose prefix continues in a lower tier past what the pool holds
+gets blocks that load that KV back (`StepPlan.loads`); it pins the blocks it will reuse and stays in the queue,
+skipped without holding up the others, until every load is reported (`load_done`). A failed load leaves its
+block anonymous: those tokens are recomputed.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass, field
 
-from llmserve.engine.block_pool import BlockPool, chain_hash, prefix_root
+from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, chain_hash, prefix_root
+from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.plan import SeqStep, StepPlan
 from llmserve.engine.request import FinishReason, SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A waiting sequence's reloads: the blocks it holds a reference on, and those still loading."""
+
+    pins: list[int]
+    waiting_on: set[int] = field(default_factory=set)
 
 
 class Scheduler:
@@ -29,6 +44,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
+        tiers: TierLookup | None = None,
     ) -> None:
         self.pool = pool
         self.sessions = sessions
@@ -45,6 +61,25 @@ class Scheduler:
         self.num_session_hits = 0
         self.num_session_misses = 0
         self.num_prefix_cache_hits = 0
+        self.tiers = tiers if enable_prefix_caching else None
+        self._pending: dict[int, _Pending] = {}  # seq_no -> its reloads
+        self._loading: dict[BlockHash, int] = {}  # digest -> the block it is loading into
+        self._load_content: dict[int, BlockContent] = {}  # loading block -> what it will hold
+        self._load_waiters: dict[int, list[int]] = {}  # loading block -> seq_nos that wait for it
+        self.num_tier_loads = 0  # admissions that started at least one load (for the metrics)
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        return len(self._load_content)
+
+    def pinned(self) -> list[list[int]]:
+        """The blocks waiting sequences hold while their reloads run, for BlockPool.check()."""
+        return [p.pins for p in self._pending.values()]
+
+    def is_loading(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence still waits for blocks to load."""
+        pending = self._pending.get(seq.seq_no)
+        return pending is not None and bool(pending.waiting_on)
 
     @property
     def num_waiting(self) -> int:
@@ -82,12 +117,16 @@ class Scheduler:
             budget -= n
             i += 1
 
+        parked = []  # sequences whose KV is loading: they keep their place but hold up no one
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             _, _, seq = self._waiting[0]
             if seq.status is not SeqStatus.WAITING:
                 heapq.heappop(self._waiting)  # aborted while waiting
                 continue
             n = self._admit(seq, budget, out)
+            if n < 0:
+                parked.append(heapq.heappop(self._waiting))
+                continue
             if n == 0:
                 break
             heapq.heappop(self._waiting)
@@ -96,7 +135,21 @@ class Scheduler:
             self.running.append(seq)
             out.seqs.append(_step(seq, n))
             budget -= n
+        for entry in parked:
+            heapq.heappush(self._waiting, entry)
+        if self.pool.track_evictions:
+            out.offloads = self.pool.take_evicted()
         return out
+
+    def load_done(self, block: int, ok: bool) -> None:
+        """A load from `StepPlan.loads` is over; `ok`: the KV was written into the block and checked sound."""
+        content = self._load_content.pop(block)
+        del self._loading[content.block_hash]
+        self.pool.end_load(block, content if ok else None)
+        for seq_no in self._load_waiters.pop(block, []):
+            pending = self._pending.get(seq_no)
+            if pending is not None:
+                pending.waiting_on.discard(block)
 
     def update(self, plan: StepPlan) -> list[Sequence]:
         """Account the computed tokens; returns the sequences that caught up and need a new token."""
@@ -125,6 +178,9 @@ class Scheduler:
             return
         if seq.status is SeqStatus.WAITING:
             self._num_waiting -= 1  # its heap entry is dropped lazily
+            pending = self._pending.pop(seq.seq_no, None)
+            if pending is not None:  # aborted while loading: the loads run on, holding their own references
+                self.pool.release(pending.pins)
         else:
             self.running.remove(seq)
         del self.live[seq.seq_no]
@@ -168,14 +224,24 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, budget: int, out: StepPlan) -> int:
-        """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait."""
+        """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait, -1 if its
+        KV is loading from a lower tier (it waits, the next one may go)."""
+        pending = self._pending.pop(seq.seq_no, None)
+        if pending is not None and pending.waiting_on:
+            self._pending[seq.seq_no] = pending
+            return -1
+        if pending is None and self.tiers is not None and self._start_loads(seq, out, self.tiers):
+            return -1
         tokens = seq.token_ids
         session_id = seq.request.session_id
         had_session = session_id is not None and session_id in self.sessions
         reused, shared, cow_src = self._find_reuse(seq)
-        # Hold the blocks to reuse (and the copy source) before anything can be evicted.
+        # Hold the blocks to reuse (and the copy source) before anything can be evicted; then the pins of the
+        # reloads can go (whatever of them is reused is held again).
         held = shared + ([cow_src] if cow_src is not None else [])
         self.pool.acquire(held)
+        if pending is not None:
+            self.pool.release(pending.pins)
         n = min(len(tokens) - reused, budget)
         need = self.pool.blocks_for(reused + n) - len(shared)
         if not self.pool.can_allocate(need) and not self.sessions.evict_until_free(need):
@@ -223,6 +289,60 @@ class Scheduler:
                 return matched, blocks[:full], cow
         return len(shared) * bs, shared, None
 
+    def _start_loads(self, seq: Sequence, out: StepPlan, tiers: TierLookup) -> bool:
+        """Start loading the blocks of seq's prefix that a lower tier holds past the pool's; True if it must wait.
+
+        Loads start only where they extend the reuse past what the pool or the seq's session holds, and only into
+        blocks that are free now (after evicting idle sessions); otherwise the seq recomputes."""
+        tokens = seq.token_ids
+        bs = self.pool.block_size
+        num_full = (len(tokens) - 1) // bs
+        self._hash_blocks(seq, num_full)
+        hashes = seq.block_hashes
+        parent = prefix_root(seq.request.cache_salt)
+        pins: list[int] = []
+        waits: list[int] = []
+        loads: list[BlockContent] = []
+        i = 0
+        # Block by block: the pool, else a load already running, else a tier. The pool may have kept the later
+        # blocks of a prefix whose first ones it evicted.
+        while i < num_full:
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(hashes[i], parent, block_tokens)
+            loading = self._loading.get(hashes[i])
+            if block is not None:
+                pins.append(block)
+            elif loading is not None and self._load_content[loading] == BlockContent(hashes[i], parent, block_tokens):
+                waits.append(loading)
+            elif loading is None and tiers.has(hashes[i], parent, block_tokens):
+                loads.append(BlockContent(hashes[i], parent, block_tokens))
+            else:
+                break
+            parent = hashes[i]
+            i += 1
+        if not waits and not loads:
+            return False
+        session_id = seq.request.session_id
+        if session_id is not None:
+            session = self.sessions.get(session_id)
+            if session is not None and _common_prefix(session.token_ids, tokens) >= i * bs:
+                return False  # the session in the pool covers as much: no load needed
+        self.pool.acquire(pins + waits)  # before anything is evicted for the new blocks
+        if not self.pool.can_allocate(len(loads)) and not self.sessions.evict_until_free(len(loads)):
+            self.pool.release(pins + waits)
+            return False
+        blocks = self.pool.begin_load(len(loads))
+        self.pool.acquire(blocks)  # the seq's own reference, beside the load's
+        for block, content in zip(blocks, loads, strict=True):
+            self._loading[content.block_hash] = block
+            self._load_content[block] = content
+            out.loads.append((block, content))
+        for block in waits + blocks:
+            self._load_waiters.setdefault(block, []).append(seq.seq_no)
+        self._pending[seq.seq_no] = _Pending(pins + waits + blocks, set(waits + blocks))
+        self.num_tier_loads += 1
+        return True
+
     def _hash_blocks(self, seq: Sequence, num_full: int) -> None:
         bs = self.pool.block_size
         hashes = seq.block_hashes
@@ -241,6 +361,14 @@ class Scheduler:
                 parent = seq.block_hashes[i - 1] if i else prefix_root(seq.request.cache_salt)
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]
                 self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    limit = min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _step(seq: Sequence, n: int) -> SeqStep:

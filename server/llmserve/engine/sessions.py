@@ -3,6 +3,9 @@
 A session holds one reference on each of its blocks, so its KV survives between calls. Sessions are
 evicted least recently used first: when running requests need blocks, when there are more than
 `max_sessions`, when they hold more than their share of the pool, or when idle past the TTL.
+
+With KV tiers (the pool tracks its evictions), the store remembers the prefix digests of the sessions it
+evicted, up to `max_sessions` of them, so that GetSession can say how much of one a lower tier still holds.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class SessionStore:
         self._num_blocks_held = 0
         # Sessions dropped by the store itself (not by delete()), by why: for the metrics.
         self.evictions = {"memory": 0, "limit": 0, "ttl": 0}
+        # Evicted session id -> (the digests of its full blocks, its last use in unix time); kept with tiers only.
+        self.departed: OrderedDict[str, tuple[list[bytes], float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -91,6 +96,7 @@ class SessionStore:
         if len(blocks) != self._pool.blocks_for(len(token_ids)):
             raise ValueError("blocks do not match the token count")
         self.delete(session_id)
+        self.departed.pop(session_id, None)
         now = self._clock()
         session = Session(session_id, token_ids, blocks, now, time.time())
         self._sessions[session_id] = session
@@ -99,6 +105,20 @@ class SessionStore:
 
     def delete(self, session_id: str) -> bool:
         """Free the session's references now. Returns whether it existed."""
+        self.departed.pop(session_id, None)
+        return self._drop(session_id)
+
+    def _evict(self, session_id: str) -> None:
+        """Drop a session for the store's own reasons; with tiers, remember where its KV may still be."""
+        session = self._sessions.get(session_id)
+        if session is not None and self._pool.track_evictions:
+            hashes = [h for h in (self._pool.block_hash[b] for b in session.blocks) if h is not None]
+            self.departed[session_id] = (hashes, session.last_used_wall)
+            while len(self.departed) > self._max_sessions:
+                self.departed.popitem(last=False)
+        self._drop(session_id)
+
+    def _drop(self, session_id: str) -> bool:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
@@ -110,7 +130,7 @@ class SessionStore:
         """Drop the least recently used session; False if there is none."""
         if not self._sessions:
             return False
-        self.delete(next(iter(self._sessions)))
+        self._evict(next(iter(self._sessions)))
         self.evictions["memory"] += 1
         return True
 
@@ -129,7 +149,7 @@ class SessionStore:
             oldest = next(iter(self._sessions.values()))
             if oldest.last_used > deadline:
                 break
-            self.delete(oldest.session_id)
+            self._evict(oldest.session_id)
             expired += 1
         self.evictions["ttl"] += expired
         return expired
@@ -141,12 +161,12 @@ class SessionStore:
             if victim == keep:
                 if len(self._sessions) == 1:
                     # The only session is over the share on its own: drop it rather than hold the pool.
-                    self.delete(victim)
+                    self._evict(victim)
                     self.evictions["limit"] += 1
                     return
                 self._sessions.move_to_end(victim)
                 continue
-            self.delete(victim)
+            self._evict(victim)
             self.evictions["limit"] += 1
 
     def _touch(self, session: Session) -> None:

@@ -14,7 +14,7 @@ import platform
 import threading
 from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import (
@@ -217,6 +217,54 @@ class EngineCollector(Collector):
             "Requests without a cached session that reused prefix-cached KV",
             s.prefix_cache_hits,
         )
+        if s.kv_tiers is not None:
+            yield from _tier_metrics(s.kv_tiers)
+
+
+# The KV tiers' counters (kv_tiers.index.TierCounters fields), labelled by tier (host, disk).
+_TIER_COUNTERS = (
+    ("stored_blocks", "KV blocks written to the tier (evicted from the pool)"),
+    ("stored_bytes", "KV payload bytes written to the tier"),
+    ("loaded_blocks", "KV blocks reloaded from the tier instead of recomputed"),
+    ("loaded_bytes", "KV payload bytes reloaded from the tier"),
+    ("hits", "Prefix lookups past the pool that found the block in the tier"),
+    ("misses", "Prefix lookups past the pool that did not find the block in the tier"),
+    ("evicted_blocks", "KV blocks the tier dropped to stay within its bound (least recently used)"),
+    ("failed_stores", "KV block writes that failed (full disk, I/O error): those blocks are recomputed"),
+    ("failed_loads", "KV block reloads that failed (missing, truncated, corrupt or foreign file): recomputed"),
+)
+
+
+def _tier_metrics(t: Any) -> Iterator[Metric]:
+    """kv_tiers.worker.TierStats as metric families."""
+    p = PREFIX
+    for field, doc in _TIER_COUNTERS:
+        family = CounterMetricFamily(f"{p}_kv_tier_{field}", doc, labels=["tier"])
+        for tier, counters in sorted(t.tiers.items()):
+            family.add_metric([tier], getattr(counters, field))
+        yield family
+    for name, doc, values in (
+        ("used_blocks", "KV blocks the tier holds now", t.used_blocks),
+        ("capacity_blocks", "KV blocks the tier may hold", t.capacity_blocks),
+    ):
+        gauge = GaugeMetricFamily(f"{p}_kv_tier_{name}", doc, labels=["tier"])
+        for tier, value in sorted(values.items()):
+            gauge.add_metric([tier], value)
+        yield gauge
+    yield _gauge(f"{p}_kv_tier_block_bytes", "Bytes of one KV block's payload (all layers, K and V)", t.block_bytes)
+    yield _counter(
+        f"{p}_kv_tier_dropped_writes",
+        "Offloads dropped because the disk writes queued behind the step were full",
+        t.dropped_writes,
+    )
+    buckets = [(str(b), c) for b, c in zip(t.reload_buckets, t.reload_counts, strict=False)]
+    buckets.append(("+Inf", t.reload_counts[-1]))
+    yield HistogramMetricFamily(
+        f"{p}_kv_tier_reload_seconds",
+        "Time from a block's reload request to its KV being ready for the step",
+        buckets=buckets,
+        sum_value=t.reload_sum,
+    )
 
 
 class HistoryCollector(Collector):

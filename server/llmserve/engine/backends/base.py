@@ -26,6 +26,7 @@ class Backend(Protocol):
     dtype: torch.dtype
     num_blocks: int  # KV blocks the block pool may hand out (the cache has one scratch block more)
     block_size: int
+    kv: KVCache  # the paged cache; the KV tiers copy whole blocks out of it and back (read_block, write_block)
 
     def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]: ...
 
@@ -76,6 +77,66 @@ class KVCache:
         bs = self.block_size
         for src, dst in copies:
             self.tensor[:, :, :, dst * bs : (dst + 1) * bs] = self.tensor[:, :, :, src * bs : (src + 1) * bs]
+
+
+@dataclass(slots=True)
+class BlockData:
+    """One block's K and V of every layer on the host, [layers, 2, kv_heads, block_size, head_dim]. From a CUDA
+    cache the copy runs on a side stream: `wait()` before reading `tensor` on the host."""
+
+    tensor: torch.Tensor
+    ready: Any = None  # a torch.cuda.Event recorded after the copy, or None when it is done already
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+
+
+class BlockCopier:
+    """Copies whole blocks between a KV cache and host memory for the KV tiers.
+
+    On the CPU a copy is a plain clone. On CUDA, reads go to pinned memory on a side stream that first waits for
+    the step's stream (so it sees the KV written so far), and the step's stream waits for the copy's event
+    before its next kernel (so the block is not overwritten under it): the host thread never blocks on either.
+    Writes into the cache are issued on the step's stream, before the forward that reads them."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+        self.cuda = kv.tensor.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=kv.tensor.device) if self.cuda else None  # type: ignore[no-untyped-call]
+
+    def block_view(self, block: int) -> torch.Tensor:
+        bs = self.kv.block_size
+        return self.kv.tensor[:, :, :, block * bs : (block + 1) * bs]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        s = self.kv.shape
+        return (s.num_layers, 2, s.num_kv_heads, self.kv.block_size, s.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv.block_size * self.kv.shape.bytes_per_token(self.kv.tensor.dtype)
+
+    def read(self, block: int) -> BlockData:
+        src = self.block_view(block)
+        if self._stream is None:
+            return BlockData(src.clone(memory_format=torch.contiguous_format))
+        dst = torch.empty(self.block_shape, dtype=src.dtype, pin_memory=True)
+        main = torch.cuda.current_stream(src.device)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self._stream)
+        main.wait_event(event)
+        return BlockData(dst, event)
+
+    def write(self, block: int, data: torch.Tensor) -> None:
+        """Fill `block` from a host tensor of `block_shape` (pinned on CUDA: the copy is asynchronous, ordered
+        before the next forward on the same stream)."""
+        self.block_view(block).copy_(data.view(self.block_shape), non_blocking=self.cuda)
 
 
 def blocks_for_budget(budget_bytes: float, shape: KVShape, dtype: torch.dtype, block_size: int) -> int:

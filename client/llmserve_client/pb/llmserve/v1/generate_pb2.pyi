@@ -235,20 +235,22 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class GetSessionResponse(_message.Message):
-    __slots__ = ("session_id", "cached_tokens", "last_used", "history_turns", "history_tokens", "history_input")
+    __slots__ = ("session_id", "cached_tokens", "last_used", "history_turns", "history_tokens", "history_input", "tier_cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TURNS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_INPUT_FIELD_NUMBER: _ClassVar[int]
+    TIER_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cached_tokens: int
     last_used: _timestamp_pb2.Timestamp
     history_turns: int
     history_tokens: int
     history_input: HistoryInput
-    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., last_used: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., history_turns: _Optional[int] = ..., history_tokens: _Optional[int] = ..., history_input: _Optional[_Union[HistoryInput, str]] = ...) -> None: ...
+    tier_cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., last_used: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., history_turns: _Optional[int] = ..., history_tokens: _Optional[int] = ..., history_input: _Optional[_Union[HistoryInput, str]] = ..., tier_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DeleteSessionRequest(_message.Message):
     __slots__ = ("session_id",)

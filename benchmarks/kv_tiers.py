@@ -1,0 +1,205 @@
+"""KV tiers (issue 24): returning conversations over a pool that holds only a few of them, disk tier vs recompute.
+
+(a) Many conversations: S sessions x T turns, each opening with a history of ~H tokens, served round-robin one
+    call at a time (turn t of every session, then turn t+1), so that each session's KV has left the pool by
+    the time it returns. TTFT P50/P99 of the returning turns, wall time, output throughput and the disk tier's
+    bytes written and read; once with the disk tier (`--kv-offload-dir`), once without (the returning turn
+    recomputes its history). Both in this process, one after the other, on the same model.
+(b) Restart: one conversation's first turn on an engine with the disk tier, the engine shut down (which writes
+    what the pool still holds), a new engine on the same folder serving the second turn; its TTFT against the
+    same turn recomputed.
+
+On the CPU backend the disk tier is the tier that pays: host memory is where the pool itself lives.
+
+    python -m benchmarks.kv_tiers [--quick] [--sessions S] [--turns T] [--history H] [--model SPEC]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks.metrics import percentile
+from benchmarks.sessions import ChatBuilder, Turn, call
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
+from llmserve.models import LoadedModel, load_model
+
+
+@dataclass(slots=True, frozen=True)
+class TiersSpec:
+    sessions: int = 16
+    turns: int = 4
+    history_tokens: int = 1500
+    answer: int = 8
+    follow_up: int = 32
+    pool_conversations: int = 3  # the pool holds about this many conversations' KV
+    block_size: int = 16
+    seed: int = 0
+
+
+QUICK = TiersSpec(sessions=4, turns=2, history_tokens=300, pool_conversations=2)
+
+
+def config(spec: TiersSpec, disk_dir: str | None) -> EngineConfig:
+    longest = spec.history_tokens + spec.turns * (spec.answer + spec.follow_up) + 256
+    return EngineConfig(
+        block_size=spec.block_size,
+        kv_cache_tokens=spec.pool_conversations * longest,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        kv_offload_dir=disk_dir,
+        kv_offload_disk_bytes=16 << 30,
+    )
+
+
+def tier_bytes(engine: AsyncEngine) -> dict:
+    tiers = engine.core.tiers
+    if tiers is None:
+        return {}
+    disk = tiers.stats().tiers["disk"]
+    return {
+        "written_bytes": disk.stored_bytes,
+        "read_bytes": disk.loaded_bytes,
+        "written_blocks": disk.stored_blocks,
+        "read_blocks": disk.loaded_blocks,
+        "failed_loads": disk.failed_loads,
+        "failed_stores": disk.failed_stores,
+    }
+
+
+async def conversations(loaded: LoadedModel, spec: TiersSpec, disk_dir: str | None) -> dict:
+    chat = ChatBuilder(loaded.tokenizer, loaded.vocab_size, spec.seed)
+    prompts = [chat.history(f"conv{s}", spec.history_tokens) for s in range(spec.sessions)]
+    returning: list[Turn] = []
+    engine = AsyncEngine(loaded, config(spec, disk_dir))
+    await engine.start()
+    start = time.perf_counter()
+    output = 0
+    try:
+        for t in range(spec.turns):
+            for s in range(spec.sessions):
+                turn = await call(engine, f"c{s}-{t}-{disk_dir is not None}", prompts[s], spec.answer, f"conv{s}")
+                output += len(turn.output_ids)
+                if t > 0:
+                    returning.append(turn)
+                prompts[s] = prompts[s] + turn.output_ids + chat.follow_up(f"conv{s}/{t}", spec.follow_up)
+        wall = time.perf_counter() - start
+    finally:
+        await engine.shutdown()
+    prompt_tokens = sum(t.prompt_tokens for t in returning)
+    return {
+        "mode": "disk tier" if disk_dir else "recompute",
+        "returning_turns": len(returning),
+        "mean_returning_prompt_tokens": sum(t.prompt_tokens for t in returning) / max(1, len(returning)),
+        "cached_share": sum(t.cached_prompt_tokens for t in returning) / max(1, prompt_tokens),
+        "ttft_p50_s": percentile([t.ttft_s for t in returning], 50),
+        "ttft_p99_s": percentile([t.ttft_s for t in returning], 99),
+        "wall_s": wall,
+        "output_tokens_per_s": output / wall,
+        **tier_bytes(engine),
+    }
+
+
+async def restart(loaded: LoadedModel, spec: TiersSpec, disk_dir: str) -> dict:
+    chat = ChatBuilder(loaded.tokenizer, loaded.vocab_size, spec.seed + 1)
+    prompt = chat.history("restart", spec.history_tokens + 500)
+    first_engine = AsyncEngine(loaded, config(spec, disk_dir))
+    await first_engine.start()
+    try:
+        first = await call(first_engine, "restart-1", prompt, spec.answer, "r")
+    finally:
+        await first_engine.shutdown()
+    prompt = prompt + first.output_ids + chat.follow_up("restart/1", spec.follow_up)
+    out = {"prompt_tokens": len(prompt)}
+    for name, folder in (("after_restart", disk_dir), ("recompute", None)):
+        engine = AsyncEngine(loaded, config(spec, folder))
+        await engine.start()
+        try:
+            turn = await call(engine, f"restart-2-{name}", prompt, spec.answer, "r")
+        finally:
+            await engine.shutdown()
+        out[f"ttft_{name}_s"] = turn.ttft_s
+        out[f"cached_{name}"] = turn.cached_prompt_tokens
+    return out
+
+
+async def run_all(loaded: LoadedModel, spec: TiersSpec) -> dict:
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="llmserve-kv-") as folder:
+        disk = await conversations(loaded, spec, str(Path(folder) / "conv"))
+        plain = await conversations(loaded, spec, None)
+        again = await restart(loaded, spec, str(Path(folder) / "restart"))
+    return {"spec": asdict(spec), "modes": [disk, plain], "restart": again, "wall_s": time.perf_counter() - started}
+
+
+def _s(v: float | None) -> str:
+    return "–" if v is None else (f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s")
+
+
+def to_markdown(result: dict) -> str:
+    spec, (disk, plain), r = result["spec"], result["modes"], result["restart"]
+    speedup = plain["ttft_p50_s"] / disk["ttft_p50_s"] if disk["ttft_p50_s"] else float("nan")
+    lines = [
+        "## KV tiers (issue 24): disk tier vs recompute",
+        "",
+        f"{spec['sessions']} sessions x {spec['turns']} turns, histories of ~{spec['history_tokens']} tokens, "
+        f"served round-robin one call at a time over a pool of about {spec['pool_conversations']} conversations; "
+        f"{spec['answer']} new tokens per turn. Returning turns: {disk['returning_turns']} "
+        f"(~{disk['mean_returning_prompt_tokens']:.0f} prompt tokens).",
+        "",
+        "| mode | cached share | TTFT P50 | TTFT P99 | wall | output tok/s | disk written | disk read |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in (disk, plain):
+        written = f"{m['written_bytes'] / 2**20:.0f} MiB" if "written_bytes" in m else "–"
+        read = f"{m['read_bytes'] / 2**20:.0f} MiB" if "read_bytes" in m else "–"
+        lines.append(
+            f"| {m['mode']} | {m['cached_share']:.0%} | {_s(m['ttft_p50_s'])} | {_s(m['ttft_p99_s'])} "
+            f"| {m['wall_s']:.0f} s | {m['output_tokens_per_s']:.1f} | {written} | {read} |"
+        )
+    lines += [
+        "",
+        f"TTFT P50 of returning turns: **{speedup:.1f}x lower** with the disk tier (target >= 5x).",
+        "",
+        f"**Restart**: a {r['prompt_tokens']}-token returning turn on a new engine over the same folder: TTFT "
+        f"{_s(r['ttft_after_restart_s'])} ({r['cached_after_restart']} tokens reloaded from disk) vs "
+        f"{_s(r['ttft_recompute_s'])} recomputed.",
+        "",
+        f"Whole run: {result['wall_s']:.0f} s.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_tiers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--model", default=None)
+    p.add_argument("--sessions", type=int)
+    p.add_argument("--turns", type=int)
+    p.add_argument("--history", type=int)
+    args = p.parse_args(argv)
+    spec = QUICK if args.quick else TiersSpec()
+    overrides = {"sessions": args.sessions, "turns": args.turns, "history_tokens": args.history}
+    spec = TiersSpec(**{**asdict(spec), **{k: v for k, v in overrides.items() if v is not None}})
+    loaded = load_model(args.model, device="cpu", dtype="float32")
+    result = asyncio.run(run_all(loaded, spec))
+    out_dir = Path(__file__).resolve().parent / "results"
+    name = f"{datetime.date.today().isoformat()}-cpu-kv-tiers" + ("-quick" if args.quick else "")
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out_dir / f"{name}.md").write_text(to_markdown(result) + "\n")
+    print(to_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
