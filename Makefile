@@ -29,7 +29,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest mutation proto proto-check lint buf bench bench-quick docker docker-cpu nginx demo clean
+.PHONY: venv install kernels model run test pytest mutation proto proto-check lint buf bench bench-quick docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -62,7 +62,7 @@ $(STAMP_MODEL): $(STAMP_KERNELS)
 run: $(STAMP_MODEL)
 	$(PY) -m llmserve $(ARGS)
 
-test: proto-check lint model nginx pytest
+test: proto-check lint model nginx redis pytest
 
 pytest: $(STAMP_KERNELS)
 	$(PY) -m pytest -q
@@ -123,6 +123,11 @@ docker-cpu:
 nginx:
 	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx; }
+
+# redis-server for the history store's tests (Debian's package; each test starts its own on a loopback port).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || test -x /usr/bin/redis-server \
+		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
 # Three replicas of the default model behind nginx (deploy/nginx/llmserve.conf) on loopback, until Ctrl-C.
 # DEMO_MODEL=random:tiny starts in seconds (token ids only: it has no tokenizer).

@@ -10,6 +10,10 @@ configure_process()  # as `python -m llmserve` does: before torch is imported
 # Triton kernels run through Triton's interpreter on the CPU (tests/engine/backends/test_triton_attention.py). Triton
 # decides per kernel, and for its own library once, when it is first imported, which torch may do early.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Servers the tests start as subprocesses keep their session histories in memory unless a test names a store:
+# the default (a SQLite file in the user's cache directory) would carry sessions from one test, or one run, into
+# the next.
+os.environ.setdefault("LLMSERVE_HISTORY_STORE", "memory")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -29,6 +29,7 @@ from grpc_status import rpc_status
 from llmserve.auth import Authenticator, AuthInterceptor, TokenStore
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.request import InvalidRequest
+from llmserve.history import StoreUnavailable
 from llmserve.service import SERVICE_NAME, GenerateServicer, StreamStalled, status_for
 from llmserve.telemetry.metrics import ServerMetrics
 from llmserve.telemetry.tracing import Tracing
@@ -48,6 +49,8 @@ _DEAD_POLL_S = 1.0
 REPLICA_KEY = "x-llmserve-replica"
 # Exit status of the process when the engine died (0 is a clean shutdown, 1 an unexpected error).
 EXIT_ENGINE_DEAD = 3
+# Exit status when the session history store does not answer at start (and --history-store-optional is off).
+EXIT_STORE_UNAVAILABLE = 2
 # After the engine stops, how long the streams it cut get to send their last message before the server stops.
 _FINAL_MESSAGES_S = 2.0
 _SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"]
@@ -213,6 +216,8 @@ class LLMServer:
         self.replica = config.replica_name or f"{socket.gethostname()}:{self.port}"
         errors.trailing_metadata = ((REPLICA_KEY, self.replica),)
         self.metrics = ServerMetrics(self.replica, lambda: self.servicer.num_streams) if config.metrics_port else None
+        if self.metrics is not None:
+            self.metrics.history.store = self.servicer.histories
         self.tracing = tracing if tracing is not None or not config.tracing else tracing_from_env(self.replica)
         for observer in (self.metrics, self.tracing):
             if observer is not None:
@@ -223,7 +228,17 @@ class LLMServer:
         self.engine_died = asyncio.Event()
 
     async def start(self) -> None:
-        """Start answering: health NOT_SERVING, GenerateService UNAVAILABLE until `serve()`."""
+        """Connect the history store (StoreUnavailable unless --history-store-optional), then start
+        answering: health NOT_SERVING, GenerateService UNAVAILABLE until `serve()`."""
+        histories = self.servicer.histories
+        try:
+            await histories.connect()
+        except StoreUnavailable as exc:
+            if not self.config.history.optional:
+                raise
+            log.warning("%s: serving calls without a session id only until it answers (--history-store-optional)", exc)
+        else:
+            log.info("session histories in %s", histories.name)
         await self._set_health(_NOT_SERVING)  # the aio health servicer starts out SERVING
         await self._server.start()
         scheme = "TLS" if self.config.tls_cert else "plaintext"
@@ -280,6 +295,7 @@ class LLMServer:
                     await asyncio.wait_for(self.servicer.wait_idle(), _FINAL_MESSAGES_S)
         await self._server.stop(0)  # cancels whatever is left, health watches included
         await closing
+        await self.servicer.histories.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.tracing is not None:
@@ -341,7 +357,16 @@ async def run(config: Config) -> int:
 
     server = LLMServer(config.server)
     loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
-    await server.start()
+    try:
+        await server.start()
+    except StoreUnavailable as exc:
+        log.error(
+            "%s; exiting with status %d (--history-store-optional serves calls without a session id)",
+            exc,
+            EXIT_STORE_UNAVAILABLE,
+        )
+        await server.stop(0)
+        return EXIT_STORE_UNAVAILABLE
     m = config.model
     cache_root = Path(m.cache_dir) if m.cache_dir else None
     log.info("loading model %s on %s", m.spec or "(default)", m.device)

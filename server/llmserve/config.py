@@ -13,6 +13,7 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from llmserve.engine.config import EngineConfig
@@ -21,6 +22,8 @@ from llmserve.flags import DEFAULT_ADDRESS, FLAGS, Flag
 from llmserve.history import HistoryConfig
 
 ENV_PREFIX = "LLMSERVE_"
+# The history store of `python -m llmserve` when --history-store is unset: a file in the model cache directory.
+DEFAULT_HISTORY_FILE = "sessions.sqlite3"
 DEFAULT_CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -210,5 +213,14 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             value = flag.to_field(value)
         for target in flag.targets:
             values[target] = value
+    if values["server.history.store"] is None:
+        values["server.history.store"] = _default_history_store(values["model.cache_dir"])
     config: Config = _with(Config(), values)
     return config
+
+
+def _default_history_store(cache_dir: str | None) -> str:
+    """sqlite: in the cache directory (as llmserve.models.default_cache_root finds it; --cache-dir and
+    $LLMSERVE_CACHE_DIR are one setting)."""
+    root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "llmserve"
+    return f"sqlite:{root / DEFAULT_HISTORY_FILE}"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmserve.engine.request import MAX_TOP_LOGPROBS
+from llmserve.history import check_store_spec
 
 DEFAULT_ADDRESS = "0.0.0.0:50051"
 LOG_FORMATS = ("text", "json")
@@ -270,8 +271,17 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "most tokens a session's history may hold; a longer continued prompt is INVALID_ARGUMENT; "
                   "unset: the context"),
             _flag("--session-history-mib", "server.history.max_bytes", _positive_float,
-                  "memory cap of all held session histories in MiB (least recently used evicted first)",
-                  to_field=_mib_to_bytes, from_field=_bytes_to_mib),
+                  "cap of all held session histories in MiB, as the store holds them (least recently used "
+                  "evicted first)", to_field=_mib_to_bytes, from_field=_bytes_to_mib),
+            _flag("--history-store", "server.history.store", check_store_spec,
+                  "where session histories live: memory (this process), sqlite:PATH (survives restarts), "
+                  "redis://HOST:PORT/DB (shared by replicas); unset: sqlite:<cache dir>/sessions.sqlite3"),
+            _switch("--history-store-optional", "server.history.optional",
+                    "start even when the history store does not answer (calls with a session id fail UNAVAILABLE "
+                    "until it does); without it the server exits with status 2"),
+            _flag("--history-lease", "server.history.lease_s", _positive_float,
+                  "seconds a continuing call's lock on its session outlives the call's last renewal (sqlite, "
+                  "redis): the longest a crashed replica blocks a session"),
         ),
     ),
     (

@@ -37,7 +37,16 @@ from llmserve.engine.request import (
     StoppingParams,
     TokenLogprob,
 )
-from llmserve.history import HistoryBusy, HistoryInput, HistoryStore, NoHistory, Turn
+from llmserve.history import (
+    HistoryBusy,
+    HistoryInput,
+    HistoryStore,
+    LeaseLost,
+    NoHistory,
+    StoreUnavailable,
+    Turn,
+    open_store,
+)
 from llmserve.limits import check_generate, check_input, is_valid_id, prompt_byte_limit, quote_prefix
 from llmserve.telemetry.call import CallObserver, CallRecord
 from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS, clip, log_call
@@ -118,6 +127,12 @@ def status_for(exc: BaseException) -> status_pb2.Status | None:
         return _with_retry_info(status, RETRY_DELAY_S)
     if isinstance(exc, EngineDead):
         return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=f"engine is dead: {exc}")
+    if isinstance(exc, StoreUnavailable):
+        message = f"{exc}; calls without a session id are still served"
+        return status_pb2.Status(code=code_pb2.UNAVAILABLE, message=clip(message, MAX_STATUS_MESSAGE_CHARS))
+    if isinstance(exc, LeaseLost):
+        message = "the turn was not kept: its lease on the session expired and another call continued it; retry"
+        return status_pb2.Status(code=code_pb2.ABORTED, message=message)
     if isinstance(exc, ServiceError):
         status = status_pb2.Status(code=exc.code.value[0], message=clip(exc.message, MAX_STATUS_MESSAGE_CHARS))
         return status if exc.retry_after_s is None else _with_retry_info(status, exc.retry_after_s)
@@ -160,11 +175,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._per_identity: Counter[str | None] = Counter()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._histories = HistoryStore(config.history)
+        self._histories: HistoryStore = open_store(config.history)
 
     def add_observer(self, observer: CallObserver) -> None:
         """Tell `observer` about each Generate call from now on, once the call ends."""
         self._observers.append(observer)
+
+    @property
+    def histories(self) -> HistoryStore:
+        """The session history store (the server connects it at start and closes it at stop)."""
+        return self._histories
 
     def attach(self, engine: Engine) -> None:
         """Start serving with `engine` (already started and warmed up)."""
@@ -242,7 +262,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise
         finally:
             if turn is not None:
-                turn.release()
+                await turn.release()
             if key is not None:
                 self._release(key)
             self._record_end(record, bool(request.session_id), context)
@@ -319,7 +339,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 async for delta in deltas:
                     record.observe(delta)
                     if turn is not None and delta.finish_reason is not FinishReason.DEADLINE:
-                        turn.observe(delta)  # writes the history before the caller sees the last message
+                        await turn.observe(delta)  # commits the history before the caller sees the last message
                     yield _to_response(record.request_id, delta, options, prompt_ids)
                     prompt_ids = ()
                     if delta.finish_reason is FinishReason.DEADLINE:
@@ -418,7 +438,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if is_valid_id(request.session_id, self._limits.max_session_id_length):
             key = self._session_key(context, request.session_id)
             info = await engine.get_session(key)
-            held = self._histories.get(key)
+            held = await self._histories.get(key)
         if info is None and held is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {quote_prefix(request.session_id)}")
         response = pb.GetSessionResponse(session_id=request.session_id)
@@ -444,11 +464,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if not is_valid_id(request.session_id, self._limits.max_session_id_length):
             return pb.DeleteSessionResponse(deleted=False)
         key = self._session_key(context, request.session_id)
-        held = self._histories.delete(key)
+        held = await self._histories.delete(key)
         cached = await engine.delete_session(key)
         return pb.DeleteSessionResponse(deleted=held or cached)
 
-    # -- sessions: keys, histories and append mode (history.py holds the book-keeping) -------------
+    # -- sessions: keys, histories and append mode (history/ holds the book-keeping) ---------------
 
     def _session_key(self, context: grpc.aio.ServicerContext[Any, Any], session_id: str) -> str:
         """The key a caller's session id is stored under, in the engine's cache and in the history store.
@@ -470,7 +490,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 raise InvalidRequest("session_id", "must be set with continue_session")
             return await _prompt_token_ids(engine.tokenizer, request), None
         try:
-            turn = self._histories.start(session_key, request_id, continues=request.continue_session)
+            turn = await self._histories.start(session_key, request_id, continues=request.continue_session)
         except NoHistory as exc:
             why = f" ({exc.reason})" if exc.reason else ""
             raise ServiceError(
@@ -488,7 +508,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             await self._begin_turn(engine, request, turn)
         except BaseException:
-            turn.release()
+            await turn.release()
             raise
         return turn.prompt_ids, turn
 

@@ -43,9 +43,11 @@ def accepts(port: int) -> bool:
 class Replica:
     """One `python -m llmserve` (by default on the tiny random model), with metrics, named by `name`."""
 
-    def __init__(self, name: str, log_dir: Path, *extra: str, model: str | None = "random:tiny") -> None:
+    def __init__(
+        self, name: str, log_dir: Path, *extra: str, model: str | None = "random:tiny", port: int | None = None
+    ) -> None:
         self.name = name
-        self.port = free_port()
+        self.port = port or free_port()  # a port: a restart of a replica that was there (the proxy knows it)
         self.metrics_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "llmserve", "--address", self.address]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from llmserve.config import DEFAULT_ADDRESS, Config, from_args
@@ -10,7 +13,12 @@ from llmserve.engine.config import EngineConfig
 
 def test_defaults() -> None:
     config = from_args([], env={})
-    assert config == Config()
+    # The one default from_args fills in (the dataclass's None is memory, for in-process servers): histories in a
+    # file of the cache directory.
+    home_store = f"sqlite:{Path.home() / '.cache' / 'llmserve' / 'sessions.sqlite3'}"
+    assert config.server.history.store == home_store
+    history = dataclasses.replace(config.server.history, store=None)
+    assert dataclasses.replace(config, server=dataclasses.replace(config.server, history=history)) == Config()
     assert config.server.address == DEFAULT_ADDRESS == "0.0.0.0:50051"
     assert config.server.reflection and not config.server.log_prompts
     assert config.engine == EngineConfig()
@@ -123,3 +131,15 @@ def test_every_setting_is_one_flag_whose_default_is_the_fields() -> None:
     assert not from_args([], env=env).engine.fused_layers and from_args([], env=env).server.limits.chat_roles == (
         "user",
     )
+
+
+def test_history_store_flags() -> None:
+    h = from_args([], env={"LLMSERVE_CACHE_DIR": "/data/cache"}).server.history
+    assert (h.store, h.optional, h.lease_s) == ("sqlite:/data/cache/sessions.sqlite3", False, 10.0)
+    argv = ["--history-store", "redis://10.0.0.5:6379/2", "--history-store-optional", "--history-lease", "3"]
+    h = from_args(argv, env={}).server.history
+    assert (h.store, h.optional, h.lease_s) == ("redis://10.0.0.5:6379/2", True, 3.0)
+    assert from_args([], env={"LLMSERVE_HISTORY_STORE": "memory"}).server.history.store == "memory"
+    for bad in ("sqlite:", "postgres://x", "mem"):
+        with pytest.raises(SystemExit):
+            from_args(["--history-store", bad], env={})

@@ -17,15 +17,14 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.base import BlockCopier
 from llmserve.engine.block_pool import BlockPool
+from llmserve.engine.commands import Abort, Add, Command, Emit, SessionQuery
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import ConstraintState
 from llmserve.engine.kv_tiers.worker import build_tiers
@@ -49,42 +48,6 @@ from llmserve.models import LoadedModel
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_FAILURES = 3
-
-
-@dataclass(slots=True, frozen=True)
-class Add:
-    """Start serving `request` under `handle`."""
-
-    handle: int
-    request: GenerationRequest
-    arrival: float  # time.monotonic()
-    constraint: ConstraintState | None = None  # the compiled constraint's fresh state, when the request has one
-
-
-@dataclass(slots=True, frozen=True)
-class Abort:
-    """Stop the request `submit` returned `handle` for; its final output says CANCELLED.
-
-    With `keep_generated` the front end ended the request itself (a stop string in its text after that many
-    generated tokens): tokens past those are dropped, so the session keeps exactly what the caller was sent,
-    and the request finishes as STOP_SEQUENCE."""
-
-    handle: int
-    keep_generated: int | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class SessionQuery:
-    """Read (`delete` False: a SessionInfo or None) or delete (True: whether anything was held) a cached session;
-    the answer comes through `reply` from the thread that drains the inbox."""
-
-    session_id: str
-    delete: bool
-    reply: Future[SessionInfo | bool | None]
-
-
-Command = Add | Abort | SessionQuery
-Emit = Callable[[list[EngineOutput]], None]
 
 
 def sliding_window(config: object) -> int | None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from llmserve.engine.protocol import Engine
+    from llmserve.history import HistoryStore
 
 log = logging.getLogger("llmserve")
 
@@ -119,6 +120,8 @@ class ServerMetrics:
         )
         self.engine = EngineCollector(streams_in_flight)
         r.register(self.engine)
+        self.history = HistoryCollector()
+        r.register(self.history)
         ProcessCollector(registry=r)  # the standard process_* (CPU, memory, open files) and python_info
         PlatformCollector(registry=r)
         self._http: WSGIServer | None = None
@@ -262,6 +265,39 @@ def _tier_metrics(t: Any) -> Iterator[Metric]:
         buckets=buckets,
         sum_value=t.reload_sum,
     )
+
+
+class HistoryCollector(Collector):
+    """Reads the session history store's own operation counts when scraped: latency and errors by store
+    (memory, sqlite, redis) and operation (start, commit, get, delete, renew, release, connect)."""
+
+    def __init__(self) -> None:
+        self.store: HistoryStore | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        from llmserve.history.base import LATENCY_BUCKETS
+
+        store = self.store
+        latency = HistogramMetricFamily(
+            f"{PREFIX}_history_store_operation_seconds",
+            "Time of session history store operations, by store and operation",
+            labels=["store", "operation"],
+        )
+        errors = CounterMetricFamily(
+            f"{PREFIX}_history_store_errors",
+            "Session history store operations that failed (store unreachable, locked, damaged), by store and operation",
+            labels=["store", "operation"],
+        )
+        kind = store.kind if store is not None else ""
+        for op, stats in sorted(store.stats.items()) if store is not None else ():
+            cumulative, buckets = 0, []
+            for bound, n in zip((*LATENCY_BUCKETS, float("inf")), stats.buckets, strict=True):
+                cumulative += n
+                buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+            latency.add_metric([kind, op], buckets, stats.total_s)
+            errors.add_metric([kind, op], stats.errors)
+        yield latency
+        yield errors
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
