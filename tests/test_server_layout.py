@@ -10,6 +10,7 @@ import ast
 from pathlib import Path
 
 import llmserve
+from tests.engine.test_layout import assert_acyclic
 
 PACKAGE = Path(llmserve.__file__).parent
 # Modules the gRPC edge and the flags are made of: they must load without torch (the served process makes its
@@ -66,21 +67,7 @@ def test_no_import_cycle_among_the_servers_modules() -> None:
         for name, path in modules.items()
     }
     assert {"llmserve.service", "llmserve.engine.core", "llmserve.config"} <= set(graph)
-    visiting: list[str] = []
-    done: set[str] = set()
-
-    def visit(name: str) -> None:
-        if name in done:
-            return
-        assert name not in visiting, " -> ".join([*visiting[visiting.index(name) :], name])
-        visiting.append(name)
-        for dep in sorted(graph[name]):
-            visit(dep)
-        visiting.pop()
-        done.add(name)
-
-    for name in sorted(graph):
-        visit(name)
+    assert_acyclic(graph)
 
 
 def test_the_engine_imports_no_grpc() -> None:

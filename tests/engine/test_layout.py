@@ -18,12 +18,16 @@ def module_name(path: Path) -> str:
 
 
 def engine_imports() -> dict[str, set[str]]:
-    """Every engine module -> the engine modules it imports (at module level or inside functions)."""
+    """Every engine module -> the engine modules it imports (at module level or inside functions; not the imports
+    made for type checking only, which never run)."""
     modules = {module_name(p): p for p in ENGINE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for guard in [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]:
+            guard.body = []
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module:
@@ -33,9 +37,8 @@ def engine_imports() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_cycle_among_engine_modules() -> None:
-    graph = engine_imports()
-    assert "llmserve.engine.core" in graph and "llmserve.engine.backends.cpu.backend" in graph
+def assert_acyclic(graph: dict[str, set[str]]) -> None:
+    """Fails naming the first import cycle found in a module -> imported modules graph."""
     visiting: list[str] = []
     done: set[str] = set()
 
@@ -51,6 +54,12 @@ def test_no_import_cycle_among_engine_modules() -> None:
 
     for name in sorted(graph):
         visit(name)
+
+
+def test_no_import_cycle_among_engine_modules() -> None:
+    graph = engine_imports()
+    assert "llmserve.engine.core" in graph and "llmserve.engine.backends.cpu.backend" in graph
+    assert_acyclic(graph)
 
 
 def test_engine_modules_stay_short() -> None:
