@@ -29,7 +29,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest mutation proto proto-check lint buf bench bench-quick docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -66,6 +66,12 @@ test: proto-check lint model nginx redis pytest
 
 pytest: $(STAMP_KERNELS)
 	$(PY) -m pytest -q
+
+# The long variants, on demand only (CI runs a 60-s soak): a 30-minute soak with cancels and the keepalive tests
+# with the server's default ping policy.
+soak: $(STAMP_KERNELS) redis
+	LLMSERVE_SOAK_SECONDS=1800 LLMSERVE_LONG_TESTS=1 $(PY) -m pytest -q tests/service/test_robustness.py \
+		tests/deploy/test_history_failover.py
 
 # Mutation testing with mutmut ([tool.mutmut] in pyproject.toml), on demand only: never part of `make test`.
 # One module at a time against the test files that cover it (tests/mutation.py); MODULES="block_pool sessions"
