@@ -101,6 +101,18 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
 
 
+def needs_nginx() -> str:
+    """For a test: nginx's binary; a skip where it is missing, a failure in CI (which installs it)."""
+    import pytest  # only the tests need it, not `make demo`
+
+    binary = nginx_binary()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("nginx is missing: .ci/run installs it (make nginx)")
+        pytest.skip("nginx is not installed (make nginx)")
+    return binary
+
+
 def write_nginx_conf(folder: Path, upstreams: list[str], port: int) -> Path:
     """deploy/nginx/llmserve.conf with only its listen port and upstreams file changed, in a main config
     that keeps every file nginx writes inside `folder`. Returns the main config's path."""

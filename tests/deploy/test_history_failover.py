@@ -10,7 +10,6 @@ restarted at random; every turn a client saw succeed is in the history afterward
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -22,20 +21,11 @@ import pytest
 from redis_server import RedisServer
 
 from llmserve_client import CallInfo, Client, Retry
-from tests.deploy.replicas import Nginx, Replica, nginx_binary
+from tests.deploy.replicas import Nginx, Replica, needs_nginx
 
 RETRY = Retry(attempts=3, initial_backoff_s=0.05, max_backoff_s=0.5)
 LEASE_S = 2.0
 OPTIONS = dict(ignore_eos=True, return_token_ids=True, return_prompt_token_ids=True)
-
-
-def needs_nginx() -> str:
-    binary = nginx_binary()
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("nginx is missing: .ci/run installs it (make nginx)")
-        pytest.skip("nginx is not installed (make nginx)")
-    return binary
 
 
 @dataclass

@@ -7,7 +7,6 @@ its previous prompt, the tokens generated for it, and the new turn's tokens, as 
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -18,21 +17,12 @@ from pathlib import Path
 import pytest
 
 from llmserve_client import CallInfo, Client, Retry, pb
-from tests.deploy.replicas import Nginx, Replica, accepts, nginx_binary
+from tests.deploy.replicas import Nginx, Replica, accepts, needs_nginx
 
 SESSIONS = 12
 TURNS = 3
 NEW_TOKENS = 4
 RETRY = Retry(attempts=3, initial_backoff_s=0.05, max_backoff_s=0.5)
-
-
-def needs_nginx() -> str:
-    binary = nginx_binary()
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("nginx is missing: .ci/run installs it (make nginx)")
-        pytest.skip("nginx is not installed (make nginx)")
-    return binary
 
 
 @dataclass
