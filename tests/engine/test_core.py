@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,28 +123,6 @@ def test_an_engine_that_is_stopped_cancels_what_is_left() -> None:
     stop.set()
     core.run(stop, outputs.extend)  # drains the inbox, steps no more
     assert [o.finish_reason for o in outputs] == [FinishReason.CANCELLED] and core.num_running == 0
-
-
-def test_sliding_window_is_read_where_the_config_enables_it() -> None:
-    from transformers import MistralConfig, Qwen2Config
-
-    from llmserve.engine.core import sliding_window
-
-    assert sliding_window(MistralConfig(sliding_window=256)) == 256
-    assert sliding_window(MistralConfig(sliding_window=None)) is None
-    assert sliding_window(Qwen2Config(sliding_window=128, use_sliding_window=False)) is None
-    assert sliding_window(Qwen2Config(sliding_window=128, use_sliding_window=True)) == 128
-    assert sliding_window(tiny_config()) is None
-    assert sliding_window(SimpleNamespace(sliding_window=64, use_sliding_window=False)) is None
-    assert sliding_window(SimpleNamespace(sliding_window=64)) == 64  # no get_text_config, no switch: on
-
-    class Multimodal:
-        sliding_window = None
-
-        def get_text_config(self) -> SimpleNamespace:
-            return SimpleNamespace(sliding_window=32, use_sliding_window=True)
-
-    assert sliding_window(Multimodal()) == 32  # the text model's window
 
 
 def test_seeds_the_engine_draws_can_be_sent_back() -> None:

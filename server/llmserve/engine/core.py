@@ -50,15 +50,6 @@ log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_FAILURES = 3
 
 
-def sliding_window(config: object) -> int | None:
-    """The attention window a model config enables, if any (Mistral; Qwen2 with use_sliding_window)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(text, "sliding_window", None)
-    if not window or not getattr(text, "use_sliding_window", True):
-        return None
-    return int(window)
-
-
 class EngineCore:
     """Owns scheduler, sessions, block pool and backend; `step()` is one iteration. Not thread-safe itself:
     the step thread calls step(); others only use submit(), abort(), query_session() and stats()."""
@@ -67,7 +58,7 @@ class EngineCore:
         self.loaded = loaded
         self.config = config
         self.max_model_len = min(config.max_model_len or loaded.context_length, loaded.context_length)
-        self.sliding_window = sliding_window(loaded.model.config)
+        self.sliding_window = loaded.shape.sliding_window
         if self.sliding_window is not None and self.sliding_window < self.max_model_len:
             # The paged attention attends over the whole context: stay where that equals the window's.
             log.warning(

