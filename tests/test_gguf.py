@@ -13,7 +13,6 @@ import pytest
 from llmserve import gguf as llm_gguf
 from llmserve.gguf import MARKER, convert_gguf, default_gguf_path, model_name
 
-
 # --- the default GGUF and its conversion ------------------------------------------------------------------
 
 

@@ -4,10 +4,6 @@ The GGUF conversion is tested in test_gguf.py, the shape read from a config in t
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
 from pathlib import Path
 
 import pytest

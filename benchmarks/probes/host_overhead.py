@@ -36,7 +36,7 @@ make_importable()
 import torch  # noqa: E402
 
 from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.backends.cuda import CudaBackend  # noqa: E402
+from llmserve.engine.backends import create_backend  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core import EngineCore  # noqa: E402
 from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
@@ -111,7 +111,7 @@ def measure(
     engine = AsyncEngine(loaded, config) if front_end else None
     core = engine.core if engine is not None else EngineCore(loaded, config)
     if backend.startswith("cuda-path"):  # the CUDA backend's decode path (graph buffers, eager), on the CPU
-        core.backend = CudaBackend(loaded, config, core.max_model_len, capture=False)
+        core.backend = create_backend(loaded, config, core.max_model_len, kind="cuda", capture=False)
     stub_model_call(core)
     stopping = StoppingParams(max_new_tokens=steps + 64, ignore_eos=True)
     requests = [GenerationRequest(f"r{i}", tuple(range(1, prompt + 1)), stopping=stopping) for i in range(batch)]

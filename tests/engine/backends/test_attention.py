@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.engine.backends.attention import PagedBatch, paged_attention
-from llmserve.engine.backends.cpu.backend import QUERY_BLOCK, CpuBackend
+from llmserve.engine.backends import create_backend
+from llmserve.engine.backends.attention import GatheredAttention, paged_attention
+from llmserve.engine.backends.cpu.backend import QUERY_BLOCK
 from llmserve.engine.config import EngineConfig
 from llmserve.models import from_config
 from llmserve.testing import tiny_config
@@ -22,11 +23,11 @@ def test_chunk_attention_equals_causal_attention(cached: int, length: int) -> No
     slots scattered over the pool: block-by-block attention (long chunks) equals one causal attention."""
     heads, kv_heads, dim, block_size = 4, 2, 16, 16
     config = EngineConfig(block_size=block_size, kv_cache_tokens=64 * block_size)
-    runner = CpuBackend(from_config(tiny_config(), dtype=torch.float64), config)
+    runner = create_backend(from_config(tiny_config(), dtype=torch.float64), config, kind="cpu")
     g = torch.Generator().manual_seed(cached + length)
     total = cached + length
     table = torch.randperm(64, generator=g)[: -(-total // block_size)].tolist()
-    chunk = runner.chunk(0, length, cached, table)
+    chunk = runner.chunks.chunk(0, length, cached, table)
     assert (chunk.blocks is not None) == (length > QUERY_BLOCK)
     keys = torch.randn(kv_heads, total, dim, generator=g, dtype=torch.float64)
     values = torch.randn(kv_heads, total, dim, generator=g, dtype=torch.float64)
@@ -34,7 +35,7 @@ def test_chunk_attention_equals_causal_attention(cached: int, length: int) -> No
     runner.kv.tensor[0, 0][:, slots[:cached]] = keys[:, :cached]
     runner.kv.tensor[0, 1][:, slots[:cached]] = values[:, :cached]
     query = torch.randn(1, heads, length, dim, generator=g, dtype=torch.float64)
-    batch = PagedBatch(kv=runner.kv.tensor, slot_mapping=slots[cached:], decode=[], chunks=[chunk])
+    batch = GatheredAttention(kv=runner.kv.tensor, slot_mapping=slots[cached:], decode=[], chunks=[chunk])
     layer = types.SimpleNamespace(layer_idx=0)
     out, _ = paged_attention(layer, query, keys[None, :, cached:], values[None, :, cached:], None, llmserve_batch=batch)
     causal = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
@@ -43,7 +44,7 @@ def test_chunk_attention_equals_causal_attention(cached: int, length: int) -> No
 
 
 def test_copy_blocks_copies_every_layers_keys_and_values_and_nothing_else() -> None:
-    backend = CpuBackend(
+    backend = create_backend(
         from_config(tiny_config(), dtype=torch.float64), EngineConfig(block_size=4, kv_cache_tokens=32)
     )
     kv = backend.kv.tensor

@@ -127,8 +127,8 @@ async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> No
     """The torch backend with the Triton kernel for every step (chunks and decodes in one launch), and the CUDA
     backend's graph path (buckets by batch size alone, replayed eagerly here): greedy output equals generate."""
     from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.backends import create_backend
     from llmserve.engine.backends.cuda import CudaBackend
-    from llmserve.engine.backends.torch_paged import TorchPagedBackend
     from llmserve.engine.config import EngineConfig
     from llmserve.models import from_config
     from llmserve.testing import greedy_reference, tiny_config
@@ -144,10 +144,11 @@ async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> No
     )
     engine = AsyncEngine(loaded, config)
     if graphs:
-        backend = CudaBackend(loaded, config, engine.core.max_model_len, capture=False)
+        backend = create_backend(loaded, config, engine.core.max_model_len, kind="cuda", capture=False)
+        assert isinstance(backend, CudaBackend)
         assert backend.graphs.ctx_buckets == (engine.core.max_model_len,)  # the context is not part of the key
     else:
-        backend = TorchPagedBackend(loaded, config)
+        backend = create_backend(loaded, config, engine.core.max_model_len, kind="torch")
     assert backend.varlen_kernel is not None and backend.num_blocks == engine.core.pool.num_blocks
     engine.core.backend = backend
     outputs = await _generate_all(engine, prompts, lengths)

@@ -5,33 +5,68 @@
 - `torch` (torch_paged.py): any transformers causal LM through the paged attention function, CPU or CUDA;
 - `cuda` (cuda.py): the torch backend with decode steps replayed from CUDA graphs captured at start-up.
 
+Each is composed of the same parts: the KV cache (base.py), sized and allocated once here before the backend is
+built; the persistent input batch (input_batch.py); one attention-metadata builder per kernel (metadata.py, the
+types in attention.py); the slot formula (slots.py); the model's shape (`LoadedModel.shape`).
+
 `create_backend` is the one place that asks which device the model is on.
 """
 
 from __future__ import annotations
 
-from llmserve.engine.backends.base import Backend, KVShape
+from typing import Literal
+
+from llmserve.engine.backends.base import Backend, KVCache, kv_blocks
 from llmserve.engine.config import EngineConfig
 from llmserve.models import LoadedModel
 
-__all__ = ["Backend", "KVShape", "create_backend"]
+__all__ = ["Backend", "create_backend"]
+
+Kind = Literal["cpu", "torch", "cuda"]
 
 
-def create_backend(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> Backend:
-    """The backend for the model's device, built whole: KV cache allocated, weights packed, graphs captured.
+def backend_kind(loaded: LoadedModel, config: EngineConfig) -> Kind:
+    """The backend the model's device calls for: cpu on the CPU, cuda (graphs) on CUDA unless switched off."""
+    device = loaded.device.type
+    if device == "cpu":
+        return "cpu"
+    if device == "cuda" and config.cuda_graphs:
+        return "cuda"
+    return "torch"
+
+
+def create_backend(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    max_model_len: int | None = None,
+    *,
+    kind: Kind | None = None,
+    capture: bool = True,
+) -> Backend:
+    """The backend for the model's device (or `kind`), built whole: KV cache sized and allocated once, weights
+    packed, graphs captured (`capture=False`: the CUDA backend's padded decode path runs eagerly, as the CPU
+    tests use it). `max_model_len` bounds the sequences it serves (default: the model's context).
 
     Raises when a part the config requires cannot be had (`--cpu-kernels require` without the compiled
     kernels, a CUDA graph that cannot be captured).
     """
-    device = loaded.device.type
-    if device == "cpu":
+    kind = kind or backend_kind(loaded, config)
+    max_len = max_model_len or loaded.context_length
+    reserved = 0
+    if kind == "cuda" and capture and config.kv_cache_tokens is None:
+        from llmserve.engine.backends.cuda import graph_bytes
+
+        reserved = graph_bytes(loaded, config, max_len)
+    num_blocks = kv_blocks(config, loaded.shape, loaded.dtype, loaded.device, reserved)
+    kv = KVCache(loaded.shape, num_blocks, config.block_size, loaded.dtype, loaded.device)
+    if kind == "cpu":
         from llmserve.engine.backends.cpu.backend import CpuBackend
 
-        return CpuBackend(loaded, config)
-    if device == "cuda" and config.cuda_graphs:
+        return CpuBackend(loaded, config, kv, max_len)
+    if kind == "cuda":
         from llmserve.engine.backends.cuda import CudaBackend
 
-        return CudaBackend(loaded, config, max_model_len)
+        return CudaBackend(loaded, config, kv, max_len, capture=capture, reserved_bytes=reserved)
     from llmserve.engine.backends.torch_paged import TorchPagedBackend
 
-    return TorchPagedBackend(loaded, config)
+    return TorchPagedBackend(loaded, config, kv, max_len)

@@ -2,15 +2,18 @@
 
 The model is an unmodified transformers `AutoModelForCausalLM`. Its attention modules call the function
 registered under `ATTN_IMPLEMENTATION` (transformers' AttentionInterface), which writes the step's new
-keys/values into the paged cache and attends over each sequence's blocks. Every scheduled token of every
-sequence is packed into one row (batch size 1, explicit position ids), so a step is one forward whatever the
-mix of prompt chunks and single decode tokens. The backends build a `PagedBatch` once per step; every layer
-reads it.
+keys/values into the paged cache (at the metadata's `slot_mapping`) and hands the attention itself to the
+step's metadata. Every scheduled token of every sequence is packed into one row (batch size 1, explicit
+position ids), so a step is one forward whatever the mix of prompt chunks and single decode tokens. A backend
+builds one metadata object per step (metadata.py, from the persistent input batch); every layer reads it.
 
-Single-token (decode) queries: a `DecodeKernel` reads each sequence's blocks in place (the CPU backend's
-compiled kernel), or each sequence's slots are gathered (index_select on a [kv_heads, slots, dim] cache) into
-one padded batched matmul per `DecodeGroup`. Multi-token chunks gather their context and attend one sequence at
-a time (on the CPU in blocks of query rows).
+One metadata type per attention kernel, each with only the fields its kernel reads:
+- `GatheredAttention` (torch): one-token (decode) queries gather their slots (index_select on a
+  [kv_heads, slots, dim] cache) into one padded batched matmul per `DecodeGroup`; multi-token chunks gather
+  their context and attend one sequence at a time with SDPA (on the CPU in blocks of query rows).
+- `KernelDecodeAttention` (the CPU backend's compiled kernel): decode queries read each sequence's blocks in
+  place through a `DecodeKernel`; chunks as above.
+- `VarlenAttention` (backends/triton_attention.py): every token of the step, chunks and decodes, in one call.
 """
 
 from __future__ import annotations
@@ -23,12 +26,6 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "llmserve_paged"
-
-# CPU: a long chunk's queries attend in blocks of this many rows, each to the keys up to its last query.
-# transformers' CPU flash attention does nearly the full square's work under a causal mask; blocks skip
-# most of the upper triangle. Measured (SmolLM2's heads, 464 queries after 16 cached tokens): one call
-# 6.8 ms, blocks of 64 rows 5.1 ms; 128 and 256 rows fall in between.
-QUERY_BLOCK = 64
 
 
 @dataclass(slots=True)
@@ -80,18 +77,6 @@ class DecodeKernel(Protocol):
     ) -> None: ...
 
 
-@dataclass(slots=True)
-class NativeDecode:
-    """One-token queries [0, num) of the packed row, for a DecodeKernel: block tables and context lengths."""
-
-    kernel: DecodeKernel
-    num: int
-    tables: torch.Tensor  # [num, max blocks] int32, padded with block 0 (never read past a length)
-    lens: torch.Tensor  # [num] int32
-    max_len: int
-    block_size: int
-
-
 class VarlenKernel(Protocol):
     """Attention of every new token of a step over its sequence's paged context, in one call
     (backends/triton_attention.varlen_paged_attention)."""
@@ -111,11 +96,76 @@ class VarlenKernel(Protocol):
     ) -> torch.Tensor: ...
 
 
+class AttentionMetadata(Protocol):
+    """What every layer reads of a step: the cache, where the new tokens' K/V go, and how to attend."""
+
+    kv: torch.Tensor  # [layers, 2, kv_heads, slots, head_dim]
+    slot_mapping: torch.Tensor  # [tokens] where each new token's K/V goes
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    ) -> torch.Tensor:
+        """query [1, H, T, D], key/value [1, KVH, T, D] of the packed row (already in the cache): [T, H, D]."""
+        ...
+
+
 @dataclass(slots=True)
-class Varlen:
+class GatheredAttention:
+    """Torch attention: decode rows (first in the packed row, grouped by context length) as gathered padded
+    batches, then each chunk with SDPA."""
+
+    kv: torch.Tensor
+    slot_mapping: torch.Tensor
+    decode: list[DecodeGroup]
+    chunks: list[Chunk]
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    ) -> torch.Tensor:
+        out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+        k_cache, v_cache = self.kv[layer]
+        for group in self.decode:
+            _gathered_decode(group, query, k_cache, v_cache, scale, out)
+        _attend_chunks(self.chunks, query, key, value, k_cache, v_cache, scale, out)
+        return out
+
+
+@dataclass(slots=True)
+class KernelDecodeAttention:
+    """The CPU kernel for the one-token queries [0, num) of the packed row (their block tables and context
+    lengths), then each chunk with SDPA."""
+
+    kv: torch.Tensor
+    slot_mapping: torch.Tensor
+    kernel: DecodeKernel
+    num: int
+    tables: torch.Tensor  # [num, max blocks] int32 (entries past a length are never read)
+    lens: torch.Tensor  # [num] int32
+    max_len: int
+    block_size: int
+    chunks: list[Chunk]
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    ) -> torch.Tensor:
+        out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+        k_cache, v_cache = self.kv[layer]
+        if self.num:
+            q = query[0, :, : self.num].transpose(0, 1)  # [num, H, D]
+            self.kernel(
+                q, k_cache, v_cache, self.tables, self.lens, self.max_len, self.block_size, scale, out[: self.num]
+            )
+        _attend_chunks(self.chunks, query, key, value, k_cache, v_cache, scale, out)
+        return out
+
+
+@dataclass(slots=True)
+class VarlenAttention:
     """Every sequence of the step for a VarlenKernel: its new tokens are rows [query_start[i],
     query_start[i + 1]) of the packed row, its context is seq_lens[i] tokens in block_tables[i]."""
 
+    kv: torch.Tensor
+    slot_mapping: torch.Tensor
     kernel: VarlenKernel
     query_start: torch.Tensor  # [seqs + 1] int32
     seq_lens: torch.Tensor  # [seqs] int32
@@ -123,17 +173,22 @@ class Varlen:
     max_query_len: int
     block_size: int
 
-
-@dataclass(slots=True)
-class PagedBatch:
-    """Per-step attention metadata, built once and read by every layer."""
-
-    kv: torch.Tensor  # [layers, 2, kv_heads, slots, head_dim]
-    slot_mapping: torch.Tensor  # [tokens] where each new token's K/V goes
-    decode: list[DecodeGroup]  # one-token queries come first in the row, grouped by context length
-    chunks: list[Chunk]
-    native: NativeDecode | None = None  # replaces `decode` when the CPU kernel runs
-    varlen: Varlen | None = None  # replaces `decode`, `native` and `chunks`: one kernel for every token
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.kv[layer]
+        q = query[0].transpose(0, 1)  # [tokens, H, D]
+        return self.kernel(
+            q,
+            k_cache,
+            v_cache,
+            self.query_start,
+            self.seq_lens,
+            self.block_tables,
+            self.max_query_len,
+            self.block_size,
+            scale,
+        )
 
 
 def paged_attention(
@@ -144,54 +199,61 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    llmserve_batch: PagedBatch | None = None,
+    llmserve_batch: AttentionMetadata | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function over the paged cache. query [1, H, T, D], key/value [1, KVH, T, D]."""
-    batch = llmserve_batch
-    if batch is None:
+    meta = llmserve_batch
+    if meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the llmserve_batch argument")
-    _, num_heads, num_tokens, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    scale = head_dim**-0.5 if scaling is None else scaling
-    k_cache, v_cache = batch.kv[module.layer_idx]
-    k_new, v_new = key[0], value[0]
-    k_cache.index_copy_(1, batch.slot_mapping, k_new)
-    v_cache.index_copy_(1, batch.slot_mapping, v_new)
+    scale = query.shape[3] ** -0.5 if scaling is None else scaling
+    layer = module.layer_idx
+    k_cache, v_cache = meta.kv[layer]
+    k_cache.index_copy_(1, meta.slot_mapping, key[0])
+    v_cache.index_copy_(1, meta.slot_mapping, value[0])
+    return meta.attend(query, key, value, layer, scale)[None], None
 
-    if batch.varlen is not None:
-        vl = batch.varlen
-        q = query[0].transpose(0, 1)  # [tokens, H, D]
-        out = vl.kernel(
-            q, k_cache, v_cache, vl.query_start, vl.seq_lens, vl.block_tables, vl.max_query_len, vl.block_size, scale
-        )
-        return out[None], None
 
-    out = query.new_empty(num_tokens, num_heads, head_dim)
-    group = num_heads // num_kv_heads
-    nat = batch.native
-    if nat is not None:
-        q = query[0, :, : nat.num].transpose(0, 1)  # [num, H, D]
-        nat.kernel(q, k_cache, v_cache, nat.tables, nat.lens, nat.max_len, nat.block_size, scale, out[: nat.num])
-    for dg in batch.decode:
-        nd, ctx = dg.end - dg.start, dg.ctx
-        keys = k_cache.index_select(1, dg.slots).view(num_kv_heads * nd, ctx, head_dim)
-        values = v_cache.index_select(1, dg.slots).view(num_kv_heads * nd, ctx, head_dim)
-        # [H, nd, D] -> [KVH * nd, group, D]: batch over (kv head, sequence), the group's heads as rows.
-        q = query[0, :, dg.start : dg.end].reshape(num_kv_heads, group, nd, head_dim).transpose(1, 2)
-        q = q.reshape(num_kv_heads * nd, group, head_dim)
-        scores = torch.baddbmm(dg.bias, q, keys.transpose(1, 2), alpha=scale)
-        if scores.dtype in (torch.float16, torch.bfloat16):
-            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        o = torch.bmm(probs, values).view(num_kv_heads, nd, group, head_dim)
-        out[dg.start : dg.end] = o.transpose(0, 1).reshape(nd, num_heads, head_dim)
-    for chunk in batch.chunks:
+def _gathered_decode(
+    group: DecodeGroup,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    _, num_heads, _, head_dim = query.shape
+    num_kv_heads = k_cache.shape[0]
+    nd, ctx, g = group.end - group.start, group.ctx, num_heads // num_kv_heads
+    keys = k_cache.index_select(1, group.slots).view(num_kv_heads * nd, ctx, head_dim)
+    values = v_cache.index_select(1, group.slots).view(num_kv_heads * nd, ctx, head_dim)
+    # [H, nd, D] -> [KVH * nd, group, D]: batch over (kv head, sequence), the group's heads as rows.
+    q = query[0, :, group.start : group.end].reshape(num_kv_heads, g, nd, head_dim).transpose(1, 2)
+    q = q.reshape(num_kv_heads * nd, g, head_dim)
+    scores = torch.baddbmm(group.bias, q, keys.transpose(1, 2), alpha=scale)
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    o = torch.bmm(probs, values).view(num_kv_heads, nd, g, head_dim)
+    out[group.start : group.end] = o.transpose(0, 1).reshape(nd, num_heads, head_dim)
+
+
+def _attend_chunks(
+    chunks: list[Chunk],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    for chunk in chunks:
         q = query[:, :, chunk.start : chunk.end]
         if chunk.context_slots is None:
-            k = k_new[None, :, chunk.start : chunk.end]
-            v = v_new[None, :, chunk.start : chunk.end]
+            k = key[:, :, chunk.start : chunk.end]
+            v = value[:, :, chunk.start : chunk.end]
         else:
             k = k_cache.index_select(1, chunk.context_slots)[None]
             v = v_cache.index_select(1, chunk.context_slots)[None]
@@ -211,7 +273,6 @@ def paged_attention(
                 enable_gqa=True,
             )
             out[chunk.start + block.start : chunk.start + block.end] = o[0].transpose(0, 1)
-    return out[None], None
 
 
 def register_attention() -> None:

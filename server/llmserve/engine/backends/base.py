@@ -7,8 +7,11 @@ from typing import Any, Protocol
 
 import torch
 
+from llmserve.engine.backends.slots import block_range, slot
+from llmserve.engine.config import EngineConfig
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.sampler import RowFailed, Sampled
+from llmserve.model_shape import ModelShape
 
 
 class Backend(Protocol):
@@ -31,34 +34,16 @@ class Backend(Protocol):
     def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]: ...
 
 
-@dataclass(slots=True, frozen=True)
-class KVShape:
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, config: Any) -> KVShape:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        return cls(text.num_hidden_layers, heads, kv_heads, head_dim)
-
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 class KVCache:
     """Keys and values of every layer in one tensor [layers, 2, kv_heads, slots, head_dim].
 
-    Slot s of block b is s + b * block_size. There is one block more than the pool hands out: a scratch block
-    that padded rows write to and read from, so that padding never touches anyone's KV.
+    Slots follow slots.py's formula. There is one block more than the pool hands out: a scratch block that padded
+    rows write to and read from, so that padding never touches anyone's KV. Allocated once, at the size
+    `kv_blocks` gives, before the backend that uses it is built.
     """
 
     def __init__(
-        self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self, shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
@@ -70,13 +55,16 @@ class KVCache:
 
     @property
     def scratch_slot(self) -> int:
-        return self.scratch_block * self.block_size
+        return slot(self.scratch_block, 0, self.block_size)
+
+    def block_view(self, block: int) -> torch.Tensor:
+        """One block of every layer, K and V: [layers, 2, kv_heads, block_size, head_dim], a view."""
+        return self.tensor[:, :, :, block_range(block, self.block_size)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (copy-on-write of a shared, partly filled block) in every layer, K and V."""
-        bs = self.block_size
         for src, dst in copies:
-            self.tensor[:, :, :, dst * bs : (dst + 1) * bs] = self.tensor[:, :, :, src * bs : (src + 1) * bs]
+            self.block_view(dst).copy_(self.block_view(src))
 
 
 @dataclass(slots=True)
@@ -107,8 +95,7 @@ class BlockCopier:
         self._stream = torch.cuda.Stream(device=kv.tensor.device) if self.cuda else None  # type: ignore[no-untyped-call]
 
     def block_view(self, block: int) -> torch.Tensor:
-        bs = self.kv.block_size
-        return self.kv.tensor[:, :, :, block * bs : (block + 1) * bs]
+        return self.kv.block_view(block)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -117,7 +104,7 @@ class BlockCopier:
 
     @property
     def block_bytes(self) -> int:
-        return self.kv.block_size * self.kv.shape.bytes_per_token(self.kv.tensor.dtype)
+        return self.kv.block_size * self.kv.shape.kv_bytes_per_token(self.kv.tensor.element_size())
 
     def read(self, block: int) -> BlockData:
         src = self.block_view(block)
@@ -139,6 +126,18 @@ class BlockCopier:
         self.block_view(block).copy_(data.view(self.block_shape), non_blocking=self.cuda)
 
 
-def blocks_for_budget(budget_bytes: float, shape: KVShape, dtype: torch.dtype, block_size: int) -> int:
-    """How many KV blocks fit in `budget_bytes` (at least one)."""
-    return max(1, int(budget_bytes // (shape.bytes_per_token(dtype) * block_size)))
+def kv_blocks(
+    config: EngineConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device, reserved: float = 0
+) -> int:
+    """How many KV blocks the pool gets, decided once before the cache is allocated: `--kv-cache-tokens` when
+    set; else a share (`kv_cache_memory_fraction`) of the device's free memory less `reserved` bytes that are
+    spoken for (CUDA: the decode graphs), or of the CPU budget. At least one."""
+    if config.kv_cache_tokens is not None:
+        return max(1, -(-config.kv_cache_tokens // config.block_size))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = max(0.0, free - reserved) * config.kv_cache_memory_fraction
+    else:
+        budget = config.cpu_kv_cache_bytes * config.kv_cache_memory_fraction
+    element = torch.empty((), dtype=dtype).element_size()
+    return max(1, int(budget // (shape.kv_bytes_per_token(element) * config.block_size)))

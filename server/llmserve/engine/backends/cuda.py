@@ -6,15 +6,16 @@ key: the kernel reads each sequence's blocks up to its own length, so one graph 
 the torch attention the padded gather also fixes the longest context, and a bucket is a (batch, context) pair.
 Every bucket up to `max_num_seqs` (and the context limit) is captured when the backend is built, before
 anything is served: replaying a graph costs one launch instead of a few hundred kernel launches from Python,
-and no request ever waits on a capture. The graphs' memory is measured first,
-with a one-block cache, and left out of the KV pool's budget. A capture that fails stops the start with the
-reason; `--no-cuda-graphs` serves without them.
+and no request ever waits on a capture. The graphs' memory is measured before the KV cache is sized
+(`graph_bytes`: a probe capture over a one-block cache, released again) and left out of the pool's budget; the
+cache is then allocated once, at its size, and the backend's graphs captured over it. A capture that fails
+stops the start with the reason; `--no-cuda-graphs` serves without them.
 
-A decode step's inputs are staged on the host in rows kept per sequence (backends/staging.py: only what
-changed is written, pinned buffers, non-blocking copies into the bucket's buffers); the graph returns the
-logits in plan order through the step's row permutation. Steps that mix prompt chunks with decodes run
-eagerly. With `capture=False` the same padded forward runs eagerly instead of from graphs; the CPU tests use
-that to check the padding, the buckets and the rows.
+A decode step's inputs come from the backend's persistent input batch (backends/input_batch.py: rows kept per
+sequence, only what changed is written, pinned buffers, non-blocking copies into the bucket's buffers), the
+same rows the eager steps use; the graph returns the logits in plan order through the step's row permutation.
+Steps that mix prompt chunks with decodes run eagerly. With `capture=False` the same padded forward runs
+eagerly instead of from graphs; the CPU tests use that to check the padding, the buckets and the rows.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.engine.backends.attention import DecodeGroup, PagedBatch, Varlen
+from llmserve.engine.backends.attention import DecodeGroup, GatheredAttention, VarlenAttention
 from llmserve.engine.backends.base import KVCache
-from llmserve.engine.backends.staging import DecodeRows
+from llmserve.engine.backends.metadata import GatheredBuilder
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.plan import StepPlan
@@ -61,7 +62,7 @@ def context_buckets(block_size: int, max_ctx: int) -> tuple[int, ...]:
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph | None
-    batch: PagedBatch
+    batch: GatheredAttention | VarlenAttention
     input_ids: torch.Tensor
     positions: torch.Tensor
     perm: torch.Tensor  # row of the plan's i-th sequence: the logits come back in plan order through it
@@ -83,11 +84,7 @@ class DecodeGraphs:
         self.varlen = backend.varlen_kernel is not None
         self.ctx_buckets = (max_ctx,) if self.varlen else context_buckets(backend.block_size, max_ctx)
         self.max_blocks = -(-max_ctx // backend.block_size)
-        kv = backend.kv
-        pin = backend.device.type == "cuda"  # page-locked: the copies to the device run asynchronously
-        self.rows = DecodeRows(
-            self.batch_buckets[-1], self.max_blocks, backend.block_size, kv.scratch_block, kv.scratch_slot, pin=pin
-        )
+        self.rows = backend.inputs  # the rows the eager steps keep too
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0  # decode steps served from a bucket
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -118,19 +115,20 @@ class DecodeGraphs:
         entry = self._graphs[bp, ctx]
         self.replays += 1
         rows = self.rows
-        rows.stage(plan.seqs, bp)
+        rows.stage_decode(plan.seqs, bp)
         entry.input_ids[0].copy_(rows.ids[:bp], non_blocking=True)
         entry.positions[0].copy_(rows.positions[:bp], non_blocking=True)
         entry.batch.slot_mapping.copy_(rows.slots[:bp], non_blocking=True)
         entry.perm.copy_(rows.perm[:bp], non_blocking=True)
-        varlen = entry.batch.varlen
-        if varlen is not None:
-            varlen.seq_lens.copy_(rows.lens[:bp], non_blocking=True)
-            varlen.block_tables.copy_(rows.tables[:bp], non_blocking=True)
+        batch = entry.batch
+        if isinstance(batch, VarlenAttention):
+            batch.seq_lens.copy_(rows.lens[:bp], non_blocking=True)
+            batch.block_tables.copy_(rows.tables[:bp, : self.max_blocks], non_blocking=True)
         else:
-            decode_slots, bias = backend.decode_tensors(rows.tables[:bp], rows.lens[:bp], ctx)
-            entry.batch.decode[0].slots.copy_(decode_slots)
-            entry.batch.decode[0].bias.copy_(bias)
+            assert isinstance(backend.attention, GatheredBuilder)
+            decode_slots, bias = backend.attention.decode_tensors(rows.tables[:bp], rows.lens[:bp], ctx)
+            batch.decode[0].slots.copy_(decode_slots)
+            batch.decode[0].bias.copy_(bias)
         if entry.graph is None:
             return backend.forward(entry.input_ids, entry.positions, None, entry.batch).index_select(0, entry.perm)[:n]
         entry.graph.replay()
@@ -143,15 +141,13 @@ class DecodeGraphs:
         kvh = backend.shape.num_kv_heads
         scratch_slot = backend.kv.scratch_slot
         # Every padded row points at the scratch slot, so warm-up and capture write nowhere that matters.
-        batch = PagedBatch(
-            kv=backend.kv.tensor,
-            slot_mapping=torch.full((bp,), scratch_slot, dtype=torch.long, device=dev),
-            decode=[],
-            chunks=[],
-        )
+        slot_mapping = torch.full((bp,), scratch_slot, dtype=torch.long, device=dev)
         kernel = backend.varlen_kernel
+        batch: GatheredAttention | VarlenAttention
         if kernel is not None:
-            batch.varlen = Varlen(
+            batch = VarlenAttention(
+                kv=backend.kv.tensor,
+                slot_mapping=slot_mapping,
                 kernel=kernel,
                 query_start=torch.arange(bp + 1, dtype=torch.int32, device=dev),  # one token per sequence
                 seq_lens=torch.ones(bp, dtype=torch.int32, device=dev),
@@ -160,15 +156,14 @@ class DecodeGraphs:
                 block_size=backend.block_size,
             )
         else:
-            batch.decode = [
-                DecodeGroup(
-                    0,
-                    bp,
-                    torch.full((bp * ctx,), scratch_slot, dtype=torch.long, device=dev),
-                    torch.zeros(kvh * bp, 1, ctx, dtype=backend.dtype, device=dev),
-                    ctx,
-                )
-            ]
+            group = DecodeGroup(
+                0,
+                bp,
+                torch.full((bp * ctx,), scratch_slot, dtype=torch.long, device=dev),
+                torch.zeros(kvh * bp, 1, ctx, dtype=backend.dtype, device=dev),
+                ctx,
+            )
+            batch = GatheredAttention(backend.kv.tensor, slot_mapping, [group], [])
         input_ids = torch.zeros(1, bp, dtype=torch.long, device=dev)
         positions = torch.zeros(1, bp, dtype=torch.long, device=dev)
         perm = torch.arange(bp, dtype=torch.long, device=dev)
@@ -190,38 +185,48 @@ class DecodeGraphs:
 
 
 class CudaBackend(TorchPagedBackend):
-    """The generic backend on a CUDA device, with every decode bucket's graph captured at start-up."""
+    """The generic backend on a CUDA device, with every decode bucket's graph captured at start-up (over `kv`,
+    allocated at its final size before: see `graph_bytes`)."""
 
     name = "cuda"
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, capture: bool = True) -> None:
-        # A one-block cache first: enough to capture every graph once and measure what they take.
-        super().__init__(loaded, config, num_blocks=1)
-        reserve = self._graph_bytes(max_model_len) if capture and config.kv_cache_tokens is None else 0
-        self.num_blocks = self.size_pool(self.kv_budget_bytes(reserved=reserve))
-        del self.kv
-        self.kv = KVCache(self.shape, self.num_blocks, self.block_size, self.dtype, self.device)
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        kv: KVCache,
+        max_model_len: int,
+        *,
+        capture: bool = True,
+        reserved_bytes: int = 0,
+    ) -> None:
+        """`reserved_bytes`: what the KV budget left out for the graphs (`graph_bytes`), for the description."""
+        super().__init__(loaded, config, kv, max_model_len)
         self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len, capture=capture)
         self.graphs.build_all()
         self.description = (
-            f"{self.description}, {len(self.graphs)} CUDA graphs "
-            f"({'captured' if capture else 'eager'}) for decode steps; {reserve / 2**20:.0f} MiB kept for them"
+            f"{self.description}, {len(self.graphs)} CUDA graphs ({'captured' if capture else 'eager'}) "
+            f"for decode steps; {reserved_bytes / 2**20:.0f} MiB kept for them"
         )
-
-    def _graph_bytes(self, max_model_len: int) -> int:
-        """Device memory that capturing every bucket takes (graph pool and static buffers), measured."""
-        torch.cuda.synchronize(self.device)
-        free_before, _ = torch.cuda.mem_get_info(self.device)
-        probe = DecodeGraphs(self, self.config.max_num_seqs, max_model_len, capture=True)
-        probe.build_all()
-        torch.cuda.synchronize(self.device)
-        used = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        del probe
-        torch.cuda.empty_cache()
-        return used
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         decode_only = len(plan.sampling) == len(plan.seqs) and all(len(s.token_ids) == 1 for s in plan.seqs)
         if decode_only and self.graphs.covers(len(plan.seqs), max(s.end for s in plan.seqs)):
             return self.graphs.run(plan)
         return super().logits(plan)
+
+
+def graph_bytes(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
+    """Device memory that capturing every decode bucket takes (graph pool and static buffers), measured by a
+    probe capture over a one-block cache that is released again: what the KV pool's budget leaves for them."""
+    device = loaded.device
+    torch.cuda.synchronize(device)
+    free_before, _ = torch.cuda.mem_get_info(device)
+    probe = CudaBackend(
+        loaded, config, KVCache(loaded.shape, 1, config.block_size, loaded.dtype, device), max_model_len
+    )
+    torch.cuda.synchronize(device)
+    used = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+    del probe
+    torch.cuda.empty_cache()
+    return used

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from llmserve.engine.backends.attention import Chunk, PagedBatch, paged_attention
+from llmserve.engine.backends import create_backend
+from llmserve.engine.backends.attention import Chunk, GatheredAttention, paged_attention
 from llmserve.engine.backends.cpu import native
 from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
@@ -76,7 +77,7 @@ def test_fused_ops_reject_layouts_they_cannot_read() -> None:
 def prefill_logits(runner: CpuBackend, ids: torch.Tensor, fused: bool) -> torch.Tensor:
     """One sequence's whole prompt as one chunk, through the fused forward or the model's own."""
     tokens = ids.shape[1]
-    batch = PagedBatch(
+    batch = GatheredAttention(
         kv=runner.kv.tensor, slot_mapping=torch.arange(tokens), decode=[], chunks=[Chunk(0, tokens, None, None)]
     )
     positions = torch.arange(tokens)[None]
@@ -91,7 +92,8 @@ def prefill_logits(runner: CpuBackend, ids: torch.Tensor, fused: bool) -> torch.
 def test_fused_forward_gives_the_models_logits(family: str, dtype: torch.dtype) -> None:
     """Every supported family, float32 (packed oneDNN linears) and float64: the same logits for a prompt."""
     loaded = from_config(tiny_config(family), dtype=dtype)
-    runner = CpuBackend(loaded, EngineConfig(block_size=16, kv_cache_tokens=256))
+    runner = create_backend(loaded, EngineConfig(block_size=16, kv_cache_tokens=256))
+    assert isinstance(runner, CpuBackend)
     assert runner.fused is not None
     ids = torch.randint(TINY_VOCAB, (1, 101), generator=torch.Generator().manual_seed(2))
     fused, plain = prefill_logits(runner, ids, True), prefill_logits(runner, ids, False)

@@ -28,6 +28,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from llmserve.engine.backends.cpu import native, packed_linear
+from llmserve.model_shape import ModelShape
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # attention.paged_attention: (module, query [1, H, T, D], key, value [1, KVH, T, D], mask, scaling=, llmserve_batch=)
@@ -98,8 +99,7 @@ def _fits(layer: Any) -> bool:
 class FusedForward:
     """The model's forward over one packed row of tokens, fused; see the module docstring."""
 
-    def __init__(self, model: Any, ops: native.FusedOps, pack: bool, attention: Attention) -> None:
-        config = model.config
+    def __init__(self, model: Any, shape: ModelShape, ops: native.FusedOps, pack: bool, attention: Attention) -> None:
         base = model.model
         self.ops = ops
         self.attention = attention
@@ -107,17 +107,20 @@ class FusedForward:
         self.rotary = base.rotary_emb
         self.final_norm = _norm(base.norm)
         self.lm_head = FusedLinear.of([model.get_output_embeddings()], pack)
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.layers = [self._layer(layer, pack) for layer in base.layers[: config.num_hidden_layers]]
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.layers = [self._layer(layer, pack) for layer in base.layers[: shape.num_layers]]
         self.num_packed = (4 * len(self.layers) + 1) if pack else 0
 
     @classmethod
-    def build(cls, model: Any, ops: native.FusedOps | None, pack: bool, attention: Attention) -> FusedForward | None:
-        """The fused forward of `model`, or None where it does not apply (another architecture, a device
-        other than the CPU, a dtype the kernels lack, or no compiled kernels). `pack`: run the linears on
-        packed oneDNN weights (float32 only); `attention`: the backend's paged attention function."""
+    def build(
+        cls, model: Any, ops: native.FusedOps | None, pack: bool, attention: Attention, shape: ModelShape | None = None
+    ) -> FusedForward | None:
+        """The fused forward of `model`, or None where it does not apply (another architecture, a device other
+        than the CPU, a dtype the kernels lack, or no compiled kernels). `pack`: run the linears on packed oneDNN
+        weights (float32 only); `attention`: the backend's paged attention function; `shape`: the model's
+        (LoadedModel.shape), read from its config when not given."""
         param = next(model.parameters())
         config = model.config
         if ops is None or param.device.type != "cpu" or param.dtype not in ops.dtypes:
@@ -132,7 +135,7 @@ class FusedForward:
             return None
         if not all(_fits(layer) for layer in base.layers):
             return None
-        return cls(model, ops, pack, attention)
+        return cls(model, shape or ModelShape.of(config), ops, pack, attention)
 
     def _layer(self, layer: Any, pack: bool) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp

@@ -1,0 +1,193 @@
+"""Every step's inputs on the host, in one persistent batch: a row per running sequence, kept from step to step.
+
+A step's inputs are each sequence's tokens, positions, cache slots, context length and block table. The block
+tables are the bulk (sequences x the context limit's blocks: 256 x 512 entries for SmolLM2 at 8k), and
+building them anew every step was most of a step's host work. Here each sequence keeps its row while it runs:
+a step writes only the block-table entries that changed (a new block every `block_size` steps; the whole row
+when the sequence is new to its row or its table was replaced, as on preemption or re-admission). A sequence
+that leaves frees its row, and the last rows move into the gaps, so that the live rows are always rows 0..n-1.
+
+Every backend path reads the same batch:
+- `stage` (the eager forward of any step, prompt chunks and decodes mixed): the packed row's tokens, positions
+  and slots in the order the backend packs the entries, each entry's row, context length and query range;
+  the attention metadata takes the block tables of those rows (`tables_of`).
+- `stage_decode` (the CUDA graphs' decode-only steps): one token per row written by row into fixed buffers,
+  padding rows up to the batch bucket, and `perm` (the row of the plan's i-th sequence), through which the
+  graph returns its logits in plan order.
+
+On CUDA the buffers are pinned, so the copies to the graph's device buffers are asynchronous. Each step reads
+its sampled tokens back before the next step stages, so no buffer is rewritten under a copy still in flight
+(an overlapped loop would need two sets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmserve.engine.backends.slots import position_slot, position_slots, slot
+from llmserve.engine.plan import SeqStep
+
+
+@dataclass(slots=True, eq=False)
+class _Row:
+    seq_no: int
+    table: Sequence[int]  # the block table list the row was written from (a replaced table is a new list)
+    written: int  # its entries [0, written) are in the row
+
+
+@dataclass(slots=True)
+class Staged:
+    """One eager step's inputs, entries in packed-row order (CPU tensors; the backend moves them).
+
+    Entry i computes packed positions [query_start[i], query_start[i + 1]), has context `lens[i]` once the step
+    is done, and its block table is row `rows[i]` of the batch.
+    """
+
+    entries: Sequence[SeqStep]
+    ids: torch.Tensor  # [tokens] long
+    positions: torch.Tensor  # [tokens] long
+    slots: torch.Tensor  # [tokens] long: where each new token's K/V goes
+    rows: np.ndarray  # [seqs] int64
+    lens: np.ndarray  # [seqs] int32
+    query_start: np.ndarray  # [seqs + 1] int32
+    max_query_len: int
+    widths: np.ndarray  # [seqs] int64: blocks each entry's context spans
+
+
+class InputBatch:
+    """Host buffers of the step inputs for up to `max_seqs` sequences of up to `max_blocks` blocks each."""
+
+    def __init__(self, max_seqs: int, max_blocks: int, block_size: int, pad_block: int, pad_slot: int, *, pin: bool):
+        def buffer(*shape: int, dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+
+        self.block_size = block_size
+        self.pad_block = pad_block
+        self.pad_slot = pad_slot
+        self.tables = buffer(max_seqs, max_blocks, dtype=torch.int32, fill=pad_block)
+        # The decode graphs' inputs, by row.
+        self.ids = buffer(max_seqs, dtype=torch.long)
+        self.positions = buffer(max_seqs, dtype=torch.long)
+        self.slots = buffer(max_seqs, dtype=torch.long, fill=pad_slot)
+        self.perm = torch.arange(max_seqs, dtype=torch.long).pin_memory() if pin else torch.arange(max_seqs)
+        self.lens = buffer(max_seqs, dtype=torch.int32, fill=1)
+        # NumPy views of the same memory: element and slice writes without a torch call each.
+        self._ids, self._positions, self._slots = self.ids.numpy(), self.positions.numpy(), self.slots.numpy()
+        self._perm, self._lens, self._tables = self.perm.numpy(), self.lens.numpy(), self.tables.numpy()
+        self._rows: list[_Row | None] = [None] * max_seqs
+        self._row_of: dict[int, int] = {}  # seq_no -> its row
+        self._used = 0  # rows [0, _used) may hold a sequence
+        self.entries_written = 0  # block-table entries written, all steps (the tests read it)
+
+    # -- the rows ------------------------------------------------------------------------------
+
+    def place(self, entries: Sequence[SeqStep]) -> list[int]:
+        """Give every entry its row (rows 0..len(entries)-1), free the rows of sequences not among them, and
+        bring each row's block table up to the blocks the entry's step writes into. Returns the rows, in
+        `entries` order."""
+        n = len(entries)
+        rows, row_of = self._rows, self._row_of
+        here = {s.seq.seq_no for s in entries}
+        for seq_no in [k for k in row_of if k not in here]:
+            rows[row_of.pop(seq_no)] = None
+        free = [r for r in range(n) if rows[r] is None]
+        free.reverse()  # fill the lowest rows first
+        for r in range(n, self._used):  # a sequence beyond row n moves into a gap below it
+            moving = rows[r]
+            if moving is not None:
+                self._move(r, free.pop(), moving)
+        self._used = n
+        bs = self.block_size
+        tables = self._tables
+        order: list[int] = []
+        for step in entries:
+            seq_no = step.seq.seq_no
+            row = row_of.get(seq_no)
+            table = step.block_table
+            need = (step.start + len(step.token_ids) - 1) // bs + 1  # blocks up to the last one this step writes
+            if row is None:
+                row = free.pop()
+                row_of[seq_no] = row
+                rows[row] = book = _Row(seq_no, table, 0)
+            else:
+                book = rows[row]  # type: ignore[assignment]
+                if book.table is not table:
+                    book.table, book.written = table, 0
+            if book.written < need:
+                tables[row, book.written : need] = table[book.written : need]
+                self.entries_written += need - book.written
+                book.written = need
+            order.append(row)
+        return order
+
+    def _move(self, src: int, dst: int, book: _Row) -> None:
+        self._tables[dst, : book.written] = self._tables[src, : book.written]
+        self._rows[dst], self._rows[src] = book, None
+        self._row_of[book.seq_no] = dst
+
+    def tables_of(self, rows: np.ndarray, width: int) -> torch.Tensor:
+        """The block tables of `rows`, in that order, cut to `width` blocks: a [len(rows), width] int32 copy.
+        Entries past a row's context are stale (never read past a length, or masked)."""
+        return torch.from_numpy(np.ascontiguousarray(self._tables[rows, :width]))
+
+    # -- one step's inputs -------------------------------------------------------------------------
+
+    def stage(self, entries: Sequence[SeqStep]) -> Staged:
+        """The inputs of an eager forward over `entries`, packed in that order."""
+        rows = np.asarray(self.place(entries), dtype=np.int64)
+        n = len(entries)
+        bs = self.block_size
+        starts = np.fromiter((e.start for e in entries), dtype=np.int64, count=n)
+        counts = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
+        lens = starts + counts
+        query_start = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start[1:])
+        max_query_len = int(counts.max())
+        if max_query_len == 1:  # decode only: one token each, slots from the rows just written
+            ids = np.fromiter((e.token_ids[0] for e in entries), dtype=np.int64, count=n)
+            positions = starts
+            slots = slot(self._tables[rows, starts // bs].astype(np.int64), starts % bs, bs)
+        else:
+            ids = np.empty(int(query_start[-1]), dtype=np.int64)
+            positions = np.empty_like(ids)
+            slots = np.empty_like(ids)
+            for i, entry in enumerate(entries):
+                q0, q1, start = int(query_start[i]), int(query_start[i + 1]), int(starts[i])
+                ids[q0:q1] = entry.token_ids
+                positions[q0:q1] = np.arange(start, start + q1 - q0)
+                slots[q0:q1] = position_slots(entry.block_table, start, start + q1 - q0, bs)
+        return Staged(
+            entries=entries,
+            ids=torch.from_numpy(ids),
+            positions=torch.from_numpy(positions),
+            slots=torch.from_numpy(slots),
+            rows=rows,
+            lens=lens.astype(np.int32),
+            query_start=query_start,
+            max_query_len=max_query_len,
+            widths=(lens - 1) // bs + 1,
+        )
+
+    def stage_decode(self, seqs: Sequence[SeqStep], padded: int) -> None:
+        """Write a decode step's inputs (one token per sequence) by row: live rows 0..n-1, padding rows
+        n..padded-1 (one token at the pad slot, attending to itself), perm[i] = the row of seqs[i]."""
+        n = len(seqs)
+        order = self.place(seqs)
+        bs = self.block_size
+        starts = [s.start for s in seqs]
+        self._ids[order] = [s.token_ids[0] for s in seqs]
+        self._positions[order] = starts
+        self._slots[order] = [position_slot(s.block_table, s.start, bs) for s in seqs]
+        self._lens[order] = [p + 1 for p in starts]
+        self._perm[:n] = order
+        pad = slice(n, padded)
+        self._ids[pad] = 0
+        self._positions[pad] = 0
+        self._slots[pad] = self.pad_slot
+        self._lens[pad] = 1
+        self._perm[pad] = range(n, padded)
+        self._tables[pad, 0] = self.pad_block

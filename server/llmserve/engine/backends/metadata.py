@@ -1,0 +1,200 @@
+"""A step's attention metadata, built from the persistent input batch: one builder per attention kernel.
+
+A backend is composed with one builder, chosen when it is built: `GatheredBuilder` (torch attention; on the
+CPU with decode groups by context length and long chunks in query blocks), `KernelDecodeBuilder` (the CPU's
+compiled decode kernel), `VarlenBuilder` (the Triton varlen kernel). Each reads the step as `input_batch.Staged`
+(entries in packed order: one-token entries first, shortest context first, then prompt chunks) and the block
+tables of its rows, and returns the metadata type of its kernel (attention.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from llmserve.engine.backends.attention import (
+    AttentionMetadata,
+    Chunk,
+    DecodeGroup,
+    DecodeKernel,
+    GatheredAttention,
+    KernelDecodeAttention,
+    QueryBlock,
+    VarlenAttention,
+    VarlenKernel,
+)
+from llmserve.engine.backends.base import KVCache
+from llmserve.engine.backends.input_batch import InputBatch, Staged
+from llmserve.engine.backends.slots import table_slots
+
+# CPU: a long chunk's queries attend in blocks of this many rows, each to the keys up to its last query.
+# transformers' CPU flash attention does nearly the full square's work under a causal mask; blocks skip
+# most of the upper triangle. Measured (SmolLM2's heads, 464 queries after 16 cached tokens): one call
+# 6.8 ms, blocks of 64 rows 5.1 ms; 128 and 256 rows fall in between.
+QUERY_BLOCK = 64
+
+
+class MetadataBuilder(Protocol):
+    """Builds one step's attention metadata for one kernel."""
+
+    def build(self, staged: Staged, slot_mapping: torch.Tensor) -> AttentionMetadata: ...
+
+
+class GatheredBuilder:
+    """Metadata for the torch attention. `grouped`: decode rows in groups whose padding wastes at most ~1/3 of
+    their reads (the CPU), else one group; `query_blocks`: chunks longer than QUERY_BLOCK attend block by block
+    (the CPU)."""
+
+    def __init__(
+        self, inputs: InputBatch, kv: KVCache, dtype: torch.dtype, *, grouped: bool = False, query_blocks: bool = False
+    ) -> None:
+        self.inputs = inputs
+        self.kv = kv
+        self.dtype = dtype
+        self.device = kv.tensor.device
+        self.grouped = grouped
+        self.query_blocks = query_blocks
+
+    def build(self, staged: Staged, slot_mapping: torch.Tensor) -> GatheredAttention:
+        num = decode_count(staged)
+        return GatheredAttention(
+            self.kv.tensor, slot_mapping, self.decode_groups(staged, num), self.chunks(staged, num)
+        )
+
+    def decode_groups(self, staged: Staged, num: int) -> list[DecodeGroup]:
+        """Decode rows [0, num) of the packed row (sorted by context length) as padded gathered groups."""
+        if num == 0:
+            return []
+        lens = staged.lens[:num].tolist()
+        bounds = [0]
+        while bounds[-1] < num:
+            start = bounds[-1]
+            end = start + 1
+            if not self.grouped:
+                end = num
+            while end < num and lens[end] * 2 <= lens[start] * 3 + 2 * self.kv.block_size:
+                end += 1
+            bounds.append(end)
+        groups = []
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            ctx = max(lens[start:end])
+            width = -(-ctx // self.kv.block_size)
+            tables = self.inputs.tables_of(staged.rows[start:end], width)
+            slots, bias = self.decode_tensors(tables, staged.lens[start:end], ctx)
+            groups.append(DecodeGroup(start, end, slots, bias, ctx))
+        return groups
+
+    def decode_tensors(
+        self, tables: torch.Tensor, lens: np.ndarray | torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather slots [len(tables) * ctx] and additive mask [kv_heads * len(tables), 1, ctx] for decode rows
+        whose block tables (a host tensor at least ctx's blocks wide; entries past a length are not read) and
+        context lengths these are."""
+        dev = self.device
+        n = len(tables)
+        blocks = tables[:, : -(-ctx // self.kv.block_size)].to(dev, torch.long)
+        slots = table_slots(blocks, self.kv.block_size, ctx)
+        lens_t = torch.as_tensor(lens).to(dev, torch.long)
+        bias = torch.zeros(n, ctx, dtype=self.dtype, device=dev)
+        bias.masked_fill_(torch.arange(ctx, device=dev)[None, :] >= lens_t[:, None], float("-inf"))
+        kvh = self.kv.shape.num_kv_heads
+        return slots.reshape(-1), bias.repeat(kvh, 1).view(kvh * n, 1, ctx)
+
+    def chunks(self, staged: Staged, first: int) -> list[Chunk]:
+        """The prompt chunks: entries [first, len) of the packed row."""
+        out = []
+        for i in range(first, len(staged.entries)):
+            q0, q1 = int(staged.query_start[i]), int(staged.query_start[i + 1])
+            out.append(self.chunk(q0, q1, staged.entries[i].start, staged.entries[i].block_table))
+        return out
+
+    def chunk(self, q_start: int, q_end: int, ctx_start: int, table: Sequence[int]) -> Chunk:
+        """A prompt chunk at rows [q_start, q_end) of the packed row, after `ctx_start` cached tokens, of a
+        sequence with this block table."""
+        ctx = ctx_start + (q_end - q_start)
+        blocked = self.query_blocks and q_end - q_start > QUERY_BLOCK
+        if ctx_start == 0 and not blocked:
+            return Chunk(q_start, q_end, None, None)  # plain causal attention over its own keys
+        context = self.context_slots(table, ctx) if ctx_start > 0 else None
+        if blocked:
+            return Chunk(q_start, q_end, context, None, self.blocks(ctx_start, ctx))
+        q_pos = torch.arange(ctx_start, ctx, device=self.device)
+        mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
+        return Chunk(q_start, q_end, context, mask)
+
+    def context_slots(self, table: Sequence[int], ctx: int) -> torch.Tensor:
+        """The cache slots of positions [0, ctx) of a sequence with this block table."""
+        width = -(-ctx // self.kv.block_size)
+        blocks = torch.tensor(list(table[:width]), dtype=torch.long, device=self.device)
+        return table_slots(blocks, self.kv.block_size, ctx)
+
+    def blocks(self, ctx_start: int, ctx: int) -> list[QueryBlock]:
+        """The queries of positions [ctx_start, ctx) in blocks of QUERY_BLOCK rows, each with its mask."""
+        positions = torch.arange(ctx)
+        blocks = []
+        for start in range(0, ctx - ctx_start, QUERY_BLOCK):
+            end = min(ctx - ctx_start, start + QUERY_BLOCK)
+            keys = ctx_start + end
+            hidden = positions[None, :keys] > positions[ctx_start + start : keys, None]
+            # Additive, in the model's dtype: a boolean mask is converted on every call, in every layer.
+            mask = torch.zeros(end - start, keys, dtype=self.dtype).masked_fill_(hidden, float("-inf"))
+            blocks.append(QueryBlock(start, end, keys, mask))
+        return blocks
+
+
+class KernelDecodeBuilder:
+    """Metadata for the CPU's compiled decode kernel: the decode rows' block tables and lengths as the kernel
+    reads them; chunks as `chunks` (a GatheredBuilder) makes them."""
+
+    def __init__(self, inputs: InputBatch, kv: KVCache, kernel: DecodeKernel, chunks: GatheredBuilder) -> None:
+        self.inputs = inputs
+        self.kv = kv
+        self.kernel = kernel
+        self._chunks = chunks
+
+    def build(self, staged: Staged, slot_mapping: torch.Tensor) -> KernelDecodeAttention:
+        num = decode_count(staged)
+        width = int(staged.widths[:num].max()) if num else 0
+        return KernelDecodeAttention(
+            kv=self.kv.tensor,
+            slot_mapping=slot_mapping,
+            kernel=self.kernel,
+            num=num,
+            tables=self.inputs.tables_of(staged.rows[:num], width),
+            lens=torch.from_numpy(staged.lens[:num]),
+            max_len=int(staged.lens[:num].max()) if num else 0,
+            block_size=self.kv.block_size,
+            chunks=self._chunks.chunks(staged, num),
+        )
+
+
+class VarlenBuilder:
+    """Metadata for the varlen kernel: every entry's query range, length and block table."""
+
+    def __init__(self, inputs: InputBatch, kv: KVCache, kernel: VarlenKernel) -> None:
+        self.inputs = inputs
+        self.kv = kv
+        self.kernel = kernel
+
+    def build(self, staged: Staged, slot_mapping: torch.Tensor) -> VarlenAttention:
+        dev = self.kv.tensor.device
+        width = int(staged.widths.max())
+        return VarlenAttention(
+            kv=self.kv.tensor,
+            slot_mapping=slot_mapping,
+            kernel=self.kernel,
+            query_start=torch.from_numpy(staged.query_start).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(staged.lens).to(dev, non_blocking=True),
+            block_tables=self.inputs.tables_of(staged.rows, width).to(dev, non_blocking=True),
+            max_query_len=staged.max_query_len,
+            block_size=self.kv.block_size,
+        )
+
+
+def decode_count(staged: Staged) -> int:
+    """How many entries at the front of the packed row compute one token."""
+    ones = np.diff(staged.query_start) == 1
+    return int(ones.argmin()) if ones.size and not ones[-1] else int(ones.size)
