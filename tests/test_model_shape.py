@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from transformers import GPT2Config, MistralConfig, Qwen2Config
+from transformers import MistralConfig, Qwen2Config
 
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape, sliding_window
 from llmserve.models import from_config
@@ -40,8 +40,7 @@ def test_random_shapes_read_as_published() -> None:
 
 
 def test_a_config_without_a_position_limit_is_refused() -> None:
-    config = GPT2Config(n_layer=1, n_head=2, n_embd=32)
-    config.n_positions = None
+    config = SimpleNamespace(num_attention_heads=2, hidden_size=32, num_hidden_layers=1, vocab_size=64)
     with pytest.raises(ValueError, match="n_positions"):
         ModelShape.of(config)
 
