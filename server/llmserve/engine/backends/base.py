@@ -1,4 +1,8 @@
-"""What every backend is: the `Backend` protocol, and the KV cache they all keep in one layout."""
+"""What every backend is: the `Backend` protocol, and the KV cache they all keep in one layout.
+
+The cache is sized once (`kv_blocks`, from the config and the model's shape) and allocated once, by
+`create_backend`, before the backend that uses it is built; the KV tiers copy whole blocks out of it and back
+(`BlockCopier`)."""
 
 from __future__ import annotations
 
