@@ -82,6 +82,8 @@ class InputBatch:
         self._row_of: dict[int, int] = {}  # seq_no -> its row
         self._used = 0  # rows [0, _used) may hold a sequence
         self.entries_written = 0  # block-table entries written, all steps (the tests read it)
+        self._starts: list[int] = []  # the last place()'s entries' starts and token counts
+        self._counts: list[int] = []
 
     # -- the rows ------------------------------------------------------------------------------
 
@@ -104,11 +106,17 @@ class InputBatch:
         bs = self.block_size
         tables = self._tables
         order: list[int] = []
+        starts, counts = self._starts, self._counts
+        starts.clear()
+        counts.clear()
         for step in entries:
             seq_no = step.seq.seq_no
             row = row_of.get(seq_no)
             table = step.block_table
-            need = (step.start + len(step.token_ids) - 1) // bs + 1  # blocks up to the last one this step writes
+            start, count = step.start, len(step.token_ids)
+            starts.append(start)
+            counts.append(count)
+            need = (start + count - 1) // bs + 1  # blocks up to the last one this step writes
             if row is None:
                 row = free.pop()
                 row_of[seq_no] = row
@@ -141,14 +149,14 @@ class InputBatch:
         rows = np.asarray(self.place(entries), dtype=np.int64)
         n = len(entries)
         bs = self.block_size
-        starts = np.fromiter((e.start for e in entries), dtype=np.int64, count=n)
-        counts = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
+        starts = np.array(self._starts, dtype=np.int64)
+        counts = np.array(self._counts, dtype=np.int64)
         lens = starts + counts
         query_start = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
         max_query_len = int(counts.max())
         if max_query_len == 1:  # decode only: one token each, slots from the rows just written
-            ids = np.fromiter((e.token_ids[0] for e in entries), dtype=np.int64, count=n)
+            ids = np.array([e.token_ids[0] for e in entries], dtype=np.int64)
             positions = starts
             slots = slot(self._tables[rows, starts // bs].astype(np.int64), starts % bs, bs)
         else:
@@ -178,7 +186,7 @@ class InputBatch:
         n = len(seqs)
         order = self.place(seqs)
         bs = self.block_size
-        starts = [s.start for s in seqs]
+        starts = self._starts
         self._ids[order] = [s.token_ids[0] for s in seqs]
         self._positions[order] = starts
         self._slots[order] = [position_slot(s.block_table, s.start, bs) for s in seqs]

@@ -10,6 +10,7 @@ parts (the compiled decode kernel and the fused forward; the decode graphs) arou
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from llmserve.engine.backends.attention import ATTN_IMPLEMENTATION, AttentionMetadata, VarlenKernel, register_attention
@@ -75,14 +76,12 @@ class TorchPagedBackend:
         staged = self.inputs.stage([entries[i] for i in order])
         dev = self.device
         batch = self.attention.build(staged, staged.slots.to(dev))
-        last = staged.query_start[1:] - 1  # each packed entry's last token's row
-        packed_at = [0] * len(entries)
-        for k, i in enumerate(order):
-            packed_at[i] = k
-        keep = [int(last[packed_at[i]]) for i, entry in enumerate(entries) if entry.sample is not None]
-        input_ids = staged.ids[None].to(dev)
-        position_ids = staged.positions[None].to(dev)
-        return input_ids, position_ids, torch.tensor(keep, dtype=torch.long, device=dev), batch
+        # Each entry's last token's row in the packed row, in plan order; kept for the entries that sample.
+        last = np.empty(len(entries), dtype=np.int64)
+        last[order] = staged.query_start[1:] - 1
+        sampling = [i for i, entry in enumerate(entries) if entry.sample is not None]
+        keep = torch.from_numpy(last[sampling]).to(dev)
+        return staged.ids[None].to(dev), staged.positions[None].to(dev), keep, batch
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: AttentionMetadata
