@@ -29,7 +29,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -116,6 +116,11 @@ bench: $(STAMP_MODEL)
 
 bench-quick: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --quick
+
+# Structured output's cost (issue 22): 32 clients, a JSON schema vs unconstrained in alternated windows, the masks'
+# time per step and compile times. Results in benchmarks/results/<date>-cpu-structured.{md,json}.
+bench-structured: $(STAMP_MODEL)
+	$(PY) -m benchmarks.structured
 
 # Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
 # machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).
