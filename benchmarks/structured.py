@@ -168,7 +168,7 @@ def mask_times(compiled: Compiled, rows: int, vocab_size: int, steps: int = 64) 
         times.append((time.perf_counter() - t) * 1e3)
         for row, state in enumerate(states):
             allowed = torch.nonzero(masks[row] == 0).flatten().tolist()
-            if allowed and not state.done():
+            if allowed and not state.done:
                 state.accept(rng.choice(allowed))
     return times
 
