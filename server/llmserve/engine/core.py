@@ -100,11 +100,11 @@ class EngineCore:
     # -- called from any thread ------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
-        request.validate(self.loaded.vocab_size, self.max_model_len)
+        request.validate(self.loaded.vocab_size, self.max_model_len, self.config.max_top_logprobs)
         total = len(request.prompt_token_ids) + request.stopping.max_new_tokens
         if self.pool.blocks_for(total) > self.pool.num_blocks:
             raise InvalidRequest(
-                "max_new_tokens",
+                "stopping.max_new_tokens",
                 f"prompt + max_new_tokens = {total} tokens never fits the KV pool "
                 f"({self.pool.num_blocks * self.pool.block_size} tokens)",
             )

@@ -93,31 +93,31 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature}")
+            raise InvalidRequest("sampling.temperature", f"must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise InvalidRequest("top_k", f"must be >= 0, got {self.top_k}")
+            raise InvalidRequest("sampling.top_k", f"must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
-            raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
+            raise InvalidRequest("sampling.min_p", f"must be in [0, 1], got {self.min_p}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequest("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+            raise InvalidRequest("sampling.repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise InvalidRequest("seed", f"must be in [0, 2**63), got {self.seed}")
+            raise InvalidRequest("sampling.seed", f"must be in [0, 2**63), got {self.seed}")
         bound = ADDITIVE_PENALTY_BOUND
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -bound <= value <= bound):
-                raise InvalidRequest(name, f"must be in [-{bound:g}, {bound:g}], got {value}")
+                raise InvalidRequest(f"sampling.{name}", f"must be in [-{bound:g}, {bound:g}], got {value}")
         seen: set[int] = set()
         for token_id, bias in self.logit_bias:
             if not (math.isfinite(bias) and -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND):
                 raise InvalidRequest(
-                    "logit_bias",
+                    "sampling.logit_bias",
                     f"token {token_id}: bias must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got {bias}",
                 )
             if token_id in seen:
-                raise InvalidRequest("logit_bias", f"token {token_id} is given twice")
+                raise InvalidRequest("sampling.logit_bias", f"token {token_id} is given twice")
             seen.add(token_id)
 
 
@@ -134,13 +134,13 @@ class StoppingParams:
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
-            raise InvalidRequest("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+            raise InvalidRequest("stopping.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
-            raise InvalidRequest("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+            raise InvalidRequest("stopping.min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
         if self.min_new_tokens > self.max_new_tokens:
-            raise InvalidRequest("min_new_tokens", "must not exceed max_new_tokens")
+            raise InvalidRequest("stopping.min_new_tokens", "must not exceed max_new_tokens")
         if any(not s for s in self.stop_sequences):
-            raise InvalidRequest("stop_sequences", "must not contain an empty string")
+            raise InvalidRequest("stopping.stop_sequences", "must not contain an empty string")
 
 
 class ConstraintKind(enum.Enum):
@@ -178,6 +178,12 @@ class GenerationRequest:
 
     `deadline` is on the `time.monotonic()` clock; `priority` orders the waiting queue (higher first).
     `cache_salt` scopes automatic prefix caching: only requests with the same salt share cached blocks.
+    `prompt_field` is the caller's name for the prompt, which errors about it name (the gRPC edge sets the
+    input the prompt came from: `text`, `chat` or `token_ids.ids`).
+
+    Errors name each field by its path in the protobuf GenerateRequest (`sampling.top_p`,
+    `stopping.max_new_tokens`, `response.top_logprobs`), which for sampling and stopping is also its
+    attribute path here: the gRPC edge passes them on as they are.
     """
 
     request_id: str
@@ -191,31 +197,36 @@ class GenerationRequest:
     top_logprobs: int = 0
     cache_salt: str | None = None
     constraint: ConstraintSpec | None = None
+    prompt_field: str = "prompt_token_ids"
 
-    def validate(self, vocab_size: int, max_model_len: int) -> None:
-        """Check everything that needs no engine state; raise InvalidRequest naming the field."""
+    def validate(self, vocab_size: int, max_model_len: int, max_top_logprobs: int = MAX_TOP_LOGPROBS) -> None:
+        """Check every value against its range, the vocabulary and the context; raise InvalidRequest naming the
+        field. The one place these are checked (the edge bounds only sizes: api/limits.py)."""
         if not self.request_id:
             raise InvalidRequest("request_id", "must not be empty")
         n = len(self.prompt_token_ids)
         if n == 0:
-            raise InvalidRequest("prompt", "must not be empty")
+            raise InvalidRequest(self.prompt_field, "must not be empty")
         if n >= max_model_len:
-            raise InvalidRequest("prompt", f"is {n} tokens, the context holds {max_model_len}")
+            raise InvalidRequest(self.prompt_field, f"is {n} tokens, the context holds {max_model_len}")
         if any(t < 0 or t >= vocab_size for t in self.prompt_token_ids):
-            raise InvalidRequest("prompt_token_ids", f"ids must be in [0, {vocab_size})")
+            raise InvalidRequest(self.prompt_field, f"ids must be in [0, {vocab_size})")
         self.sampling.validate()
         self.stopping.validate()
         if n + self.stopping.max_new_tokens > max_model_len:
             raise InvalidRequest(
-                "max_new_tokens",
+                "stopping.max_new_tokens",
                 f"prompt ({n}) + max_new_tokens ({self.stopping.max_new_tokens}) exceeds the context ({max_model_len})",
             )
         if any(t < 0 or t >= vocab_size for t in self.stopping.stop_token_ids):
-            raise InvalidRequest("stop_token_ids", f"ids must be in [0, {vocab_size})")
+            raise InvalidRequest("stopping.stop_token_ids", f"ids must be in [0, {vocab_size})")
         if any(t < 0 or t >= vocab_size for t, _ in self.sampling.logit_bias):
-            raise InvalidRequest("logit_bias", f"token ids must be in [0, {vocab_size})")
-        if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            raise InvalidRequest("sampling.logit_bias", f"token ids must be in [0, {vocab_size})")
+        if not (0 <= self.top_logprobs <= max_top_logprobs):
+            raise InvalidRequest(
+                "response.top_logprobs",
+                f"must be in [0, {max_top_logprobs}] (--max-top-logprobs), got {self.top_logprobs}",
+            )
 
 
 @dataclass(slots=True)
