@@ -216,7 +216,7 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
 
 
 def _default_history_store(cache_dir: str | None) -> str:
-    """sqlite: in the cache directory (as llmserve.models.default_cache_root finds it; --cache-dir and
+    """sqlite: in the cache directory (as llmserve.gguf.default_cache_root finds it; --cache-dir and
     $LLMSERVE_CACHE_DIR are one setting)."""
     root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "llmserve"
     return f"sqlite:{root / DEFAULT_HISTORY_FILE}"
