@@ -56,6 +56,7 @@ class Staged:
     query_start: np.ndarray  # [seqs + 1] int32
     max_query_len: int
     widths: np.ndarray  # [seqs] int64: blocks each entry's context spans
+    num_decode: int  # the entries at the front that compute one token each
 
 
 class InputBatch:
@@ -93,15 +94,19 @@ class InputBatch:
         `entries` order."""
         n = len(entries)
         rows, row_of = self._rows, self._row_of
-        here = {s.seq.seq_no for s in entries}
-        for seq_no in [k for k in row_of if k not in here]:
-            rows[row_of.pop(seq_no)] = None
-        free = [r for r in range(n) if rows[r] is None]
-        free.reverse()  # fill the lowest rows first
-        for r in range(n, self._used):  # a sequence beyond row n moves into a gap below it
-            moving = rows[r]
-            if moving is not None:
-                self._move(r, free.pop(), moving)
+        free: list[int] = []
+        # The same sequences as last step (the common case in a decode stretch): nothing joins, leaves or moves.
+        same = len(row_of) == n and all(s.seq.seq_no in row_of for s in entries)
+        if not same:
+            here = {s.seq.seq_no for s in entries}
+            for seq_no in [k for k in row_of if k not in here]:
+                rows[row_of.pop(seq_no)] = None
+            free = [r for r in range(n) if rows[r] is None]
+            free.reverse()  # fill the lowest rows first
+            for r in range(n, self._used):  # a sequence beyond row n moves into a gap below it
+                moving = rows[r]
+                if moving is not None:
+                    self._move(r, free.pop(), moving)
         self._used = n
         bs = self.block_size
         tables = self._tables
@@ -145,7 +150,7 @@ class InputBatch:
     # -- one step's inputs -------------------------------------------------------------------------
 
     def stage(self, entries: Sequence[SeqStep]) -> Staged:
-        """The inputs of an eager forward over `entries`, packed in that order."""
+        """The inputs of an eager forward over `entries`, packed in that order (one-token entries first)."""
         rows = np.asarray(self.place(entries), dtype=np.int64)
         n = len(entries)
         bs = self.block_size
@@ -178,6 +183,7 @@ class InputBatch:
             query_start=query_start,
             max_query_len=max_query_len,
             widths=(lens - 1) // bs + 1,
+            num_decode=self._counts.count(1),
         )
 
     def stage_decode(self, seqs: Sequence[SeqStep], padded: int) -> None:
