@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmserve.engine.backends.slots import position_slot, position_slots, table_slots
+from llmserve.engine.backends.slots import position_slots, slot, table_slots
 
 
 @given(
@@ -20,5 +20,5 @@ def test_chunk_slots_equal_the_per_position_formula(block_size: int, table: list
     end = data.draw(st.integers(start + 1, positions))
     expected = [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
     assert position_slots(table, start, end, block_size).tolist() == expected
-    assert [position_slot(table, p, block_size) for p in range(start, end)] == expected
+    assert [slot(table[p // block_size], p % block_size, block_size) for p in range(start, end)] == expected
     assert table_slots(torch.tensor(table), block_size, end).tolist()[start:] == expected

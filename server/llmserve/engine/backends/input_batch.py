@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmserve.engine.backends.slots import position_slot, position_slots, slot
+from llmserve.engine.backends.slots import position_slots, slot
 from llmserve.engine.plan import SeqStep
 
 
@@ -190,13 +190,13 @@ class InputBatch:
         """Write a decode step's inputs (one token per sequence) by row: live rows 0..n-1, padding rows
         n..padded-1 (one token at the pad slot, attending to itself), perm[i] = the row of seqs[i]."""
         n = len(seqs)
-        order = self.place(seqs)
+        order = np.array(self.place(seqs), dtype=np.int64)
         bs = self.block_size
-        starts = self._starts
+        starts = np.array(self._starts, dtype=np.int64)
         self._ids[order] = [s.token_ids[0] for s in seqs]
         self._positions[order] = starts
-        self._slots[order] = [position_slot(s.block_table, s.start, bs) for s in seqs]
-        self._lens[order] = [p + 1 for p in starts]
+        self._slots[order] = slot(self._tables[order, starts // bs].astype(np.int64), starts % bs, bs)
+        self._lens[order] = starts + 1
         self._perm[:n] = order
         pad = slice(n, padded)
         self._ids[pad] = 0

@@ -29,11 +29,6 @@ def block_range(block: int, block_size: int) -> slice:
     return slice(first, first + block_size)
 
 
-def position_slot(table: Sequence[int], position: int, block_size: int) -> int:
-    """The cache slot of `position` of a sequence with this block table."""
-    return slot(table[position // block_size], position % block_size, block_size)
-
-
 def position_slots(table: Sequence[int], start: int, end: int, block_size: int) -> np.ndarray:
     """The cache slots of positions [start, end), int64, without a loop per token (a 512-token chunk on this
     project's 2-core machine: 76 us as a loop over positions, 15 us here)."""
