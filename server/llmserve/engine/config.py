@@ -42,3 +42,5 @@ class EngineConfig:
     # Constraints (engine/constraints.py): compiled off the step thread within this bound, cached per kind and text.
     constraint_compile_timeout_s: float = 10.0
     constraint_cache_size: int = 256
+    # Most completions one request may ask for (GenerationRequest.n); see the --max-n flag for the default's reason.
+    max_n: int = 16

@@ -178,6 +178,8 @@ class GenerationRequest:
 
     `deadline` is on the `time.monotonic()` clock; `priority` orders the waiting queue (higher first).
     `cache_salt` scopes automatic prefix caching: only requests with the same salt share cached blocks.
+    `n` > 1 asks for n completions of the prompt (engine/fanout.py splits it into n single-completion requests that
+    share the prompt's KV); it cannot go with a session, which continues one answer.
     """
 
     request_id: str
@@ -191,6 +193,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     cache_salt: str | None = None
     constraint: ConstraintSpec | None = None
+    n: int = 1
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
         """Check everything that needs no engine state; raise InvalidRequest naming the field."""
@@ -216,6 +219,10 @@ class GenerationRequest:
             raise InvalidRequest("logit_bias", f"token ids must be in [0, {vocab_size})")
         if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.n < 1:
+            raise InvalidRequest("n", f"must be >= 1, got {self.n}")
+        if self.n > 1 and self.session_id is not None:
+            raise InvalidRequest("n", "must be 1 with session_id: a session continues one answer, not n")
 
 
 @dataclass(slots=True)
@@ -245,7 +252,11 @@ class Timing:
 
 @dataclass(slots=True)
 class Delta:
-    """What one engine iteration produced for one request. The last one has `finish_reason` set."""
+    """What one engine iteration produced for one request. The last one has `finish_reason` set.
+
+    `index` is the completion it belongs to (0 unless the request asked for n > 1); `total_usage` is set on the
+    very last delta of an n > 1 request only: the prompt counted once, the completion tokens of all n summed.
+    """
 
     request_id: str
     token_ids: list[int]
@@ -256,13 +267,15 @@ class Delta:
     timing: Timing | None = None
     seed: int | None = None
     error: str | None = None
+    index: int = 0
+    total_usage: Usage | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def then(self, later: Delta) -> Delta:
-        """This delta followed by a later one of the same request, as one (for a reader that fell behind)."""
+        """This delta followed by a later one of the same completion, as one (for a reader that fell behind)."""
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
@@ -276,6 +289,8 @@ class Delta:
             later.timing,
             later.seed,
             later.error,
+            self.index,
+            later.total_usage,
         )
 
 
@@ -333,6 +348,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # the request's stop token ids
     eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
     constraint: ConstraintState | None = None  # the grammar state of a constrained request (generated tokens only)
+    # Completion 0 of the same n > 1 request: this one waits until that one's prompt KV is computed, then shares it.
+    after: Sequence | None = None
     _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes
 
     def __post_init__(self) -> None:
