@@ -50,6 +50,8 @@ def check_generate(request: pb.GenerateRequest, limits: InputLimits, max_prompt_
     check_id("request_id", request.request_id, limits.max_request_id_length, "--max-request-id-length")
     check_id("session_id", request.session_id, limits.max_session_id_length, "--max-session-id-length")
     check_input(request, limits, max_prompt_bytes)
+    if request.n > 1 and request.session_id:  # before any history is read (the engine refuses it too)
+        raise InvalidRequest("n", "must be 1 with session_id: a session continues one answer, not n")
     if request.WhichOneof("input") == "token_ids":
         _check_token_ids("token_ids.ids", request.token_ids.ids, vocab_size)
     stopping = request.stopping

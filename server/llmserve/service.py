@@ -401,6 +401,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             # With authentication on, a caller's prompts share cached blocks only with its own (unless shared).
             cache_salt=None if identity is None or self._config.shared_prefix_cache else identity,
             constraint=_constraint_spec(request.constraint),
+            n=max(1, request.n),  # 0 (unset) means one
         )
 
     async def Tokenize(
@@ -615,7 +616,9 @@ def _input_text(request: pb.GenerateRequest) -> str:
 def _to_response(
     request_id: str, delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence[int]
 ) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=request_id, text=delta.text, prompt_token_ids=prompt_ids)
+    response = pb.GenerateResponse(
+        request_id=request_id, text=delta.text, prompt_token_ids=prompt_ids, index=delta.index
+    )
     if options.token_ids:
         response.token_ids.extend(delta.token_ids)
     if delta.logprobs:
@@ -624,12 +627,12 @@ def _to_response(
         response.finish_reason = pb.FinishReason.Value(  # type: ignore[assignment]  # the stubs want the enum type
             f"FINISH_REASON_{delta.finish_reason.name}"
         )
-    if delta.usage is not None:
-        u = delta.usage
-        response.usage.SetInParent()
-        response.usage.prompt_tokens = u.prompt_tokens
-        response.usage.cached_prompt_tokens = u.cached_prompt_tokens
-        response.usage.completion_tokens = u.completion_tokens
+    for usage, target in ((delta.usage, response.usage), (delta.total_usage, response.total_usage)):
+        if usage is not None:
+            target.SetInParent()
+            target.prompt_tokens = usage.prompt_tokens
+            target.cached_prompt_tokens = usage.cached_prompt_tokens
+            target.completion_tokens = usage.completion_tokens
     if delta.timing is not None:
         t = delta.timing
         response.timing.SetInParent()

@@ -138,7 +138,7 @@ def test_without_a_seed_each_completion_reports_its_own_and_a_replay_with_the_fi
 def test_cancelling_the_call_ends_all_n_and_leaks_no_block(server: ServerThread, stub) -> None:
     core = server.engine.core
     call = stub.Generate(
-        build_request(token_ids=_prompt(200, 5), n=4, temperature=1.0, max_new_tokens=900, ignore_eos=True),
+        build_request(token_ids=_prompt(200, 5), n=4, temperature=1.0, max_new_tokens=800, ignore_eos=True),
         timeout=120,
     )
     seen: set[int] = set()
@@ -190,7 +190,8 @@ def test_n_with_stop_strings_each_completion_stops_on_its_own_text(stub) -> None
     texts = {i: "".join(m.text for m in messages) for i, messages in free.items()}
     stop = texts[1][len(texts[1]) // 2 :][:3]  # from the middle of completion 1's text
     assert stop
-    stopped = _by_index(list(stub.Generate(build_request("Once upon", ignore_eos=True, stop=[stop], **options), timeout=120)))
+    stop_request = build_request("Once upon", ignore_eos=True, stop=[stop], **options)
+    stopped = _by_index(list(stub.Generate(stop_request, timeout=120)))
     for i, messages in stopped.items():
         text, reason = "".join(m.text for m in messages), messages[-1].finish_reason
         if stop in texts[i]:
@@ -213,7 +214,7 @@ def test_grpcurl_asks_for_n_completions(server: ServerThread) -> None:
     out = grpcurl(server, "llmserve.v1.GenerateService/Generate", data=data)
     assert out.returncode == 0, out.stderr
     messages = json_messages(out.stdout)
-    finals = [m for m in messages if "finishReason" in m]
+    finals = [m for m in messages if "finish_reason" in m]
     assert sorted(m.get("index", 0) for m in finals) == [0, 1]  # proto3 JSON leaves index 0 out
     assert sorted(int(m["seed"]) for m in finals) == [7, 8]
-    assert messages[-1]["totalUsage"]["completionTokens"] == 8
+    assert messages[-1]["total_usage"]["completion_tokens"] == 8
