@@ -19,6 +19,7 @@ from llmserve.engine.request import (
     SeqStatus,
     Usage,
 )
+from llmserve.engine.sampler import RowFailed
 from tests.engine.engine_helpers import req, run, stepped_core
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)
@@ -183,3 +184,31 @@ async def test_closing_the_stream_ends_all_n_and_leaks_no_block(engine) -> None:
     core = engine.core
     core.pool.check([])
     assert core.pool.num_free == core.pool.num_blocks
+
+
+async def test_a_failed_completion_ends_the_call_and_the_others_with_it(engine) -> None:  # noqa: ANN001
+    core = engine.core
+    real_append = core._append
+    failing: list[int] = []
+
+    def append(seq, result, now):  # noqa: ANN001, ANN202
+        if not failing and seq.after is not None:
+            failing.append(seq.seq_no)  # the first of completions 1..n-1 to sample
+        if failing and seq.seq_no == failing[0] and seq.num_generated == 2:
+            result = RowFailed("boom")
+        return real_append(seq, result, now)
+
+    core._append = append
+    try:
+        deltas = []
+        async with asyncio.timeout(30):
+            async for delta in engine.generate(req("f", _prompt(60), max_new=300, sampling=SAMPLED, n=3)):
+                deltas.append(delta)
+            while core.scheduler.live:
+                await asyncio.sleep(0.01)
+    finally:
+        del core._append
+    assert deltas[-1].finish_reason is FinishReason.ERROR and deltas[-1].error == "boom"
+    assert not any(d.finished for d in deltas[:-1])  # the others never finished: they were stopped
+    assert deltas[-1].total_usage is None
+    core.pool.check([])

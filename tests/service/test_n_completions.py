@@ -19,6 +19,7 @@ from test_grpcurl import GRPCURL, grpcurl, json_messages
 
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+from tests.stepspy import StepSpy
 
 MAX_N = 4
 BS = 16  # the engine's default block size
@@ -150,6 +151,17 @@ def test_cancelling_the_call_ends_all_n_and_leaks_no_block(server: ServerThread,
     assert wait_until(lambda: not core.scheduler.live, timeout=30)
     assert server.engine.num_running == 0 and server.engine.num_waiting == 0
     core.pool.check([])
+    assert core.pool.num_free == core.pool.num_blocks
+
+
+def test_the_deadline_ends_all_n(server: ServerThread, stub) -> None:
+    core = server.engine.core
+    request = build_request(token_ids=_prompt(100, 6), n=4, temperature=1.0, max_new_tokens=800, ignore_eos=True)
+    with StepSpy(core, step_delay_s=0.01):  # 800 steps take 8 s at least: the deadline comes first on any machine
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=1.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: not core.scheduler.live, timeout=30)
     assert core.pool.num_free == core.pool.num_blocks
 
 
