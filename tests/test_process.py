@@ -28,7 +28,7 @@ def test_importing_llmserve_changes_nothing() -> None:
     code = (
         "import os, torch, transformers, grpc; mine = lambda: {k: v for k, v in os.environ.items() "
         "if not k.startswith('TORCH')}; before = mine(); "
-        "import llmserve.engine.core, llmserve.engine.backends.cpu.backend, llmserve.app, llmserve.service; "
+        "import llmserve.engine.core, llmserve.engine.backends.cpu.backend, llmserve.app, llmserve.api.servicer; "
         "print(before == mine())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": "/usr/bin"})
@@ -44,14 +44,14 @@ def test_the_served_process_makes_its_settings_before_torch_loads() -> None:
 
     code = (
         "import sys; import llmserve.__main__, llmserve.config as c; c.build_parser({}); "
-        "c.from_args(['--port', '0'], env={}); loaded = sorted(m for m in ('torch', 'transformers', 'numpy') "
-        "if m in sys.modules); print(loaded)"
+        "c.from_args(['--address', '127.0.0.1:0'], env={}); "
+        "loaded = sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules); print(loaded)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
     helped = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "llmserve", "--help"], capture_output=True, text=True, timeout=60
     )
-    assert helped.returncode == 0 and "--port" in helped.stdout, helped.stderr[-2000:]
+    assert helped.returncode == 0 and "--address" in helped.stdout, helped.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in helped.stderr.splitlines() if line.startswith("import")}
     assert "llmserve.config" in imported and not imported & {"torch", "transformers"}

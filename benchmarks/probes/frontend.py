@@ -106,7 +106,7 @@ async def _client(address: str, streams: int, tokens: int, seconds: float) -> fl
 
 
 def _over_grpc(engine: AsyncEngine, streams: int, tokens: int, seconds: float) -> float:
-    from tests.service.harness import ServerThread  # an LLMServer on a loopback port, on a loop of its own
+    from llmserve.testing import ServerThread  # an LLMServer on a loopback port, on a loop of its own
 
     server = ServerThread(engine, max_concurrent_streams=max(1024, streams)).start()
     try:

@@ -43,7 +43,7 @@ def server_command(
     model: str | None, device: torch.device, dtype: str, port: int, config: EngineConfig, max_streams: int
 ) -> list[str]:
     """The server's command line, with the engine settings of the in-process run."""
-    cmd = [sys.executable, "-m", "llmserve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "llmserve", "--address", f"127.0.0.1:{port}"]
     cmd += ["--device", str(device), "--dtype", dtype, "--log-level", "WARNING"]
     if model is not None:
         cmd += ["--model", model]

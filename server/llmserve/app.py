@@ -26,11 +26,12 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
+from llmserve.api.errors import StreamStalled, status_for
+from llmserve.api.servicer import SERVICE_NAME, GenerateServicer
 from llmserve.auth import Authenticator, AuthInterceptor, TokenStore
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.request import InvalidRequest
 from llmserve.history import StoreUnavailable
-from llmserve.service import SERVICE_NAME, GenerateServicer, StreamStalled, status_for
 from llmserve.telemetry.metrics import ServerMetrics
 from llmserve.telemetry.tracing import Tracing
 from llmserve.telemetry.tracing import from_env as tracing_from_env
@@ -215,14 +216,16 @@ class LLMServer:
             self.port = self._server.add_insecure_port(config.address)
         self.replica = config.replica_name or f"{socket.gethostname()}:{self.port}"
         errors.trailing_metadata = ((REPLICA_KEY, self.replica),)
-        self.metrics = ServerMetrics(self.replica, lambda: self.servicer.num_streams) if config.metrics_port else None
-        if self.metrics is not None:
-            self.metrics.history.store = self.servicer.histories
+        self.engine: Engine | None = None
+        self.metrics = (
+            ServerMetrics(self.replica, lambda: self.servicer.num_streams, lambda: self.engine, self.servicer.histories)
+            if config.metrics_port
+            else None
+        )
         self.tracing = tracing if tracing is not None or not config.tracing else tracing_from_env(self.replica)
         for observer in (self.metrics, self.tracing):
             if observer is not None:
                 self.servicer.add_observer(observer)
-        self.engine: Engine | None = None
         self._watchdog: asyncio.Task[None] | None = None
         # Set when the engine has died: run() then drains and returns EXIT_ENGINE_DEAD.
         self.engine_died = asyncio.Event()
@@ -252,8 +255,6 @@ class LLMServer:
         await engine.start()
         self.engine = engine
         self.servicer.attach(engine)
-        if self.metrics is not None:
-            self.metrics.attach(engine)
         await self._set_health(_SERVING)
         self._watchdog = asyncio.create_task(self._watch_engine(engine))
         log.info("serving %s", engine.model_info)

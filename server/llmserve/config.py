@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.request import MAX_TOP_LOGPROBS
 from llmserve.flags import DEFAULT_ADDRESS, FLAGS, Flag
 from llmserve.history import HistoryConfig
 
@@ -41,7 +40,7 @@ class ModelConfig:
 class InputLimits:
     """Bounds on what one request may carry; each is a flag and is answered with INVALID_ARGUMENT naming it.
 
-    Checked at the service's edge before any tokenizer or engine work (see llmserve.limits).
+    Checked at the service's edge before any tokenizer or engine work (see llmserve.api.limits).
     """
 
     max_request_id_length: int = 128
@@ -53,7 +52,6 @@ class InputLimits:
     chat_roles: tuple[str, ...] = DEFAULT_CHAT_ROLES
     # UTF-8 bytes of text/chat input; None: 16 bytes per token of the model's context (known once it loads).
     max_prompt_bytes: int | None = None
-    max_top_logprobs: int = MAX_TOP_LOGPROBS
     max_logit_bias: int = 300  # entries of sampling.logit_bias (OpenAI's limit)
     max_constraint_chars: int = 65536  # characters of a constraint's schema, regex or grammar, or all its choices
 
@@ -141,8 +139,6 @@ def _field_default(path: str) -> Any:
 
 def _flag_default(flag: Flag) -> Any:
     """The flag's value when neither the command line nor the environment sets it: its field's default."""
-    if not flag.targets:
-        return flag.default
     value = _field_default(flag.targets[0])
     if flag.parse is None:
         return not value if flag.invert else value
@@ -204,7 +200,7 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
         parser.error("--identity-from-cert needs --tls-client-ca")
     if args.identity_from_cert and args.auth_token_file is not None:
         parser.error("--identity-from-cert and --auth-token-file are two ways to name callers: pick one")
-    values: dict[str, Any] = {"server.address": args.address or f"{args.host}:{args.port}"}
+    values: dict[str, Any] = {}
     for flag in all_flags():
         value = getattr(args, _dest(flag))
         if flag.invert:

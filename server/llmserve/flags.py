@@ -39,6 +39,15 @@ def _port(text: str) -> int:
     return value
 
 
+def _address(text: str) -> str:
+    """host:port (an IPv6 host in brackets, `[::1]:50051`); port 0 picks any free port."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise ValueError(f"must be host:port (an IPv6 host in brackets), got {text!r}")
+    _port(port)
+    return text
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -100,7 +109,7 @@ def _bytes_to_gib(nbytes: int) -> float:
 @dataclass(slots=True, frozen=True)
 class Flag:
     """One flag. `targets` are dotted paths into Config ("engine.block_size"); a flag may set several fields
-    (the session TTL is the cache's and the history's), or none (read by from_args itself: --host, --port).
+    (the session TTL is the cache's and the history's).
     `parse` None makes a switch; `invert` a switch that turns its field off. `to_field`/`from_field` convert
     between the flag's unit and the field's (MiB and bytes)."""
 
@@ -111,7 +120,6 @@ class Flag:
     invert: bool = False
     to_field: Callable[[Any], Any] | None = None
     from_field: Callable[[Any], Any] | None = None
-    default: Any = None  # only for flags without a target
     shown: Callable[[Any], str] = str  # how --help writes the default
 
 
@@ -126,8 +134,6 @@ def _switch(name: str, target: str, help_text: str, *, invert: bool = False) -> 
 def _roles_text(roles: tuple[str, ...]) -> str:
     return ",".join(roles)
 
-
-_HOST, _PORT = DEFAULT_ADDRESS.rsplit(":", 1)
 
 # (group title, its flags), in --help order.
 FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
@@ -144,9 +150,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
     (
         "server",
         (
-            _flag("--address", (), str, f"host:port to listen on (overrides --host/--port); default {DEFAULT_ADDRESS}"),
-            _flag("--host", (), str, "interface to listen on", default=_HOST),
-            _flag("--port", (), _port, "port to listen on (0: any free port)", default=int(_PORT)),
+            _flag("--address", "server.address", _address, "host:port to listen on (port 0: any free port)"),
             _flag("--max-concurrent-streams", "server.max_concurrent_streams", _positive_int,
                   "Generate streams in flight at once; beyond it calls get RESOURCE_EXHAUSTED"),
             _flag("--default-max-new-tokens", "server.default_max_new_tokens", _positive_int,
@@ -206,7 +210,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   shown=_roles_text),
             _flag("--max-prompt-bytes", "server.limits.max_prompt_bytes", _positive_int,
                   "UTF-8 bytes of a text or chat input, checked before tokenization; unset: 16 per token of context"),
-            _flag("--max-top-logprobs", "server.limits.max_top_logprobs", _top_logprobs,
+            _flag("--max-top-logprobs", "engine.max_top_logprobs", _top_logprobs,
                   "largest response.top_logprobs"),
             _flag("--max-logit-bias", "server.limits.max_logit_bias", _positive_int,
                   "entries of sampling.logit_bias per request"),

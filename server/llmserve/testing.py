@@ -1,14 +1,23 @@
 """Tiny random-weight model configs for the tests and the benchmarks' probes (two layers, grouped-query attention
-where the family has it), and transformers' own greedy generation as the reference the engine is held to.
+where the family has it), transformers' own greedy generation as the reference the engine is held to, and a
+whole server on a loopback port in a thread of its own (`ServerThread`).
 
 Shared by tests/ and benchmarks/, so neither imports the other; the served process never imports it."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+from llmserve.app import LLMServer
+from llmserve.config import ServerConfig
+
+T = TypeVar("T")
 
 TINY_VOCAB = 512
 
@@ -57,3 +66,46 @@ def greedy_reference(model: Any, prompt: list[int], max_new: int) -> list[int]:
         )
     tokens: list[int] = out[0, len(prompt) :].tolist()
     return tokens
+
+
+class ServerThread:
+    """An LLMServer on 127.0.0.1:<free port>, with its own event loop on a daemon thread."""
+
+    def __init__(self, engine: Any, **config: Any) -> None:
+        self.engine = engine
+        self.config = ServerConfig(address="127.0.0.1:0", **config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+        self.server: LLMServer | None = None
+
+    def start(self, *, serve: bool = True) -> ServerThread:
+        """Bind and start; with `serve`, also start the engine and report SERVING."""
+        self._thread.start()
+        self.server = self.run(self._create())
+        self.run(self.server.start())
+        if serve:
+            self.serve()
+        return self
+
+    def serve(self) -> None:
+        assert self.server is not None, "start() first"
+        self.run(self.server.serve(self.engine))
+
+    async def _create(self) -> LLMServer:
+        return LLMServer(self.config)
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None, "start() first"
+        return f"127.0.0.1:{self.server.port}"
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+        """Run a coroutine on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        if self.server is not None:
+            self.run(self.server.stop(grace_s))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        self.loop.close()

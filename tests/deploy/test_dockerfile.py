@@ -31,7 +31,7 @@ def healthcheck(port: int | None) -> int:
     command = json.loads(check[check.index("CMD ") + 4 :])
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     if port is not None:
-        env["LLMSERVE_PORT"] = str(port)
+        env["LLMSERVE_ADDRESS"] = f"0.0.0.0:{port}"
     return subprocess.run(command, env=env, capture_output=True, timeout=60).returncode
 
 

@@ -11,9 +11,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from llmserve.api.servicer import SERVICE_NAME
 from llmserve.config import ServerConfig, from_args
 from llmserve.engine.protocol import EngineStats
-from llmserve.service import SERVICE_NAME
 from llmserve.telemetry.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,10 +47,10 @@ def test_a_schema_violation_is_caught() -> None:
 
 def exported_metric_names() -> set[str]:
     """The families a server exports, with an engine stand-in for the engine's book-keeping."""
-    metrics = ServerMetrics("r", lambda: 0)
     stats = EngineStats(0, 0, 1, 0, 0, 16, 0, 0, 0, 0, 0, {"memory": 0}, 0)
     info = SimpleNamespace(name="m", dtype="float32", device="cpu", context_length=8)
-    metrics.attach(SimpleNamespace(dead=False, model_info=info, stats=lambda: stats))  # type: ignore[arg-type]
+    engine = SimpleNamespace(dead=False, model_info=info, stats=lambda: stats)
+    metrics = ServerMetrics("r", lambda: 0, lambda: engine)  # type: ignore[arg-type,return-value]
     return {family.name for family in metrics.registry.collect()}
 
 

@@ -86,16 +86,16 @@ async def test_stop_token_and_eos_and_min_new_tokens(engine: AsyncEngine) -> Non
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        (dict(sampling=SamplingParams(temperature=-0.5)), "temperature"),
-        (dict(sampling=SamplingParams(top_p=0.0)), "top_p"),
-        (dict(sampling=SamplingParams(top_p=1.5)), "top_p"),
-        (dict(sampling=SamplingParams(top_k=-1)), "top_k"),
-        (dict(stopping=StoppingParams(max_new_tokens=0)), "max_new_tokens"),
-        (dict(stopping=StoppingParams(max_new_tokens=600)), "max_new_tokens"),
-        (dict(prompt=[]), "prompt"),
-        (dict(prompt=[1] * 600), "prompt"),
+        (dict(sampling=SamplingParams(temperature=-0.5)), "sampling.temperature"),
+        (dict(sampling=SamplingParams(top_p=0.0)), "sampling.top_p"),
+        (dict(sampling=SamplingParams(top_p=1.5)), "sampling.top_p"),
+        (dict(sampling=SamplingParams(top_k=-1)), "sampling.top_k"),
+        (dict(stopping=StoppingParams(max_new_tokens=0)), "stopping.max_new_tokens"),
+        (dict(stopping=StoppingParams(max_new_tokens=600)), "stopping.max_new_tokens"),
+        (dict(prompt=[]), "prompt_token_ids"),
+        (dict(prompt=[1] * 600), "prompt_token_ids"),
         (dict(prompt=[10**6]), "prompt_token_ids"),
-        (dict(top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=21), "response.top_logprobs"),
     ],
 )
 async def test_bad_input_is_rejected_naming_the_field(engine: AsyncEngine, kwargs: dict, field: str) -> None:
@@ -113,7 +113,9 @@ async def test_request_that_never_fits_the_pool_is_rejected() -> None:
     with pytest.raises(InvalidRequest) as info:
         async for _ in eng.generate(req("big", [1] * 60, max_new=10)):
             pass
-    assert info.value.field == "max_new_tokens" and info.value.reason.endswith("never fits the KV pool (64 tokens)")
+    assert info.value.field == "stopping.max_new_tokens" and info.value.reason.endswith(
+        "never fits the KV pool (64 tokens)"
+    )
     eng.core.validate(req("whole-pool", [1] * 60, max_new=4))  # exactly the pool's 64 tokens: served
 
 

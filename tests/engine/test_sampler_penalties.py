@@ -119,12 +119,12 @@ def test_a_row_alone_or_in_a_batch_gets_the_same_tokens() -> None:
 @pytest.mark.parametrize(
     ("params", "field"),
     [
-        (SamplingParams(frequency_penalty=2.5), "frequency_penalty"),
-        (SamplingParams(presence_penalty=-2.01), "presence_penalty"),
-        (SamplingParams(presence_penalty=float("nan")), "presence_penalty"),
-        (SamplingParams(logit_bias=((1, 100.5),)), "logit_bias"),
-        (SamplingParams(logit_bias=((1, float("inf")),)), "logit_bias"),
-        (SamplingParams(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
+        (SamplingParams(frequency_penalty=2.5), "sampling.frequency_penalty"),
+        (SamplingParams(presence_penalty=-2.01), "sampling.presence_penalty"),
+        (SamplingParams(presence_penalty=float("nan")), "sampling.presence_penalty"),
+        (SamplingParams(logit_bias=((1, 100.5),)), "sampling.logit_bias"),
+        (SamplingParams(logit_bias=((1, float("inf")),)), "sampling.logit_bias"),
+        (SamplingParams(logit_bias=((1, 1.0), (1, 2.0))), "sampling.logit_bias"),
     ],
 )
 def test_out_of_range_values_name_their_field(params: SamplingParams, field: str) -> None:

@@ -7,11 +7,8 @@ through real gRPC channels (sync, or asyncio in their own loop), exactly as a re
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import torch
@@ -19,12 +16,11 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from transformers import LlamaConfig
 
-from llmserve.app import LLMServer
-from llmserve.config import ServerConfig
 from llmserve.engine.config import EngineConfig
 from llmserve.models import LoadedModel, from_config, load_model
+from llmserve.testing import ServerThread
 
-T = TypeVar("T")
+__all__ = ["ServerThread"]  # tests import it from here with the rest of the harness
 
 CONTEXT_LENGTH = 1024
 TINY_LLAMA = dict(
@@ -58,47 +54,6 @@ def tiny_engine(**overrides: Any) -> Any:
     settings = dict(kv_cache_tokens=32768, max_num_seqs=16, max_num_batched_tokens=512, cuda_graphs=False)
     settings.update(overrides)
     return AsyncEngine(tiny_model(), EngineConfig(**settings))
-
-
-class ServerThread:
-    """An LLMServer on 127.0.0.1:<free port>, with its own event loop on a daemon thread."""
-
-    def __init__(self, engine: Any, **config: Any) -> None:
-        self.engine = engine
-        self.config = ServerConfig(address="127.0.0.1:0", **config)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
-        self.server: LLMServer | None = None
-
-    def start(self, *, serve: bool = True) -> ServerThread:
-        """Bind and start; with `serve`, also start the engine and report SERVING."""
-        self._thread.start()
-        self.server = self.run(self._create())
-        self.run(self.server.start())
-        if serve:
-            self.serve()
-        return self
-
-    def serve(self) -> None:
-        self.run(self.server.serve(self.engine))
-
-    async def _create(self) -> LLMServer:
-        return LLMServer(self.config)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.server.port}"
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
-        """Run a coroutine on the server's loop and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self, grace_s: float = 0.0) -> None:
-        if self.server is not None:
-            self.run(self.server.stop(grace_s))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=30)
-        self.loop.close()
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.01) -> bool:

@@ -118,7 +118,7 @@ def test_health_answers_not_serving_while_the_model_loads(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(models, "load_model", held_load)
     monkeypatch.setattr(app, "LLMServer", Recorded)
-    config = from_args(["--host", "127.0.0.1", "--port", "0", "--kv-cache-tokens", "4096"], env={})
+    config = from_args(["--address", "127.0.0.1:0", "--kv-cache-tokens", "4096"], env={})
     probes: list[tuple[int, float]] = []
     failures: list[BaseException] = []
 

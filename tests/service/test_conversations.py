@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_service_errors import _empty_token_ids, _status
 
+from llmserve.api.limits import quote_prefix
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
 from llmserve.history import HistoryConfig
-from llmserve.limits import quote_prefix
 from llmserve_client import Client, build_request, pb
 
 # A pool of 1,024 tokens (the context): a 1,023-token filler prompt plus its one new token needs all of it,

@@ -214,7 +214,7 @@ def test_the_engine_gets_the_calls_deadline_and_the_log_its_prompt_when_asked(li
             before = time.monotonic()
             client.generate_text("a prompt to log", max_new_tokens=2, request_id="logged", timeout=30)
             with pytest.raises(grpc.RpcError):
-                list(client.generate(build_request("hi", top_logprobs=21), timeout=30))  # no id; refused by the limits
+                list(client.generate(build_request("hi", stop=["x"] * 17), timeout=30))  # no id; refused by the limits
         assert len(seen) == 1 and before + 29 < seen[0] < time.monotonic() + 30  # the refused one never got there
         assert 'prompt="a prompt to log"' in lines.find("logged")
         assert any(line.startswith("request_id=- status=INVALID_ARGUMENT ") for line in lines.lines), lines.lines[-3:]

@@ -35,7 +35,8 @@ def test_flags_and_environment() -> None:
     assert s.reflection_requires_auth and s.shared_prefix_cache and s.max_streams_per_identity == 4
     assert (s.max_receive_message_bytes, s.stream_stall_timeout_s, s.keepalive_min_ping_interval_s) == (65536, 5, 2)
     assert s.log_format == "json"
-    assert s.limits == InputLimits(64, 32, 4, 100, 8, 10, ("user", "assistant"), 1000, 5)
+    assert s.limits == InputLimits(64, 32, 4, 100, 8, 10, ("user", "assistant"), 1000)
+    assert config.engine.max_top_logprobs == 5  # a value bound: the engine's request check applies it
     env = {"LLMSERVE_AUTH_TOKEN_FILE": "/t.csv", "LLMSERVE_MAX_PROMPT_BYTES": "77", "LLMSERVE_CHAT_ROLES": "a,b"}
     s = from_args([], env=env).server
     assert (s.auth_token_file, s.limits.max_prompt_bytes, s.limits.chat_roles) == ("/t.csv", 77, ("a", "b"))

@@ -28,7 +28,7 @@ def test_flags() -> None:
     config = from_args(
         [
             "--model", "/models/x.gguf", "--device", "cuda:1", "--dtype", "bfloat16",
-            "--host", "127.0.0.1", "--port", "6000",
+            "--address", "127.0.0.1:6000",
             "--kv-cache-tokens", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
             "--block-size", "32", "--session-ttl", "60", "--max-sessions", "10", "--session-pool-fraction", "0.5",
             "--no-prefix-caching", "--max-concurrent-streams", "3", "--grace-period", "2.5",
@@ -49,12 +49,19 @@ def test_flags() -> None:
     assert not e.native_attention and not e.packed_linear
 
 
-def test_address_wins_over_host_and_port() -> None:
-    assert from_args(["--address", "[::1]:7000", "--port", "1"], env={}).server.address == "[::1]:7000"
+def test_the_address_is_one_flag_and_checked() -> None:
+    """One way to say where to listen: --address host:port (LLMSERVE_ADDRESS); a malformed one is refused."""
+    assert from_args(["--address", "[::1]:7000"], env={}).server.address == "[::1]:7000"
+    assert from_args([], env={"LLMSERVE_ADDRESS": "127.0.0.1:0"}).server.address == "127.0.0.1:0"
+    for bad in ("50051", "localhost", ":50051", "::1:50051", "h:70000", "h:x"):
+        with pytest.raises(SystemExit):
+            from_args(["--address", bad], env={})
+    with pytest.raises(SystemExit):
+        from_args(["--port", "1"], env={})
 
 
 def test_environment_variables_and_flags_over_them() -> None:
-    env = {"LLMSERVE_MAX_NUM_SEQS": "4", "LLMSERVE_NO_REFLECTION": "true", "LLMSERVE_PORT": "7001"}
+    env = {"LLMSERVE_MAX_NUM_SEQS": "4", "LLMSERVE_NO_REFLECTION": "true", "LLMSERVE_ADDRESS": "127.0.0.1:7001"}
     config = from_args([], env=env)
     assert config.engine.max_num_seqs == 4
     assert not config.server.reflection
@@ -105,7 +112,7 @@ def test_every_setting_is_one_flag_whose_default_is_the_fields() -> None:
     the few that are not flags on purpose, and the parser's default is the dataclass's own."""
     from llmserve.config import all_flags, build_parser
 
-    not_flags = {"server.address": "--address or --host/--port", "engine.cpu_kv_cache_bytes": "a fixed budget"}
+    not_flags = {"engine.cpu_kv_cache_bytes": "a fixed budget"}
     settings = leaf_fields(Config())
     targets = [t for flag in all_flags() for t in flag.targets]
     assert sorted(t for t in set(targets) if targets.count(t) > 1) == []

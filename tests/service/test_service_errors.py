@@ -51,7 +51,7 @@ INVALID = [
     ("response.top_logprobs", build_request("hi", top_logprobs=21)),
     ("text", build_request("")),
     ("text", build_request("hello " * (CONTEXT_LENGTH + 50))),
-    ("token_ids", build_request(token_ids=[5] * (CONTEXT_LENGTH + 1))),
+    ("token_ids.ids", build_request(token_ids=[5] * (CONTEXT_LENGTH + 1))),
     ("token_ids.ids", build_request(token_ids=[1, -3, 2])),
     ("token_ids.ids", build_request(token_ids=[49152])),
     ("chat.messages", build_request(messages=[])),
@@ -119,7 +119,7 @@ def limited() -> Iterator[ServerThread]:
 
 
 def test_resource_exhausted_beyond_max_concurrent_streams(limited: ServerThread) -> None:
-    from llmserve.service import RETRY_DELAY_S
+    from llmserve.api.errors import RETRY_DELAY_S
 
     with grpc.insecure_channel(limited.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
@@ -304,20 +304,23 @@ def test_a_cancelled_calls_request_id_is_reusable_at_once(server: ServerThread) 
 
 def test_a_request_id_in_flight_waits_for_its_stream_to_end_before_it_is_a_duplicate() -> None:
     """The admission itself: an id whose stream ends within the wait is admitted; one that stays is not."""
+    from llmserve.api.admission import REUSE_WAIT_S
+    from llmserve.api.errors import ServiceError
+    from llmserve.api.servicer import GenerateServicer
     from llmserve.config import ServerConfig
-    from llmserve.service import REUSE_WAIT_S, GenerateServicer, ServiceError
 
     async def body() -> None:
         servicer = GenerateServicer(ServerConfig())
         servicer.attach(FakeEngine())
-        first = await servicer._admit(None, "x")
-        ended = servicer._in_flight[first]
-        asyncio.get_running_loop().call_later(0.05, servicer._release, first)  # the cancelled stream's handler ends
-        second = await servicer._admit(None, "x")
-        assert ended.is_set() and servicer._in_flight[second] is not ended
+        admission = servicer.admission
+        first = await admission.admit(None, "x")
+        ended = admission.ended(first)
+        asyncio.get_running_loop().call_later(0.05, admission.release, first)  # the cancelled stream's handler ends
+        second = await admission.admit(None, "x")
+        assert ended.is_set() and admission.ended(second) is not ended
         started = time.monotonic()
         with pytest.raises(ServiceError) as err:
-            await servicer._admit(None, "x")  # the second stream goes on
+            await admission.admit(None, "x")  # the second stream goes on
         assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
         assert time.monotonic() - started >= REUSE_WAIT_S * 0.9
 
@@ -328,8 +331,8 @@ def test_errors_map_to_statuses_with_their_details() -> None:
     """The edge's error conversions on their own: the field path and reason a caller sees, and the retry delay."""
     from google.rpc import code_pb2
 
+    from llmserve.api.errors import RETRY_DELAY_S, ServiceError, code_name, status_for
     from llmserve.engine.request import InvalidRequest, QueueFull
-    from llmserve.service import RETRY_DELAY_S, ServiceError, _for_caller, status_for
 
     status = status_for(InvalidRequest("sampling.top_p", "must be in (0, 1]"))
     assert status.code == code_pb2.INVALID_ARGUMENT
@@ -347,12 +350,10 @@ def test_errors_map_to_statuses_with_their_details() -> None:
     assert status_for(ServiceError(grpc.StatusCode.NOT_FOUND, "no session")).details == []
     assert status_for(QueueFull("128 requests waiting")).message == "engine queue is full: 128 requests waiting"
     assert str(ServiceError(grpc.StatusCode.NOT_FOUND, "no session")) == "no session"
-    # Engine field names become request paths; a prompt error names the input the caller used.
-    renamed = _for_caller(InvalidRequest("top_k", "must be >= 0"), pb.GenerateRequest(text="hi"))
-    assert (renamed.field, renamed.reason) == ("sampling.top_k", "must be >= 0")
-    assert _for_caller(InvalidRequest("prompt", "too long"), pb.GenerateRequest(text="hi")).field == "text"
-    assert _for_caller(InvalidRequest("prompt", "too long"), pb.GenerateRequest()).field == "input"
-    assert _for_caller(InvalidRequest("something_new", "odd"), pb.GenerateRequest(text="hi")).field == "something_new"
+    # The code a call's record names: the status's, or an unmapped fault's type.
+    assert (code_name(QueueFull("busy")), code_name(InvalidRequest("text", "x")), code_name(KeyError())) == (
+        "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "KeyError",
+    )  # fmt: skip
 
 
 def test_call_observers_are_told_the_code_the_finish_and_the_metadata(caplog: pytest.LogCaptureFixture) -> None:
@@ -361,8 +362,8 @@ def test_call_observers_are_told_the_code_the_finish_and_the_metadata(caplog: py
     request log line is made from the same closed record: it says the same finish."""
     from types import SimpleNamespace
 
+    from llmserve.api.servicer import GenerateServicer
     from llmserve.config import ServerConfig
-    from llmserve.service import GenerateServicer
     from llmserve.telemetry.call import CallRecord
 
     seen: list = []
@@ -398,7 +399,7 @@ def test_call_observers_are_told_the_code_the_finish_and_the_metadata(caplog: py
 
 
 def test_a_stalled_stream_and_a_model_window_are_reported(fake: ServerThread) -> None:
-    from llmserve.service import StreamStalled
+    from llmserve.api.errors import StreamStalled
 
     stalled = StreamStalled(2.5)
     assert stalled.code is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -418,8 +419,8 @@ def test_chat_input_without_a_chat_template_is_named() -> None:
     and saying what to send instead; an empty conversation is refused before the template is asked."""
     from types import SimpleNamespace
 
+    from llmserve.api.prompts import chat_token_ids as _chat_token_ids
     from llmserve.engine.request import InvalidRequest
-    from llmserve.service import _chat_token_ids
 
     messages = [pb.ChatMessage(role="user", content="hi")]
     for tokenizer in (SimpleNamespace(chat_template=None), SimpleNamespace()):
@@ -435,8 +436,8 @@ def test_a_chat_template_renders_the_ids_without_extra_special_tokens() -> None:
     """The template writes the special tokens it wants: its text is encoded without more (a tokenizer that would add a
     BOS by default adds none); a template that rejects the conversation is INVALID_ARGUMENT on chat.messages, its
     message clipped."""
+    from llmserve.api.prompts import chat_token_ids as _chat_token_ids
     from llmserve.engine.request import InvalidRequest
-    from llmserve.service import _chat_token_ids
 
     class Tokenizer:
         chat_template = "{{ messages }}"
@@ -464,16 +465,16 @@ def test_a_request_converts_to_the_engines_with_its_defaults() -> None:
     an unset max_new_tokens is the least of the server's default, the model's limit and the room left (at least 1)."""
     from types import SimpleNamespace
 
+    from llmserve.api.servicer import DEADLINE_MARGIN_S, GenerateServicer
     from llmserve.config import ServerConfig
     from llmserve.engine.protocol import ModelInfo
     from llmserve.engine.request import SamplingParams, StoppingParams
-    from llmserve.service import DEADLINE_MARGIN_S, GenerateServicer
 
     engine = SimpleNamespace(model_info=ModelInfo("m", 1000, 300, "float32", "cpu", 256))
     servicer = GenerateServicer(ServerConfig(default_max_new_tokens=200))
 
     def convert(request: pb.GenerateRequest, prompt_len: int = 10, deadline: float | None = None, identity=None):
-        return servicer._to_generation_request(engine, request, "r", [1] * prompt_len, None, deadline, identity)
+        return servicer._engine_request(engine, request, "r", [1] * prompt_len, None, deadline, identity)
 
     plain = convert(pb.GenerateRequest(text="hi"))
     assert plain.sampling == SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
@@ -490,10 +491,7 @@ def test_a_request_converts_to_the_engines_with_its_defaults() -> None:
     # With authentication, the prefix cache is salted with the caller's identity unless it is shared.
     assert convert(pb.GenerateRequest(text="hi"), identity="alice").cache_salt == "alice"
     shared = GenerateServicer(ServerConfig(shared_prefix_cache=True))
-    assert (
-        shared._to_generation_request(engine, pb.GenerateRequest(text="hi"), "r", [1], None, None, "a").cache_salt
-        is None
-    )
+    assert shared._engine_request(engine, pb.GenerateRequest(text="hi"), "r", [1], None, None, "a").cache_salt is None
     assert convert(pb.GenerateRequest(text="hi"), prompt_len=950).stopping.max_new_tokens == 50  # the room left
     assert convert(pb.GenerateRequest(text="hi"), prompt_len=1000).stopping.max_new_tokens == 1
     servicer = GenerateServicer(ServerConfig(default_max_new_tokens=500))
@@ -525,9 +523,10 @@ def test_a_request_converts_to_the_engines_with_its_defaults() -> None:
 )
 def test_endings_that_are_not_a_finish_end_the_stream_with_their_status(reason: str, code, message: str) -> None:
     """The last message is sent first (with its finish reason), then the call ends with the ending's status."""
+    from llmserve.api.errors import ServiceError
+    from llmserve.api.servicer import GenerateServicer
     from llmserve.config import ServerConfig
     from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams, Usage
-    from llmserve.service import GenerateServicer, ServiceError
     from llmserve.telemetry.call import CallRecord
 
     class OneDelta:
@@ -545,8 +544,9 @@ def test_endings_that_are_not_a_finish_end_the_stream_with_their_status(reason: 
 
 
 def test_before_the_engine_is_attached_every_call_is_unavailable_saying_so() -> None:
+    from llmserve.api.errors import ServiceError
+    from llmserve.api.servicer import GenerateServicer
     from llmserve.config import ServerConfig
-    from llmserve.service import GenerateServicer, ServiceError
 
     with pytest.raises(ServiceError) as err:
         GenerateServicer(ServerConfig())._ready_engine()
@@ -555,20 +555,20 @@ def test_before_the_engine_is_attached_every_call_is_unavailable_saying_so() -> 
 
 def test_attaching_an_engine_caps_histories_at_its_context_unless_configured() -> None:
     """A servicer of its own (mutation testing maps a module fixture's start-up to that module's first test only)."""
+    from llmserve.api.servicer import GenerateServicer
     from llmserve.config import ServerConfig
     from llmserve.engine.request import InvalidRequest
     from llmserve.history import HistoryConfig
-    from llmserve.service import GenerateServicer
 
     servicer = GenerateServicer(ServerConfig())
     servicer.attach(FakeEngine())
-    servicer._histories.check_length(256)  # the fake model's context
+    servicer.histories.check_length(256)  # the fake model's context
     with pytest.raises(InvalidRequest, match=r"--max-session-tokens \(256\)"):
-        servicer._histories.check_length(257)
+        servicer.histories.check_length(257)
     configured = GenerateServicer(ServerConfig(history=HistoryConfig(max_tokens=100)))
     configured.attach(FakeEngine())
     with pytest.raises(InvalidRequest, match=r"--max-session-tokens \(100\)"):
-        configured._histories.check_length(101)
+        configured.histories.check_length(101)
 
 
 def test_the_per_identity_stream_cap_counts_streams_as_they_end() -> None:

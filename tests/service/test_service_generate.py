@@ -199,8 +199,9 @@ def test_model_info(stub) -> None:
 
 def test_logprobs_and_the_logged_input_convert_exactly() -> None:
     """The edge's conversions on their own: every logprob value reaches the message; the log's input summary."""
+    from llmserve.api.convert import input_text as _input_text
+    from llmserve.api.convert import logprob_pb as _logprob_pb
     from llmserve.engine.request import TokenLogprob
-    from llmserve.service import _input_text, _logprob_pb
 
     message = _logprob_pb(TokenLogprob(7, -0.25, [(7, -0.25), (3, -1.5)]))
     assert (message.token_id, message.logprob) == (7, -0.25)
@@ -234,7 +235,7 @@ def test_a_session_holding_only_its_history_or_only_its_kv_is_deleted(server: Se
     for name in ("only-history", "only-kv"):
         list(stub.Generate(build_request(PROMPT, max_new_tokens=4, ignore_eos=True, session_id=name), timeout=30))
     assert server.run(server.engine.delete_session("only-history"))  # its KV evicted, as under pool pressure
-    assert server.server.servicer._histories.delete("only-kv")  # its history gone, its KV still cached
+    assert server.server.servicer.histories.delete("only-kv")  # its history gone, its KV still cached
     for name in ("only-history", "only-kv"):
         assert stub.DeleteSession(pb.DeleteSessionRequest(session_id=name), timeout=10).deleted, name
         assert not stub.DeleteSession(pb.DeleteSessionRequest(session_id=name), timeout=10).deleted, name

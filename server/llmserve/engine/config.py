@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmserve.engine.request import MAX_TOP_LOGPROBS
+
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
@@ -42,5 +44,5 @@ class EngineConfig:
     # Constraints (engine/constraints.py): compiled off the step thread within this bound, cached per kind and text.
     constraint_compile_timeout_s: float = 10.0
     constraint_cache_size: int = 256
-    # Most completions one request may ask for (GenerationRequest.n); see the --max-n flag for the default's reason.
-    max_n: int = 16
+    max_top_logprobs: int = MAX_TOP_LOGPROBS  # the most alternatives a request may ask for per token
+    max_n: int = 16  # the most completions one request may ask for (GenerationRequest.n; why 16: flags.py)

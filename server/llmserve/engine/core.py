@@ -109,13 +109,12 @@ class EngineCore:
     # -- called from any thread ------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
-        request.validate(self.loaded.vocab_size, self.max_model_len)
-        if request.n > self.config.max_n:
-            raise InvalidRequest("n", f"is {request.n}, the limit is {self.config.max_n} (--max-n)")
+        config = self.config
+        request.validate(self.loaded.vocab_size, self.max_model_len, config.max_top_logprobs, config.max_n)
         total = len(request.prompt_token_ids) + request.stopping.max_new_tokens
         if self.pool.blocks_for(total) > self.pool.num_blocks:
             raise InvalidRequest(
-                "max_new_tokens",
+                "stopping.max_new_tokens",
                 f"prompt + max_new_tokens = {total} tokens never fits the KV pool "
                 f"({self.pool.num_blocks * self.pool.block_size} tokens)",
             )

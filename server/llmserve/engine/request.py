@@ -93,31 +93,31 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature}")
+            raise InvalidRequest("sampling.temperature", f"must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise InvalidRequest("top_k", f"must be >= 0, got {self.top_k}")
+            raise InvalidRequest("sampling.top_k", f"must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
-            raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
+            raise InvalidRequest("sampling.min_p", f"must be in [0, 1], got {self.min_p}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequest("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+            raise InvalidRequest("sampling.repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise InvalidRequest("seed", f"must be in [0, 2**63), got {self.seed}")
+            raise InvalidRequest("sampling.seed", f"must be in [0, 2**63), got {self.seed}")
         bound = ADDITIVE_PENALTY_BOUND
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -bound <= value <= bound):
-                raise InvalidRequest(name, f"must be in [-{bound:g}, {bound:g}], got {value}")
+                raise InvalidRequest(f"sampling.{name}", f"must be in [-{bound:g}, {bound:g}], got {value}")
         seen: set[int] = set()
         for token_id, bias in self.logit_bias:
             if not (math.isfinite(bias) and -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND):
                 raise InvalidRequest(
-                    "logit_bias",
+                    "sampling.logit_bias",
                     f"token {token_id}: bias must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got {bias}",
                 )
             if token_id in seen:
-                raise InvalidRequest("logit_bias", f"token {token_id} is given twice")
+                raise InvalidRequest("sampling.logit_bias", f"token {token_id} is given twice")
             seen.add(token_id)
 
 
@@ -134,13 +134,13 @@ class StoppingParams:
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
-            raise InvalidRequest("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+            raise InvalidRequest("stopping.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
-            raise InvalidRequest("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+            raise InvalidRequest("stopping.min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
         if self.min_new_tokens > self.max_new_tokens:
-            raise InvalidRequest("min_new_tokens", "must not exceed max_new_tokens")
+            raise InvalidRequest("stopping.min_new_tokens", "must not exceed max_new_tokens")
         if any(not s for s in self.stop_sequences):
-            raise InvalidRequest("stop_sequences", "must not contain an empty string")
+            raise InvalidRequest("stopping.stop_sequences", "must not contain an empty string")
 
 
 class ConstraintKind(enum.Enum):
@@ -178,8 +178,13 @@ class GenerationRequest:
 
     `deadline` is on the `time.monotonic()` clock; `priority` orders the waiting queue (higher first).
     `cache_salt` scopes automatic prefix caching: only requests with the same salt share cached blocks.
-    `n` > 1 asks for n completions of the prompt (engine/fanout.py splits it into n single-completion requests that
-    share the prompt's KV); it cannot go with a session, which continues one answer.
+    `n` > 1: n completions of the prompt that share its KV (engine/fanout.py); never with a session (one answer).
+    `prompt_field` is the caller's name for the prompt, which errors about it name (the gRPC edge sets the
+    input the prompt came from: `text`, `chat` or `token_ids.ids`).
+
+    Errors name each field by its path in the protobuf GenerateRequest (`sampling.top_p`,
+    `stopping.max_new_tokens`, `response.top_logprobs`), which for sampling and stopping is also its
+    attribute path here: the gRPC edge passes them on as they are.
     """
 
     request_id: str
@@ -193,34 +198,41 @@ class GenerationRequest:
     top_logprobs: int = 0
     cache_salt: str | None = None
     constraint: ConstraintSpec | None = None
+    prompt_field: str = "prompt_token_ids"
     n: int = 1
 
-    def validate(self, vocab_size: int, max_model_len: int) -> None:
-        """Check everything that needs no engine state; raise InvalidRequest naming the field."""
+    def validate(
+        self, vocab_size: int, max_model_len: int, max_top_logprobs: int = MAX_TOP_LOGPROBS, max_n: int = 1
+    ) -> None:
+        """Check every value against its range, the vocabulary and the context; raise InvalidRequest naming the
+        field. The one place these are checked (the edge bounds only sizes: api/limits.py)."""
         if not self.request_id:
             raise InvalidRequest("request_id", "must not be empty")
         n = len(self.prompt_token_ids)
         if n == 0:
-            raise InvalidRequest("prompt", "must not be empty")
+            raise InvalidRequest(self.prompt_field, "must not be empty")
         if n >= max_model_len:
-            raise InvalidRequest("prompt", f"is {n} tokens, the context holds {max_model_len}")
+            raise InvalidRequest(self.prompt_field, f"is {n} tokens, the context holds {max_model_len}")
         if any(t < 0 or t >= vocab_size for t in self.prompt_token_ids):
-            raise InvalidRequest("prompt_token_ids", f"ids must be in [0, {vocab_size})")
+            raise InvalidRequest(self.prompt_field, f"ids must be in [0, {vocab_size})")
         self.sampling.validate()
         self.stopping.validate()
         if n + self.stopping.max_new_tokens > max_model_len:
             raise InvalidRequest(
-                "max_new_tokens",
+                "stopping.max_new_tokens",
                 f"prompt ({n}) + max_new_tokens ({self.stopping.max_new_tokens}) exceeds the context ({max_model_len})",
             )
         if any(t < 0 or t >= vocab_size for t in self.stopping.stop_token_ids):
-            raise InvalidRequest("stop_token_ids", f"ids must be in [0, {vocab_size})")
+            raise InvalidRequest("stopping.stop_token_ids", f"ids must be in [0, {vocab_size})")
         if any(t < 0 or t >= vocab_size for t, _ in self.sampling.logit_bias):
-            raise InvalidRequest("logit_bias", f"token ids must be in [0, {vocab_size})")
-        if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        if self.n < 1:
-            raise InvalidRequest("n", f"must be >= 1, got {self.n}")
+            raise InvalidRequest("sampling.logit_bias", f"token ids must be in [0, {vocab_size})")
+        if not (0 <= self.top_logprobs <= max_top_logprobs):
+            raise InvalidRequest(
+                "response.top_logprobs",
+                f"must be in [0, {max_top_logprobs}] (--max-top-logprobs), got {self.top_logprobs}",
+            )
+        if not (1 <= self.n <= max_n):
+            raise InvalidRequest("n", f"must be in [1, {max_n}] (--max-n), got {self.n}")
         if self.n > 1 and self.session_id is not None:
             raise InvalidRequest("n", "must be 1 with session_id: a session continues one answer, not n")
 
@@ -252,11 +264,7 @@ class Timing:
 
 @dataclass(slots=True)
 class Delta:
-    """What one engine iteration produced for one request. The last one has `finish_reason` set.
-
-    `index` is the completion it belongs to (0 unless the request asked for n > 1); `total_usage` is set on the
-    very last delta of an n > 1 request only: the prompt counted once, the completion tokens of all n summed.
-    """
+    """What one engine iteration produced for one request. The last one has `finish_reason` set."""
 
     request_id: str
     token_ids: list[int]
@@ -267,8 +275,8 @@ class Delta:
     timing: Timing | None = None
     seed: int | None = None
     error: str | None = None
-    index: int = 0
-    total_usage: Usage | None = None
+    index: int = 0  # the completion it belongs to (0 unless the request asked for n > 1)
+    total_usage: Usage | None = None  # on an n > 1 request's very last delta: the prompt once, completions summed
 
     @property
     def finished(self) -> bool:
@@ -348,8 +356,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # the request's stop token ids
     eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
     constraint: ConstraintState | None = None  # the grammar state of a constrained request (generated tokens only)
-    # Completion 0 of the same n > 1 request: this one waits until that one's prompt KV is computed, then shares it.
-    after: Sequence | None = None
+    after: Sequence | None = None  # completion 0 of this n > 1 request: wait for its prompt's KV, then share it
     _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes
 
     def __post_init__(self) -> None:

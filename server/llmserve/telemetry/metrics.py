@@ -57,7 +57,15 @@ def _version(package: str) -> str:
 class ServerMetrics:
     """The metrics of one server, in a registry of its own (several servers may share a process in tests)."""
 
-    def __init__(self, replica: str, streams_in_flight: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        replica: str,
+        streams_in_flight: Callable[[], int],
+        engine: Callable[[], Engine | None],
+        history_store: HistoryStore | None = None,
+    ) -> None:
+        """`engine` says which engine serves now (None while the model loads); `streams_in_flight` how many Generate
+        streams are open. Both are read when scraped."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         p = PREFIX
@@ -118,18 +126,12 @@ class ServerMetrics:
         info.labels(_version("llmserve"), platform.python_version(), grpc.__version__, _version("torch"), replica).set(
             1
         )
-        self.engine = EngineCollector(streams_in_flight)
-        r.register(self.engine)
-        self.history = HistoryCollector()
-        r.register(self.history)
+        r.register(EngineCollector(engine, streams_in_flight))
+        r.register(HistoryCollector(history_store))
         ProcessCollector(registry=r)  # the standard process_* (CPU, memory, open files) and python_info
         PlatformCollector(registry=r)
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
-
-    def attach(self, engine: Engine) -> None:
-        """Report this engine's book-keeping from now on."""
-        self.engine.engine = engine
 
     def call_finished(self, call: CallRecord) -> None:
         code = call.code if call.code in _CODES else "UNKNOWN"
@@ -167,13 +169,13 @@ class ServerMetrics:
 class EngineCollector(Collector):
     """Reads the engine's book-keeping when scraped (nothing is counted twice, nothing on the step path)."""
 
-    def __init__(self, streams_in_flight: Callable[[], int]) -> None:
-        self.engine: Engine | None = None
+    def __init__(self, engine: Callable[[], Engine | None], streams_in_flight: Callable[[], int]) -> None:
+        self._engine = engine
         self._streams = streams_in_flight
 
     def collect(self) -> Iterator[Metric]:
         p = PREFIX
-        engine = self.engine
+        engine = self._engine()
         alive = engine is not None and not engine.dead
         yield _gauge(f"{p}_engine_alive", "1 while the engine is loaded and stepping, else 0", int(alive))
         yield _gauge(
@@ -271,8 +273,8 @@ class HistoryCollector(Collector):
     """Reads the session history store's own operation counts when scraped: latency and errors by store
     (memory, sqlite, redis) and operation (start, commit, get, delete, renew, release, connect)."""
 
-    def __init__(self) -> None:
-        self.store: HistoryStore | None = None
+    def __init__(self, store: HistoryStore | None) -> None:
+        self.store = store
 
     def collect(self) -> Iterator[Metric]:
         from llmserve.history.base import LATENCY_BUCKETS

@@ -1,12 +1,13 @@
-"""Bounds on every caller-controlled field, checked at the service's edge before any tokenizer or engine work.
+"""The sizes a caller may send (ids, inputs, stop lists, bias and constraint entries), each bounded by a flag
+and checked at the edge before any tokenizer or engine work.
 
 Each check raises `InvalidRequest(field, reason)` naming the request field and the limit (and the flag that
 sets it). Error messages quote at most a short, escaped prefix of what the caller sent (`quote_prefix`).
+Values (sampling ranges, token ids against the vocabulary, top_logprobs) are the engine request types'
+to check (`GenerationRequest.validate`), each in one place.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from llmserve.config import InputLimits
 from llmserve.engine.request import InvalidRequest
@@ -45,15 +46,11 @@ def check_id(field: str, value: str, max_length: int, flag: str) -> None:
         raise InvalidRequest(field, "must be printable characters (no control characters or line breaks)")
 
 
-def check_generate(request: pb.GenerateRequest, limits: InputLimits, max_prompt_bytes: int, vocab_size: int) -> None:
-    """Everything about a GenerateRequest that can be checked without the tokenizer or the engine."""
+def check_generate(request: pb.GenerateRequest, limits: InputLimits, max_prompt_bytes: int) -> None:
+    """The sizes of everything a GenerateRequest carries, before the tokenizer or the engine sees it."""
     check_id("request_id", request.request_id, limits.max_request_id_length, "--max-request-id-length")
     check_id("session_id", request.session_id, limits.max_session_id_length, "--max-session-id-length")
     check_input(request, limits, max_prompt_bytes)
-    if request.n > 1 and request.session_id:  # before any history is read (the engine refuses it too)
-        raise InvalidRequest("n", "must be 1 with session_id: a session continues one answer, not n")
-    if request.WhichOneof("input") == "token_ids":
-        _check_token_ids("token_ids.ids", request.token_ids.ids, vocab_size)
     stopping = request.stopping
     stops = stopping.stop_sequences
     if len(stops) > limits.max_stop_sequences:
@@ -74,19 +71,12 @@ def check_generate(request: pb.GenerateRequest, limits: InputLimits, max_prompt_
             f"has {len(stopping.stop_token_ids)} entries, the limit is {limits.max_stop_token_ids} "
             "(--max-stop-token-ids)",
         )
-    _check_token_ids("stopping.stop_token_ids", stopping.stop_token_ids, vocab_size)
-    top = request.response.top_logprobs
-    if not 0 <= top <= limits.max_top_logprobs:
-        raise InvalidRequest(
-            "response.top_logprobs", f"must be in [0, {limits.max_top_logprobs}] (--max-top-logprobs), got {top}"
-        )
     bias = request.sampling.logit_bias
     if len(bias) > limits.max_logit_bias:
         raise InvalidRequest(
             "sampling.logit_bias",
             f"has {len(bias)} entries, the limit is {limits.max_logit_bias} (--max-logit-bias)",
         )
-    _check_token_ids("sampling.logit_bias", list(bias), vocab_size)
     _check_constraint(request.constraint, limits.max_constraint_chars)
 
 
@@ -151,8 +141,3 @@ def _utf8_length(text: str, limit: int) -> int:
     if len(text) > limit:  # every character is at least one byte
         return len(text)
     return len(text.encode("utf-8", "surrogatepass"))
-
-
-def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
-    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise InvalidRequest(field, f"ids must be in [0, {vocab_size})")

@@ -1,0 +1,272 @@
+"""The GenerateService servicer: protobuf in, engine request out; engine deltas in, protobuf out.
+
+It knows nothing of blocks or batches. One Generate call, in order: admit the stream (admission.py), check
+the sizes the caller sent (limits.py), build the prompt (prompts.py; through the session history store when
+the call names a session), convert it to the engine's request (convert.py), stream the engine's deltas back
+as messages, and close the call's one record (telemetry/call.py), from which the request log line, the
+metrics and the trace are made. Errors are raised as exceptions; the interceptor in app.py turns them into
+gRPC statuses (errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+
+from llmserve.api.admission import Admission, StreamKey, scoped
+from llmserve.api.convert import input_text, to_generation_request, to_response
+from llmserve.api.errors import ServiceError, StreamStalled, code_name
+from llmserve.api.limits import check_generate, check_input, is_valid_id, prompt_byte_limit, quote_prefix
+from llmserve.api.prompts import SessionPrompts, prompt_token_ids
+from llmserve.auth import caller_identity
+from llmserve.config import ServerConfig
+from llmserve.engine.request import Delta, EngineDead, FinishReason, GenerationRequest, InvalidRequest, QueueFull
+from llmserve.history import HistoryInput, HistoryStore, Turn, open_store
+from llmserve.telemetry.call import CallObserver, CallRecord
+from llmserve.telemetry.request_log import log_call
+from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
+from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+
+if TYPE_CHECKING:
+    from llmserve.engine.protocol import Engine
+
+log = logging.getLogger("llmserve.requests")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
+_HISTORY_INPUT = {HistoryInput.CHAT: pb.HISTORY_INPUT_CHAT, HistoryInput.TOKENS: pb.HISTORY_INPUT_TOKENS}
+# The engine stops a request this long before the call's deadline, so that the server, not the caller's
+# timer, ends the call (with a last message); a cancel this close to the deadline is the deadline's (the
+# caller's own timer fired first).
+DEADLINE_MARGIN_S = 0.1
+# How an ending that is not a normal finish ends the call, after its last message has been sent.
+_ENDINGS = {
+    FinishReason.DEADLINE: (grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"),
+    FinishReason.CANCELLED: (grpc.StatusCode.UNAVAILABLE, "the server cancelled the request (shutdown)"),
+}
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    """Serves llmserve.v1.GenerateService; answers UNAVAILABLE until `attach()` hands it a started engine."""
+
+    def __init__(self, config: ServerConfig, observers: Sequence[CallObserver] = ()) -> None:
+        self._config = config
+        self._observers = list(observers)  # told about each Generate call once it ends (metrics, tracing)
+        self._engine: Engine | None = None
+        self._limits = config.limits
+        self._max_prompt_bytes = 0
+        self.admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
+        self.histories: HistoryStore = open_store(config.history)  # the server connects it at start, closes it
+        self._prompts = SessionPrompts(self.histories)
+
+    def add_observer(self, observer: CallObserver) -> None:
+        """Tell `observer` about each Generate call from now on, once the call ends."""
+        self._observers.append(observer)
+
+    def attach(self, engine: Engine) -> None:
+        """Start serving with `engine` (already started and warmed up)."""
+        info = engine.model_info
+        self._max_prompt_bytes = prompt_byte_limit(self._limits, info.context_length)
+        self._engine = engine
+        if self._config.history.max_tokens is None:
+            self.histories.max_tokens = info.context_length
+
+    def begin_drain(self) -> None:
+        """Refuse new Generate streams from now on; those in flight go on."""
+        self.admission.draining = True
+
+    @property
+    def num_streams(self) -> int:
+        """Generate streams in flight."""
+        return len(self.admission)
+
+    async def wait_idle(self) -> None:
+        """Return once no Generate stream is in flight."""
+        await self.admission.wait_idle()
+
+    def _ready_engine(self) -> Engine:
+        if self._engine is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self._engine
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        identity = caller_identity()
+        record = CallRecord(request.request_id or "-", time.monotonic(), identity=identity)
+        remaining = context.time_remaining()
+        call_deadline = None if remaining is None else time.monotonic() + remaining
+        key: StreamKey | None = None
+        turn: Turn | None = None
+        try:
+            engine = self._ready_engine()
+            check_generate(request, self._limits, self._max_prompt_bytes)
+            request_id = record.request_id = request.request_id or uuid.uuid4().hex
+            key = await self.admission.admit(identity, request_id)
+            # The history store is keyed per identity too: the request id it names is the caller's own.
+            session_key = scoped(identity, request.session_id) if request.session_id else None
+            prompt_ids, turn = await self._prompts.prompt(engine.tokenizer, request, request_id, session_key)
+            gen_request = self._engine_request(
+                engine, request, request_id, prompt_ids, session_key, call_deadline, identity
+            )
+            record.prompt_tokens = len(gen_request.prompt_token_ids)
+            if self._config.log_prompts:
+                record.prompt = input_text(request)
+            record.queued = time.monotonic()
+            # aclosing: however this call ends, the engine request is aborted before the log line is written.
+            async with contextlib.aclosing(self._stream(engine, gen_request, request, record, turn)) as responses:
+                async for response in responses:
+                    yield response
+            record.status = "OK"
+        except (asyncio.CancelledError, GeneratorExit):
+            # A caller that goes away cancels the handler, or, when gRPC notices it at a write, closes this
+            # generator (GeneratorExit); both are the caller's cancel, or its deadline: the caller's own
+            # timer fires just before ours would.
+            at_deadline = call_deadline is not None and time.monotonic() >= call_deadline - DEADLINE_MARGIN_S
+            record.status = "DEADLINE_EXCEEDED" if at_deadline else "CANCELLED"
+            if record.queued is not None:
+                record.finish_reason = "deadline" if at_deadline else "cancelled"
+            raise
+        except Exception as exc:
+            record.status = code_name(exc)
+            if isinstance(exc, (InvalidRequest, QueueFull, EngineDead)):
+                record.queued = None  # the engine refused it before taking it
+            elif isinstance(exc, StreamStalled):
+                record.finish_reason = "cancelled"
+            raise
+        finally:
+            if turn is not None:
+                await turn.release()
+            if key is not None:
+                self.admission.release(key)
+            self._record_end(record, bool(request.session_id), context)
+
+    def _engine_request(
+        self,
+        engine: Engine,
+        request: pb.GenerateRequest,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        session_key: str | None,
+        call_deadline: float | None,
+        identity: str | None,
+    ) -> GenerationRequest:
+        """The engine's request for this call: the caller's, with the call's deadline and identity applied."""
+        return to_generation_request(
+            request,
+            prompt_ids,
+            request_id=scoped(identity, request_id),  # request ids are unique per identity, not across them
+            info=engine.model_info,
+            default_max_new_tokens=self._config.default_max_new_tokens,
+            session_key=session_key,
+            deadline=None if call_deadline is None else call_deadline - DEADLINE_MARGIN_S,
+            # With authentication on, a caller's prompts share cached blocks only with its own (unless shared).
+            cache_salt=None if identity is None or self._config.shared_prefix_cache else identity,
+        )
+
+    def _record_end(self, record: CallRecord, has_session: bool, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Close the call's record once; the log line, the metrics and the trace are all made from it."""
+        record.close(has_session=has_session, metadata=context.invocation_metadata())
+        log_call(record)
+        for observer in self._observers:
+            try:
+                observer.call_finished(record)
+            except Exception:  # an observer's bug must not fail the call or the others
+                log.exception("call observer %r failed", observer)
+
+    async def _stream(
+        self,
+        engine: Engine,
+        gen_request: GenerationRequest,
+        request: pb.GenerateRequest,
+        record: CallRecord,
+        turn: Turn | None = None,
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Yield one response per delta; raise for endings that are not a normal finish (after their message)."""
+        options = request.response
+        prompt_ids = gen_request.prompt_token_ids if options.prompt_token_ids else ()
+        # aclosing: a cancel while we wait on the client still closes (and so aborts) the engine request.
+        async with contextlib.aclosing(cast(AsyncGenerator[Delta, None], engine.generate(gen_request))) as deltas:
+            async for delta in deltas:
+                record.observe(delta)
+                if turn is not None and delta.finish_reason is not FinishReason.DEADLINE:
+                    await turn.observe(delta)  # commits the history before the caller sees the last message
+                yield to_response(record.request_id, delta, options, prompt_ids)
+                prompt_ids = ()
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise ServiceError(grpc.StatusCode.INTERNAL, f"generation failed: {delta.error}")
+                if delta.finish_reason in _ENDINGS:
+                    raise ServiceError(*_ENDINGS[delta.finish_reason])
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.TokenizeResponse:
+        tokenizer = self._ready_engine().tokenizer
+        check_input(request, self._limits, self._max_prompt_bytes)
+        ids = await prompt_token_ids(tokenizer, request)
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetModelInfoResponse:
+        info = self._ready_engine().model_info
+        return pb.GetModelInfoResponse(
+            name=info.name,
+            context_length=info.context_length,
+            max_new_tokens=info.max_new_tokens,
+            dtype=info.dtype,
+            device=info.device,
+            vocab_size=info.vocab_size,
+            default_max_new_tokens=self._config.default_max_new_tokens,
+            backend=info.backend,
+            sliding_window=info.sliding_window,
+        )
+
+    async def GetSession(
+        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetSessionResponse:
+        engine = self._ready_engine()
+        if not request.session_id:
+            raise InvalidRequest("session_id", "must not be empty")
+        info = held = None
+        # An id no Generate call could have used names no session: the same NOT_FOUND as any unknown id.
+        if is_valid_id(request.session_id, self._limits.max_session_id_length):
+            key = scoped(caller_identity(), request.session_id)
+            info = await engine.get_session(key)
+            held = await self.histories.get(key)
+        if info is None and held is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no session {quote_prefix(request.session_id)}")
+        response = pb.GetSessionResponse(session_id=request.session_id)
+        used = 0.0
+        if info is not None:
+            response.cached_tokens = info.cached_tokens
+            response.tier_cached_tokens = info.tier_tokens
+            used = info.last_used
+        if held is not None:
+            response.history_turns = held.turns
+            response.history_tokens = len(held.token_ids)
+            response.history_input = _HISTORY_INPUT[held.kind]
+            used = max(used, held.last_used_wall)
+        response.last_used.FromNanoseconds(int(used * 1e9))
+        return response
+
+    async def DeleteSession(
+        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DeleteSessionResponse:
+        engine = self._ready_engine()
+        if not request.session_id:
+            raise InvalidRequest("session_id", "must not be empty")
+        if not is_valid_id(request.session_id, self._limits.max_session_id_length):
+            return pb.DeleteSessionResponse(deleted=False)
+        # With authentication on, two identities' equal session ids are two sessions, and neither can read,
+        # continue or delete the other's.
+        key = scoped(caller_identity(), request.session_id)
+        held = await self.histories.delete(key)
+        cached = await engine.delete_session(key)
+        return pb.DeleteSessionResponse(deleted=held or cached)
