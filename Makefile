@@ -29,7 +29,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -116,6 +116,10 @@ bench: $(STAMP_MODEL)
 
 bench-quick: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --quick
+
+# n = 4 completions of a ~1,000-token prompt vs four separate calls (benchmarks/n_completions.py, ~2 min on the CPU).
+bench-n: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py --n-completions
 
 # Structured output's cost (issue 22): 32 clients, a JSON schema vs unconstrained in alternated windows, the masks'
 # time per step and compile times. Results in benchmarks/results/<date>-cpu-structured.{md,json}.

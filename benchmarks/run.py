@@ -3,6 +3,7 @@
     python benchmarks/run.py                 # full run, ~15 min on the 2-core CPU machine
     python benchmarks/run.py --quick         # smoke run, under a minute
     python benchmarks/run.py --sessions      # also the session-reuse benchmark (issue 4)
+    python benchmarks/run.py --n-completions # only n = 4 vs four calls (benchmarks/n_completions.py, issue 22)
     python benchmarks/run.py --device cuda --model random:llama-1b   # GPU, bf16, random weights
 
 Writes benchmarks/results/<date>-<device>[-<model>][-quick].{md,json} and PNG plots beside them.
@@ -75,6 +76,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="sweep the gRPC system over concurrency too (the full CPU plan measures it at the main point only)",
     )
     p.add_argument("--sessions", action="store_true", help="also run the session-reuse benchmark (issue 4)")
+    p.add_argument(
+        "--n-completions",
+        action="store_true",
+        help="instead of the ladder: n = 4 completions vs four calls on a ~1,000-token prompt (with --quick: smoke)",
+    )
     p.add_argument(
         "--isolation",
         choices=("process", "inline"),
@@ -182,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args(argv)
     args.quick = args.quick or args.plan in ("quick", "tiny")
+    if args.n_completions:  # its own process: it sets up the process (threads) before torch loads
+        cmd = [sys.executable, "-m", "benchmarks.n_completions", *(["--quick"] if args.quick else [])]
+        return subprocess.run(cmd, cwd=ROOT, env=child_env()).returncode
     settings = settings_from(args)
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     if unknown := set(names) - set(SYSTEMS):

@@ -34,6 +34,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         [f"{ENGINE_TESTS}/test_sessions.py", f"{ENGINE_TESTS}/test_scheduler.py", "-k", "scheduler or test_store_"],
     ),
     "scheduler": ("engine/scheduler.py", [f"{ENGINE_TESTS}/test_scheduler.py"]),
+    "fanout": ("engine/fanout.py", [f"{ENGINE_TESTS}/test_fanout.py"]),
     "sampler": ("engine/sampler.py", [f"{ENGINE_TESTS}/test_sampler.py"]),
     # Its real_model tests need only the default model's tokenizer.
     "detokenizer": ("engine/detokenizer.py", [f"{ENGINE_TESTS}/test_detokenizer.py"]),

@@ -13,7 +13,7 @@ from llmserve_client.channel import TLS
 from llmserve_client.client import Client
 from llmserve_client.conversation import AsyncConversation, Conversation
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
-from llmserve_client.request import build_request, chat_input, tokenize_request
+from llmserve_client.request import build_request, chat_input, texts_by_index, tokenize_request
 from llmserve_client.retry import NO_RETRY, CallInfo, Retry
 
 __all__ = [
@@ -28,5 +28,6 @@ __all__ = [
     "build_request",
     "chat_input",
     "pb",
+    "texts_by_index",
     "tokenize_request",
 ]

@@ -15,7 +15,7 @@ from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
 from llmserve_client.conversation import AsyncConversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
-from llmserve_client.request import Message, build_request, tokenize_request
+from llmserve_client.request import Message, build_request, texts_by_index, tokenize_request
 from llmserve_client.retry import DEFAULT_RETRY, Attempts, CallInfo, Metadata, Retry, session_metadata
 
 _DEFAULT = object()
@@ -89,6 +89,10 @@ class AsyncClient:
 
     async def generate_text(self, prompt: str | pb.GenerateRequest | None = None, **options: Any) -> str:
         return "".join([r.text async for r in self.generate(prompt, **options)])
+
+    async def generate_texts(self, prompt: str | pb.GenerateRequest | None = None, **options: Any) -> list[str]:
+        """The whole text of each of the n completions (`n=`), in index order (see Client.generate_texts)."""
+        return texts_by_index([r async for r in self.generate(prompt, **options)])
 
     async def chat(
         self,

@@ -75,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default="")
+    gen.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="completions of the prompt (one prefill); above 1 each is printed once finished, after '[INDEX]'",
+    )
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], over generated tokens")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], over generated tokens")
     gen.add_argument(
@@ -122,6 +128,8 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     else:
         source = {"prompt": prompt}
     last = None
+    finals: dict[int, pb.GenerateResponse] = {}  # each completion's last message
+    texts: dict[int, str] = {}  # with --n > 1: each completion's text so far, printed once it finishes
     info = CallInfo()
     for response in client.generate(
         **source,
@@ -137,26 +145,43 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        n=args.n,
         **_sampling_controls(args),
     ):
         if args.json:
             print(json_format.MessageToJson(response, indent=None, preserving_proto_field_name=True), flush=True)
+        elif args.n > 1:
+            texts[response.index] = texts.get(response.index, "") + response.text
+            if response.finish_reason:
+                print(f"[{response.index}] {texts[response.index]}", flush=True)
         else:
             sys.stdout.write(response.text)
             sys.stdout.flush()
+        if response.finish_reason:
+            finals[response.index] = response
         last = response
-    if not args.json:
+    if not args.json and args.n <= 1:
         sys.stdout.write("\n")
     if args.stats and last is not None:
-        reason = pb.FinishReason.Name(last.finish_reason)
-        u, t = last.usage, last.timing
-        print(
-            f"[{last.request_id}] finish={reason.removeprefix('FINISH_REASON_').lower()} "
-            f"prompt_tokens={u.prompt_tokens} cached={u.cached_prompt_tokens} completion_tokens={u.completion_tokens} "
-            f"ttft={t.time_to_first_token_seconds * 1e3:.0f}ms total={t.total_seconds * 1e3:.0f}ms "
-            f"replica={info.replica or '-'} attempts={info.attempts}",
-            file=sys.stderr,
-        )
+        for index, final in sorted(finals.items()):
+            reason = pb.FinishReason.Name(final.finish_reason)
+            u, t = final.usage, final.timing
+            tag = f"[{final.request_id}]" if args.n <= 1 else f"[{final.request_id} #{index}]"
+            print(
+                f"{tag} finish={reason.removeprefix('FINISH_REASON_').lower()} "
+                f"prompt_tokens={u.prompt_tokens} cached={u.cached_prompt_tokens} "
+                f"completion_tokens={u.completion_tokens} "
+                f"ttft={t.time_to_first_token_seconds * 1e3:.0f}ms total={t.total_seconds * 1e3:.0f}ms "
+                f"replica={info.replica or '-'} attempts={info.attempts}",
+                file=sys.stderr,
+            )
+        if last.HasField("total_usage"):
+            u = last.total_usage
+            print(
+                f"[{last.request_id}] total prompt_tokens={u.prompt_tokens} cached={u.cached_prompt_tokens} "
+                f"completion_tokens={u.completion_tokens}",
+                file=sys.stderr,
+            )
     return 0
 
 

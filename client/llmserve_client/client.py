@@ -15,7 +15,7 @@ from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
 from llmserve_client.conversation import Conversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
-from llmserve_client.request import Message, build_request, tokenize_request
+from llmserve_client.request import Message, build_request, texts_by_index, tokenize_request
 from llmserve_client.retry import DEFAULT_RETRY, Attempts, CallInfo, Metadata, Retry, session_metadata
 
 _DEFAULT = object()  # "use the client's timeout", distinct from None ("no deadline")
@@ -96,8 +96,12 @@ class Client:
             time.sleep(delay)
 
     def generate_text(self, prompt: str | pb.GenerateRequest | None = None, **options: Any) -> str:
-        """The whole completion as one string (same arguments as generate)."""
+        """The whole completion as one string (same arguments as generate; for n > 1 see generate_texts)."""
         return "".join(r.text for r in self.generate(prompt, **options))
+
+    def generate_texts(self, prompt: str | pb.GenerateRequest | None = None, **options: Any) -> list[str]:
+        """The whole text of each of the n completions (`n=`), in index order (same arguments as generate)."""
+        return texts_by_index(self.generate(prompt, **options))
 
     def chat(
         self,

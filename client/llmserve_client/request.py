@@ -57,6 +57,7 @@ def build_request(
     regex: str | None = None,
     grammar: str | None = None,
     choice: Sequence[str] | None = None,
+    n: int = 1,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; exactly one of `prompt` (text), `messages` (chat) or `token_ids` must be given.
 
@@ -64,7 +65,8 @@ def build_request(
     the server's max_new_tokens). The server validates ranges; see generate.proto for each field.
     `continue_session` (with `session_id`) sends only the new turn: the server prepends the session's history.
     At most one constraint: `json_schema` (text, or a dict sent as JSON), `json_object`, `regex`, `grammar`
-    (llguidance's Lark syntax) or `choice` (the allowed answers).
+    (llguidance's Lark syntax) or `choice` (the allowed answers). `n` > 1 asks for n completions of the prompt on
+    one stream, told apart by each response's `index` (`texts_by_index` joins them).
     """
     inputs = {"prompt": prompt, "messages": messages, "token_ids": token_ids}
     given = [name for name, value in inputs.items() if value is not None]
@@ -73,6 +75,8 @@ def build_request(
     request = pb.GenerateRequest(
         request_id=request_id, session_id=session_id, continue_session=continue_session, priority=priority
     )
+    if n != 1:
+        request.n = n  # 0 and 1 both mean one: left unset; a negative n is the caller's error (ValueError)
     if prompt is not None:
         request.text = prompt
     elif messages is not None:
@@ -144,6 +148,16 @@ def _set_constraint(
         constraint.grammar = grammar
     elif choice is not None:
         constraint.choice.options.extend(choice)
+
+
+def texts_by_index(responses: Iterable[pb.GenerateResponse]) -> list[str]:
+    """The whole text of each completion of a stream, by GenerateResponse.index (one entry when n was 1)."""
+    texts: list[str] = []
+    for response in responses:
+        while len(texts) <= response.index:
+            texts.append("")
+        texts[response.index] += response.text
+    return texts
 
 
 def tokenize_request(text: str | None = None, *, messages: Iterable[Message] | None = None) -> pb.TokenizeRequest:

@@ -249,6 +249,10 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "seconds a request's constraint may take to compile; beyond it INVALID_ARGUMENT"),
             _flag("--constraint-cache-size", "engine.constraint_cache_size", _positive_int,
                   "compiled constraints kept (least recently used dropped first)"),
+            # 16: one call then fills at most a quarter of the default batch (--max-num-seqs 64), so that one caller
+            # cannot crowd out the others, and best-of-n uses rarely go past 8-16.
+            _flag("--max-n", "engine.max_n", _positive_int,
+                  "most completions one Generate call may ask for (n); beyond it INVALID_ARGUMENT"),
             _flag("--kv-offload-gib", "engine.kv_offload_bytes", _non_negative_float,
                   "host memory for KV blocks the pool evicts (reloaded on a later prefix or session match); 0: off",
                   to_field=_gib_to_bytes, from_field=_bytes_to_gib),

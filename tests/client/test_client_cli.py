@@ -103,3 +103,19 @@ def test_generate_with_a_json_schema_file_a_regex_or_a_choice(server: ServerThre
     assert out.returncode == 0 and out.stdout in ("red\n", "green\n", "blue\n"), out
     out = cli(server, "generate", "Bad:", "--regex", "[0-")
     assert out.returncode == 1 and "INVALID_ARGUMENT: constraint.regex:" in out.stderr
+
+
+def test_generate_n_prints_each_completion_by_index(server: ServerThread) -> None:
+    options = ["--max-new-tokens", "6", "--ignore-eos", "--temperature", "1.0", "--seed", "9"]
+    out = cli(server, "generate", "Once upon a time", "--n", "3", "--stats", *options)
+    assert out.returncode == 0, out.stderr
+    with Client(server.address, timeout=30) as client:
+        texts = client.generate_texts(
+            "Once upon a time", n=3, max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=9
+        )
+        alone = client.generate_text("Once upon a time", max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=11)
+    assert len(texts) == 3 and texts[2] == alone  # completion 2 samples with seed 9 + 2
+    for i, text in enumerate(texts):
+        assert f"[{i}] {text}" in out.stdout
+    assert out.stderr.count("completion_tokens=6") == 3 and "total prompt_tokens=" in out.stderr
+    assert "completion_tokens=18" in out.stderr

@@ -30,6 +30,12 @@ SESSION_POOL_FRACTION = 0.5
 GARBAGE = -1  # what a failed forward may leave in the slots it was writing
 
 
+def _held_back(seq: Sequence) -> bool:
+    """A later completion whose first one has not computed the prompt (and is not finished): it may not start."""
+    after = seq.after
+    return after is not None and after.status is not SeqStatus.FINISHED and after.num_computed < after.num_prompt
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -102,6 +108,20 @@ class EngineBooks(RuleBasedStateMachine):
         self.scheduler.add(seq)
         self.live.append(seq)
 
+    @precondition(lambda self: any(s.request.session_id is None for s in self.live))
+    @rule(data=st.data(), count=st.integers(1, 3))
+    def fork(self, data: st.DataObject, count: int) -> None:
+        """More completions of a live request's prompt (n > 1): each waits for that one's prompt KV, then shares it."""
+        first = data.draw(st.sampled_from([s for s in self.live if s.request.session_id is None]))
+        for _ in range(count):
+            if len(self.live) >= 8:
+                return
+            self.n += 1
+            request = first.request
+            seq = Sequence(request, list(request.prompt_token_ids), float(self.n), self.n, after=first)
+            self.scheduler.add(seq)
+            self.live.append(seq)
+
     @precondition(lambda self: len(self.sessions) > 0)
     @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=6))
     def follow_up(self, data: st.DataObject, extra: list[int]) -> None:
@@ -125,6 +145,9 @@ class EngineBooks(RuleBasedStateMachine):
         admitted = [seq for seq in waiting if seq.status is SeqStatus.RUNNING]
         # A sequence whose KV loads waits without holding up the others: it is outside the order.
         left = [seq for seq in waiting if seq.status is SeqStatus.WAITING and not self.scheduler.is_loading(seq)]
+        # So does a later completion of an n > 1 request while its first one has not computed the prompt.
+        assert not any(map(_held_back, admitted))
+        left = [seq for seq in left if not _held_back(seq)]
         # What the core does before the forward: copy out the evicted blocks' KV, start the loads.
         for evicted in out.offloads:
             self.offload(evicted)  # its KV is intact until the forward (even if a preemption freed it again)
@@ -737,3 +760,35 @@ def test_the_prefix_cache_is_shared_only_under_the_same_salt() -> None:
     assert cached(1, "alice") == 0
     assert cached(2, "bob") == 0 and cached(3, None) == 0  # another salt, or none: nothing shared
     assert cached(4, "alice") == 12 and cached(5, "bob") == 12 and cached(6, None) == 12
+
+
+def test_a_later_completion_shares_only_the_first_ones_full_prompt_blocks_also_after_preemption() -> None:
+    """Without prefix caching a later completion takes completion 0's own blocks: only those full of prompt, never
+    the one where completion 0's generated tokens begin, even once it has more tokens of its own (readmitted)."""
+    pool = BlockPool(20, BLOCK_SIZE)
+    sessions = SessionStore(pool, ttl_s=60, max_sessions=4, max_pool_fraction=1.0)
+    scheduler = Scheduler(pool, sessions, max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=False)
+    prompt = list(range(10))  # two full blocks of 4 and a tail of 2
+    request = GenerationRequest("r", tuple(prompt), stopping=StoppingParams(max_new_tokens=20))
+    first = Sequence(request, list(prompt), 0.0, 0)
+    later = Sequence(request, list(prompt), 0.0, 1, after=first)
+    scheduler.add(first)
+    scheduler.add(later)
+
+    def step(token: int) -> None:
+        for seq in scheduler.update(scheduler.schedule()):
+            seq.token_ids.append(token if seq is first else token + 100)
+
+    step(1)
+    assert later.status is SeqStatus.WAITING  # held back until the prompt was computed: it was, this step
+    step(2)
+    assert later.status is SeqStatus.RUNNING and later.num_cached_prompt == 8
+    assert later.block_table[:2] == first.block_table[:2] and pool.ref_count[first.block_table[0]] == 2
+    for token in range(3, 8):
+        step(token)
+    assert later.num_generated >= 4 and first.num_computed >= 14
+    scheduler.preempt(later)
+    step(9)
+    assert later.status is SeqStatus.RUNNING
+    assert later.block_table[:2] == first.block_table[:2] and later.block_table[2] != first.block_table[2]
+    pool.check([first.block_table, later.block_table])

@@ -83,6 +83,7 @@ def to_generation_request(
         cache_salt=cache_salt,
         constraint=constraint_spec(request.constraint),
         prompt_field=_PROMPT_FIELDS.get(request.WhichOneof("input") or "", "input"),
+        n=max(1, request.n),  # 0 (unset) means one
     )
 
 
@@ -100,8 +101,11 @@ def constraint_spec(constraint: pb.Constraint) -> ConstraintSpec | None:
 def to_response(
     request_id: str, delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence[int]
 ) -> pb.GenerateResponse:
-    """One stream message: the delta's text (and ids, logprobs when asked), and on the last its finish facts."""
-    response = pb.GenerateResponse(request_id=request_id, text=delta.text, prompt_token_ids=prompt_ids)
+    """One stream message: the delta's text (and ids, logprobs when asked), and on the last its finish facts; the
+    completion it belongs to (index) and, on an n > 1 stream's very last, the whole request's usage."""
+    response = pb.GenerateResponse(
+        request_id=request_id, text=delta.text, prompt_token_ids=prompt_ids, index=delta.index
+    )
     if options.token_ids:
         response.token_ids.extend(delta.token_ids)
     if delta.logprobs:
@@ -110,12 +114,12 @@ def to_response(
         response.finish_reason = pb.FinishReason.Value(  # type: ignore[assignment]  # the stubs want the enum type
             f"FINISH_REASON_{delta.finish_reason.name}"
         )
-    if delta.usage is not None:
-        u = delta.usage
-        response.usage.SetInParent()
-        response.usage.prompt_tokens = u.prompt_tokens
-        response.usage.cached_prompt_tokens = u.cached_prompt_tokens
-        response.usage.completion_tokens = u.completion_tokens
+    for usage, target in ((delta.usage, response.usage), (delta.total_usage, response.total_usage)):
+        if usage is not None:
+            target.SetInParent()
+            target.prompt_tokens = usage.prompt_tokens
+            target.cached_prompt_tokens = usage.cached_prompt_tokens
+            target.completion_tokens = usage.completion_tokens
     if delta.timing is not None:
         t = delta.timing
         response.timing.SetInParent()

@@ -15,6 +15,7 @@ from typing import Any
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import Compiled, ConstraintCompiler
 from llmserve.engine.core import EngineCore
+from llmserve.engine.fanout import Merger, split
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
@@ -22,6 +23,7 @@ from llmserve.engine.request import (
     ConstraintSpec,
     Delta,
     EngineDead,
+    FinishReason,
     GenerationRequest,
     InvalidRequest,
     QueueFull,
@@ -131,36 +133,44 @@ class AsyncEngine:
         deltas a consumer has not yet taken come as one: a reader that falls behind (a slow client, or a
         front end at its limit of messages a second) gets fewer, fuller messages instead of a growing queue.
         Closing or cancelling the consumer aborts the request in the engine.
+
+        With `request.n` > 1 the stream carries n completions (fanout.py), each delta tagged with its `index`, each
+        completion's deltas as above; it ends once all n have finished, or at the first that fails (ERROR), which
+        ends the others.
         """
         if self.dead:
             raise EngineDead(self.dead_reason)
         self.core.validate(request)
-        if self.core.num_waiting >= self.config.max_waiting:
+        if self.core.num_waiting + request.n > self.config.max_waiting:
             raise QueueFull(f"{self.core.num_waiting} requests waiting")
-        constraint = None
+        compiled = None
         if request.constraint is not None:
-            # Before the request is queued, on a worker thread: a slow compile delays this caller only.
-            constraint = (await self._compile(request.constraint)).start()
+            # Before the request is queued, on a worker thread: a slow compile delays this caller only. Compiled
+            # once; each completion gets its own state.
+            compiled = await self._compile(request.constraint)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
-        handle = self.core.submit(request, constraint)
-        self._outputs.add(handle, request, deltas.put_nowait)  # before any output can reach the loop
-        finished = False
+        handles: list[int] = []
+        for index, single in enumerate(split(request)):
+            state = None if compiled is None else compiled.start()
+            handle = self.core.submit(single, state, after=handles[0] if handles else None)
+            self._outputs.add(handle, single, deltas.put_nowait, index)  # before any output can reach the loop
+            handles.append(handle)
+        merger = Merger(len(handles))
         try:
-            delta = await deltas.get()  # the first token goes out alone, as soon as it exists
-            while True:
-                finished = delta.finished
-                yield delta
-                if finished:
-                    return
-                delta = await deltas.get()
-                while not delta.finished and not deltas.empty():
-                    delta = delta.then(deltas.get_nowait())
+            while merger.open:
+                batch = [await deltas.get()]  # a completion's first token goes out alone, as soon as it exists
+                while not deltas.empty():
+                    batch.append(deltas.get_nowait())
+                for delta in merger.take(batch):
+                    yield delta
+                    if delta.finish_reason is FinishReason.ERROR and len(handles) > 1:
+                        return  # one completion failed: the call ends, and the others with it
         finally:
-            if not finished:
-                self._outputs.discard(handle)
-                self.core.abort(handle)
+            for index in merger.open:
+                self._outputs.discard(handles[index])
+                self.core.abort(handles[index])
 
     async def _compile(self, spec: ConstraintSpec) -> Compiled:
         if self.constraints is None:

@@ -27,6 +27,9 @@ class Add:
     request: GenerationRequest
     arrival: float  # time.monotonic()
     constraint: ConstraintState | None = None  # the compiled constraint's fresh state, when the request has one
+    # The handle of completion 0 of the same n > 1 request: this one is admitted once that one's prompt is
+    # computed, and reuses its KV blocks (engine/fanout.py).
+    after: int | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -45,3 +45,4 @@ class EngineConfig:
     constraint_compile_timeout_s: float = 10.0
     constraint_cache_size: int = 256
     max_top_logprobs: int = MAX_TOP_LOGPROBS  # the most alternatives a request may ask for per token
+    max_n: int = 16  # the most completions one request may ask for (GenerationRequest.n; why 16: flags.py)

@@ -100,7 +100,8 @@ class EngineCore:
     # -- called from any thread ------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
-        request.validate(self.loaded.vocab_size, self.max_model_len, self.config.max_top_logprobs)
+        config = self.config
+        request.validate(self.loaded.vocab_size, self.max_model_len, config.max_top_logprobs, config.max_n)
         total = len(request.prompt_token_ids) + request.stopping.max_new_tokens
         if self.pool.blocks_for(total) > self.pool.num_blocks:
             raise InvalidRequest(
@@ -109,13 +110,16 @@ class EngineCore:
                 f"({self.pool.num_blocks * self.pool.block_size} tokens)",
             )
 
-    def submit(self, request: GenerationRequest, constraint: ConstraintState | None = None) -> int:
+    def submit(
+        self, request: GenerationRequest, constraint: ConstraintState | None = None, *, after: int | None = None
+    ) -> int:
         """Queue a validated request; returns the handle that its outputs carry and `abort` takes. A request with a
         constraint comes with its compiled state (compiling is the front end's job, off this thread), which the step
-        thread alone advances from then on."""
+        thread alone advances from then on. `after`: the handle of an earlier request with the same prompt (completion
+        0 of an n > 1 request): this one is admitted only once that one's prompt KV is computed, and shares it."""
         handle = next(self._handles)
         self._submitted += 1  # written by the submitting thread only; _drained by the step thread only
-        self._inbox.put(Add(handle, request, time.monotonic(), constraint))
+        self._inbox.put(Add(handle, request, time.monotonic(), constraint, after))
         self._wake.set()
         return handle
 
@@ -293,6 +297,8 @@ class EngineCore:
             eos_ids=frozenset() if stopping.ignore_eos else frozenset(self.loaded.eos_token_ids),
             constraint=command.constraint,
         )
+        if command.after is not None:  # None when it already finished: then there is nothing to wait for
+            seq.after = self.scheduler.live.get(command.after)
         params = request.sampling
         if not params.greedy:
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)

@@ -34,6 +34,7 @@ class _Stream:
     deliver: Callable[[Delta], None]
     start: RequestStart | None = None
     num_generated: int = 0
+    index: int = 0  # the completion of an n > 1 request it is
 
 
 class OutputProcessor:
@@ -46,13 +47,13 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def add(self, handle: int, request: GenerationRequest, deliver: Callable[[Delta], None]) -> None:
-        """Route the outputs of `handle` (EngineCore.submit's) as deltas to `deliver`."""
+    def add(self, handle: int, request: GenerationRequest, deliver: Callable[[Delta], None], index: int = 0) -> None:
+        """Route the outputs of `handle` (EngineCore.submit's) as deltas to `deliver`, each tagged with `index`."""
         detok = None
         if self.tokenizer is not None:
             stopping = request.stopping
             detok = IncrementalDetokenizer(self.tokenizer, stopping.stop_sequences, stopping.include_stop_sequence)
-        self._streams[handle] = _Stream(request.request_id, detok, deliver)
+        self._streams[handle] = _Stream(request.request_id, detok, deliver, index=index)
 
     def discard(self, handle: int) -> None:
         """Forget a request whose caller went away; its later outputs are dropped."""
@@ -70,7 +71,7 @@ class OutputProcessor:
                 delta, stopped = self._delta(stream, output)
             except Exception as exc:  # its detokenizer or stop strings: that request's failure alone
                 log.exception("request %r failed after its forward", stream.request_id)
-                delta = self._final(stream, Delta(stream.request_id, []), FinishReason.ERROR)
+                delta = self._final(stream, Delta(stream.request_id, [], index=stream.index), FinishReason.ERROR)
                 delta.error = f"{type(exc).__name__}: {exc}"
                 stopped = not output.finished
                 if stopped:
@@ -88,7 +89,7 @@ class OutputProcessor:
         if output.start is not None:
             stream.start = output.start
         stream.num_generated += len(output.token_ids)
-        delta = Delta(stream.request_id, output.token_ids, "", output.logprobs)
+        delta = Delta(stream.request_id, output.token_ids, "", output.logprobs, index=stream.index)
         reason = output.finish_reason
         detok = stream.detok
         if detok is not None and output.token_ids:

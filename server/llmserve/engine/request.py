@@ -178,6 +178,7 @@ class GenerationRequest:
 
     `deadline` is on the `time.monotonic()` clock; `priority` orders the waiting queue (higher first).
     `cache_salt` scopes automatic prefix caching: only requests with the same salt share cached blocks.
+    `n` > 1: n completions of the prompt that share its KV (engine/fanout.py); never with a session (one answer).
     `prompt_field` is the caller's name for the prompt, which errors about it name (the gRPC edge sets the
     input the prompt came from: `text`, `chat` or `token_ids.ids`).
 
@@ -198,8 +199,11 @@ class GenerationRequest:
     cache_salt: str | None = None
     constraint: ConstraintSpec | None = None
     prompt_field: str = "prompt_token_ids"
+    n: int = 1
 
-    def validate(self, vocab_size: int, max_model_len: int, max_top_logprobs: int = MAX_TOP_LOGPROBS) -> None:
+    def validate(
+        self, vocab_size: int, max_model_len: int, max_top_logprobs: int = MAX_TOP_LOGPROBS, max_n: int = 1
+    ) -> None:
         """Check every value against its range, the vocabulary and the context; raise InvalidRequest naming the
         field. The one place these are checked (the edge bounds only sizes: api/limits.py)."""
         if not self.request_id:
@@ -227,6 +231,10 @@ class GenerationRequest:
                 "response.top_logprobs",
                 f"must be in [0, {max_top_logprobs}] (--max-top-logprobs), got {self.top_logprobs}",
             )
+        if not (1 <= self.n <= max_n):
+            raise InvalidRequest("n", f"must be in [1, {max_n}] (--max-n), got {self.n}")
+        if self.n > 1 and self.session_id is not None:
+            raise InvalidRequest("n", "must be 1 with session_id: a session continues one answer, not n")
 
 
 @dataclass(slots=True)
@@ -267,13 +275,15 @@ class Delta:
     timing: Timing | None = None
     seed: int | None = None
     error: str | None = None
+    index: int = 0  # the completion it belongs to (0 unless the request asked for n > 1)
+    total_usage: Usage | None = None  # on an n > 1 request's very last delta: the prompt once, completions summed
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def then(self, later: Delta) -> Delta:
-        """This delta followed by a later one of the same request, as one (for a reader that fell behind)."""
+        """This delta followed by a later one of the same completion, as one (for a reader that fell behind)."""
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
@@ -287,6 +297,8 @@ class Delta:
             later.timing,
             later.seed,
             later.error,
+            self.index,
+            later.total_usage,
         )
 
 
@@ -344,6 +356,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # the request's stop token ids
     eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
     constraint: ConstraintState | None = None  # the grammar state of a constrained request (generated tokens only)
+    after: Sequence | None = None  # completion 0 of this n > 1 request: wait for its prompt's KV, then share it
     _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes
 
     def __post_init__(self) -> None:

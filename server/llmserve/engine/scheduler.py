@@ -7,6 +7,11 @@ oldest first; when blocks run out, idle sessions are evicted, then the newest ru
 preempted (its blocks freed, recomputed later). Waiting sequences are admitted by priority, then age,
 reusing session and prefix-cached blocks.
 
+A sequence with `after` (completions 1..n-1 of an n > 1 request) stays in the queue, skipped without holding up
+the others, until its completion 0 has computed the prompt (or finished); admitted then, it reuses that prompt's
+full blocks (found in the prefix cache, or taken from completion 0 itself when caching is off) and recomputes only
+the tail, so the n completions compute the prompt once.
+
 With KV tiers (`tiers`), a waiting sequence whose prefix continues in a lower tier past what the pool holds
 gets blocks that load that KV back (`StepPlan.loads`); it pins the blocks it will reuse and stays in the queue,
 skipped without holding up the others, until every load is reported (`load_done`). A failed load leaves its
@@ -225,7 +230,11 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, out: StepPlan) -> int:
         """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait, -1 if its
-        KV is loading from a lower tier (it waits, the next one may go)."""
+        KV is loading from a lower tier or its completion 0 has not computed the prompt yet (it waits, the next one
+        may go)."""
+        after = seq.after
+        if after is not None and after.status is not SeqStatus.FINISHED and after.num_computed < after.num_prompt:
+            return -1
         pending = self._pending.pop(seq.seq_no, None)
         if pending is not None and pending.waiting_on:
             self._pending[seq.seq_no] = pending
@@ -279,6 +288,13 @@ class Scheduler:
                     break
                 shared.append(block)
                 parent = block_hash
+        after = seq.after
+        if after is not None and after.status is SeqStatus.RUNNING:
+            # Completion 0's own blocks, for a pool without prefix caching: its full blocks of the prompt (the last
+            # partial one also holds its generated tokens, so it is never shared).
+            full = min(after.num_computed, limit, seq.num_prompt) // bs
+            if full > len(shared):
+                shared = after.block_table[:full]
         session_id = seq.request.session_id
         if session_id is not None:
             matched, blocks = self.sessions.match(session_id, tokens)

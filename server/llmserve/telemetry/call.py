@@ -45,6 +45,7 @@ class CallRecord:
     has_session: bool = False
     metadata: Sequence[tuple[str, str | bytes]] = ()  # the call's request metadata (trace context)
     prompt: str | None = None  # the input text, with --log-prompts only
+    _sent: dict[int, int] = field(default_factory=dict)  # completion index -> its tokens so far
 
     @property
     def code(self) -> str:
@@ -60,16 +61,20 @@ class CallRecord:
         return self.start_ns + round((t - self.start) * 1e9)
 
     def observe(self, delta: Delta) -> None:
-        """Account one delta as it is sent to the caller."""
+        """Account one delta as it is sent to the caller (of any of an n > 1 call's completions: the prompt counts
+        as completion 0 counted it, the completion tokens of all of them add up)."""
         if delta.token_ids:
             self.token_times.append(time.monotonic())
-        self.completion_tokens += len(delta.token_ids)
+        sent = self._sent.get(delta.index, 0) + len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason.value
         if delta.usage is not None:
-            self.prompt_tokens = delta.usage.prompt_tokens
-            self.cached_prompt_tokens = delta.usage.cached_prompt_tokens
-            self.completion_tokens = delta.usage.completion_tokens
+            if delta.index == 0:
+                self.prompt_tokens = delta.usage.prompt_tokens
+                self.cached_prompt_tokens = delta.usage.cached_prompt_tokens
+            sent = delta.usage.completion_tokens
+        self._sent[delta.index] = sent
+        self.completion_tokens = sum(self._sent.values())
         if delta.timing is not None:
             self.queue_s = delta.timing.queue_s
 

@@ -101,6 +101,9 @@ class GenerateServiceServicer:
         iteration that produced tokens for this request, as soon as it is produced; the first token
         always comes alone, and a reader that falls behind gets what it has not yet taken in one
         message. The last message has finish_reason set and carries usage, timing and the seed used.
+        With GenerateRequest.n > 1 the stream carries n completions, told apart by GenerateResponse.index:
+        each completion's messages follow these rules on their own, and the stream's very last message also
+        carries total_usage.
         Cancelling the call or letting its deadline pass stops generation within one engine iteration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
