@@ -168,7 +168,16 @@ class InputBatch:
             ids = np.empty(int(query_start[-1]), dtype=np.int64)
             positions = np.empty_like(ids)
             slots = np.empty_like(ids)
-            for i, entry in enumerate(entries):
+            one = counts == 1
+            if one.any():  # the decodes among the chunks: at once, as above
+                singles = np.flatnonzero(one)
+                at = query_start[singles]
+                ids[at] = [entries[i].token_ids[0] for i in singles.tolist()]
+                positions[at] = starts[singles]
+                blocks = self._tables[rows[singles], starts[singles] // bs].astype(np.int64)
+                slots[at] = slot(blocks, starts[singles] % bs, bs)
+            for i in np.flatnonzero(~one).tolist():
+                entry = entries[i]
                 q0, q1, start = int(query_start[i]), int(query_start[i + 1]), int(starts[i])
                 ids[q0:q1] = entry.token_ids
                 positions[q0:q1] = np.arange(start, start + q1 - q0)
