@@ -185,5 +185,6 @@ def test_soak_every_committed_turn_survives_random_replica_kills(cluster: Cluste
             r.wait_serving()
         for c in convs:
             info = client.get_session(c.session_id)
-            assert info is not None and (info.history_turns, info.history_tokens) == (SOAK_TURNS, len(c.held)), c.session_id
+            assert info is not None, c.session_id
+            assert (info.history_turns, info.history_tokens) == (SOAK_TURNS, len(c.held)), c.session_id
             prompt, _ = c.turn(client, [7], max_new=1)  # and the held ids are the client's record
