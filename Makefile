@@ -64,10 +64,13 @@ run: $(STAMP_MODEL)
 
 test: proto-check lint model nginx redis pytest
 
+# Two workers (pytest-xdist), a test file per worker at a time (module fixtures start servers once per file); the
+# slowest tests are listed at the end.
 pytest: $(STAMP_KERNELS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
-# The long variants, on demand only (CI runs a 60-s soak): a 30-minute soak with cancels and the keepalive tests
+# The long variants, on demand only (CI runs a 20-s soak and 3 failover turns): a 30-minute soak with cancels, six
+# failover turns per conversation, and the keepalive tests
 # with the server's default ping policy.
 soak: $(STAMP_KERNELS) redis
 	LLMSERVE_SOAK_SECONDS=1800 LLMSERVE_LONG_TESTS=1 $(PY) -m pytest -q tests/service/test_robustness.py \

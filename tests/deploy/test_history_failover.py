@@ -10,6 +10,7 @@ restarted at random; every turn a client saw succeed is in the history afterward
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -147,14 +148,18 @@ def test_a_kill_during_a_turn_fails_that_turn_and_the_retry_succeeds_elsewhere(c
         assert ids == full_resend(client, prompt)
 
 
+# Turns per conversation in the soak: 3 in CI (two kills), 6 under LLMSERVE_LONG_TESTS=1 (`make soak`).
+SOAK_TURNS = 6 if os.environ.get("LLMSERVE_LONG_TESTS", "") not in ("", "0") else 3
+
+
 def test_soak_every_committed_turn_survives_random_replica_kills(cluster: Cluster) -> None:
-    """Bounded: 8 conversations × 6 turns; before each turn after the first, a random replica is killed
+    """Bounded: 8 conversations × SOAK_TURNS turns; before each turn after the first, a random replica is killed
     (SIGKILL) and started again on its port (a crash and a supervisor's restart), while the turns go on. Every
     turn a client saw succeed is in the history afterwards, token for token; a turn that failed is retried."""
     rng = random.Random(23)
     with Client(cluster.nginx.address, timeout=60, retry=RETRY) as client:
         convs = [Conversation(f"soak-{i}") for i in range(8)]
-        for t in range(6):
+        for t in range(SOAK_TURNS):
             if t:
                 victim = rng.choice(cluster.replicas)
                 victim.proc.kill()
@@ -180,5 +185,6 @@ def test_soak_every_committed_turn_survives_random_replica_kills(cluster: Cluste
             r.wait_serving()
         for c in convs:
             info = client.get_session(c.session_id)
-            assert info is not None and (info.history_turns, info.history_tokens) == (6, len(c.held)), c.session_id
+            assert info is not None, c.session_id
+            assert (info.history_turns, info.history_tokens) == (SOAK_TURNS, len(c.held)), c.session_id
             prompt, _ = c.turn(client, [7], max_new=1)  # and the held ids are the client's record
