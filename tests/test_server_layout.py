@@ -1,7 +1,8 @@
-"""The server's layout holds across its packages: no import cycle among llmserve's modules, the engine knows
-nothing of gRPC, and the edge (the api package, config, history, auth, request log) imports no tensor library itself.
+"""The server's layout holds across its packages: no import cycle among llmserve's modules, none of them past
+400 lines, the engine knows nothing of gRPC, and the edge (the api package, config, history, auth, request log)
+imports no tensor library itself.
 
-The engine's own rules (module length, the backend seam, device checks) are in tests/engine/test_layout.py.
+The engine's own rules (the backend seam, device checks) are in tests/engine/test_layout.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import ast
 from pathlib import Path
 
 import llmserve
-from tests.engine.test_layout import assert_acyclic
+from tests.engine.test_layout import MAX_LINES, assert_acyclic
 
 PACKAGE = Path(llmserve.__file__).parent
 # Modules the gRPC edge and the flags are made of: they must load without torch (the served process makes its
@@ -74,6 +75,11 @@ def test_no_import_cycle_among_the_servers_modules() -> None:
     }
     assert {"llmserve.api.servicer", "llmserve.engine.core", "llmserve.config"} <= set(graph)
     assert_acyclic(graph)
+
+
+def test_every_module_is_at_most_400_lines() -> None:
+    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
 
 
 def test_the_engine_imports_no_grpc() -> None:
