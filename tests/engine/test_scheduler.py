@@ -192,9 +192,11 @@ class EngineBooks(RuleBasedStateMachine):
             # It samples exactly when the step reaches its last token.
             assert (entry.sample is not None) == (entry.end == len(seq.token_ids))
             assert len(seq.block_table) >= self.pool.blocks_for(seq.num_computed + n)
-            # The blocks this step writes into belong to this sequence alone (copy on write).
+            # The blocks this step writes into belong to this sequence alone (copy on write); a block may also be a
+            # copy's source this step (pinned until the step is accounted): the copies are made before the forward.
+            pins = [src for src, _ in out.copies]
             for block in seq.block_table[seq.num_computed // BLOCK_SIZE : self.pool.blocks_for(seq.num_computed + n)]:
-                assert self.pool.ref_count[block] == 1
+                assert self.pool.ref_count[block] == 1 + pins.count(block)
         assert out.num_tokens <= self.scheduler.max_num_batched_tokens
         for entry in out.seqs:
             self.write(entry.seq, entry.num_tokens)
@@ -763,8 +765,9 @@ def test_the_prefix_cache_is_shared_only_under_the_same_salt() -> None:
 
 
 def test_a_later_completion_shares_only_the_first_ones_full_prompt_blocks_also_after_preemption() -> None:
-    """Without prefix caching a later completion takes completion 0's own blocks: only those full of prompt, never
-    the one where completion 0's generated tokens begin, even once it has more tokens of its own (readmitted)."""
+    """Without prefix caching a later completion takes completion 0's own blocks: it shares only those full of
+    prompt and copies the one where completion 0's generated tokens begin (copy-on-write), also once it has more
+    tokens of its own (readmitted)."""
     pool = BlockPool(20, BLOCK_SIZE)
     sessions = SessionStore(pool, ttl_s=60, max_sessions=4, max_pool_fraction=1.0)
     scheduler = Scheduler(pool, sessions, max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=False)
@@ -781,8 +784,12 @@ def test_a_later_completion_shares_only_the_first_ones_full_prompt_blocks_also_a
 
     step(1)
     assert later.status is SeqStatus.WAITING  # held back until the prompt was computed: it was, this step
-    step(2)
-    assert later.status is SeqStatus.RUNNING and later.num_cached_prompt == 8
+    plan = scheduler.schedule()
+    assert [entry.seq for entry in plan.seqs if entry.seq is later] == [later]
+    assert plan.copies == [(first.block_table[2], later.block_table[2])]  # the prompt's partial block, copied
+    for seq in scheduler.update(plan):
+        seq.token_ids.append(2 if seq is first else 102)
+    assert later.status is SeqStatus.RUNNING and later.num_cached_prompt == 9  # all of the prompt but its last token
     assert later.block_table[:2] == first.block_table[:2] and pool.ref_count[first.block_table[0]] == 2
     for token in range(3, 8):
         step(token)

@@ -91,14 +91,15 @@ def test_n4_with_a_1000_token_prompt_computes_the_prompt_once(server: ServerThre
         work.restore()
     streams = _by_index(responses)
     assert sorted(streams) == [0, 1, 2, 3]
-    full = len(prompt) // BS * BS  # 976 tokens in 61 full blocks; the 14-token tail is recomputed by each
+    # 61 full blocks shared, the 62nd copied (copy-on-write); each other completion computes the prompt's last token.
+    taken = len(prompt) - 1
     for index, messages in streams.items():
         last = messages[-1]
         assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 8
         assert sum(1 for m in messages if m.finish_reason) == 1
         assert last.usage.prompt_tokens == 990
-        assert last.usage.cached_prompt_tokens == (0 if index == 0 else full)
-    assert work.tokens["once"] == 990 + 3 * (990 - full)  # the prompt once, and three tails
+        assert last.usage.cached_prompt_tokens == (0 if index == 0 else taken)
+    assert work.tokens["once"] == 990 + 3 * 1  # the prompt once, and three last tokens
     total = responses[-1].total_usage
     assert (total.prompt_tokens, total.cached_prompt_tokens, total.completion_tokens) == (990, 0, 32)
     assert not any(r.HasField("total_usage") for r in responses[:-1])

@@ -3,9 +3,10 @@ one stream.
 
 The engine serves completion i as a request of its own (its own sequence, detokenizer, stop strings, constraint
 state and random generator). Completions 1..n-1 are submitted `after` completion 0, so the scheduler admits them
-once completion 0 has computed the prompt, and they reuse its full KV blocks (scheduler.py): the prompt is computed
-once, and each completion recomputes only the prompt's partial last block to sample its own first token. vLLM v1
-fans `n` out to child requests over its prefix cache the same way. This module holds the call's own books: the seed
+once completion 0 has computed the prompt; they share its full KV blocks and copy its partial last one
+(scheduler.py): the prompt is computed once, and each completion computes only the prompt's last token, whose
+logits pick its own first token. (vLLM v1 fans `n` out to child requests over its prefix cache, which shares the
+full blocks only.) This module holds the call's own books: the seed
 each completion samples with, and one stream of the n completions' deltas.
 """
 

@@ -8,9 +8,10 @@ preempted (its blocks freed, recomputed later). Waiting sequences are admitted b
 reusing session and prefix-cached blocks.
 
 A sequence with `after` (completions 1..n-1 of an n > 1 request) stays in the queue, skipped without holding up
-the others, until its completion 0 has computed the prompt (or finished); admitted then, it reuses that prompt's
-full blocks (found in the prefix cache, or taken from completion 0 itself when caching is off) and recomputes only
-the tail, so the n completions compute the prompt once.
+the others, until its completion 0 has computed the prompt (or finished); admitted then, it shares that prompt's
+full blocks, copies the partial one (copy-on-write: completion 0 goes on writing there) and recomputes only the
+prompt's last token, whose logits pick its own first token; so the n completions compute the prompt once. (After
+completion 0 has finished, the prefix cache's full blocks are what is left to share, and the tail is recomputed.)
 
 With KV tiers (`tiers`), a waiting sequence whose prefix continues in a lower tier past what the pool holds
 gets blocks that load that KV back (`StepPlan.loads`); it pins the blocks it will reuse and stays in the queue,
@@ -290,11 +291,14 @@ class Scheduler:
                 parent = block_hash
         after = seq.after
         if after is not None and after.status is SeqStatus.RUNNING:
-            # Completion 0's own blocks, for a pool without prefix caching: its full blocks of the prompt (the last
-            # partial one also holds its generated tokens, so it is never shared).
-            full = min(after.num_computed, limit, seq.num_prompt) // bs
-            if full > len(shared):
-                shared = after.block_table[:full]
+            # Completion 0's KV of the prompt, all but its last token (recomputed here: its logits pick this
+            # completion's first token): its full blocks shared, and the block that holds the rest copied, since
+            # completion 0 goes on writing its generated tokens there (copy-on-write).
+            ready = min(after.num_computed, limit, seq.num_prompt)
+            if ready > len(shared) * bs:
+                full = ready // bs
+                cow = after.block_table[full] if ready % bs else None
+                return ready, after.block_table[:full], cow
         session_id = seq.request.session_id
         if session_id is not None:
             matched, blocks = self.sessions.match(session_id, tokens)
