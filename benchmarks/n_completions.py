@@ -155,8 +155,8 @@ def write(result: dict[str, Any], command: str) -> Path:
         "",
         f"`{command}`: SmolLM2-135M float32 on the CPU, a fresh {result['prompt_tokens']}-token prompt per run, "
         f"{result['max_new_tokens']} sampled tokens per completion, {result['rounds']} rounds in alternated order. "
-        "The machine is shared by other developers' runs: the times are from a loaded machine (load average after: "
-        f"{', '.join(f'{x:.1f}' for x in result['loadavg_after'])}); the prompt token counts do not depend on load.",
+        f"Load average after: {', '.join(f'{x:.1f}' for x in result['loadavg_after'])} (on a 2-core machine the "
+        "times move with other work on it; the prompt token counts do not).",
         "",
         "| mode (median of rounds) | prompt tokens computed | (from usage) | wall s | tok/s | last first token s |",
         "|---|---|---|---|---|---|",
@@ -171,8 +171,8 @@ def write(result: dict[str, Any], command: str) -> Path:
         "",
         f"Wall time ratio (4 calls / n=4, medians): {result['wall_ratio_median']}.",
         "",
-        f"With n = 4 the prompt is computed once and each other completion recomputes only the tail past the last "
-        f"full block: {result['prompt_tokens']} + 3 x ({result['prompt_tokens']} mod 16). Four separate calls sent "
+        f"With n = 4 the prompt is computed once: each other completion shares its full blocks, copies the partial "
+        f"one and computes only the prompt's last token: {result['prompt_tokens']} + 3 x 1. Four separate calls sent "
         "together already share part of it through the prefix cache, by timing alone: the first is read in chunks "
         "of --max-num-batched-tokens (512), the second is admitted once the first chunk's blocks are cached and "
         "reads the rest itself, the last two find the whole prompt cached. Without a prefix cache they would "
