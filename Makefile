@@ -127,7 +127,7 @@ bench-n: $(STAMP_MODEL)
 # Structured output's cost (issue 22): 32 clients, a JSON schema vs unconstrained in alternated windows, the masks'
 # time per step and compile times. Results in benchmarks/results/<date>-cpu-structured.{md,json}.
 bench-structured: $(STAMP_MODEL)
-	$(PY) -m benchmarks.structured
+	$(PY) benchmarks/run.py --structured
 
 # Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
 # machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).

@@ -4,6 +4,7 @@
     python benchmarks/run.py --quick         # smoke run, under a minute
     python benchmarks/run.py --sessions      # also the session-reuse benchmark (issue 4)
     python benchmarks/run.py --n-completions # only n = 4 vs four calls (benchmarks/n_completions.py, issue 22)
+    python benchmarks/run.py --structured    # only a JSON schema vs none, 32 clients (benchmarks/structured.py)
     python benchmarks/run.py --device cuda --model random:llama-1b   # GPU, bf16, random weights
 
 Writes benchmarks/results/<date>-<device>[-<model>][-quick].{md,json} and PNG plots beside them.
@@ -80,6 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--n-completions",
         action="store_true",
         help="instead of the ladder: n = 4 completions vs four calls on a ~1,000-token prompt (with --quick: smoke)",
+    )
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="instead of the ladder: 32 clients with a JSON schema vs unconstrained, windows alternated (~5 min)",
     )
     p.add_argument(
         "--isolation",
@@ -191,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.n_completions:  # its own process: it sets up the process (threads) before torch loads
         cmd = [sys.executable, "-m", "benchmarks.n_completions", *(["--quick"] if args.quick else [])]
         return subprocess.run(cmd, cwd=ROOT, env=child_env()).returncode
+    if args.structured:  # likewise (no quick variant: its results file has one name per day)
+        return subprocess.run([sys.executable, "-m", "benchmarks.structured"], cwd=ROOT, env=child_env()).returncode
     settings = settings_from(args)
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     if unknown := set(names) - set(SYSTEMS):
