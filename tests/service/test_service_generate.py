@@ -235,7 +235,7 @@ def test_a_session_holding_only_its_history_or_only_its_kv_is_deleted(server: Se
     for name in ("only-history", "only-kv"):
         list(stub.Generate(build_request(PROMPT, max_new_tokens=4, ignore_eos=True, session_id=name), timeout=30))
     assert server.run(server.engine.delete_session("only-history"))  # its KV evicted, as under pool pressure
-    assert server.server.servicer.histories.delete("only-kv")  # its history gone, its KV still cached
+    assert server.run(server.server.servicer.histories.delete("only-kv"))  # its history gone, its KV still cached
     for name in ("only-history", "only-kv"):
         assert stub.DeleteSession(pb.DeleteSessionRequest(session_id=name), timeout=10).deleted, name
         assert not stub.DeleteSession(pb.DeleteSessionRequest(session_id=name), timeout=10).deleted, name
