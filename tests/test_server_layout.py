@@ -98,3 +98,19 @@ def test_the_edge_and_the_flags_import_no_tensor_library() -> None:
         if heavy:
             offenders[name] = heavy
     assert not offenders
+
+
+def test_the_request_types_import_no_tensor_library_at_all() -> None:
+    """engine/request.py names no tensor type, not even for type checking (the sampler keeps the random
+    streams, engine/generators.py), and importing it in a fresh interpreter loads no tensor library."""
+    import subprocess
+    import sys
+
+    found = imports(PACKAGE / "engine" / "request.py")
+    assert not sorted(m for m in found if m.split(".")[0] in {"torch", "numpy", "transformers"})
+    code = (
+        "import sys, llmserve.engine.request; "
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from constraint_libraries import DOCUMENT, SCHEMAS, tokenizer  # noqa: E402
 
 from llmserve.engine.constraints import ConstraintCompiler, fill_bitmask  # noqa: E402
+from llmserve.engine.generators import Generators  # noqa: E402
 from llmserve.engine.request import ConstraintKind, ConstraintSpec, SampleRow, SamplingParams  # noqa: E402
 from llmserve.engine.sampler import sample  # noqa: E402
 
@@ -52,17 +53,15 @@ def main() -> None:
             assert state.accept(t), state.error
         states.append(state)
     params = SamplingParams(temperature=0.7)
-    plain = [SampleRow(params, torch.Generator().manual_seed(i), [], (), False, 0) for i in range(ROWS)]
-    constrained = [
-        SampleRow(params, torch.Generator().manual_seed(i), [], (), False, 0, constraint=s)
-        for i, s in enumerate(states)
-    ]
+    plain = [SampleRow(params, i, i, [], (), False, 0) for i in range(ROWS)]
+    constrained = [SampleRow(params, i, ROWS + i, [], (), False, 0, constraint=s) for i, s in enumerate(states)]
+    streams = Generators()  # each row's stream goes on from round to round, as a sequence's does
     logits = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
     times: dict[str, list[float]] = {"unconstrained": [], "constrained": [], "fill": []}
     for _ in range(args.rounds):
         for name, rows in (("unconstrained", plain), ("constrained", constrained)):
             start = time.perf_counter()
-            sample(logits, rows)
+            sample(logits, rows, streams)
             times[name].append((time.perf_counter() - start) * 1e3)
         start = time.perf_counter()
         fill_bitmask(states, VOCAB)

@@ -341,6 +341,7 @@ def test_the_sampler_picks_the_best_allowed_token_greedy_and_never_a_forbidden_o
 ) -> None:
     import torch
 
+    from llmserve.engine.generators import Generators
     from llmserve.engine.request import SampleRow
     from llmserve.engine.sampler import sample
 
@@ -351,16 +352,11 @@ def test_the_sampler_picks_the_best_allowed_token_greedy_and_never_a_forbidden_o
     allowed = [t for t in range(49152) if (bits[t // 32] >> (t % 32)) & 1]  # decoded here, bit by bit
     assert 0 < len(allowed) < 1000
     rows = [
-        SampleRow(SamplingParams(), None, [], (), False, 0, constraint=states[0]),
-        SampleRow(SamplingParams(), None, [], (), False, 0),  # unconstrained beside it: its own argmax
-        SampleRow(SamplingParams(), None, [], tuple(allowed), False, 0, constraint=states[1]),  # all blocked
-    ] + [
-        SampleRow(
-            SamplingParams(temperature=1.5), torch.Generator().manual_seed(s), [], (), False, 0, constraint=states[s]
-        )
-        for s in range(3, 6)
-    ]
-    ids, _ = sample(logits, rows)
+        SampleRow(SamplingParams(), None, 0, [], (), False, 0, constraint=states[0]),
+        SampleRow(SamplingParams(), None, 1, [], (), False, 0),  # unconstrained beside it: its own argmax
+        SampleRow(SamplingParams(), None, 2, [], tuple(allowed), False, 0, constraint=states[1]),  # all blocked
+    ] + [SampleRow(SamplingParams(temperature=1.5), s, s, [], (), False, 0, constraint=states[s]) for s in range(3, 6)]
+    ids, _ = sample(logits, rows, Generators())
     assert ids[0] == max(allowed, key=lambda t: logits[0, t].item())
     assert ids[1] == int(logits[1].argmax())
     assert ids[2] == max(allowed, key=lambda t: logits[2, t].item()), "blocked ids give way, the constraint does not"

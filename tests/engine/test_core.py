@@ -248,3 +248,89 @@ def test_a_fault_in_the_books_fails_the_requests_instead_of_hanging_them() -> No
     final = finals["caught"]
     assert final.finish_reason is FinishReason.ERROR and "books out of balance" in final.error
     assert core.dead_reason == "engine step failed: RuntimeError: books out of balance" and not thread.is_alive()
+
+
+SAMPLED = SamplingParams(temperature=1.0, seed=1234)
+
+
+def _sampled_tokens(core: EngineCore, *, preempt_at: int | None = None, restart: bool = False) -> list[int]:
+    """A seeded sampled request stepped to its end; preempted once it has `preempt_at` tokens (its stream dropped
+    too when `restart`: what a sampler that started streams afresh on recompute would do)."""
+    handle = core.submit(req("sampled", list(range(3, 40)), max_new=24, sampling=SAMPLED))
+    core.drain_inbox()
+    tokens: list[int] = []
+    for _ in range(200):
+        core.step()
+        for out in core.take_outputs():
+            tokens.extend(out.token_ids)
+            if out.finished:
+                return tokens
+        seq = core.scheduler.live[handle]
+        if len(tokens) == preempt_at and seq.num_preemptions == 0:
+            core.scheduler.preempt(seq)  # its blocks freed: it recomputes prompt and tokens, then samples on
+            assert handle in core.backend.generators  # the stream stays while the sequence lives
+            if restart:
+                core.backend.generators.release(handle)
+    raise AssertionError("no final output")
+
+
+def test_a_preempted_sampled_request_goes_on_with_its_random_stream() -> None:
+    never = _sampled_tokens(stepped_core())
+    core = stepped_core()
+    preempted = _sampled_tokens(core, preempt_at=10)
+    assert core.scheduler.num_preemptions == 1 and preempted == never
+    assert _sampled_tokens(stepped_core(), preempt_at=10, restart=True) != never  # the check can tell
+
+
+def test_no_random_stream_outlives_its_request() -> None:
+    """Finished, aborted, failed with its step, or cancelled when the engine stops: the backend's sampler holds
+    no stream once every request has ended (a greedy request never holds one)."""
+    core = stepped_core()
+    streams = core.backend.generators
+    for i in range(3):
+        serve(core, req(f"done{i}", [1, 2, 3], max_new=4, sampling=SamplingParams(temperature=0.8)))
+    serve(core, req("greedy", [1, 2, 3], max_new=4))
+    assert len(streams) == 0
+
+    aborted = core.submit(req("aborted", [1, 2, 3], max_new=50, sampling=SAMPLED))
+    kept = core.submit(req("kept", [4, 5, 6], max_new=50, sampling=SAMPLED))
+    core.drain_inbox()
+    for _ in range(3):
+        core.step()
+    assert len(streams) == 2
+    core.abort(aborted)
+    core.drain_inbox()
+    assert aborted not in streams and kept in streams
+
+    real = core.backend.execute
+    core.backend.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("boom"))  # noqa: ARG005
+    core.step()
+    assert core.take_outputs()[-1].error == "RuntimeError: boom" and len(streams) == 0
+
+    core.backend.execute = real
+    core.submit(req("left", [1, 2, 3], max_new=50, sampling=SAMPLED))
+    core.drain_inbox()
+    core.step()
+    assert len(streams) == 1
+    stop = threading.Event()
+    stop.set()
+    core.run(stop, lambda outputs: None)  # stops at once: cancels what is left
+    assert len(streams) == 0
+
+
+def test_a_dying_engine_drops_every_random_stream() -> None:
+    core = stepped_core()
+    for i in range(2):
+        core.submit(req(f"r{i}", [1, 2, 3 + i], max_new=50, sampling=SamplingParams(temperature=1.0)))
+    core.drain_inbox()
+    for _ in range(3):
+        core.step()
+    assert len(core.backend.generators) == 2
+
+    def broken() -> None:
+        raise RuntimeError("books out of balance")
+
+    core.scheduler.schedule = broken
+    stop = threading.Event()
+    core.run(stop, lambda outputs: stop.set())  # the fault kills the engine, whose final outputs stop the loop
+    assert core.dead_reason is not None and len(core.backend.generators) == 0

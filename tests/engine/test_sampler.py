@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -16,15 +17,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from llmserve.engine.request import SamplingParams
+from llmserve.engine import sampler
+from llmserve.engine.generators import Generators
+from llmserve.engine.request import SamplingParams, TokenLogprob
 from llmserve.engine.sampler import (
     RowFailed,
     Sampled,
     SampleRow,
     _apply_repetition_penalty,
     nucleus_floor,
-    sample,
-    sample_each,
     warped_weights,
 )
 
@@ -32,6 +33,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 GREEDY = SamplingParams()
+
+
+_keys = itertools.count()  # each row its own sequence, hence its own stream
 
 
 def row(
@@ -42,12 +46,21 @@ def row(
     blocked: tuple[int, ...] = (),
     logprobs: bool = False,
     top_logprobs: int = 0,
-    device: str = "cpu",
 ) -> SampleRow:
-    generator = None
-    if not params.greedy:
-        generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
-    return SampleRow(params, generator, list(token_ids), list(blocked), logprobs, top_logprobs)
+    seed = None if params.greedy else (0 if seed is None else seed)
+    return SampleRow(params, seed, next(_keys), list(token_ids), list(blocked), logprobs, top_logprobs)
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], generators: Generators | None = None
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The sampler with streams that start afresh, unless `generators` is given: a row's draws then go on from
+    one call to the next, as a sequence's do from step to step."""
+    return sampler.sample(logits, rows, Generators(logits.device) if generators is None else generators)
+
+
+def sample_each(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled | RowFailed]:
+    return sampler.sample_each(logits, rows, Generators(logits.device))
 
 
 def hf_warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -159,13 +172,14 @@ def test_same_seed_same_tokens_whatever_the_batch(
     history = (1, 2, 2, 5)
     position = min(position, len(others))
 
-    alone = row(target, seed, token_ids=history, device=device)
-    alone_ids = [sample(logits[s, position : position + 1], [alone])[0][0] for s in range(steps)]
+    alone, streams = row(target, seed, token_ids=history), Generators(device)
+    alone_ids = [sample(logits[s, position : position + 1], [alone], streams)[0][0] for s in range(steps)]
 
-    batched = row(target, seed, token_ids=history, device=device)
-    batch_rows = [row(p, i, token_ids=(3,), blocked=(0,), device=device) for i, p in enumerate(others)]
+    batched = row(target, seed, token_ids=history)
+    batch_rows = [row(p, i, token_ids=(3,), blocked=(0,)) for i, p in enumerate(others)]
     batch_rows.insert(position, batched)
-    batch_ids = [sample(logits[s], batch_rows)[0][position] for s in range(steps)]
+    streams = Generators(device)
+    batch_ids = [sample(logits[s], batch_rows, streams)[0][position] for s in range(steps)]
     assert batch_ids == alone_ids
 
 
@@ -174,8 +188,8 @@ def test_same_seed_same_tokens_at_full_vocab(device: str) -> None:
     torch.manual_seed(2)
     logits = (torch.randn(8, 49152) * 4).to(device)
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=0, min_p=0.01, repetition_penalty=1.1)
-    alone = [sample(logits[i : i + 1], [row(params, 42, token_ids=(5, 6), device=device)])[0][0] for i in range(8)]
-    batch = sample(logits, [row(params, 42, token_ids=(5, 6), device=device) for _ in range(8)])[0]
+    alone = [sample(logits[i : i + 1], [row(params, 42, token_ids=(5, 6))])[0][0] for i in range(8)]
+    batch = sample(logits, [row(params, 42, token_ids=(5, 6)) for _ in range(8)])[0]
     assert batch == alone
 
 
@@ -195,9 +209,9 @@ def test_the_draw_comes_from_the_rows_own_generator() -> None:
         assert sample(logits, [row(SamplingParams(temperature=1.0), seed)])[0] == [int(8 * u)]
 
 
-def test_sampled_row_without_generator_raises() -> None:
-    bad = SampleRow(SamplingParams(temperature=1.0), None, [], [], False, 0)
-    with pytest.raises(ValueError, match="no generator"):
+def test_sampled_row_without_a_seed_raises() -> None:
+    bad = SampleRow(SamplingParams(temperature=1.0), None, 5, [], [], False, 0)
+    with pytest.raises(ValueError, match="sequence 5: sampled .* without a seed"):
         sample(torch.zeros(1, 10), [bad])
 
 
@@ -212,11 +226,11 @@ def test_sample_each_samples_the_batch_at_once_or_fails_a_bad_row_alone(caplog) 
     assert not caplog.records  # sampled at once: no fallback to row by row
     assert [r.token_id for r in results] == expected_ids
     assert results[0].logprob is None and results[1].logprob == expected_lps[1] and len(results[1].logprob.top) == 2
-    bad = SampleRow(SamplingParams(temperature=0.5), None, [], [], False, 0)
+    bad = SampleRow(SamplingParams(temperature=0.5), None, 99, [], [], False, 0)
     rows = [row(logprobs=True), bad, row(SamplingParams(temperature=1.0), 7)]
     results = sample_each(logits, rows)
     assert results[0] == Sampled(int(logits[0].argmax()), sample(logits[:1], [row(logprobs=True)])[1][0])
-    assert results[1] == RowFailed("sampling failed: ValueError: sampled row 0 (temperature 0.5) has no generator")
+    assert results[1] == RowFailed("sampling failed: ValueError: sequence 99: sampled (temperature 0.5) without a seed")
     assert results[2] == Sampled(sample(logits[2:], [row(SamplingParams(temperature=1.0), 7)])[0][0], None)
 
 
@@ -226,7 +240,7 @@ def test_the_draw_is_the_inverse_cdf_of_the_kept_weights(monkeypatch, u: float, 
     never a token without weight, also at u = 0 and where u * total rounds up to the total."""
     import llmserve.engine.sampler as sampler_module
 
-    monkeypatch.setattr(sampler_module, "_uniform", lambda row, j, device: torch.tensor(u))
+    monkeypatch.setattr(sampler_module, "_uniform", lambda generator, device: torch.tensor(u))
     logits = torch.tensor([[0.1, 0.4, 0.4, 0.1]]).log()
     assert sample(logits, [row(SamplingParams(temperature=1.0, min_p=0.6), 0)])[0] == [expected]
 
@@ -376,14 +390,13 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top(device: str) -> None:
     logits = (torch.randn(3, 400) * 2).to(device)
     rows = [
         row(SamplingParams(), logprobs=True, top_logprobs=5),
-        row(SamplingParams(temperature=0.5, repetition_penalty=1.5), 3, token_ids=(1, 2), device=device),
+        row(SamplingParams(temperature=0.5, repetition_penalty=1.5), 3, token_ids=(1, 2)),
         row(
             SamplingParams(temperature=2.0, top_k=10),
             4,
             logprobs=True,
             top_logprobs=20,
             blocked=(0,),
-            device=device,
         ),
     ]
     ids, logprobs = sample(logits, rows)
@@ -487,7 +500,7 @@ def test_tiny_top_p_and_temperature_act_as_greedy_and_huge_temperature_as_unifor
     for params in (SamplingParams(temperature=1.0, top_p=1e-46), SamplingParams(temperature=1.0, top_p=5e-324)):
         assert sample(logits, [row(params, s) for s in range(4)])[0] == best
     tiny = SamplingParams(temperature=1e-46)
-    assert tiny.greedy and sample(logits, [SampleRow(tiny, None, [], [], False, 0)] * 4)[0] == best
+    assert tiny.greedy and sample(logits, [SampleRow(tiny, None, 0, [], [], False, 0)] * 4)[0] == best
     n = 4000
     flat = torch.tensor([[0.0, 50.0, 100.0, -100.0]])
     ids, _ = sample(flat.expand(n, -1), [row(SamplingParams(temperature=1e300), s) for s in range(n)])

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.request import InvalidRequest, SampleRow, SamplingParams
-from llmserve.engine.sampler import _apply_additive, _apply_repetition_penalty, sample
+from llmserve.engine import sampler
+from llmserve.engine.generators import Generators
+from llmserve.engine.request import InvalidRequest, SampleRow, SamplingParams, TokenLogprob
+from llmserve.engine.sampler import _apply_additive, _apply_repetition_penalty
+
+_keys = itertools.count()  # each row its own sequence, hence its own stream
 
 
 def _row(params: SamplingParams, token_ids: list[int], num_prompt: int = 0, seed: int = 0) -> SampleRow:
-    generator = None if params.greedy else torch.Generator().manual_seed(seed)
-    return SampleRow(params, generator, token_ids, (), False, 0, num_prompt=num_prompt)
+    seed_or_none = None if params.greedy else seed
+    return SampleRow(params, seed_or_none, next(_keys), token_ids, (), False, 0, num_prompt=num_prompt)
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], generators: Generators | None = None
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The sampler with fresh streams, unless `generators` is given (a row's draws go on from call to call)."""
+    return sampler.sample(logits, rows, Generators() if generators is None else generators)
 
 
 def _reference(logits: list[float], params: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
@@ -108,11 +121,13 @@ def test_a_row_alone_or_in_a_batch_gets_the_same_tokens() -> None:
     target = SamplingParams(temperature=0.8, frequency_penalty=0.7, presence_penalty=0.4, logit_bias=((7, 2.0),))
     history = [1, 2, 2, 7, 9, 9, 9]
     lone = _row(target, history, 2, seed=11)
-    alone = [sample(logits[s, 2:3], [lone])[0][0] for s in range(5)]
+    streams = Generators()
+    alone = [sample(logits[s, 2:3], [lone], streams)[0][0] for s in range(5)]
     others = [SamplingParams(presence_penalty=1.0), SamplingParams(temperature=1.0, logit_bias=((1, -5.0),))]
     batch_rows = [_row(others[0], [4, 4]), _row(others[1], [1], seed=1), _row(target, history, 2, seed=11)]
     batch_rows += [_row(SamplingParams(), [3]), _row(others[0], []), _row(SamplingParams(temperature=0.5), [0], seed=2)]
-    batched = [sample(logits[s], batch_rows)[0][2] for s in range(5)]
+    streams = Generators()
+    batched = [sample(logits[s], batch_rows, streams)[0][2] for s in range(5)]
     assert batched == alone
 
 

@@ -19,8 +19,6 @@ import threading
 import time
 from concurrent.futures import Future
 
-import torch
-
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.base import BlockCopier
 from llmserve.engine.block_pool import BlockPool
@@ -300,9 +298,8 @@ class EngineCore:
         if command.after is not None:  # None when it already finished: then there is nothing to wait for
             seq.after = self.scheduler.live.get(command.after)
         params = request.sampling
-        if not params.greedy:
+        if not params.greedy:  # its random stream starts here the first time it samples (backend.generators)
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
-            seq.generator = torch.Generator(device=self.backend.device).manual_seed(seq.seed)
         self.scheduler.add(seq)
 
     def _append(self, seq: Sequence, result: Sampled | RowFailed, now: float) -> None:
@@ -358,8 +355,9 @@ class EngineCore:
     def _finish(
         self, seq: Sequence, reason: FinishReason, *, output: EngineOutput | None = None, error: str | None = None
     ) -> None:
-        """Retire a live request and collect its final output."""
+        """Retire a live request and collect its final output; its random stream goes with it."""
         self.scheduler.finish(seq, reason)
+        self.backend.generators.release(seq.seq_no)
         if output is None:
             output = EngineOutput(seq.seq_no, seq.request_id, [])
         now = time.monotonic()

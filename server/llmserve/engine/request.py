@@ -13,10 +13,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the request types are torch-free: the edge and the config import no tensor library
-    import torch
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the request types import no tensor library, not even for types: the edge and the config load them
     from llmserve.engine.constraints import ConstraintState
 
 MAX_TOP_LOGPROBS = 20
@@ -306,15 +303,17 @@ class Delta:
 class SampleRow:
     """What the sampler needs about one request for one step.
 
-    `generator` must be set for sampled rows (not `params.greedy`); it may live on the CPU or on the logits'
-    device (the latter avoids a copy). `token_ids` (prompt + generated) is only read for the penalties: the
-    repetition penalty reads all of it, frequency and presence penalties only `token_ids[num_prompt:]`.
+    A sampled row (not `params.greedy`) names its random stream and never holds it, so this type is torch-free:
+    `key` identifies the sequence (its handle, unique in an engine), `seed` is where its stream starts; the
+    sampler keeps the streams (sampler.Generators). `token_ids` (prompt + generated) is only read for the
+    penalties: the repetition penalty reads all of it, frequency and presence penalties only `token_ids[num_prompt:]`.
     `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens. `constraint` (the
     request's grammar state) allows only the tokens that keep the generated text within its language.
     """
 
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None
+    key: int
     token_ids: Seq[int]
     blocked_token_ids: Seq[int]
     logprobs: bool
@@ -349,8 +348,7 @@ class Sequence:
     num_prompt: int = 0
     first_scheduled: float | None = None
     first_token: float | None = None
-    generator: torch.Generator | None = None
-    seed: int | None = None
+    seed: int | None = None  # where a sampled request's random stream starts (the sampler keeps the stream)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     stop_ids: frozenset[int] = frozenset()  # the request's stop token ids
@@ -371,7 +369,8 @@ class Sequence:
         blocking = self.num_generated < request.stopping.min_new_tokens
         row = SampleRow(
             params=request.sampling,
-            generator=self.generator,
+            seed=self.seed,
+            key=self.seq_no,
             token_ids=self.token_ids,
             blocked_token_ids=tuple(self.stop_ids | self.eos_ids) if blocking else (),
             logprobs=request.logprobs,

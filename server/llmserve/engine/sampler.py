@@ -4,7 +4,10 @@ One call per engine step picks one token for each row of a [rows, vocab] logits 
 the argmax (bit-for-bit what transformers' greedy search picks). Every row first gets its logit edits, in
 vLLM's order: repetition penalty, then the additive ones (frequency and presence penalties over generated
 tokens, logit bias), then blocked ids. Sampled rows then follow transformers' order: temperature, top-k,
-top-p, min-p, then an inverse-CDF draw with one uniform number from the row's own generator.
+top-p, min-p, then an inverse-CDF draw with one uniform number from the row's own random stream.
+
+A row names its stream (the sequence's key and seed) and never holds it: the streams are in generators.py's
+`Generators`, which each backend owns and passes in, so that the request types stay torch-free.
 
 Batch invariance is the point of the design: a seeded request gets the same tokens whatever else shares
 its batch. So randomness never comes from a shared RNG, and a row's arithmetic only uses kernels that
@@ -26,9 +29,19 @@ from itertools import chain
 import torch
 
 from llmserve.engine.constraints import constraint_masks
+from llmserve.engine.generators import Generators
 from llmserve.engine.request import MAX_TEMPERATURE, PENALTY_RANGE, SampleRow, SamplingParams, TokenLogprob
 
-__all__ = ["RowFailed", "SampleRow", "Sampled", "sample", "sample_each", "warped_weights", "nucleus_floor"]
+__all__ = [
+    "Generators",
+    "RowFailed",
+    "SampleRow",
+    "Sampled",
+    "sample",
+    "sample_each",
+    "warped_weights",
+    "nucleus_floor",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,30 +66,33 @@ class RowFailed:
     error: str
 
 
-def sample_each(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled | RowFailed]:
+def sample_each(logits: torch.Tensor, rows: list[SampleRow], generators: Generators) -> list[Sampled | RowFailed]:
     """`sample`, with each row's failure kept to that row: the batch is sampled at once, and should that raise,
     row by row, so that one request's parameters or penalties fail that request only."""
     try:
-        token_ids, logprobs = sample(logits, rows)
+        token_ids, logprobs = sample(logits, rows, generators)
         return [Sampled(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
     except Exception:
         log.exception("batched sampling failed: sampling %d rows one by one", len(rows))
     results: list[Sampled | RowFailed] = []
     for i, row in enumerate(rows):
         try:
-            ids, lps = sample(logits[i : i + 1], [row])
+            ids, lps = sample(logits[i : i + 1], [row], generators)
             results.append(Sampled(ids[0], lps[0]))
         except Exception as exc:
             results.append(RowFailed(f"sampling failed: {type(exc).__name__}: {exc}"))
     return results
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], generators: Generators
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of `logits` ([len(rows), vocab], any device and float dtype).
 
     Returns the chosen ids, and per row a TokenLogprob when `row.logprobs` (log-softmax of the raw logits:
     the chosen id's logprob and the `top_logprobs` best as (id, logprob), descending), else None.
-    Raises ValueError when the shapes disagree or a sampled row has no generator. `logits` is not modified.
+    Sampled rows draw from their streams in `generators`. Raises ValueError when the shapes disagree or a
+    sampled row without a stream has no seed. `logits` is not modified.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [{len(rows)}, vocab], got {list(logits.shape)}")
@@ -110,7 +126,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     sel = _select(sampled, len(rows), device)
     if sel is not None:
-        chosen[sel] = _draw(x[sel], [rows[i] for i in sampled])
+        chosen[sel] = _draw(x[sel], [rows[i] for i in sampled], generators)
     if not bool(alive.all()):
         raw = logits.to(torch.float32, copy=True)
         if masked is not None and masks is not None:  # a constraint still holds: only blocked ids give way
@@ -207,10 +223,12 @@ def _apply_blocked(x: torch.Tensor, rows: list[SampleRow]) -> None:
     x[row_idx.to(x.device, non_blocking=True), cols.to(x.device, non_blocking=True)] = float("-inf")
 
 
-def _draw(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _draw(x: torch.Tensor, rows: list[SampleRow], generators: Generators) -> torch.Tensor:
     """Sample one id per row of `x` ([m, vocab] float32, owned by us: modified in place)."""
-    # Uniforms first, so that a missing generator fails before the warping work.
-    uniforms = torch.stack([_uniform(row, j, x.device) for j, row in enumerate(rows)])
+    # Every stream before any draw, so that a row without a seed fails before another row's stream moves on
+    # (sample_each then samples the others again, row by row); uniforms before the warping work.
+    streams = [generators.stream(row) for row in rows]
+    uniforms = torch.stack([_uniform(generator, x.device) for generator in streams])
     weights = warped_weights(x, [row.params for row in rows])
     # Inverse CDF over unnormalised weights: the first index whose running total exceeds u * total.
     cdf = weights.cumsum_(dim=-1)
@@ -282,10 +300,7 @@ def _column(values: list[float] | list[int], dtype: torch.dtype, device: torch.d
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
 
 
-def _uniform(row: SampleRow, j: int, device: torch.device) -> torch.Tensor:
-    generator = row.generator
-    if generator is None:
-        raise ValueError(f"sampled row {j} (temperature {row.params.temperature}) has no generator")
+def _uniform(generator: torch.Generator, device: torch.device) -> torch.Tensor:
     return torch.rand((), generator=generator, device=generator.device).to(device, non_blocking=True)
 
 

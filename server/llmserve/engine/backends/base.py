@@ -13,6 +13,7 @@ import torch
 
 from llmserve.engine.backends.slots import block_range, slot
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.generators import Generators
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.sampler import RowFailed, Sampled
 from llmserve.model_shape import ModelShape
@@ -34,6 +35,7 @@ class Backend(Protocol):
     num_blocks: int  # KV blocks the block pool may hand out (the cache has one scratch block more)
     block_size: int
     kv: KVCache  # the paged cache; the KV tiers copy whole blocks out of it and back (read_block, write_block)
+    generators: Generators  # the sampled sequences' random streams, on `device`; the core releases ended ones
 
     def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]: ...
 

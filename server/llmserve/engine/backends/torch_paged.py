@@ -18,6 +18,7 @@ from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder, VarlenBuilder
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.generators import Generators
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.sampler import RowFailed, Sampled, sample_each
 from llmserve.models import LoadedModel
@@ -41,6 +42,7 @@ class TorchPagedBackend:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.kv = kv
         self.num_blocks = kv.num_blocks
+        self.generators = Generators(self.device)  # each sampled sequence's stream, from step to step
         pin = self.device.type == "cuda"  # page-locked: the copies to the device run asynchronously
         max_blocks = -(-max_model_len // self.block_size)
         self.inputs = InputBatch(
@@ -61,7 +63,7 @@ class TorchPagedBackend:
     def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]:
         self.kv.copy_blocks(plan.copies)
         logits = self.logits(plan)
-        return sample_each(logits, [s.sample for s in plan.sampling if s.sample is not None])
+        return sample_each(logits, [s.sample for s in plan.sampling if s.sample is not None], self.generators)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """One forward over the plan; logits [len(plan.sampling), vocab] as float32, in plan.sampling order."""
