@@ -39,7 +39,7 @@ from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
 from llmserve.engine.backends import create_backend  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core import EngineCore  # noqa: E402
-from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
+from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
 from llmserve.models import from_config  # noqa: E402
 from llmserve.testing import tiny_config  # noqa: E402
 
@@ -92,7 +92,13 @@ def submit_through_front_end(engine: AsyncEngine, requests: list[GenerationReque
 
 
 def measure(
-    batch: int, backend: str, steps: int, prompt: int = 100, front_end: bool = False, tokenizer: object = None
+    batch: int,
+    backend: str,
+    steps: int,
+    prompt: int = 100,
+    front_end: bool = False,
+    tokenizer: object = None,
+    sampled: bool = False,
 ) -> dict[str, float]:
     """Median and P90 host milliseconds per decode step with `batch` sequences running (detokenized with
     `tokenizer` where the engine does that, when one is given)."""
@@ -114,7 +120,14 @@ def measure(
         core.backend = create_backend(loaded, config, core.max_model_len, kind="cuda", capture=False)
     stub_model_call(core)
     stopping = StoppingParams(max_new_tokens=steps + 64, ignore_eos=True)
-    requests = [GenerationRequest(f"r{i}", tuple(range(1, prompt + 1)), stopping=stopping) for i in range(batch)]
+    # --sampled: every request samples (temperature, top-p, its own seed) instead of taking the argmax.
+    sampling = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=i) if sampled else SamplingParams() for i in range(batch)
+    ]
+    requests = [
+        GenerationRequest(f"r{i}", tuple(range(1, prompt + 1)), sampling=sampling[i], stopping=stopping)
+        for i in range(batch)
+    ]
     stop = None
     if engine is not None:
         stop = submit_through_front_end(engine, requests)
@@ -147,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--front-end", action="store_true", help="stream every request through AsyncEngine.generate")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--tokenizer", action="store_true", help="detokenize with the default model's tokenizer")
+    p.add_argument("--sampled", action="store_true", help="every request samples (temperature 0.8, top-p 0.95)")
     args = p.parse_args(argv)
     tokenizer = None
     if args.tokenizer:
@@ -157,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for backend in args.backends:
         for batch in args.batches:
-            r = measure(batch, backend, args.steps, front_end=args.front_end, tokenizer=tokenizer)
+            r = measure(batch, backend, args.steps, front_end=args.front_end, tokenizer=tokenizer, sampled=args.sampled)
             results[f"{backend}/{batch}"] = r
             print(f"{backend:10s} batch {batch:4d}: median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
     if args.json:
