@@ -298,7 +298,7 @@ class EngineCore:
         if command.after is not None:  # None when it already finished: then there is nothing to wait for
             seq.after = self.scheduler.live.get(command.after)
         params = request.sampling
-        if not params.greedy:  # its random stream starts here the first time it samples (backend.generators)
+        if not params.greedy:  # the seed its random stream starts from at its first sample (backend.generators)
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.scheduler.add(seq)
 

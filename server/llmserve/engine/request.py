@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the request types import no tensor library, not even for types: the edge and the config load them
+if TYPE_CHECKING:  # no tensor library here, not even for types (the edge and the config import this module)
     from llmserve.engine.constraints import ConstraintState
 
 MAX_TOP_LOGPROBS = 20
@@ -305,7 +305,7 @@ class SampleRow:
 
     A sampled row (not `params.greedy`) names its random stream and never holds it, so this type is torch-free:
     `key` identifies the sequence (its handle, unique in an engine), `seed` is where its stream starts; the
-    sampler keeps the streams (sampler.Generators). `token_ids` (prompt + generated) is only read for the
+    backend keeps the streams (engine/generators.py). `token_ids` (prompt + generated) is only read for the
     penalties: the repetition penalty reads all of it, frequency and presence penalties only `token_ids[num_prompt:]`.
     `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens. `constraint` (the
     request's grammar state) allows only the tokens that keep the generated text within its language.
@@ -348,7 +348,7 @@ class Sequence:
     num_prompt: int = 0
     first_scheduled: float | None = None
     first_token: float | None = None
-    seed: int | None = None  # where a sampled request's random stream starts (the sampler keeps the stream)
+    seed: int | None = None  # where a sampled request's random stream starts (the backend keeps the stream)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     stop_ids: frozenset[int] = frozenset()  # the request's stop token ids

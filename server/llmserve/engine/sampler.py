@@ -32,16 +32,7 @@ from llmserve.engine.constraints import constraint_masks
 from llmserve.engine.generators import Generators
 from llmserve.engine.request import MAX_TEMPERATURE, PENALTY_RANGE, SampleRow, SamplingParams, TokenLogprob
 
-__all__ = [
-    "Generators",
-    "RowFailed",
-    "SampleRow",
-    "Sampled",
-    "sample",
-    "sample_each",
-    "warped_weights",
-    "nucleus_floor",
-]
+__all__ = ["RowFailed", "SampleRow", "Sampled", "sample", "sample_each", "warped_weights", "nucleus_floor"]
 
 log = logging.getLogger(__name__)
 
