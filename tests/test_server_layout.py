@@ -38,6 +38,9 @@ TORCH_FREE = (
     "process",
     "__main__",
     "engine/request",
+    "engine/facts",
+    "engine/core_messages",
+    "engine/core_process",
 )
 
 

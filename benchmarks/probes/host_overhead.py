@@ -9,18 +9,23 @@ fused forward on the CPU) with one that returns ready logits, and times `EngineC
     python benchmarks/probes/host_overhead.py             # CPU backend and the CUDA backend's paths, on the CPU
     python benchmarks/probes/host_overhead.py --batches 32 64 256 --steps 300
     python benchmarks/probes/host_overhead.py --front-end           # deltas through AsyncEngine to an event loop
+    python benchmarks/probes/host_overhead.py --front-end --engine-process   # the core in a process of its own
 
 With --front-end every request is a stream of AsyncEngine.generate consumed on an event loop thread, as in the
-server, and a step's time includes handing its deltas to that loop.
+server, and a step's time includes handing its deltas to that loop. With --engine-process as well, the core runs
+in a child process (core_process.py, as `python -m llmserve` runs it) and the figure is the child's step loop:
+the time from one step's start to the next's, its outputs' pickling and sending included.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -39,8 +44,9 @@ from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
 from llmserve.engine.backends import create_backend  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core import EngineCore  # noqa: E402
+from llmserve.engine.core_process import ChildSpec, CoreClient  # noqa: E402
 from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
-from llmserve.models import from_config  # noqa: E402
+from llmserve.models import LoadedModel, from_config  # noqa: E402
 from llmserve.testing import tiny_config  # noqa: E402
 
 VOCAB = 512
@@ -62,11 +68,15 @@ def stub_model_call(core: EngineCore) -> None:
     backend.forward = forward  # type: ignore[method-assign]
 
 
-def submit_through_front_end(engine: AsyncEngine, requests: list[GenerationRequest]) -> Callable[[], None]:
-    """Consume each request's stream on an event loop thread of its own, as the server does; returns what
-    cancels the streams and stops the loop."""
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+def submit_through_front_end(
+    engine: AsyncEngine, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop | None = None
+) -> Callable[[], None]:
+    """Consume each request's stream on an event loop thread of its own (or on `loop`, running), as the server
+    does; returns what cancels the streams (and stops the loop it started)."""
+    own = loop is None
+    if loop is None:
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
 
     ended: list[str] = []
 
@@ -78,7 +88,7 @@ def submit_through_front_end(engine: AsyncEngine, requests: list[GenerationReque
             ended.append(request.request_id)
 
     streams = [asyncio.run_coroutine_threadsafe(consume(request), loop) for request in requests]
-    while engine.core._submitted < len(requests):
+    while len(engine._outputs) < len(requests):  # every stream registered (and so submitted)
         time.sleep(0.01)
 
     def stop() -> None:
@@ -86,9 +96,74 @@ def submit_through_front_end(engine: AsyncEngine, requests: list[GenerationReque
             stream.cancel()
         while len(ended) < len(streams):
             time.sleep(0.01)
-        loop.call_soon_threadsafe(loop.stop)
+        if own:
+            loop.call_soon_threadsafe(loop.stop)
 
     return stop
+
+
+def probe_model(tokenizer: bool) -> LoadedModel:
+    """The probe's model: the tiny Llama, with SmolLM2's tokenizer when `tokenizer` (module level: an engine
+    process builds it with this too)."""
+    loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
+    if tokenizer:
+        from llmserve.models import load_model
+
+        loaded.tokenizer = load_model().tokenizer
+    return loaded
+
+
+def prepare_child(backend: str, batch: int, steps: int, out: Path, core: EngineCore) -> None:
+    """In the engine process: the backend and the stub as `measure` sets them, and a timer on the step loop that
+    writes `steps` pass times (once all `batch` sequences decode) to `out`."""
+    torch.set_num_threads(1)
+    if backend.startswith("cuda-path"):
+        core.backend = create_backend(core.loaded, core.config, core.max_model_len, kind="cuda", capture=False)
+    stub_model_call(core)
+    step = core.step
+    times: list[float] = []
+    last = [0.0]
+
+    def timed_step() -> None:
+        started = time.perf_counter()
+        running = core.scheduler.running
+        decoding = len(running) == batch and all(s.num_uncomputed <= 1 for s in running)
+        if decoding and last[0] and len(times) < steps:
+            times.append((started - last[0]) * 1e3)
+            if len(times) == steps:
+                out.write_text(json.dumps(times))
+        last[0] = started if decoding else 0.0
+        step()
+
+    core.step = timed_step  # type: ignore[method-assign]
+
+
+def measure_engine_process(
+    batch: int, backend: str, steps: int, config: EngineConfig, tokenizer: bool, requests: list[GenerationRequest]
+) -> list[float]:
+    """Pass times of the child's step loop with every request streamed through the front end in this process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        spec = ChildSpec(
+            functools.partial(probe_model, tokenizer),
+            config,
+            prepare=functools.partial(prepare_child, backend, batch, steps, out),
+        )
+        client = CoreClient(spec)
+        client.wait_ready()
+        assert client.loaded is not None
+        engine = AsyncEngine(client.loaded, config, core=client)
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(engine.start(), loop).result()
+        stop = submit_through_front_end(engine, requests, loop)
+        while not out.exists():
+            time.sleep(0.05)
+        times = json.loads(out.read_text())
+        stop()
+        asyncio.run_coroutine_threadsafe(engine.shutdown(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        return times
 
 
 def measure(
@@ -98,6 +173,7 @@ def measure(
     prompt: int = 100,
     front_end: bool = False,
     tokenizer: object = None,
+    engine_process: bool = False,
     sampled: bool = False,
 ) -> dict[str, float]:
     """Median and P90 host milliseconds per decode step with `batch` sequences running (detokenized with
@@ -114,11 +190,6 @@ def measure(
         # context limit, 4,096 tokens here); cuda-path: the torch attention's gathered decode.
         attention_kernel="triton" if backend == "cuda-path-triton" else "auto",
     )
-    engine = AsyncEngine(loaded, config) if front_end else None
-    core = engine.core if engine is not None else EngineCore(loaded, config)
-    if backend.startswith("cuda-path"):  # the CUDA backend's decode path (graph buffers, eager), on the CPU
-        core.backend = create_backend(loaded, config, core.max_model_len, kind="cuda", capture=False)
-    stub_model_call(core)
     stopping = StoppingParams(max_new_tokens=steps + 64, ignore_eos=True)
     # --sampled: every request samples (temperature, top-p, its own seed) instead of taking the argmax.
     sampling = [
@@ -128,6 +199,14 @@ def measure(
         GenerationRequest(f"r{i}", tuple(range(1, prompt + 1)), sampling=sampling[i], stopping=stopping)
         for i in range(batch)
     ]
+    if engine_process:
+        times = sorted(measure_engine_process(batch, backend, steps, config, tokenizer is not None, requests))
+        return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * len(times))]}
+    engine = AsyncEngine(loaded, config) if front_end else None
+    core = engine.core if engine is not None else EngineCore(loaded, config)
+    if backend.startswith("cuda-path"):  # the CUDA backend's decode path (graph buffers, eager), on the CPU
+        core.backend = create_backend(loaded, config, core.max_model_len, kind="cuda", capture=False)
+    stub_model_call(core)
     stop = None
     if engine is not None:
         stop = submit_through_front_end(engine, requests)
@@ -160,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--front-end", action="store_true", help="stream every request through AsyncEngine.generate")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--tokenizer", action="store_true", help="detokenize with the default model's tokenizer")
+    p.add_argument("--engine-process", action="store_true", help="with --front-end: the core in a child process")
     p.add_argument("--sampled", action="store_true", help="every request samples (temperature 0.8, top-p 0.95)")
     args = p.parse_args(argv)
     tokenizer = None
@@ -171,7 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for backend in args.backends:
         for batch in args.batches:
-            r = measure(batch, backend, args.steps, front_end=args.front_end, tokenizer=tokenizer, sampled=args.sampled)
+            r = measure(
+                batch,
+                backend,
+                args.steps,
+                front_end=args.front_end,
+                tokenizer=tokenizer,
+                engine_process=args.engine_process,
+                sampled=args.sampled,
+            )
             results[f"{backend}/{batch}"] = r
             print(f"{backend:10s} batch {batch:4d}: median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
     if args.json:

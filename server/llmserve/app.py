@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -343,7 +344,8 @@ async def run(config: Config) -> int:
     """Serve until SIGTERM or SIGINT (return 0) or until the engine dies (return EXIT_ENGINE_DEAD),
     draining in-flight streams before returning."""
     # Imported here so that `--help` and config errors answer without loading torch.
-    from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.async_engine import build_engine
+    from llmserve.engine.core_process import ChildSpec
     from llmserve.models import load_model
 
     loop = asyncio.get_running_loop()
@@ -370,23 +372,23 @@ async def run(config: Config) -> int:
         return EXIT_STORE_UNAVAILABLE
     m = config.model
     cache_root = Path(m.cache_dir) if m.cache_dir else None
-    log.info("loading model %s on %s", m.spec or "(default)", m.device)
-    loading = asyncio.ensure_future(
-        asyncio.to_thread(load_model, m.spec, device=m.device, dtype=m.dtype, cache_root=cache_root)
-    )
+    load = functools.partial(load_model, m.spec, device=m.device, dtype=m.dtype, cache_root=cache_root)
+    where = "in the engine process" if m.engine_process else "in this process"
+    log.info("loading model %s on %s, %s", m.spec or "(default)", m.device, where)
+    # The child loads the model and builds the core, this process keeps the front end; or both here.
+    child = ChildSpec(load, config.engine, config.server.log_level, config.server.log_format)
+    building = asyncio.ensure_future(build_engine(load, config.engine, child if m.engine_process else None))
     stopping = asyncio.ensure_future(stop.wait())
     dying = asyncio.ensure_future(server.engine_died.wait())
     try:
-        await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
-        if loading.done():
-            # Building the engine (KV allocation, weight packing, graph capture) takes seconds: off the loop,
-            # so that health keeps answering NOT_SERVING meanwhile.
-            engine = await asyncio.to_thread(AsyncEngine, loading.result(), config.engine)
+        await asyncio.wait([building, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if building.done():
             # Serve even when a signal came meanwhile: stop() below then shuts the engine down.
-            await server.serve(engine)
+            await server.serve(building.result())
             await asyncio.wait([stopping, dying], return_when=asyncio.FIRST_COMPLETED)
         else:
             log.info("stopping before the model finished loading")
+            building.cancel()  # kills the engine process if there is one
     finally:
         for waiter in (stopping, dying):
             waiter.cancel()

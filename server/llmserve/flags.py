@@ -145,6 +145,9 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--device", "model.device", str, "device: auto, cpu, cuda, cuda:N"),
             _flag("--dtype", "model.dtype", str, "weights' dtype: auto, float32, bfloat16, float16"),
             _flag("--cache-dir", "model.cache_dir", str, "where converted models are cached; unset: ~/.cache/llmserve"),
+            _switch("--engine-in-process", "model.engine_process",
+                    "run the engine core on a thread of the server's process, not in a process of its own",
+                    invert=True),
         ),
     ),
     (

@@ -16,6 +16,7 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfi
 
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
+from llmserve.models import LoadedModel, from_config
 
 T = TypeVar("T")
 
@@ -50,6 +51,12 @@ def tiny_config(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positio
         )
         return GPT2Config(vocab_size=vocab_size, **gpt2)
     raise ValueError(family)
+
+
+def tiny_model(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positions: int = 2048) -> LoadedModel:
+    """A float32 tiny model on the CPU, random weights from seed 0 (a module-level function, so that a
+    functools.partial of it builds the same model in an engine process: core_process.ChildSpec.load)."""
+    return from_config(tiny_config(family, vocab_size, max_positions), dtype=torch.float32)
 
 
 def greedy_reference(model: Any, prompt: list[int], max_new: int) -> list[int]:

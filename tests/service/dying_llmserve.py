@@ -1,6 +1,7 @@
 """`python tests/service/dying_llmserve.py ARGS...`: `python -m llmserve ARGS...` whose engine dies, as it
 does after repeated failed forwards, once the file named by $LLMSERVE_TEST_KILL_FILE exists (looked at
-every engine step). A test hook kept out of the production code."""
+every engine step). A test hook kept out of the production code; run it with --engine-in-process (the hook patches
+this process's core)."""
 
 from __future__ import annotations
 

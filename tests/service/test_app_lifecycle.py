@@ -99,7 +99,9 @@ def test_sigint_with_nothing_in_flight_exits_promptly(server_process: ServerProc
 
 def test_health_answers_not_serving_while_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """`run()` itself, with the model load held open: every probe answers NOT_SERVING at once until the model
-    is there, then SERVING; SIGTERM ends it with nothing in flight."""
+    is there, then SERVING; SIGTERM ends it with nothing in flight. (The engine in this process, so that the
+    held load is this test's; with an engine process the same wait is the child's, as every server_process
+    test sees.)"""
     import llmserve.app as app
     import llmserve.models as models
     from llmserve.config import from_args
@@ -118,7 +120,7 @@ def test_health_answers_not_serving_while_the_model_loads(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(models, "load_model", held_load)
     monkeypatch.setattr(app, "LLMServer", Recorded)
-    config = from_args(["--address", "127.0.0.1:0", "--kv-cache-tokens", "4096"], env={})
+    config = from_args(["--address", "127.0.0.1:0", "--kv-cache-tokens", "4096", "--engine-in-process"], env={})
     probes: list[tuple[int, float]] = []
     failures: list[BaseException] = []
 

@@ -3,6 +3,7 @@ without dropping streams. `python -m llmserve` (or a launcher around it) runs as
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -23,19 +24,34 @@ def _long_request() -> pb.GenerateRequest:
     return build_request("Once upon a time", max_new_tokens=900, ignore_eos=True)
 
 
-def test_dead_engine_drains_and_exits_non_zero(tiny_model_dir: Path, tmp_path: Path) -> None:
+def _engine_child(pid: int) -> int:
+    """The engine process of the server `pid` (its only child)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_dead_engine_drains_and_exits_non_zero(engine: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """On a thread, the core dies as after repeated failed forwards; in its own process, the process is killed
+    (SIGKILL: nothing it could catch). Either way the stream in flight ends with an error and the server exits 3."""
     trigger = tmp_path / "kill-engine"
-    process = ServerProcess(
-        "--model", str(tiny_model_dir), "--kv-cache-tokens", "8192", "--grace-period", "30",
-        script=HERE / "dying_llmserve.py", env={"LLMSERVE_TEST_KILL_FILE": str(trigger)},
-    )  # fmt: skip
+    args = ["--model", str(tiny_model_dir), "--kv-cache-tokens", "8192", "--grace-period", "30"]
+    if engine == "thread":
+        env = {"LLMSERVE_TEST_KILL_FILE": str(trigger)}
+        process = ServerProcess(*args, "--engine-in-process", script=HERE / "dying_llmserve.py", env=env)
+    else:
+        process = ServerProcess(*args)
     try:
         port = process.wait_serving()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
             call = generate_pb2_grpc.GenerateServiceStub(channel).Generate(_long_request(), timeout=60)
             received = [next(call)]
-            trigger.touch()
+            if engine == "thread":
+                trigger.touch()
+            else:
+                os.kill(_engine_child(process.proc.pid), signal.SIGKILL)
             with pytest.raises(grpc.RpcError) as err:
                 for response in call:
                     received.append(response)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import Compiled, ConstraintCompiler
 from llmserve.engine.core import EngineCore
+from llmserve.engine.core_process import ChildSpec, CoreClient
 from llmserve.engine.fanout import Merger, split
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.outputs import EngineOutput
@@ -27,7 +28,6 @@ from llmserve.engine.request import (
     GenerationRequest,
     InvalidRequest,
     QueueFull,
-    StoppingParams,
 )
 from llmserve.models import LoadedModel
 
@@ -36,10 +36,11 @@ class AsyncEngine:
     """Builds the engine (backend included: KV cache, packing, graphs) in its constructor, which can take
     seconds: construct it off the event loop. `start()` warms up and starts the step thread."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, core: CoreClient | None = None) -> None:
         self.loaded = loaded
         self.config = config
-        self.core = EngineCore(loaded, config)
+        # The core on a thread of this process, or in a child process (`core`: a CoreClient that is ready).
+        self.core: EngineCore | CoreClient = EngineCore(loaded, config) if core is None else core
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -60,17 +61,17 @@ class AsyncEngine:
 
     @property
     def model_info(self) -> ModelInfo:
-        core = self.core
-        backend = core.backend
+        facts = self.core.facts
+        assert facts is not None
         return ModelInfo(
             name=self.loaded.name,
-            context_length=core.max_model_len,
-            max_new_tokens=core.max_model_len - 1,
+            context_length=facts.max_model_len,
+            max_new_tokens=facts.max_model_len - 1,
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             device=str(self.loaded.device),
             vocab_size=self.loaded.vocab_size,
-            backend=f"{backend.name}: {backend.description}",
-            sliding_window=core.sliding_window or 0,
+            backend=f"{facts.backend_name}: {facts.backend_description}",
+            sliding_window=facts.sliding_window or 0,
         )
 
     @property
@@ -92,7 +93,7 @@ class AsyncEngine:
     async def start(self) -> None:
         """Warm up (one short generation, off the event loop), then start the step thread."""
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._warm_up)
+        await asyncio.to_thread(self.core.warm_up)
         self._thread = threading.Thread(
             target=self.core.run, args=(self._stop, self._emit), name="llmserve-engine", daemon=True
         )
@@ -192,12 +193,21 @@ class AsyncEngine:
         for handle, keep_generated in self._outputs.process(outputs):
             self.core.abort(handle, keep_generated)
 
-    def _warm_up(self) -> None:
-        """One short generation stepped on this thread, before the step thread starts."""
-        request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
-        handle = self.core.submit(request)
-        while True:
-            self.core.drain_inbox()
-            self.core.step()
-            if any(out.handle == handle and out.finished for out in self.core.take_outputs()):
-                return
+
+async def build_engine(
+    load: Callable[[], LoadedModel], config: EngineConfig, child: ChildSpec | None = None
+) -> AsyncEngine:
+    """The engine over the model `load` builds: with `child`, the core in an engine process of its own that loads
+    the model itself (`load` is then not called here), else on a thread of this process. Building takes seconds
+    (loading, KV allocation, weight packing, graph capture): it runs off the event loop. Cancelling it kills the
+    engine process."""
+    if child is None:
+        return await asyncio.to_thread(AsyncEngine, await asyncio.to_thread(load), config)
+    client = CoreClient(child)
+    try:
+        await asyncio.to_thread(client.wait_ready)
+    except asyncio.CancelledError:
+        client.kill()
+        raise
+    assert client.loaded is not None
+    return AsyncEngine(client.loaded, config, core=client)

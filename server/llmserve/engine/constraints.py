@@ -113,6 +113,10 @@ class ConstraintCompiler:
                 spec.field, f"did not compile within {self.timeout_s:g} s (--constraint-compile-timeout)"
             ) from None
 
+    def submit(self, spec: ConstraintSpec) -> concurrent.futures.Future[Compiled]:
+        """The compile of `spec` as a future (cached, shared, on a worker thread), without a time bound."""
+        return self._future(spec)
+
     def _future(self, spec: ConstraintSpec) -> concurrent.futures.Future[Compiled]:
         with self._lock:
             future = self._cache.get(spec)

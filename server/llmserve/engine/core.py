@@ -25,6 +25,7 @@ from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.commands import Abort, Add, Command, Emit, SessionQuery
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import ConstraintState
+from llmserve.engine.facts import CoreFacts, validate
 from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.outputs import EngineOutput, RequestStart
 from llmserve.engine.plan import StepPlan
@@ -32,9 +33,9 @@ from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import (
     FinishReason,
     GenerationRequest,
-    InvalidRequest,
     SeqStatus,
     Sequence,
+    StoppingParams,
     Timing,
     Usage,
 )
@@ -94,28 +95,37 @@ class EngineCore:
         self._failures = 0
         self.dead_reason: str | None = None
         self.steps = 0
+        self.facts = CoreFacts(  # what the front end checks requests against (facts.validate)
+            self.max_model_len,
+            self.sliding_window,
+            loaded.vocab_size,
+            self.pool.num_blocks,
+            config.block_size,
+            config.max_top_logprobs,
+            config.max_n,
+            self.backend.name,
+            self.backend.description,
+        )
 
     # -- called from any thread ------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
-        config = self.config
-        request.validate(self.loaded.vocab_size, self.max_model_len, config.max_top_logprobs, config.max_n)
-        total = len(request.prompt_token_ids) + request.stopping.max_new_tokens
-        if self.pool.blocks_for(total) > self.pool.num_blocks:
-            raise InvalidRequest(
-                "stopping.max_new_tokens",
-                f"prompt + max_new_tokens = {total} tokens never fits the KV pool "
-                f"({self.pool.num_blocks * self.pool.block_size} tokens)",
-            )
+        validate(request, self.facts)
 
     def submit(
-        self, request: GenerationRequest, constraint: ConstraintState | None = None, *, after: int | None = None
+        self,
+        request: GenerationRequest,
+        constraint: ConstraintState | None = None,
+        *,
+        after: int | None = None,
+        handle: int | None = None,
     ) -> int:
-        """Queue a validated request; returns the handle that its outputs carry and `abort` takes. A request with a
-        constraint comes with its compiled state (compiling is the front end's job, off this thread), which the step
-        thread alone advances from then on. `after`: the handle of an earlier request with the same prompt (completion
-        0 of an n > 1 request): this one is admitted only once that one's prompt KV is computed, and shares it."""
-        handle = next(self._handles)
+        """Queue a request (checked by facts.validate); returns the handle its outputs carry and `abort` takes, or
+        uses `handle` (a client that numbers requests itself, in increasing order: core_process.py). A constrained
+        request comes with its compiled state, which the step thread alone advances. `after`: the handle of
+        completion 0 of the same n > 1 request, whose prompt KV this one waits for and shares."""
+        if handle is None:
+            handle = next(self._handles)
         self._submitted += 1  # written by the submitting thread only; _drained by the step thread only
         self._inbox.put(Add(handle, request, time.monotonic(), constraint, after))
         self._wake.set()
@@ -191,6 +201,16 @@ class EngineCore:
         self._emit_pending(emit)
         self.close_tiers()
 
+    def warm_up(self) -> None:
+        """One short generation stepped on this thread, before the step loop starts (its outputs are dropped)."""
+        request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
+        handle = self.submit(request)
+        while True:
+            self.drain_inbox()
+            self.step()
+            if any(out.handle == handle and out.finished for out in self.take_outputs()):
+                return
+
     def close_tiers(self) -> None:
         """Write every hashed block still in the pool to the tiers and finish their writes (at shutdown, on the
         thread that stepped: a restarted server finds the conversations on disk). Idempotent."""
@@ -242,7 +262,7 @@ class EngineCore:
                 self._drained += 1
                 self._add(command)
             elif isinstance(command, SessionQuery):
-                command.reply.set_result(self._answer(command))
+                command.reply.set_result(self.sessions.answer(command.session_id, command.delete, self.tiers))
             elif (seq := self.scheduler.live.get(command.handle)) is not None:
                 if command.keep_generated is None:
                     self._finish(seq, FinishReason.CANCELLED)
@@ -252,19 +272,6 @@ class EngineCore:
                     self._finish(seq, FinishReason.STOP_SEQUENCE)
 
     # -- internals -------------------------------------------------------------------------------
-
-    def _answer(self, query: SessionQuery) -> SessionInfo | bool | None:
-        if query.delete:
-            return self.sessions.delete(query.session_id)
-        self.sessions.expire()
-        session = self.sessions.get(query.session_id)
-        if session is not None:
-            return SessionInfo(query.session_id, len(session.token_ids), session.last_used_wall)
-        departed = self.sessions.departed.get(query.session_id)
-        if departed is None or self.tiers is None:
-            return None
-        in_pool, in_tiers = self.tiers.where(departed[0], self.pool)  # evicted: what is left, and where
-        return SessionInfo(query.session_id, in_pool, departed[1], in_tiers) if in_pool or in_tiers else None
 
     def _emit_pending(self, emit: Emit) -> None:
         if self._outputs:

@@ -14,8 +14,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llmserve.engine.block_pool import BlockPool
+from llmserve.engine.protocol import SessionInfo
+
+if TYPE_CHECKING:
+    from llmserve.engine.kv_tiers.worker import KVTiers
 
 
 @dataclass(slots=True)
@@ -66,6 +71,21 @@ class SessionStore:
     def get(self, session_id: str) -> Session | None:
         """The session without touching its LRU position."""
         return self._sessions.get(session_id)
+
+    def answer(self, session_id: str, delete: bool, tiers: KVTiers | None) -> SessionInfo | bool | None:
+        """A session query's answer (commands.SessionQuery): with `delete`, whether anything was held; else the
+        session's state, or for one the pool evicted, what is left of it in the pool and in the tiers."""
+        if delete:
+            return self.delete(session_id)
+        self.expire()
+        session = self.get(session_id)
+        if session is not None:
+            return SessionInfo(session_id, len(session.token_ids), session.last_used_wall)
+        departed = self.departed.get(session_id)
+        if departed is None or tiers is None:
+            return None
+        in_pool, in_tiers = tiers.where(departed[0], self._pool)
+        return SessionInfo(session_id, in_pool, departed[1], in_tiers) if in_pool or in_tiers else None
 
     def owners(self) -> list[list[int]]:
         """Every session's block list, for BlockPool.check()."""

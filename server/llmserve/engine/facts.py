@@ -1,0 +1,38 @@
+"""What the front end knows of an engine core without asking it: its fixed facts, and the check of a request
+against them.
+
+The core states its facts once (`EngineCore.facts`); a core in a process of its own (core_process.py) sends them
+at start-up. Either way the front end validates a request against them on the caller's thread, before anything
+is queued. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmserve.engine.request import GenerationRequest, InvalidRequest
+
+
+@dataclass(slots=True, frozen=True)
+class CoreFacts:
+    max_model_len: int  # the context cap: the model's, the flag's or the sliding window's, whichever is least
+    sliding_window: int | None
+    vocab_size: int
+    num_blocks: int  # the KV pool's
+    block_size: int
+    max_top_logprobs: int
+    max_n: int
+    backend_name: str
+    backend_description: str
+
+
+def validate(request: GenerationRequest, facts: CoreFacts) -> None:
+    """Raise InvalidRequest naming the field when `request` cannot be served by this core."""
+    request.validate(facts.vocab_size, facts.max_model_len, facts.max_top_logprobs, facts.max_n)
+    total = len(request.prompt_token_ids) + request.stopping.max_new_tokens
+    if -(-total // facts.block_size) > facts.num_blocks:
+        raise InvalidRequest(
+            "stopping.max_new_tokens",
+            f"prompt + max_new_tokens = {total} tokens never fits the KV pool "
+            f"({facts.num_blocks * facts.block_size} tokens)",
+        )

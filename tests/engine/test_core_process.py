@@ -1,0 +1,162 @@
+"""The engine core in a process of its own (core_process.py, core_child.py, core_messages.py) behind AsyncEngine:
+the same tokens as the core on a thread, sessions, cancellation, stop strings and constraints across the pipe,
+the child's failures at start and when killed, and a clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import signal
+
+import pytest
+
+from llmserve.engine.async_engine import AsyncEngine, build_engine
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core_process import ChildSpec, CoreClient
+from llmserve.engine.request import (
+    ConstraintKind,
+    ConstraintSpec,
+    EngineDead,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
+from llmserve.models import load_model
+from llmserve.testing import tiny_model
+from tests.engine.engine_helpers import RUN_TIMEOUT_S, req, run
+
+CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
+LOAD = functools.partial(tiny_model, max_positions=512)
+
+
+async def spawned(load=LOAD, config: EngineConfig = CONFIG) -> AsyncEngine:  # noqa: ANN001
+    engine = await build_engine(load, config, ChildSpec(load, config))
+    await engine.start()
+    return engine
+
+
+async def wait_for(predicate, timeout: float = RUN_TIMEOUT_S) -> None:  # noqa: ANN001
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+def requests() -> list[GenerationRequest]:
+    seeded = [req(f"s{i}", [3, 4, 5 + i], sampling=SamplingParams(temperature=1.0, seed=i)) for i in range(3)]
+    greedy = [req(f"g{i}", list(range(1, 20 + 9 * i)), max_new=12) for i in range(4)]
+    return [*seeded, *greedy, req("n", [7, 8, 9], max_new=6, n=2, sampling=SamplingParams(temperature=0.8, seed=5))]
+
+
+async def test_the_engine_process_serves_what_the_thread_serves_and_keeps_its_books() -> None:
+    here = AsyncEngine(LOAD(), CONFIG)
+    await here.start()
+    try:
+        expected = await asyncio.gather(*(run(here, r) for r in requests()))
+    finally:
+        await here.shutdown()
+    engine = await spawned()
+    client = engine.core
+    assert isinstance(client, CoreClient)
+    try:
+        got = await asyncio.gather(*(run(engine, r) for r in requests()))
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+        assert [d[-1].finish_reason for _, d in got] == [FinishReason.LENGTH] * len(got)
+        assert [d[-1].usage for _, d in got] == [d[-1].usage for _, d in expected]
+        assert engine.model_info.context_length == 512 and engine.model_info.backend.startswith("cpu")
+
+        # Sessions: the child's books, asked through the pipe.
+        await run(engine, req("turn", [1, 2, 3, 4], max_new=5, session_id="conv"))
+        info = await engine.get_session("conv")
+        assert info is not None and info.cached_tokens == 4 + 5 - 1
+        assert engine.stats().sessions == 1
+        assert await engine.delete_session("conv") and await engine.get_session("conv") is None
+
+        # A caller that goes away mid-stream: the child frees what the request held.
+        stream = engine.generate(req("cancelled", [5] * 40, max_new=400))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await wait_for(lambda: engine.stats().kv_blocks_used == 0 and engine.num_running == 0)
+
+        # Shutdown: what still runs ends CANCELLED, and the child exits on its own.
+        long = asyncio.ensure_future(run(engine, req("long", [6] * 10, max_new=480)))
+        await wait_for(lambda: engine.num_running == 1)
+    finally:
+        await engine.shutdown()
+    _, deltas = await long
+    assert deltas[-1].finish_reason is FinishReason.CANCELLED
+    assert client.process.wait(10) == 0
+
+
+async def test_a_killed_engine_process_fails_its_requests_and_the_engine_reports_dead() -> None:
+    engine = await spawned()
+    client = engine.core
+    assert isinstance(client, CoreClient)
+    try:
+        running = asyncio.ensure_future(run(engine, req("doomed", [4] * 10, max_new=480)))
+        await wait_for(lambda: engine.num_running == 1)
+        os.kill(client.process.pid, signal.SIGKILL)
+        _, deltas = await running
+        assert deltas[-1].finish_reason is FinishReason.ERROR
+        assert "exit code -9" in (deltas[-1].error or "")
+        assert engine.dead and "exit code -9" in (engine.dead_reason or "")
+        with pytest.raises(EngineDead):
+            await run(engine, req("after", [1, 2], max_new=2))
+        with pytest.raises(EngineDead):
+            await engine.get_session("any")
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_child_that_cannot_start_raises_its_own_error() -> None:
+    load = functools.partial(load_model, "random:no-such-shape")
+    with pytest.raises(ValueError, match="no-such-shape"):
+        await build_engine(load, CONFIG, ChildSpec(load, CONFIG))
+
+
+@pytest.mark.real_model
+async def test_stop_strings_and_constraints_cross_the_process() -> None:
+    """The front end finds the stop string and stops the child's request at what the caller was sent (the session
+    keeps exactly that); a constraint compiled here is compiled again there, and the answer keeps to it."""
+    config = EngineConfig(block_size=16, kv_cache_tokens=8192, max_num_seqs=8, max_num_batched_tokens=256)
+    stopping = StoppingParams(max_new_tokens=40, stop_sequences=(" 6",))
+
+    async def stopped(engine: AsyncEngine) -> tuple[str, object, object]:
+        ids = tuple(engine.tokenizer.encode("Count: 1, 2, 3,"))
+        _, deltas = await run(engine, GenerationRequest("stop", ids, stopping=stopping, session_id="c"))
+        assert deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE
+        return "".join(d.text for d in deltas), deltas[-1].usage, await engine.get_session("c")
+
+    here = AsyncEngine(load_model(), config)
+    await here.start()
+    try:
+        text, usage, info = await stopped(here)
+    finally:
+        await here.shutdown()
+    assert text == " 4, 5,"
+    engine = await spawned(load_model, config)
+    try:
+        there = await stopped(engine)
+        assert there[:2] == (text, usage) and there[2].cached_tokens == info.cached_tokens
+
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        constraint = ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+        prompt = tuple(engine.tokenizer.encode("A JSON object with a number n:"))
+        answers = await asyncio.gather(
+            *(
+                run(engine, GenerationRequest(f"j{i}", prompt, stopping=StoppingParams(max_new_tokens=30),
+                                              sampling=SamplingParams(temperature=1.0, seed=i), constraint=constraint))
+                for i in range(3)
+            )
+        )  # fmt: skip
+        for _, deltas in answers:
+            if deltas[-1].finish_reason is FinishReason.CONSTRAINT:
+                assert isinstance(json.loads("".join(d.text for d in deltas))["n"], int)
+            else:
+                assert deltas[-1].finish_reason is FinishReason.LENGTH
+        assert any(d[-1].finish_reason is FinishReason.CONSTRAINT for _, d in answers)
+    finally:
+        await engine.shutdown()
