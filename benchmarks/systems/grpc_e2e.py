@@ -62,7 +62,8 @@ def server_command(
 class GrpcSystem(System):
     """The server in a subprocess, one shared client channel, one streaming call per request.
 
-    Peak memory is the server process's. The server's stderr goes to `log_path`.
+    Peak memory is the server process's and its engine process's (benchmarks/memory.py). The server's stderr goes
+    to `log_path`.
     """
 
     name = "llmserve_grpc"

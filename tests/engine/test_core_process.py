@@ -25,6 +25,7 @@ from llmserve.engine.request import (
     StoppingParams,
 )
 from llmserve.models import load_model
+from llmserve.telemetry.metrics import EngineCollector
 from llmserve.testing import tiny_model
 from tests.engine.engine_helpers import RUN_TIMEOUT_S, req, run
 
@@ -42,6 +43,14 @@ async def wait_for(predicate, timeout: float = RUN_TIMEOUT_S) -> None:  # noqa: 
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.02)
+
+
+def by_completion(deltas: list) -> dict[int, list[int]]:
+    """Each completion's tokens (an n > 1 stream interleaves them as they come)."""
+    tokens: dict[int, list[int]] = {}
+    for delta in deltas:
+        tokens.setdefault(delta.index, []).extend(delta.token_ids)
+    return tokens
 
 
 def requests() -> list[GenerationRequest]:
@@ -62,10 +71,16 @@ async def test_the_engine_process_serves_what_the_thread_serves_and_keeps_its_bo
     assert isinstance(client, CoreClient)
     try:
         got = await asyncio.gather(*(run(engine, r) for r in requests()))
-        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+        assert [by_completion(d) for _, d in got] == [by_completion(d) for _, d in expected]
         assert [d[-1].finish_reason for _, d in got] == [FinishReason.LENGTH] * len(got)
-        assert [d[-1].usage for _, d in got] == [d[-1].usage for _, d in expected]
+        # (cached_prompt_tokens depends on which prompt's blocks were cached first: timing, not the process)
+        usage = [[(d[-1].usage.prompt_tokens, d[-1].usage.completion_tokens) for _, d in r] for r in (got, expected)]
+        assert usage[0] == usage[1]
         assert engine.model_info.context_length == 512 and engine.model_info.backend.startswith("cpu")
+        # The scrape reports the engine process's memory (this process's own is process_resident_memory_bytes).
+        gauges = {m.name: m.samples[0].value for m in EngineCollector(lambda: engine, lambda: 0).collect()}
+        assert engine.engine_pid == client.process.pid != os.getpid()
+        assert gauges["llmserve_engine_process_resident_memory_bytes"] > 10 * 2**20
 
         # Sessions: the child's books, asked through the pipe.
         await run(engine, req("turn", [1, 2, 3, 4], max_new=5, session_id="conv"))

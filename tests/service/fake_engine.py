@@ -58,6 +58,10 @@ class FakeEngine:
         return self.dead_reason is not None
 
     @property
+    def engine_pid(self) -> int | None:
+        return None
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 

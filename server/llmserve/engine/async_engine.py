@@ -83,6 +83,11 @@ class AsyncEngine:
         return self.core.dead_reason
 
     @property
+    def engine_pid(self) -> int | None:
+        core = self.core
+        return core.process.pid if isinstance(core, CoreClient) else None
+
+    @property
     def num_running(self) -> int:
         return self.core.num_running
 

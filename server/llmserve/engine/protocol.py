@@ -70,6 +70,9 @@ class Engine(Protocol):
     def dead_reason(self) -> str | None: ...
 
     @property
+    def engine_pid(self) -> int | None: ...  # the engine process's, when the core runs in one of its own
+
+    @property
     def num_running(self) -> int: ...
 
     @property

@@ -10,6 +10,7 @@ reasons and eviction causes (fixed sets), and the server's own build and model.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import threading
 from collections.abc import Callable, Iterator
@@ -190,6 +191,10 @@ class EngineCollector(Collector):
         model.add_metric([info.name, info.dtype, info.device], 1)
         yield model
         yield _gauge(f"{p}_model_context_length_tokens", "The served context length", info.context_length)
+        pid = engine.engine_pid
+        if pid is not None and (rss := _resident_bytes(pid)) is not None:
+            # process_resident_memory_bytes is this process's; the weights and the KV cache live in the engine's.
+            yield _gauge(f"{p}_engine_process_resident_memory_bytes", "Resident memory of the engine process", rss)
         s = engine.stats()
         yield _gauge(f"{p}_requests_running", "Requests in the running batch", s.running)
         yield _gauge(f"{p}_requests_waiting", "Requests waiting for the engine to take them", s.waiting)
@@ -221,6 +226,14 @@ class EngineCollector(Collector):
         )
         if s.kv_tiers is not None:
             yield from _tier_metrics(s.kv_tiers)
+
+
+def _resident_bytes(pid: int) -> int | None:
+    try:
+        pages = int(open(f"/proc/{pid}/statm").read().split()[1])
+    except (OSError, ValueError, IndexError):  # gone, or not Linux
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 # The KV tiers' counters (kv_tiers.index.TierCounters fields), labelled by tier (host, disk).
