@@ -144,10 +144,13 @@ def measure_engine_process(
     """Pass times of the child's step loop with every request streamed through the front end in this process."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
+        # By the module's name: run as a script, this file is __main__, which the child cannot import.
+        from benchmarks.probes import host_overhead as probe
+
         spec = ChildSpec(
-            functools.partial(probe_model, tokenizer),
+            functools.partial(probe.probe_model, tokenizer),
             config,
-            prepare=functools.partial(prepare_child, backend, batch, steps, out),
+            prepare=functools.partial(probe.prepare_child, backend, batch, steps, out),
         )
         client = CoreClient(spec)
         client.wait_ready()

@@ -61,9 +61,12 @@ class CoreClient:
         # A fresh interpreter on two pipes (not multiprocessing's spawn, which re-runs the parent's __main__).
         commands_in, commands_out = os.pipe()
         events_in, events_out = os.pipe()
+        # It imports what this process imports (as multiprocessing's spawn does): the ChildSpec's functions too.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "llmserve.engine.core_child", str(commands_in), str(events_out)],
             pass_fds=(commands_in, events_out),
+            env=env,
         )
         os.close(commands_in)
         os.close(events_out)
