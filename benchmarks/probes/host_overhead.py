@@ -45,6 +45,7 @@ from llmserve.engine.backends import create_backend  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core import EngineCore  # noqa: E402
 from llmserve.engine.core_process import ChildSpec, CoreClient  # noqa: E402
+from llmserve.engine.output_processor import OutputProcessor  # noqa: E402
 from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
 from llmserve.models import LoadedModel, from_config  # noqa: E402
 from llmserve.testing import tiny_config  # noqa: E402
@@ -159,8 +160,14 @@ def measure_engine_process(
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True).start()
         asyncio.run_coroutine_threadsafe(engine.start(), loop).result()
+        # The tokenizer's facts first (a scan of its vocabulary, once): the child steps while requests arrive, and
+        # the first must not run alone to its end while that scan holds up the others.
+        OutputProcessor(client.loaded.tokenizer).add(0, requests[0], lambda delta: None)
         stop = submit_through_front_end(engine, requests, loop)
+        deadline = time.monotonic() + 300
         while not out.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine process did not time {steps} steps of {batch} decoding sequences")
             time.sleep(0.05)
         times = json.loads(out.read_text())
         stop()
