@@ -1,8 +1,10 @@
-"""The asyncio front end of the engine: `generate()` streams a request's deltas; the step loop runs on a thread.
+"""The asyncio front end of the engine: `generate()` streams a request's deltas; the step loop runs elsewhere.
 
-The step thread hands each step's token outputs to the event loop in one call; there the output processor
+The core runs on a thread of this process (`EngineCore`) or in an engine process of its own (`CoreClient`,
+core_process.py; what `python -m llmserve` does, see `build_engine`); this class drives either the same way. The
+step loop hands each pass's token outputs to the event loop in one call; there the output processor
 (output_processor.py) turns them into deltas (text, stop strings) and routes each to its stream. Detokenizing
-costs the event loop, not the thread that feeds the device.
+costs the event loop, not the thread that feeds the device, and with an engine process not even its GIL.
 """
 
 from __future__ import annotations

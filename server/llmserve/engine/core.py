@@ -6,7 +6,8 @@ execute (the backend: one forward, the rows that sample), update the books, coll
 callback it is given, once per pass; the front end (async_engine.py with output_processor.py) owns text,
 stop strings and the caller's deltas. The step thread owns all engine state and takes no lock: other threads
 only put commands in the inbox, session queries too (`SessionQuery`, answered through a future when the
-inbox is next drained), and read `stats()`.
+inbox is next drained), and read `stats()`. The loop runs on a thread of the server's process, or in an engine
+process of its own (core_child.py, driven through core_process.py).
 """
 
 from __future__ import annotations
