@@ -9,6 +9,8 @@ import functools
 import json
 import os
 import signal
+import threading
+import time
 
 import pytest
 
@@ -175,3 +177,30 @@ async def test_stop_strings_and_constraints_cross_the_process() -> None:
         assert any(d[-1].finish_reason is FinishReason.CONSTRAINT for _, d in answers)
     finally:
         await engine.shutdown()
+
+
+async def test_a_front_end_that_falls_behind_gets_the_passes_merged() -> None:
+    """An emit that takes longer than a step: the passes that queued meanwhile come as one batch, in order, and
+    no token is lost."""
+    client = CoreClient(ChildSpec(LOAD, CONFIG))
+    await asyncio.to_thread(client.wait_ready)
+    batches: list[list] = []
+
+    def slow_emit(outputs: list) -> None:
+        batches.append(outputs)
+        time.sleep(0.05)
+
+    stop = threading.Event()
+    runner = threading.Thread(target=client.run, args=(stop, slow_emit))
+    runner.start()
+    try:
+        handles = [client.submit(req(f"r{i}", [3, 4, 5 + i], max_new=60)) for i in range(4)]
+        await wait_for(lambda: sum(o.finish_reason is not None for b in batches for o in b) == 4)
+    finally:
+        stop.set()
+        client.wake()
+        await asyncio.to_thread(runner.join)
+    tokens = {h: [t for b in batches for o in b if o.handle == h for t in o.token_ids] for h in handles}
+    assert all(len(t) == 60 for t in tokens.values())
+    assert len(batches) < 60  # 60 passes at least, merged into fewer batches
+    assert any(len({o.handle for o in b}) < len(b) for b in batches)  # a batch held two passes of one request

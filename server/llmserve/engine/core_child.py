@@ -4,7 +4,7 @@ It reads its ChildSpec, builds the core (the model loads here), warms up, says R
 loop until the parent says Stop or goes away. Three threads: the step loop; the command thread, which puts each
 command from the parent into the core's inbox (compiling a request's constraint first, on the compiler's workers,
 so that a slow grammar delays only its own request); the sender, which pickles and writes the messages, so that
-the step loop never waits for the front end to read.
+the step loop does not wait for the front end to read (unless the front end is OUTBOX_PASSES behind).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from llmserve.engine.protocol import SessionInfo
 from llmserve.engine.request import FinishReason, Usage
 from llmserve.telemetry.request_log import configure_logging
 
+# Messages the sender may hold before the step loop waits: a front end this far behind (seconds of passes) slows
+# the engine down to its own pace instead of buffering without end.
+OUTBOX_PASSES = 1024
+
 if TYPE_CHECKING:
     from llmserve.engine.constraints import Compiled, ConstraintCompiler
     from llmserve.engine.core import EngineCore
@@ -40,10 +44,10 @@ def _child_main(commands: Connection, events: Connection) -> None:
     # stops, and tells it (or goes away, which closes the pipe). SIGKILL still ends it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # The step thread never waits for the front end (as on a thread of one process, where it hands each pass to
+    # The step thread does not wait for the front end (as on a thread of one process, where it hands each pass to
     # the event loop and goes on): messages queue here and a sender thread pickles and writes them, so a pipe
-    # that the parent empties slowly blocks the sender, not the step loop.
-    outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+    # that the parent empties slowly blocks the sender, not the step loop, up to OUTBOX_PASSES messages.
+    outbox: queue.Queue[object] = queue.Queue(OUTBOX_PASSES)
     send = outbox.put
     sender = threading.Thread(target=_send_all, args=(outbox, events), name="llmserve-events", daemon=True)
     sender.start()
@@ -79,7 +83,7 @@ def _child_main(commands: Connection, events: Connection) -> None:
     events.close()
 
 
-def _send_all(outbox: queue.SimpleQueue[object], events: Connection) -> None:
+def _send_all(outbox: queue.Queue[object], events: Connection) -> None:
     while True:
         message = outbox.get()
         try:

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 # How long the child may take to load the model and warm up, and to end after Stop, before it is killed.
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
+# The most outputs of passes that queued up handed to the front end as one batch.
+MAX_MERGED = 4096
 
 
 class CoreClient:
@@ -170,20 +172,32 @@ class CoreClient:
         return self._stats
 
     def run(self, stop: threading.Event, emit: Emit) -> None:
-        """On the front end's engine thread: hand each of the child's passes to `emit` until the child ends."""
+        """On the front end's engine thread: hand the child's passes to `emit` until the child ends. Passes that
+        arrived while the front end was busy go out as one (at most MAX_MERGED outputs): a front end slower than
+        the step loop catches up by handling fewer, fuller batches (and its streams fewer, fuller deltas)."""
         self._stop = stop
         if stop.is_set():
             self.wake()
+        merged: list[EngineOutput] = []
         while True:
+            if merged and (len(merged) >= MAX_MERGED or not self._events.poll(0)):
+                emit(merged)
+                merged = []
             try:
                 message = self._events.recv()
             except (EOFError, OSError):
+                if merged:
+                    emit(merged)
                 self._lost(emit)
                 return
             if isinstance(message, messages.Outputs):
                 self._running, self.dead_reason, self._stats = message.running, message.dead_reason, message.stats
-                emit(self._decode(message.items))
-            elif isinstance(message, messages.Reply):
+                merged.extend(self._decode(message.items))
+                continue
+            if merged:  # what came before a reply or the end goes out first
+                emit(merged)
+                merged = []
+            if isinstance(message, messages.Reply):
                 future = self._pending.pop(message.number, None)
                 if future is not None:
                     future.set_result(message.answer)
