@@ -6,7 +6,9 @@ import os
 
 from llmserve.process import configure_process
 
-configure_process()  # as `python -m llmserve` does: before torch is imported
+configure_process(
+    shared_cores=True
+)  # as `python -m llmserve` does, before torch is imported; two workers share the cores
 # Triton kernels run through Triton's interpreter on the CPU (tests/engine/backends/test_triton_attention.py). Triton
 # decides per kernel, and for its own library once, when it is first imported, which torch may do early.
 os.environ.setdefault("TRITON_INTERPRET", "1")
