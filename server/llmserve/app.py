@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib
 import logging
 import signal
 import socket
@@ -343,10 +344,8 @@ def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
 async def run(config: Config) -> int:
     """Serve until SIGTERM or SIGINT (return 0) or until the engine dies (return EXIT_ENGINE_DEAD),
     draining in-flight streams before returning."""
-    # Imported here so that `--help` and config errors answer without loading torch.
-    from llmserve.engine.async_engine import build_engine
-    from llmserve.engine.core_process import ChildSpec
-    from llmserve.models import load_model
+    # Imported here so that `--help` and config errors answer without loading torch (core_process loads none).
+    from llmserve.engine.core_process import ChildSpec, CoreClient, load_served_model
 
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
@@ -372,12 +371,14 @@ async def run(config: Config) -> int:
         return EXIT_STORE_UNAVAILABLE
     m = config.model
     cache_root = Path(m.cache_dir) if m.cache_dir else None
-    load = functools.partial(load_model, m.spec, device=m.device, dtype=m.dtype, cache_root=cache_root)
-    where = "in the engine process" if m.engine_process else "in this process"
-    log.info("loading model %s on %s, %s", m.spec or "(default)", m.device, where)
-    # The child loads the model and builds the core, this process keeps the front end; or both here.
+    load = functools.partial(load_served_model, m.spec, device=m.device, dtype=m.dtype, cache_root=cache_root)
+    # The engine process starts before this process imports torch, so that their imports and loads overlap.
     child = ChildSpec(load, config.engine, config.server.log_level, config.server.log_format)
-    building = asyncio.ensure_future(build_engine(load, config.engine, child if m.engine_process else None))
+    client = CoreClient(child) if m.engine_process else None
+    # torch loads off the event loop (seconds), meanwhile health answers NOT_SERVING.
+    engines = await asyncio.to_thread(importlib.import_module, "llmserve.engine.async_engine")
+    log.info("loading model %s on %s%s", m.spec or "(default)", m.device, " in the engine process" if client else "")
+    building = asyncio.ensure_future(engines.build_engine(load, config.engine, client))
     stopping = asyncio.ensure_future(stop.wait())
     dying = asyncio.ensure_future(server.engine_died.wait())
     try:

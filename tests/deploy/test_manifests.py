@@ -49,7 +49,7 @@ def exported_metric_names() -> set[str]:
     """The families a server exports, with an engine stand-in for the engine's book-keeping."""
     stats = EngineStats(0, 0, 1, 0, 0, 16, 0, 0, 0, 0, 0, {"memory": 0}, 0)
     info = SimpleNamespace(name="m", dtype="float32", device="cpu", context_length=8)
-    engine = SimpleNamespace(dead=False, model_info=info, stats=lambda: stats)
+    engine = SimpleNamespace(dead=False, model_info=info, stats=lambda: stats, engine_pid=None)
     metrics = ServerMetrics("r", lambda: 0, lambda: engine)  # type: ignore[arg-type,return-value]
     return {family.name for family in metrics.registry.collect()}
 

@@ -17,7 +17,7 @@ from typing import Any
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import Compiled, ConstraintCompiler
 from llmserve.engine.core import EngineCore
-from llmserve.engine.core_process import ChildSpec, CoreClient
+from llmserve.engine.core_process import CoreClient
 from llmserve.engine.fanout import Merger, split
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.outputs import EngineOutput
@@ -202,15 +202,14 @@ class AsyncEngine:
 
 
 async def build_engine(
-    load: Callable[[], LoadedModel], config: EngineConfig, child: ChildSpec | None = None
+    load: Callable[[], LoadedModel], config: EngineConfig, client: CoreClient | None = None
 ) -> AsyncEngine:
-    """The engine over the model `load` builds: with `child`, the core in an engine process of its own that loads
-    the model itself (`load` is then not called here), else on a thread of this process. Building takes seconds
-    (loading, KV allocation, weight packing, graph capture): it runs off the event loop. Cancelling it kills the
-    engine process."""
-    if child is None:
+    """The engine over the model `load` builds: with `client` (started already), the core in its engine process,
+    which loads the model itself (`load` is then not called here); else on a thread of this process. Building takes
+    seconds (loading, KV allocation, weight packing, graph capture): it runs off the event loop. Cancelling it
+    kills the engine process."""
+    if client is None:
         return await asyncio.to_thread(AsyncEngine, await asyncio.to_thread(load), config)
-    client = CoreClient(child)
     try:
         await asyncio.to_thread(client.wait_ready)
     except asyncio.CancelledError:

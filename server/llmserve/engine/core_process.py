@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmserve.engine import core_messages as messages
 from llmserve.engine.commands import Abort, Add, Emit
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from llmserve.engine.constraints import ConstraintState
     from llmserve.models import LoadedModel
 
-__all__ = ["ChildSpec", "CoreClient"]
+__all__ = ["ChildSpec", "CoreClient", "load_served_model"]
 
 log = logging.getLogger(__name__)
 
@@ -262,3 +262,11 @@ class CoreClient:
         for future in list(self._pending.values()):
             future.set_exception(EngineDead(reason))
         self._pending.clear()
+
+
+def load_served_model(*args: Any, **kwargs: Any) -> LoadedModel:
+    """llmserve.models.load_model, imported when called: a ChildSpec's `load` that this process can name without
+    loading torch (the server starts its engine process before it imports the rest)."""
+    from llmserve.models import load_model
+
+    return load_model(*args, **kwargs)
