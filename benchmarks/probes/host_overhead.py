@@ -188,8 +188,6 @@ def measure(
 ) -> dict[str, float]:
     """Median and P90 host milliseconds per decode step with `batch` sequences running (detokenized with
     `tokenizer` where the engine does that, when one is given)."""
-    loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
-    loaded.tokenizer = tokenizer
     config = EngineConfig(
         block_size=16,
         kv_cache_tokens=batch * (prompt + steps + 64) + 1024,
@@ -212,6 +210,8 @@ def measure(
     if engine_process:
         times = sorted(measure_engine_process(batch, backend, steps, config, tokenizer is not None, requests))
         return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * len(times))]}
+    loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
+    loaded.tokenizer = tokenizer
     engine = AsyncEngine(loaded, config) if front_end else None
     core = engine.core if engine is not None else EngineCore(loaded, config)
     if backend.startswith("cuda-path"):  # the CUDA backend's decode path (graph buffers, eager), on the CPU

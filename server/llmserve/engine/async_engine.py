@@ -47,15 +47,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs = OutputProcessor(loaded.tokenizer)  # used on the event loop only
-        self.constraints: ConstraintCompiler | None = None
-        if loaded.tokenizer is not None:
-            self.constraints = ConstraintCompiler(
-                loaded.tokenizer,
-                loaded.vocab_size,
-                loaded.eos_token_ids,
-                cache_size=config.constraint_cache_size,
-                timeout_s=config.constraint_compile_timeout_s,
-            )
+        self.constraints = ConstraintCompiler.for_model(loaded, config)
 
     @property
     def tokenizer(self) -> Any:  # a transformers tokenizer, or None for random-weight models

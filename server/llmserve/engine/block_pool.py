@@ -70,6 +70,11 @@ def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     return digest.digest()
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks of `block_size` tokens hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
 class BlockPool:
     """A fixed set of `num_blocks` KV blocks of `block_size` token slots each."""
 
@@ -108,7 +113,7 @@ class BlockPool:
 
     def blocks_for(self, num_tokens: int) -> int:
         """How many blocks hold `num_tokens` tokens."""
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def lookup(self, block_hash: BlockHash, parent: BlockHash | None, tokens: Sequence[int]) -> int | None:
         """The block, owned or cached, that holds exactly these tokens after this parent, if any.

@@ -93,6 +93,19 @@ class ConstraintCompiler:
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
     compiles: int = 0  # compiles started (cache misses), for tests and the benchmark
 
+    @classmethod
+    def for_model(cls, loaded: Any, config: Any) -> ConstraintCompiler | None:
+        """The compiler for a LoadedModel under an EngineConfig's bounds; None when the model has no tokenizer."""
+        if loaded.tokenizer is None:
+            return None
+        return cls(
+            loaded.tokenizer,
+            loaded.vocab_size,
+            loaded.eos_token_ids,
+            cache_size=config.constraint_cache_size,
+            timeout_s=config.constraint_compile_timeout_s,
+        )
+
     async def compile(self, spec: ConstraintSpec) -> Compiled:
         """The compiled form of `spec`, from the cache or from a worker thread; raises InvalidRequest."""
         future = self._future(spec)

@@ -72,10 +72,7 @@ def _child_main(commands: Connection, events: Connection) -> None:
     )
     receiver.start()
 
-    def emit(outputs: list[EngineOutput]) -> None:
-        send(Outputs(encode(outputs), core.num_running, core.num_waiting, core.dead_reason, core.stats()))
-
-    core.run(stop, emit)
+    core.run(stop, lambda outputs: send(_outputs(core, outputs)))
     if compiler is not None:
         compiler.close()
     send(Bye())
@@ -94,24 +91,20 @@ def _send_all(outbox: queue.Queue[object], events: Connection) -> None:
             return
 
 
+def _outputs(core: EngineCore, outputs: list[EngineOutput]) -> Outputs:
+    """A pass's outputs as they travel, with the core's state of that moment."""
+    return Outputs(encode(outputs), core.dead_reason, core.stats())
+
+
 def _build(spec: ChildSpec) -> tuple[EngineCore, Any]:
     from llmserve.engine.constraints import ConstraintCompiler
     from llmserve.engine.core import EngineCore
 
     loaded = spec.load()
-    config = spec.config
-    core = EngineCore(loaded, config)
+    core = EngineCore(loaded, spec.config)
     if spec.prepare is not None:
         spec.prepare(core)
-    compiler = None
-    if loaded.tokenizer is not None:
-        compiler = ConstraintCompiler(
-            loaded.tokenizer,
-            loaded.vocab_size,
-            loaded.eos_token_ids,
-            cache_size=config.constraint_cache_size,
-            timeout_s=config.constraint_compile_timeout_s,
-        )
+    compiler = ConstraintCompiler.for_model(loaded, spec.config)
     core.warm_up()
     return core, compiler
 
@@ -177,10 +170,9 @@ class _Commands:
             else:
                 self.core.submit(request, state, after=command.after, handle=command.handle)
                 return
-        core = self.core
         usage = Usage(len(request.prompt_token_ids), 0, 0)
         ended = EngineOutput(command.handle, request.request_id, [], finish_reason=reason, usage=usage, error=error)
-        self.send(Outputs([ended], core.num_running, core.num_waiting, core.dead_reason, core.stats()))
+        self.send(_outputs(self.core, [ended]))
 
 
 if __name__ == "__main__":

@@ -57,10 +57,8 @@ Item = tuple[int, list[int]] | EngineOutput
 @dataclass(slots=True, frozen=True)
 class Outputs:
     items: list[Item]
-    running: int
-    waiting: int
     dead_reason: str | None
-    stats: EngineStats
+    stats: EngineStats  # its running count is the client's num_running
 
 
 @dataclass(slots=True, frozen=True)

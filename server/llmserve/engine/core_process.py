@@ -54,9 +54,9 @@ MAX_MERGED = 4096
 class CoreClient:
     """The front end's side of a core in a child process; `AsyncEngine(core=...)` drives it like an EngineCore.
 
-    `start` returns at once; `wait_ready` (seconds: the child loads the model) raises RuntimeError when the child
-    failed or exited. Thread-safety as EngineCore's: any thread may submit, abort, query and read stats; one
-    thread runs `run`.
+    The constructor starts the child and returns at once; `wait_ready` (seconds: the child loads the model) raises
+    RuntimeError when the child failed or exited. Thread-safety as EngineCore's: any thread may submit, abort,
+    query and read stats; one thread runs `run`.
     """
 
     def __init__(self, spec: ChildSpec) -> None:
@@ -86,14 +86,13 @@ class CoreClient:
         self.loaded: LoadedModel | None = None
         self.facts: CoreFacts | None = None
         self._stats: EngineStats | None = None
-        self._running = 0
         self.dead_reason: str | None = None
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._events.poll(0.2):
             if self.process.poll() is not None:
-                raise RuntimeError(f"the engine process exited (exit code {self.process.returncode}) while starting")
+                raise self._exited_while_starting()
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"the engine process did not start within {timeout_s:g} s")
@@ -101,9 +100,7 @@ class CoreClient:
             message = self._events.recv()
         except (EOFError, OSError):
             self._join()
-            raise RuntimeError(
-                f"the engine process exited (exit code {self.process.returncode}) while starting"
-            ) from None
+            raise self._exited_while_starting() from None
         if isinstance(message, messages.Failed):
             self._join()
             if message.exception is not None:
@@ -113,10 +110,6 @@ class CoreClient:
         self.loaded, self.facts, self._stats = message.loaded, message.facts, message.stats
 
     # -- EngineCore's interface, as AsyncEngine uses it --------------------------------------------
-
-    @property
-    def max_model_len(self) -> int:
-        return self._facts().max_model_len
 
     def validate(self, request: GenerationRequest) -> None:
         validate(request, self._facts())
@@ -159,12 +152,12 @@ class CoreClient:
 
     @property
     def num_running(self) -> int:
-        return self._running
+        return 0 if self.dead_reason is not None else self.stats().running  # a dead core runs nothing
 
     @property
     def num_waiting(self) -> int:
         """Requests sent and not yet running, as of the child's last report (a pass late at most)."""
-        return max(0, len(self._live) - self._running)
+        return max(0, len(self._live) - self.num_running)
 
     def stats(self) -> EngineStats:
         """The child's stats as of its last pass (or reply)."""
@@ -191,7 +184,7 @@ class CoreClient:
                 self._lost(emit)
                 return
             if isinstance(message, messages.Outputs):
-                self._running, self.dead_reason, self._stats = message.running, message.dead_reason, message.stats
+                self.dead_reason, self._stats = message.dead_reason, message.stats
                 merged.extend(self._decode(message.items))
                 continue
             if merged:  # what came before a reply or the end goes out first
@@ -212,6 +205,9 @@ class CoreClient:
         self._join()
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _exited_while_starting(self) -> RuntimeError:
+        return RuntimeError(f"the engine process exited (exit code {self.process.returncode}) while starting")
 
     def _join(self) -> None:
         try:
@@ -257,7 +253,6 @@ class CoreClient:
         log.error("engine is dead: %s", reason)
         with self._live_lock:
             live, self._live = self._live, {}
-        self._running = 0
         emit([EngineOutput(h, rid, [], finish_reason=FinishReason.ERROR, error=reason) for h, rid in live.items()])
         for future in list(self._pending.values()):
             future.set_exception(EngineDead(reason))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmserve.engine.block_pool import blocks_for
 from llmserve.engine.request import GenerationRequest, InvalidRequest
 
 
@@ -30,7 +31,7 @@ def validate(request: GenerationRequest, facts: CoreFacts) -> None:
     """Raise InvalidRequest naming the field when `request` cannot be served by this core."""
     request.validate(facts.vocab_size, facts.max_model_len, facts.max_top_logprobs, facts.max_n)
     total = len(request.prompt_token_ids) + request.stopping.max_new_tokens
-    if -(-total // facts.block_size) > facts.num_blocks:
+    if blocks_for(total, facts.block_size) > facts.num_blocks:
         raise InvalidRequest(
             "stopping.max_new_tokens",
             f"prompt + max_new_tokens = {total} tokens never fits the KV pool "
