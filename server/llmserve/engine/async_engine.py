@@ -66,6 +66,7 @@ class AsyncEngine:
             vocab_size=self.loaded.vocab_size,
             backend=f"{facts.backend_name}: {facts.backend_description}",
             sliding_window=facts.sliding_window or 0,
+            eos_token_ids=self.loaded.eos_token_ids,
         )
 
     @property

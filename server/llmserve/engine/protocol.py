@@ -23,6 +23,7 @@ class ModelInfo:
     vocab_size: int
     backend: str = ""  # which path serves, and how (the backend's name and one-line description)
     sliding_window: int = 0  # the model's attention window, 0 for none; the context is capped at it
+    eos_token_ids: tuple[int, ...] = ()  # the tokens that end a generation (unless a request ignores EOS)
 
 
 @dataclass(slots=True)

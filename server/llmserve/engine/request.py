@@ -274,6 +274,7 @@ class Delta:
     error: str | None = None
     index: int = 0  # the completion it belongs to (0 unless the request asked for n > 1)
     total_usage: Usage | None = None  # on an n > 1 request's very last delta: the prompt once, completions summed
+    matched_stop: str | None = None  # the stop sequence that ended it (finish STOP_SEQUENCE)
 
     @property
     def finished(self) -> bool:
@@ -296,6 +297,7 @@ class Delta:
             later.error,
             self.index,
             later.total_usage,
+            later.matched_stop,
         )
 
 
