@@ -30,7 +30,10 @@ MESSAGES = [
 ]
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["city", "population"],
     "additionalProperties": False,
 }
@@ -106,7 +109,8 @@ def test_a_streamed_greedy_chat_equals_llmserves_own_generate_token_for_token(
     assert text == "".join(r.text for r in own)
     assert usage.completion_tokens == len(own_ids) == own[-1].usage.completion_tokens
     assert usage.prompt_tokens == own[-1].usage.prompt_tokens
-    assert last.finish_reason == {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "stop"}[own[-1].finish_reason]
+    finish = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "stop"}
+    assert last.finish_reason == finish[own[-1].finish_reason]
     # Token for token: the gateway's per-token logprob entries name the same tokens llmserve generated.
     response = sdk.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=24, logprobs=True)
     tokens = [entry.token for entry in response.choices[0].logprobs.content]
@@ -132,9 +136,7 @@ def test_a_seed_gives_llmserves_own_sampled_answer_and_n_2_gives_two(
     again, _, _ = stream_text(sdk, model, temperature=1.0, seed=7, max_tokens=12)
     own = "".join(r.text for r in own_generate(replica, temperature=1.0, seed=7, max_new_tokens=12))
     assert first == again == own
-    response = sdk.chat.completions.create(
-        model=model, messages=MESSAGES, n=2, temperature=1.0, seed=7, max_tokens=12
-    )
+    response = sdk.chat.completions.create(model=model, messages=MESSAGES, n=2, temperature=1.0, seed=7, max_tokens=12)
     texts = [choice.message.content for choice in sorted(response.choices, key=lambda c: c.index)]
     # Completion i samples with seed + i, as llmserve's own n completions do.
     own_n = own_generate(replica, temperature=1.0, seed=7, max_new_tokens=12, n=2)
