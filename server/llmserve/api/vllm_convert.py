@@ -76,6 +76,8 @@ def to_llmserve_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:
         out.token_ids.ids.extend(request.tokenized.input_ids)
     elif kind == "text":
         out.text = request.text
+    else:
+        raise InvalidRequest("input", "set one of tokenized, text")
     sampling = out.sampling
     sampling.temperature = s.temperature if s.HasField("temperature") else DEFAULT_TEMPERATURE
     if s.top_p != 0.0:

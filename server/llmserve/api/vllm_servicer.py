@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -32,6 +33,8 @@ from llmserve.engine.request import InvalidRequest
 
 if TYPE_CHECKING:
     from llmserve.engine.protocol import Engine
+
+log = logging.getLogger("llmserve")
 
 VLLM_SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 SERVER_TYPE = "vllm-grpc"  # what GetServerInfo calls this server (vLLM's own says the same)
@@ -119,7 +122,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         info, tokenizer = engine.model_info, engine.tokenizer
         # tokenizer_path: a folder this server wrote, which a gateway on the same machine reads as it is; one
         # elsewhere (another pod) finds no such folder and asks GetTokenizer for the same files.
-        folder = "" if tokenizer is None else str((await self._tokenizer.get(tokenizer, info.eos_token_ids)).folder)
+        files = None if tokenizer is None else await self._tokenizer_files(engine)
+        folder = "" if files is None else str(files.folder)
         return vpb.GetModelInfoResponse(
             served_model_name=info.name,
             is_generation=True,
@@ -172,9 +176,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         engine = self._edge.ready_engine()
         if engine.tokenizer is None:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the model has no tokenizer (random weights)")
-        files = await self._tokenizer.get(engine.tokenizer, engine.model_info.eos_token_ids)
+        files = await self._tokenizer_files(engine)
+        if files is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the tokenizer cannot be written as files")
         for part, digest in tokenizer_files.chunks(files.zip_bytes, files.sha256):
             yield common_pb2.GetTokenizerChunk(data=part, sha256=digest)
+
+    async def _tokenizer_files(self, engine: Engine) -> tokenizer_files.TokenizerFiles | None:
+        try:
+            return await self._tokenizer.get(engine.tokenizer, engine.model_info.eos_token_ids)
+        except Exception:  # a tokenizer transformers cannot save: gateways must bring their own
+            log.exception("the tokenizer could not be written as files for gateways")
+            return None
 
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # no tensor library here, not even for types (the edge and the config import this module)
@@ -285,20 +285,9 @@ class Delta:
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
-        return Delta(
-            self.request_id,
-            self.token_ids + later.token_ids,
-            self.text + later.text,
-            logprobs,
-            later.finish_reason,
-            later.usage,
-            later.timing,
-            later.seed,
-            later.error,
-            self.index,
-            later.total_usage,
-            later.matched_stop,
-        )
+        # The later delta's finish facts; the token ids, text and logprobs of both.
+        tokens, text = self.token_ids + later.token_ids, self.text + later.text
+        return replace(later, token_ids=tokens, text=text, logprobs=logprobs, index=self.index)
 
 
 @dataclass(slots=True)
