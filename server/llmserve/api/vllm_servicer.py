@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from llmserve.api.errors import ServiceError
 from llmserve.api.servicer import Call, GenerateServicer
 from llmserve.api.vllm_convert import Completion, chunk, complete, in_vllm_terms, to_llmserve_request
 from llmserve.auth import caller_identity
-from llmserve.engine.request import InvalidRequest
+from llmserve.engine.request import Delta, InvalidRequest
 
 if TYPE_CHECKING:
     from llmserve.engine.protocol import Engine
@@ -54,8 +54,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         self._edge = edge
         self._started = time.time()
         self._tokenizer = tokenizer_files.TokenizerBundle()
-        # The handlers of Generate calls in flight, by (identity, request id), for Abort.
-        self._calls: dict[StreamKey, set[asyncio.Task[Any]]] = {}
+        # The Generate calls in flight by (identity, request id): what Abort sets to end them.
+        self._calls: dict[StreamKey, set[asyncio.Future[None]]] = {}
 
     def close(self) -> None:
         """Remove the tokenizer files written for gateways."""
@@ -68,39 +68,42 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         top = max(0, s.logprobs) if s.HasField("logprobs") else 0
         call = Call(request.request_id)
         whole: dict[int, Completion] = {}
+        ended: set[int] = set()
         key = (caller_identity(), request.request_id)
-        task = asyncio.current_task()
-        assert task is not None
-        self._calls.setdefault(key, set()).add(task)
+        aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._calls.setdefault(key, set()).add(aborted)
         try:
-            async with contextlib.aclosing(self._edge.serve(call, lambda: to_llmserve_request(request), context)) as d:
-                async for delta in d:
-                    prompt_tokens = call.record.prompt_tokens
+            deltas = self._edge.serve(call, lambda: to_llmserve_request(request), context)
+            async with contextlib.aclosing(_until(aborted, deltas)) as each:
+                async for delta in each:
                     if request.stream:
                         if delta.token_ids:
-                            yield chunk(delta, prompt_tokens, top)
-                        if delta.finished:
-                            yield complete(delta, top)
-                        continue
-                    completion = whole.setdefault(delta.index, Completion())
-                    completion.add(delta)
+                            yield chunk(delta, call.record.prompt_tokens, top)
+                    else:
+                        whole.setdefault(delta.index, Completion()).add(delta)
                     if delta.finished:
-                        yield complete(delta, top, completion)
+                        ended.add(delta.index)
+                        yield complete(delta, top, whole.get(delta.index))
+            if aborted.done():  # Abort: each completion still open ends "abort", and the stream closes
+                for index in sorted(set(range(max(1, s.n))) - ended):
+                    yield vpb.GenerateResponse(complete=vpb.GenerateComplete(finish_reason="abort", index=index))
         except InvalidRequest as exc:
             raise in_vllm_terms(exc) from None
         finally:
-            tasks = self._calls[key]
-            tasks.discard(task)
-            if not tasks:
+            waiting = self._calls[key]
+            waiting.discard(aborted)
+            if not waiting:
                 del self._calls[key]
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]) -> vpb.AbortResponse:
-        """Cancel the caller's own Generate calls with these request ids (an id of another identity, or of no call,
-        is no call of this caller: nothing happens). Each engine request is freed within a step."""
+        """End the caller's own Generate calls with these request ids (an id of another identity, or of no call, is
+        no call of this caller: nothing happens). Each engine request is freed within a step; its stream ends with
+        finish reason "abort"."""
         identity = caller_identity()
         for request_id in request.request_ids:
-            for task in self._calls.get((identity, request_id), ()):
-                task.cancel()
+            for aborted in self._calls.get((identity, request_id), ()):
+                if not aborted.done():
+                    aborted.set_result(None)
         return vpb.AbortResponse()
 
     async def HealthCheck(
@@ -212,6 +215,26 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> common_pb2.ProfileResponse:
         raise _unimplemented("StopProfile", "profile with py-spy or the benchmarks' probes")
+
+
+async def _until(aborted: asyncio.Future[None], deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
+    """`deltas` until `aborted` is done; then the stream is closed (which aborts the engine request). Each next
+    delta is awaited on a task of its own, so that an Abort from another call can interrupt the wait."""
+    async with contextlib.aclosing(deltas):
+        while True:
+            step = asyncio.ensure_future(anext(deltas))
+            try:
+                await asyncio.wait((step, aborted), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not step.done():  # aborted, or this call cancelled: end the wait before closing the stream
+                    step.cancel()
+                    await asyncio.wait((step,))
+            if step.cancelled():
+                return
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
 
 
 def _unimplemented(method: str, why: str = "") -> ServiceError:
