@@ -1,23 +1,27 @@
-"""The smg gateway (the `smg` binary of the pinned PyPI package, a Rust router) in front of llmserve replicas, on
-loopback ports picked free at start: OpenAI-compatible HTTP on `port`, its Prometheus metrics on `metrics_port`.
-
-`make gateway` and the gateway benchmark start it the same way (`python -m tests.deploy.smg`).
+"""The smg gateway (the `smg` binary of the pinned PyPI package, a Rust router) in front of llmserve replicas, started
+by the shipped deploy/smg/launch.sh on loopback ports picked free at start: OpenAI-compatible HTTP on `port`, its
+Prometheus metrics on `metrics_port`. `make gateway` runs `python -m tests.deploy.smg` (replicas and smg, until
+Ctrl-C); the gateway benchmark starts it the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.deploy.replicas import free_port
+from tests.deploy.replicas import ROOT, Replica, free_port
+
+LAUNCH = ROOT / "deploy" / "smg" / "launch.sh"
 
 START_TIMEOUT_S = 60.0
 
@@ -26,41 +30,33 @@ def smg_binary() -> str | None:
     return shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 
 
-def smg_command(workers: Sequence[str], port: int, metrics_port: int, policy: str, *extra: str) -> list[str]:
-    """`smg launch` over gRPC workers (host:port), the way deploy/smg/ configures it."""
+def smg_command(workers: Sequence[str], *extra: str) -> list[str]:
+    """deploy/smg/launch.sh over gRPC workers (host:port), the configuration the project ships."""
+    return ["bash", str(LAUNCH), *workers, *extra]
+
+
+def smg_env(port: int, metrics_port: int, policy: str) -> dict[str, str]:
     binary = smg_binary()
     if binary is None:
         raise RuntimeError("smg is not installed: pip install 'llmserve[gateway]' (make venv installs it)")
-    return [
-        binary,
-        "launch",
-        "--worker-urls",
-        *(f"grpc://{worker}" for worker in workers),
-        "--policy",
-        policy,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-        *extra,
-    ]
+    settings = {"SMG": binary, "SMG_HOST": "127.0.0.1", "SMG_PORT": str(port), "SMG_METRICS_PORT": str(metrics_port)}
+    return {**os.environ, **settings, "SMG_POLICY": policy}
 
 
 class Smg:
     """One smg process; `wait_ready` returns once every worker is registered (tokenizer loaded) and routable."""
 
-    def __init__(self, workers: Sequence[str], log_path: Path, *extra: str, policy: str = "cache_aware") -> None:
+    def __init__(
+        self, workers: Sequence[str], log_path: Path, *extra: str, policy: str = "cache_aware", port: int = 0
+    ) -> None:
         self.workers = list(workers)
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = port or free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = smg_command(self.workers, self.port, self.metrics_port, policy, "--log-level", "info", *extra)
+        cmd = smg_command(self.workers, "--log-level", "info", *extra)
+        env = smg_env(self.port, self.metrics_port, policy)
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def get(self, path: str) -> tuple[int, bytes]:
         try:
@@ -109,17 +105,41 @@ class Smg:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`make gateway`: smg in front of running llmserve replicas, in the foreground until Ctrl-C."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workers", nargs="+", default=["127.0.0.1:50051"], help="llmserve replicas (host:port)")
+    """`make gateway`: REPLICAS llmserve replicas (ports 50051...) of the default model and smg in front of them on
+    127.0.0.1:30000, in the foreground until Ctrl-C."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--model", default=None, help="the replicas' --model (default: the default model)")
     parser.add_argument("--port", type=int, default=30000, help="the gateway's OpenAI-compatible HTTP port")
-    parser.add_argument("--metrics-port", type=int, default=29000)
     parser.add_argument("--policy", default="cache_aware")
-    args, extra = parser.parse_known_args(argv)
-    cmd = smg_command(args.workers, args.port, args.metrics_port, args.policy, *extra)
-    print(" ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    args = parser.parse_args(argv)
+    logs = Path(tempfile.mkdtemp(prefix="llmserve-gateway-"))
+    replicas = [
+        Replica(f"r{i}", logs, "--log-level", "INFO", model=args.model, port=50051 + i) for i in range(args.replicas)
+    ]
+    smg = None
+    try:
+        for replica in replicas:
+            replica.wait_serving()
+            print(f"replica {replica.name} on {replica.address} (log {replica.log_path})", flush=True)
+        smg = Smg([r.address for r in replicas], logs / "smg.log", policy=args.policy, port=args.port)
+        model = smg.wait_ready()
+        print(
+            f"smg on {smg.url} (log {smg.log_path}), model {model!r}:\n"
+            f"  curl {smg.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+            f'\'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}], '
+            f'"stream": true}}\'\nCtrl-C stops everything.',
+            flush=True,
+        )
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        if smg is not None:
+            smg.stop()
+        for replica in replicas:
+            replica.stop()
+    return 0
 
 
 if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     sys.exit(main())
