@@ -6,12 +6,14 @@ failed with a status, none hung."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
+from llmserve_client import Client
 from tests.deploy.replicas import Replica
 from tests.deploy.smg import Smg, smg_binary
 
@@ -82,6 +84,36 @@ def test_the_next_turn_goes_where_its_prefix_is_cached(
             assert later[holder] == after[holder] + 1 and later[1 - holder] == after[1 - holder]
             usage = second.usage
             assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
+    finally:
+        smg.stop()
+
+
+def test_cache_aware_routes_on_the_replicas_kv_events(
+    replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A prefix computed on a replica behind smg's back (llmserve's own Generate, not through smg) is known to smg
+    only from that replica's KV events: a chat through smg that extends it still goes there, each time."""
+    smg = Smg([r.address for r in replicas], tmp_path_factory.mktemp("smg") / "smg.log", policy="cache_aware")
+    try:
+        model, client = smg.wait_ready(), sdk(smg)
+        for conversation in range(6):
+            holder = conversation % 2
+            messages = [
+                {"role": "system", "content": f"warm {conversation}: {SYSTEM}"},
+                {"role": "user", "content": "Say something."},
+            ]
+            with Client(replicas[holder].address, timeout=60) as own:
+                own.generate_text(messages=messages, max_new_tokens=1)
+            time.sleep(0.3)  # the events' poll (50 ms) and smg's stream
+            before = [served(r) for r in replicas]
+            response = client.chat.completions.create(
+                model=model, messages=[*messages, {"role": "user", "content": "More."}], temperature=0, max_tokens=2
+            )
+            after = [served(r) for r in replicas]
+            assert after[holder] == before[holder] + 1, (conversation, before, after)
+            usage = response.usage
+            assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
+        assert "KV event stream connected" in smg.log_path.read_text()
     finally:
         smg.stop()
 

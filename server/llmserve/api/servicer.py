@@ -210,9 +210,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             default_max_new_tokens=self._config.default_max_new_tokens,
             session_key=session_key,
             deadline=None if call_deadline is None else call_deadline - DEADLINE_MARGIN_S,
-            # With authentication on, a caller's prompts share cached blocks only with its own (unless shared).
-            cache_salt=None if identity is None or self._config.shared_prefix_cache else identity,
+            cache_salt=self.cache_salt(identity),
         )
+
+    def cache_salt(self, identity: str | None) -> str | None:
+        """The prefix cache's salt for `identity`'s prompts: with authentication on, a caller's prompts share cached
+        blocks only with its own (unless --shared-prefix-cache)."""
+        return None if identity is None or self._config.shared_prefix_cache else identity
 
     def _record_end(self, record: CallRecord, has_session: bool, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Close the call's record once; the log line, the metrics and the trace are all made from it."""

@@ -26,6 +26,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from llmserve.api import tokenizer_files
 from llmserve.api.admission import StreamKey
 from llmserve.api.errors import ServiceError
+from llmserve.api.kv_publisher import KvEventPublisher
 from llmserve.api.servicer import Call, GenerateServicer
 from llmserve.api.vllm_convert import Completion, chunk, complete, in_vllm_terms, to_llmserve_request
 from llmserve.auth import caller_identity
@@ -54,11 +55,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         self._edge = edge
         self._started = time.time()
         self._tokenizer = tokenizer_files.TokenizerBundle()
+        self._kv_events = KvEventPublisher(lambda: edge.engine)
         # The Generate calls in flight by (identity, request id): what Abort sets to end them.
         self._calls: dict[StreamKey, set[asyncio.Future[None]]] = {}
 
     def close(self) -> None:
-        """Remove the tokenizer files written for gateways."""
+        """Stop publishing KV events; remove the tokenizer files written for gateways."""
+        self._kv_events.close()
         self._tokenizer.close()
 
     async def Generate(
@@ -195,8 +198,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        raise _unimplemented("SubscribeKvEvents")
-        yield  # pragma: no cover - makes this a stream handler
+        """The prefix cache's stored and removed blocks, from `start_sequence_number` (kv_publisher.py): only those
+        of the caller's own cache salt."""
+        salt = self._edge.cache_salt(caller_identity())
+        async for batch in self._kv_events.subscribe(salt, request.start_sequence_number):
+            yield batch
 
     async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]) -> vpb.EmbedResponse:
         raise _unimplemented("Embed", "this server serves a generative model, not embeddings")

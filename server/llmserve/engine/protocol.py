@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.request import Delta, GenerationRequest
 
 
@@ -84,6 +85,8 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def take_kv_events(self) -> list[KvEvent]: ...  # the prefix cache's stored/removed blocks since the last call
 
     async def get_session(self, session_id: str) -> SessionInfo | None: ...
 
