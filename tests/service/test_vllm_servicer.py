@@ -307,3 +307,46 @@ def test_abort_reaches_only_the_callers_own_request(tmp_path: Path) -> None:
             assert wait_until(lambda: srv.engine.num_running == 0, timeout=5)
     finally:
         srv.stop()
+
+
+def test_kv_events_carry_the_callers_own_blocks_only(tmp_path: Path) -> None:
+    """SubscribeKvEvents with authentication on: alice's subscriber gets the blocks her prompt stored (tokens, chained
+    parents, the block size); bob's gets nothing of hers (the blocks are salted with alice's identity)."""
+    tokens = tmp_path / "tokens.csv"
+    tokens.write_text("alice-token,alice\nbob-token,bob\n")
+    srv = ServerThread(tiny_engine(), auth_token_file=str(tokens)).start()
+    alice, bob = [("authorization", "Bearer alice-token")], [("authorization", "Bearer bob-token")]
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            streams = {
+                who: vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), metadata=md, timeout=30)
+                for who, md in (("alice", alice), ("bob", bob))
+            }
+            time.sleep(0.3)  # both subscribed
+            list(vllm.Generate(generate("a1", max_tokens=2, ignore_eos=True), metadata=alice, timeout=30))
+            batch = next(streams["alice"])
+            blocks = [e.stored for e in batch.events if e.HasField("stored")]
+            assert [list(s.blocks[0].token_ids) for s in blocks[: len(PROMPT) // 16]] == [
+                PROMPT[i : i + 16] for i in range(0, len(PROMPT) - 15, 16)
+            ]
+            assert all(s.blocks[0].block_size == 16 for s in blocks)
+            assert not blocks[0].HasField("parent_block_hash")
+            assert blocks[1].parent_block_hash == blocks[0].blocks[0].block_hash
+            assert batch.sequence_number == 1
+            time.sleep(0.3)
+            streams["bob"].cancel()
+            assert [b for b in _drain(streams["bob"])] == []
+            streams["alice"].cancel()
+    finally:
+        srv.stop()
+
+
+def _drain(stream) -> list:
+    out = []
+    try:
+        for item in stream:
+            out.append(item)
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.CANCELLED
+    return out
