@@ -29,7 +29,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n gateway docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway gateway docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -128,6 +128,11 @@ bench-n: $(STAMP_MODEL)
 # time per step and compile times. Results in benchmarks/results/<date>-cpu-structured.{md,json}.
 bench-structured: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --structured
+
+# The smg gateway's cost (issue 30): 32 clients through smg's OpenAI HTTP vs llmserve's own gRPC, alternated windows,
+# one python -m llmserve server. Results in benchmarks/results/<date>-cpu-gateway.{md,json}.
+bench-gateway: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py --gateway
 
 # Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
 # machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).

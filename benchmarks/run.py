@@ -5,6 +5,7 @@
     python benchmarks/run.py --sessions      # also the session-reuse benchmark (issue 4)
     python benchmarks/run.py --n-completions # only n = 4 vs four calls (benchmarks/n_completions.py, issue 22)
     python benchmarks/run.py --structured    # only a JSON schema vs none, 32 clients (benchmarks/structured.py)
+    python benchmarks/run.py --gateway       # only smg's OpenAI HTTP vs llmserve's gRPC (benchmarks/gateway.py)
     python benchmarks/run.py --device cuda --model random:llama-1b   # GPU, bf16, random weights
 
 Writes benchmarks/results/<date>-<device>[-<model>][-quick].{md,json} and PNG plots beside them.
@@ -86,6 +87,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--structured",
         action="store_true",
         help="instead of the ladder: 32 clients with a JSON schema vs unconstrained, windows alternated (~5 min)",
+    )
+    p.add_argument(
+        "--gateway",
+        action="store_true",
+        help="instead of the ladder: 32 clients through the smg gateway vs on llmserve's gRPC, alternated (~6 min)",
     )
     p.add_argument(
         "--isolation",
@@ -199,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run(cmd, cwd=ROOT, env=child_env()).returncode
     if args.structured:  # likewise (no quick variant: its results file has one name per day)
         return subprocess.run([sys.executable, "-m", "benchmarks.structured"], cwd=ROOT, env=child_env()).returncode
+    if args.gateway:  # likewise: the server and smg run as processes of their own
+        return subprocess.run([sys.executable, "-m", "benchmarks.gateway"], cwd=ROOT, env=child_env()).returncode
     settings = settings_from(args)
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     if unknown := set(names) - set(SYSTEMS):
