@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ from llmserve.api.kv_publisher import KvEventPublisher
 from llmserve.api.servicer import Call, GenerateServicer
 from llmserve.api.vllm_convert import Completion, chunk, complete, in_vllm_terms, to_llmserve_request
 from llmserve.auth import caller_identity
-from llmserve.engine.request import Delta, InvalidRequest
+from llmserve.engine.request import InvalidRequest
 
 if TYPE_CHECKING:
     from llmserve.engine.protocol import Engine
@@ -56,8 +57,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         self._started = time.time()
         self._tokenizer = tokenizer_files.TokenizerBundle()
         self._kv_events = KvEventPublisher(lambda: edge.engine)
-        # The Generate calls in flight by (identity, request id): what Abort sets to end them.
-        self._calls: dict[StreamKey, set[asyncio.Future[None]]] = {}
+        # The Generate calls in flight by (identity, request id), for Abort.
+        self._calls: dict[StreamKey, set[_Abort]] = {}
 
     def close(self) -> None:
         """Stop publishing KV events; remove the tokenizer files written for gateways."""
@@ -73,12 +74,26 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         whole: dict[int, Completion] = {}
         ended: set[int] = set()
         key = (caller_identity(), request.request_id)
-        aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._calls.setdefault(key, set()).add(aborted)
+        task = asyncio.current_task()
+        assert task is not None
+        abort = _Abort(task)
+        self._calls.setdefault(key, set()).add(abort)
         try:
             deltas = self._edge.serve(call, lambda: to_llmserve_request(request), context)
-            async with contextlib.aclosing(_until(aborted, deltas)) as each:
-                async for delta in each:
+            async with contextlib.aclosing(deltas):
+                while not abort.requested:
+                    try:
+                        abort.waiting = True
+                        delta = await anext(deltas)
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.CancelledError:
+                        if not abort.requested:
+                            raise  # the caller's cancel
+                        task.uncancel()  # our own Abort's: the stream ends below
+                        break
+                    finally:
+                        abort.waiting = False
                     if request.stream:
                         if delta.token_ids:
                             yield chunk(delta, call.record.prompt_tokens, top)
@@ -87,15 +102,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
                     if delta.finished:
                         ended.add(delta.index)
                         yield complete(delta, top, whole.get(delta.index))
-            if aborted.done():  # Abort: each completion still open ends "abort", and the stream closes
+            if abort.requested:  # Abort: each completion still open ends "abort", and the stream closes
                 for index in sorted(set(range(max(1, s.n))) - ended):
                     yield vpb.GenerateResponse(complete=vpb.GenerateComplete(finish_reason="abort", index=index))
         except InvalidRequest as exc:
             raise in_vllm_terms(exc) from None
         finally:
-            waiting = self._calls[key]
-            waiting.discard(aborted)
-            if not waiting:
+            calls = self._calls[key]
+            calls.discard(abort)
+            if not calls:
                 del self._calls[key]
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]) -> vpb.AbortResponse:
@@ -104,9 +119,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         finish reason "abort"."""
         identity = caller_identity()
         for request_id in request.request_ids:
-            for aborted in self._calls.get((identity, request_id), ()):
-                if not aborted.done():
-                    aborted.set_result(None)
+            for abort in self._calls.get((identity, request_id), ()):
+                abort.request()
         return vpb.AbortResponse()
 
     async def HealthCheck(
@@ -223,24 +237,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         raise _unimplemented("StopProfile", "profile with py-spy or the benchmarks' probes")
 
 
-async def _until(aborted: asyncio.Future[None], deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
-    """`deltas` until `aborted` is done; then the stream is closed (which aborts the engine request). Each next
-    delta is awaited on a task of its own, so that an Abort from another call can interrupt the wait."""
-    async with contextlib.aclosing(deltas):
-        while True:
-            step = asyncio.ensure_future(anext(deltas))
-            try:
-                await asyncio.wait((step, aborted), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not step.done():  # aborted, or this call cancelled: end the wait before closing the stream
-                    step.cancel()
-                    await asyncio.wait((step,))
-            if step.cancelled():
-                return
-            try:
-                yield step.result()
-            except StopAsyncIteration:
-                return
+@dataclass(slots=True, eq=False)
+class _Abort:
+    """An Abort of one Generate call. It interrupts the call only while the call waits for the engine's next delta
+    (cancelling its task there, which closes the engine's stream); while a message is being written it only marks
+    the call, which ends when the write is done. A cancel anywhere else would end the call with no status."""
+
+    task: asyncio.Task[Any]
+    waiting: bool = False
+    requested: bool = False
+
+    def request(self) -> None:
+        if not self.requested:
+            self.requested = True
+            if self.waiting:
+                self.task.cancel()
 
 
 def _unimplemented(method: str, why: str = "") -> ServiceError:
