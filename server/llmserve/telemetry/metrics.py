@@ -272,13 +272,11 @@ def _tier_metrics(t: Any) -> Iterator[Metric]:
         "Offloads dropped because the disk writes queued behind the step were full",
         t.dropped_writes,
     )
-    buckets = [(str(b), c) for b, c in zip(t.reload_buckets, t.reload_counts, strict=False)]
-    buckets.append(("+Inf", t.reload_counts[-1]))
     yield HistogramMetricFamily(
         f"{p}_kv_tier_reload_seconds",
         "Time from a block's reload request to its KV being ready for the step",
-        buckets=buckets,
-        sum_value=t.reload_sum,
+        buckets=t.reload.cumulative(),
+        sum_value=t.reload.total_s,
     )
 
 
