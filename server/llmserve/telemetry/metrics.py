@@ -288,8 +288,6 @@ class HistoryCollector(Collector):
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
-        from llmserve.history.base import LATENCY_BUCKETS
-
         store = self.store
         latency = HistogramMetricFamily(
             f"{PREFIX}_history_store_operation_seconds",
@@ -303,11 +301,7 @@ class HistoryCollector(Collector):
         )
         kind = store.kind if store is not None else ""
         for op, stats in sorted(store.stats.items()) if store is not None else ():
-            cumulative, buckets = 0, []
-            for bound, n in zip((*LATENCY_BUCKETS, float("inf")), stats.buckets, strict=True):
-                cumulative += n
-                buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
-            latency.add_metric([kind, op], buckets, stats.total_s)
+            latency.add_metric([kind, op], stats.latency.cumulative(), stats.latency.total_s)
             errors.add_metric([kind, op], stats.errors)
         yield latency
         yield errors
