@@ -104,10 +104,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """For GenerateService: turns the errors it raises into gRPC statuses (with google.rpc details) via
     `status_for`, answers undecodable requests INVALID_ARGUMENT, aborts a stream whose next message has
     waited on the client's flow control for `stall_timeout_s` (the client reads nothing), and ends every
-    call with the metadata `trailing_metadata()` gives (the replica's name), whatever its status.
-
-    `trailing_metadata` is read per call: the replica's name includes the port, which is bound only after the
-    server exists, and the server takes its interceptors when it is created."""
+    call with `trailing_metadata()` (the replica's name), whatever its status: read per call, as the name
+    holds the port, bound only after the server has taken its interceptors."""
 
     def __init__(self, stall_timeout_s: float, trailing_metadata: Callable[[], Trailing]) -> None:
         self._trailing_metadata = trailing_metadata
