@@ -26,12 +26,13 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
+from llmserve.api.admission import Admission
 from llmserve.api.interceptor import ErrorInterceptor
 from llmserve.api.servicer import SERVICE_NAME, GenerateServicer
 from llmserve.api.vllm_servicer import VLLM_SERVICE_NAME, VllmEngineServicer
 from llmserve.auth import Authenticator, AuthInterceptor, TokenStore
 from llmserve.config import Config, ServerConfig
-from llmserve.history import StoreUnavailable
+from llmserve.history import StoreUnavailable, open_store
 from llmserve.telemetry.metrics import ServerMetrics
 from llmserve.telemetry.tracing import Tracing
 from llmserve.telemetry.tracing import from_env as tracing_from_env
@@ -85,18 +86,12 @@ class LLMServer:
     def __init__(self, config: ServerConfig, *, tracing: Tracing | None = None) -> None:
         self.config = config
         self.authenticator = _authenticator(config)
-        errors = ErrorInterceptor(config.stream_stall_timeout_s)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.authenticator is not None:
             exempt = [_HEALTH_PREFIX] if config.reflection_requires_auth else [_HEALTH_PREFIX, _REFLECTION_PREFIX]
             interceptors.append(AuthInterceptor(self.authenticator, exempt=exempt))
-        interceptors.append(errors)
+        interceptors.append(ErrorInterceptor(config.stream_stall_timeout_s, lambda: ((REPLICA_KEY, self.replica),)))
         self._server = grpc.aio.server(interceptors=interceptors, options=_server_options(config))
-        self.servicer = GenerateServicer(config)
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
-        # vLLM's engine protocol over the same calls, for smg (which takes a worker for the first engine answering).
-        self.vllm_servicer = VllmEngineServicer(self.servicer)
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self._server)
         self.health = _HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if config.reflection:
@@ -108,17 +103,21 @@ class LLMServer:
         else:
             self.port = self._server.add_insecure_port(config.address)
         self.replica = config.replica_name or f"{socket.gethostname()}:{self.port}"
-        errors.trailing_metadata = ((REPLICA_KEY, self.replica),)
         self.engine: Engine | None = None
+        histories = open_store(config.history)  # connected by start(), closed by stop()
+        admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
         self.metrics = (
-            ServerMetrics(self.replica, lambda: self.servicer.num_streams, lambda: self.engine, self.servicer.histories)
+            ServerMetrics(self.replica, admission.__len__, lambda: self.engine, histories)
             if config.metrics_port
             else None
         )
         self.tracing = tracing if tracing is not None or not config.tracing else tracing_from_env(self.replica)
-        for observer in (self.metrics, self.tracing):
-            if observer is not None:
-                self.servicer.add_observer(observer)
+        observers = [o for o in (self.metrics, self.tracing) if o is not None]
+        self.servicer = GenerateServicer(config, observers, histories, admission)
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
+        # vLLM's engine protocol over the same calls, for smg (which takes a worker for the first engine answering).
+        self.vllm_servicer = VllmEngineServicer(self.servicer)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self._server)
         self._watchdog: asyncio.Task[None] | None = None
         # Set when the engine has died: run() then drains and returns EXIT_ENGINE_DEAD.
         self.engine_died = asyncio.Event()

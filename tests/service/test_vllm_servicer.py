@@ -258,25 +258,20 @@ def test_grpcurl_reaches_vllm_generate_through_reflection_alone(server: ServerTh
     assert messages[-1]["complete"]["finish_reason"] == "length"
 
 
-def test_each_vllm_call_is_one_record_and_draining_is_unhealthy() -> None:
-    """A server of its own: the log records, then its drain."""
-    engine = FakeEngine()
-    srv = ServerThread(engine).start()
-    records: list = []
-
-    class Observer:
-        def call_finished(self, call) -> None:
-            records.append(call)
-
-    srv.server.servicer.add_observer(Observer())
+def test_each_vllm_call_is_one_record_and_draining_is_unhealthy(caplog: pytest.LogCaptureFixture) -> None:
+    """A server of its own: one request log line per call (from its one call record), then its drain."""
+    srv = ServerThread(FakeEngine()).start()
     try:
-        with grpc.insecure_channel(srv.address) as channel:
+        with grpc.insecure_channel(srv.address) as channel, caplog.at_level("INFO", logger="llmserve.requests"):
             vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
             list(vllm.Generate(generate("one", max_tokens=3), timeout=30))
             with pytest.raises(grpc.RpcError):
                 list(vllm.Generate(generate("two", top_p=2.0), timeout=30))
-            assert [(r.request_id, r.status) for r in records] == [("one", "OK"), ("two", "INVALID_ARGUMENT")]
-            assert records[0].completion_tokens == 3 and records[0].prompt_tokens == len(PROMPT)
+            lines = [r.getMessage() for r in caplog.records if r.name == "llmserve.requests"]
+            assert len(lines) == 2
+            assert lines[0].startswith("request_id=one status=OK finish=length prompt_tokens=40 ")
+            assert "completion_tokens=3 " in lines[0]
+            assert lines[1].startswith("request_id=two status=INVALID_ARGUMENT ")
             srv.run(_begin_drain(srv))
             health = vllm.HealthCheck(vpb.HealthCheckRequest(), timeout=10)
             assert not health.healthy and "draining" in health.message

@@ -51,14 +51,18 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None, message_name: str) ->
     return deserialize
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """For GenerateService and VllmEngine: turns the errors it raises into gRPC statuses (with google.rpc details) via
-    `status_for`, answers undecodable requests INVALID_ARGUMENT, aborts a stream whose next message has
-    waited on the client's flow control for `stall_timeout_s` (the client reads nothing), and ends every
-    call with `trailing_metadata` (the replica's name), whatever its status."""
+Trailing = tuple[tuple[str, str], ...]
 
-    def __init__(self, stall_timeout_s: float) -> None:
-        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """For GenerateService and VllmEngine: turns the errors it raises into gRPC statuses (with google.rpc details)
+    via `status_for`, answers undecodable requests INVALID_ARGUMENT, aborts a stream whose next message has
+    waited on the client's flow control for `stall_timeout_s` (the client reads nothing), and ends every
+    call with `trailing_metadata()` (the replica's name), whatever its status: read per call, as the name
+    holds the port, bound only after the server has taken its interceptors."""
+
+    def __init__(self, stall_timeout_s: float, trailing_metadata: Callable[[], Trailing]) -> None:
+        self._trailing_metadata = trailing_metadata
         self._stall_timeout_s = stall_timeout_s
 
     async def intercept_service(
@@ -75,13 +79,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         deserializer = _tolerant(handler.request_deserializer, rpc.input_type.full_name if rpc else "request")
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _stream_with_status(handler.unary_stream, self.trailing_metadata, self._stall_timeout_s),
+                _stream_with_status(handler.unary_stream, self._trailing_metadata(), self._stall_timeout_s),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _unary_with_status(handler.unary_unary, self.trailing_metadata),
+                _unary_with_status(handler.unary_unary, self._trailing_metadata()),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -97,9 +101,6 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext[Any, Any]
     await context.abort(
         s.code, s.details, trailing_metadata=(*(context.trailing_metadata() or ()), *s.trailing_metadata)
     )
-
-
-Trailing = tuple[tuple[str, str], ...]
 
 
 def _unary_with_status(behaviour: Callable[..., Awaitable[Any]], trailing: Trailing) -> Callable[..., Awaitable[Any]]:

@@ -9,18 +9,17 @@ how many tokens each holds); time to first token is from the request's start to
 its first token (the first content chunk through smg, the first message with tokens on gRPC), for requests started
 inside the window.
 
-    python -m benchmarks.gateway [--windows 3] [--window-s 40] [--clients 32]   (make bench-gateway)
+    python benchmarks/run.py --mode gateway [--windows 3] [--window-s 30] [--clients 32] [--quick]
 
-Writes benchmarks/results/<date>-cpu-gateway.{md,json}.
+Writes benchmarks/results/<date>-cpu-gateway.{md,json} (`make bench-gateway`). --model, --device and --dtype go to
+the server; the model needs a tokenizer (smg tokenizes), so not a random:* one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -28,18 +27,15 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import openai
 
-from benchmarks.paths import ROOT, child_env, make_importable  # noqa: E402
+from benchmarks import options, writer
+from benchmarks.paths import ROOT, child_env
+from llmserve_client import AsyncClient
 
-make_importable()
-
-import openai  # noqa: E402
-
-from llmserve_client import AsyncClient  # noqa: E402
-
+TITLE = "The smg gateway: its OpenAI HTTP vs llmserve's own gRPC, 32 clients (issue 30)"
 QUESTIONS = [
     "Tell me about the history of the bicycle.",
     "Explain how a refrigerator works.",
@@ -149,6 +145,8 @@ def percentile(values: list[float], q: float) -> float:
 async def measure(address: str, smg_url: str, args: argparse.Namespace) -> dict[str, object]:
     sdk = openai.AsyncOpenAI(base_url=smg_url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = (await sdk.models.list()).data[0].id
+    async with AsyncClient(address, timeout=30) as client:
+        info = await client.model_info()
     rates: dict[str, list[float]] = {"smg": [], "grpc": []}
     ttfts: dict[str, list[float]] = {"smg": [], "grpc": []}
     for i in range(args.windows):
@@ -159,6 +157,7 @@ async def measure(address: str, smg_url: str, args: argparse.Namespace) -> dict[
         print(json.dumps({k: [round(r, 1) for r in v] for k, v in rates.items()}), flush=True)
     ratios = [via / direct for via, direct in zip(rates["smg"], rates["grpc"], strict=True)]
     return {
+        "served": {"model": info.name, "dtype": info.dtype, "device": info.device},
         "clients": args.clients,
         "max_new_tokens": args.max_new_tokens,
         "window_s": args.window_s,
@@ -169,22 +168,25 @@ async def measure(address: str, smg_url: str, args: argparse.Namespace) -> dict[
             mode: {"p50": round(percentile(v, 0.5), 3), "p99": round(percentile(v, 0.99), 3), "n": len(v)}
             for mode, v in ttfts.items()
         },
-        "loadavg_after": os.getloadavg(),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--windows", type=int, default=3, help="pairs of windows (smg, gRPC)")
-    parser.add_argument("--window-s", type=float, default=40.0)
-    parser.add_argument("--warmup-s", type=float, default=10.0)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    args = parser.parse_args()
+def main(argv: list[str]) -> int:
+    p = options.parser("gateway", __doc__)
+    p.add_argument("--windows", type=int, default=3, help="pairs of windows (smg, gRPC)")
+    p.add_argument("--window-s", type=float, default=30.0)
+    p.add_argument("--warmup-s", type=float, default=8.0)
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    args = p.parse_args(argv)
+    if args.quick:  # one pair of short windows, few clients and tokens: a smoke run
+        args.windows, args.window_s, args.warmup_s, args.clients, args.max_new_tokens = 1, 3.0, 1.0, 4, 8
+    run = writer.Run(options.command("gateway", argv))
     port, smg_port, smg_metrics = free_port(), free_port(), free_port()
     address = f"127.0.0.1:{port}"
     env = dict(child_env(), LLMSERVE_HISTORY_STORE="memory")
     serve = [sys.executable, "-m", "llmserve", "--address", address, "--log-level", "WARNING"]
+    serve += ["--device", args.device, "--dtype", args.dtype] + (["--model", args.model] if args.model else [])
     server = subprocess.Popen(serve, env=env)
     smg_env = dict(env, SMG=str(SMG_BINARY), SMG_HOST="127.0.0.1", SMG_PORT=str(smg_port))
     smg_env["SMG_METRICS_PORT"] = str(smg_metrics)
@@ -194,13 +196,15 @@ def main() -> None:
         launch = ["bash", str(ROOT / "deploy" / "smg" / "launch.sh"), address, "--log-level", "warn"]
         smg = subprocess.Popen(launch, env=smg_env, stdout=subprocess.DEVNULL)
         wait_ready(f"http://127.0.0.1:{smg_port}", 60)
-        result = asyncio.run(measure(address, f"http://127.0.0.1:{smg_port}", args))
+        figures = asyncio.run(measure(address, f"http://127.0.0.1:{smg_port}", args))
+        run.model = figures.pop("served")  # type: ignore[assignment]
     finally:
         for proc in (smg, server):
             if proc is not None:
                 proc.terminate()
                 proc.wait(60)
-    write(result, args)
+    writer.publish(run, args.out_dir, options.result_name(args, "gateway"), TITLE, figures, section)
+    return 0
 
 
 async def _wait_serving(address: str) -> None:
@@ -216,35 +220,22 @@ async def _wait_serving(address: str) -> None:
     raise TimeoutError(address)
 
 
-def write(result: dict[str, object], args: argparse.Namespace) -> None:
-    stamp = datetime.date.today().isoformat()
-    out = ROOT / "benchmarks" / "results" / f"{stamp}-cpu-gateway"
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+def section(result: dict[str, Any]) -> list[str]:
+    """The page's section, from the JSON."""
     rates, ttft = result["tokens_per_s"], result["ttft_s"]
-    assert isinstance(rates, dict) and isinstance(ttft, dict)
     lines = [
-        "# The smg gateway: 32 clients through smg's OpenAI HTTP vs llmserve's own gRPC (benchmarks/gateway.py)",
+        f"Served by `python -m llmserve` (engine process), smg 1.13.0 by deploy/smg/launch.sh on the same machine; "
+        f"{result['clients']} closed-loop clients, {result['max_new_tokens']} new tokens each (EOS ignored, sampled), "
+        f"windows of {result['window_s']:g} s alternated (G L, L G, ...).",
         "",
-        f"`python -m benchmarks.gateway --windows {args.windows} --window-s {args.window_s:g}`, under "
-        "`flock -x /work/cpu.lock`: SmolLM2-135M float32 on the CPU, served by `python -m llmserve` (engine process), "
-        f"smg 1.13.0 by deploy/smg/launch.sh on the same machine; {args.clients} closed-loop clients, "
-        f"{args.max_new_tokens} new tokens each (EOS ignored), sampled; windows alternated.",
-        "",
-        "| window pair | smg (OpenAI HTTP) tok/s | llmserve gRPC tok/s | ratio |",
-        "|---|---|---|---|",
     ]
-    for i, (g, direct) in enumerate(zip(rates["smg"], rates["grpc"], strict=True)):
-        lines.append(f"| {i + 1} | {g:.1f} | {direct:.1f} | {g / direct:.3f} |")
-    lines += [
+    pairs = zip(rates["smg"], rates["grpc"], strict=True)
+    rows = [[i + 1, f"{via:.1f}", f"{direct:.1f}", f"{via / direct:.3f}"] for i, (via, direct) in enumerate(pairs)]
+    lines += writer.table(["window pair", "smg (OpenAI HTTP) tok/s", "llmserve gRPC tok/s", "ratio"], rows)
+    smg, grpc = ttft["smg"], ttft["grpc"]
+    return lines + [
         "",
         f"Median ratio {result['ratio_median']} (target >= 0.9). Time to first token P50 / P99: through smg "
-        f"{ttft['smg']['p50']} s / {ttft['smg']['p99']} s ({ttft['smg']['n']} requests), on gRPC "
-        f"{ttft['grpc']['p50']} s / {ttft['grpc']['p99']} s ({ttft['grpc']['n']} requests). Load average after: "
-        f"{', '.join(f'{x:.1f}' for x in result['loadavg_after'])}.",  # type: ignore[union-attr]
+        f"{smg['p50']} s / {smg['p99']} s ({smg['n']} requests), on gRPC {grpc['p50']} s / {grpc['p99']} s "
+        f"({grpc['n']} requests).",
     ]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()
