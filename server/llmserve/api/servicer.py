@@ -136,7 +136,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 assert call.engine_request is not None  # built before the engine's first delta
                 prompt_ids = call.engine_request.prompt_token_ids if options.prompt_token_ids and call.first else ()
                 call.first = False
-                yield to_response(call.record.request_id, delta, options, prompt_ids)
+                try:
+                    yield to_response(call.record.request_id, delta, options, prompt_ids)
+                except Exception as exc:  # thrown in at the yield (a stalled reader): the call's record must see it
+                    await deltas.athrow(exc)
+                    raise
 
     async def serve(
         self,

@@ -94,14 +94,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
                         break
                     finally:
                         abort.waiting = False
-                    if request.stream:
-                        if delta.token_ids:
-                            yield chunk(delta, call.record.prompt_tokens, top)
-                    else:
-                        whole.setdefault(delta.index, Completion()).add(delta)
-                    if delta.finished:
-                        ended.add(delta.index)
-                        yield complete(delta, top, whole.get(delta.index))
+                    try:
+                        if request.stream:
+                            if delta.token_ids:
+                                yield chunk(delta, call.record.prompt_tokens, top)
+                        else:
+                            whole.setdefault(delta.index, Completion()).add(delta)
+                        if delta.finished:
+                            ended.add(delta.index)
+                            yield complete(delta, top, whole.get(delta.index))
+                    except Exception as exc:  # thrown in at a yield (a stalled reader): the call's record sees it
+                        await deltas.athrow(exc)
+                        raise
             if abort.requested:  # Abort: each completion still open ends "abort", and the stream closes
                 for index in sorted(set(range(max(1, s.n))) - ended):
                     yield vpb.GenerateResponse(complete=vpb.GenerateComplete(finish_reason="abort", index=index))
