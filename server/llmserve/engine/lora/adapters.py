@@ -226,7 +226,8 @@ def _modules(
     if not pairs:
         raise AdapterRefused(path, "holds no LoRA factors")
     modules: dict[tuple[int, str], LoraModule] = {}
-    for (layer, module), pair in sorted(pairs.items()):
+    order = list(TARGET_MODULES)
+    for (layer, module), pair in sorted(pairs.items(), key=lambda item: (item[0][0], order.index(item[0][1]))):
         name = f"model.layers.{layer}.{TARGET_MODULES[module]}.{module}"
         if set(pair) != {"A", "B"}:
             missing = "lora_B" if "A" in pair else "lora_A"
