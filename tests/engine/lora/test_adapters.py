@@ -22,7 +22,7 @@ from llmserve.engine.lora.adapters import (
 )
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
-from tests.engine.lora.conftest import ALL_TARGETS, make_adapter
+from tests.engine.lora.peft_adapters import ALL_TARGETS, make_adapter
 
 
 def test_what_peft_saved_reads_back_with_peft_scaling(tiny: LoadedModel, tmp_path: Path) -> None:

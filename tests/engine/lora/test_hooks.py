@@ -17,11 +17,11 @@ import torch
 from llmserve.engine.lora.adapters import read_adapter
 from llmserve.engine.lora.hooks import LoraHooks
 from llmserve.engine.lora.ops import NO_ADAPTER, LoraRows
-from llmserve.engine.lora.slots import SlotBooks
+from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.lora.weights import MODULE_GROUPS, LoraWeights
 from llmserve.models import LoadedModel
 from llmserve.testing import greedy_reference
-from tests.engine.lora.conftest import make_adapter
+from tests.engine.lora.peft_adapters import make_adapter
 
 # Three adapters of different ranks, targets and scaling rules.
 ADAPTERS: dict[str, dict[str, Any]] = {

@@ -12,7 +12,7 @@ from llmserve.engine.lora.adapters import read_adapter
 from llmserve.engine.lora.ops import LoraRows, add_lora
 from llmserve.engine.lora.weights import FUSED_GROUPS, MODULE_GROUPS, LoraWeights
 from llmserve.models import LoadedModel
-from tests.engine.lora.conftest import make_adapter
+from tests.engine.lora.peft_adapters import make_adapter
 
 
 def test_an_adapter_lands_in_its_slot_scaled_and_padded(tiny: LoadedModel, tmp_path: Path) -> None:

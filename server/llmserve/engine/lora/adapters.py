@@ -210,7 +210,8 @@ def _modules(
 ) -> dict[tuple[int, str], LoraModule]:
     from peft.utils.other import get_pattern_key
 
-    rank_pattern, alpha_pattern = config.rank_pattern or {}, config.alpha_pattern or {}
+    rank_pattern: dict[str, int] = dict(config.rank_pattern or {})
+    alpha_pattern: dict[str, float] = dict(config.alpha_pattern or {})
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in factors.items():
         match = _KEY.fullmatch(key)
@@ -243,7 +244,7 @@ def _modules(
             )
         if rank < 1 or rank > max_rank:
             raise AdapterRefused(path, f"module {name}: rank {rank} is above --max-lora-rank {max_rank}")
-        expected = rank_pattern.get(get_pattern_key(rank_pattern.keys(), name), config.r)
+        expected = rank_pattern.get(get_pattern_key(list(rank_pattern), name), config.r)
         if rank != expected:
             raise AdapterRefused(path, f"module {name}: rank {rank} in the weights, {expected} in {CONFIG_FILE}")
         if not (a.is_floating_point() and b.is_floating_point()):
@@ -251,7 +252,7 @@ def _modules(
         a, b = a.float().contiguous(), b.float().contiguous()
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterRefused(path, f"module {name}: non-finite values in its factors")
-        alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), name), config.lora_alpha)
+        alpha = float(alpha_pattern.get(get_pattern_key(list(alpha_pattern), name), config.lora_alpha))
         scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
         modules[layer, module] = LoraModule(a, b, float(scale))
     return modules

@@ -125,7 +125,9 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, projection: StackedProjection, ro
         shrunk.mul_(grouped.keep)
         if single:
             out = torch.bmm(shrunk, projection.bts[0][span])
-        else:  # one index_add over the whole output: into column slices it took twice as long (gate/up, 32 rows)
+        else:
+            # One index_add over the whole output: into column slices it took twice as long (gate/up, 32 rows; a
+            # one-off variant of the probe).
             parts = [
                 torch.bmm(shrunk[:, :, i * rank : (i + 1) * rank], bt[span]) for i, bt in enumerate(projection.bts)
             ]

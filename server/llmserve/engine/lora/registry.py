@@ -12,7 +12,7 @@ Book-keeping only (no tensors, no files): the payload of a resident adapter is w
   adapter takes its name away at once (new requests get UnknownAdapter) and frees it when the last holder lets go
   (it is *draining* until then, and still counts as resident).
 
-Each residency gets a fresh `adapter_id`, so that the device slots (slots.py) and the caches never mistake an
+Each residency gets a fresh `adapter_id`, so that the device slots (slot_books.py) and the caches never mistake an
 adapter read again, maybe from changed files, for the one that was there before.
 """
 

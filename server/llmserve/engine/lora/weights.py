@@ -8,7 +8,7 @@ and gate/up as one, FUSED_GROUPS; the transformers path runs each projection alo
 - `bts`, one [slots, max_rank, out_i] per projection: its B factors, transposed and multiplied by the module's
   scale (PEFT's lora_alpha / r or its rsLoRA form, adapters.py).
 A projection an adapter does not target stays zero in its slot (and a linear that no adapter of a step targets
-is skipped: `targeted`). The slots' books are slots.SlotBooks; `LoraWeights.write` copies an adapter into the
+is skipped: `targeted`). The slots' books are slot_books.SlotBooks; `LoraWeights.write` copies an adapter into the
 slot the books chose, before the step that needs it.
 """
 

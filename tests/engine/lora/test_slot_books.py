@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llmserve.engine.lora.registry import AdapterRegistry, AdaptersBusy, NotResident, UnknownAdapter
-from llmserve.engine.lora.slots import SlotBooks, TooManyAdapters
+from llmserve.engine.lora.slot_books import SlotBooks, TooManyAdapters
 
 
 def test_bounds_must_be_positive() -> None:
