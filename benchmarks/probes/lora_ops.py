@@ -14,9 +14,9 @@ rows of the step:
 Also timed: the projection's own F.linear, as the scale the deltas are measured against. Rounds alternate the ways
 (each round times every way), so that the machine's drift cancels; the figure is the median of the rounds' medians.
 
-    flock -x /work/cpu.lock .venv/bin/python benchmarks/probes/lora_ops.py            # 32 decode rows, 4 adapters
-    flock -x /work/cpu.lock .venv/bin/python benchmarks/probes/lora_ops.py --tokens 512  # a prefill chunk's rows
-    flock -x /work/cpu.lock .venv/bin/python benchmarks/probes/lora_ops.py --chunk 480   # 32 decodes + a chunk
+    python benchmarks/run.py --mode lora-ops                 # 32 decode rows over 4 adapters of rank 16
+    python benchmarks/run.py --mode lora-ops --tokens 512    # four prompt chunks of 128 rows
+    python benchmarks/run.py --mode lora-ops --chunk 480     # 32 decode rows and one 480-row chunk
 
 The figures that chose ops.py's way are in benchmarks/README.md (Lab notebook: LoRA ops).
 """
@@ -26,23 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-from benchmarks.paths import make_importable  # noqa: E402
-
-make_importable()
-
-import torch  # noqa: E402
-
-from llmserve.engine.lora.adapters import LoraModule  # noqa: E402
-from llmserve.engine.lora.ops import LoraRows, add_lora  # noqa: E402
-from llmserve.engine.lora.weights import StackedProjection  # noqa: E402
+from llmserve.engine.lora.adapters import LoraModule
+from llmserve.engine.lora.ops import LoraRows, add_lora
+from llmserve.engine.lora.weights import StackedProjection
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query heads and 3 kv heads of dim 64.
 PROJECTIONS = {
@@ -209,8 +201,9 @@ def time_round(fn: Way, x: torch.Tensor, y: torch.Tensor, reps: int) -> float:
     return statistics.median(samples) * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/run.py --mode lora-ops", description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32, help="rows in the step (decode: one per sequence)")
     parser.add_argument("--chunk", type=int, default=0, help="a prompt chunk of this many rows (adapter 0) after them")
     parser.add_argument("--adapters", type=int, default=4, help="adapters in the step (= slots)")
@@ -218,7 +211,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--json", type=Path, help="write the figures here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     # Decode rows take their adapters interleaved (a batch is never ordered by adapter); a prefill chunk's tokens
     # come in contiguous runs, one per sequence.
@@ -273,8 +266,4 @@ def main() -> None:
             "fused_us": fused,
         }
         args.json.write_text(json.dumps(record, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    with torch.inference_mode():
-        main()
+    return 0
