@@ -6,6 +6,8 @@ rows are bit for bit what they are with no adapter in the batch; a planted mix-u
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +144,12 @@ def test_greedy_decoding_equals_each_merged_adapter_alone(served: Served) -> Non
 
 @pytest.mark.real_model
 def test_smollm2_adapters_of_rank_16_equal_peft_merged(real_model: LoadedModel, tmp_path: Path) -> None:
+    # A copy with transformers' own attention: the session's real model may carry a backend's paged attention, and
+    # the hooks must not stay on a model other tests share.
+    base = copy.deepcopy(real_model.model)
+    base.set_attn_implementation("sdpa")
     configs = {"a": dict(r=16, lora_alpha=32), "b": dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"])}
-    for served_model in _serve(real_model, configs, tmp_path, max_rank=16):
+    for served_model in _serve(dataclasses.replace(real_model, model=base), configs, tmp_path, max_rank=16):
         names: list[str | None] = ["a", BASE, "b"]
         ids = _prompts(len(names), 6, 49152, seed=2)
         logits = _batch_logits(served_model, ids, names)
