@@ -46,3 +46,21 @@ class EngineConfig:
     constraint_cache_size: int = 256
     max_top_logprobs: int = MAX_TOP_LOGPROBS  # the most alternatives a request may ask for per token
     max_n: int = 16  # the most completions one request may ask for (GenerationRequest.n; why 16: flags.py)
+    # LoRA adapters (engine/lora): off unless enabled or an adapter is named at start. `max_loras` adapters can be
+    # in one step (device slots), `max_cpu_loras` stay read in memory (None: max(max_loras, len(loras))).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    loras: tuple[tuple[str, str], ...] = ()  # (name, folder) read at start, before the server reports SERVING
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.loras)
+
+    @property
+    def cpu_loras(self) -> int:
+        """The most adapters kept read in memory."""
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return max(self.max_loras, len(self.loras))
