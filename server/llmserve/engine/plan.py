@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmserve.engine.block_pool import BlockContent, Evicted
 from llmserve.engine.request import SampleRow, Sequence
+
+if TYPE_CHECKING:
+    from llmserve.engine.lora.adapters import LoraAdapter
+
+NO_ADAPTER = -1  # SeqStep.lora_slot of a base-model sequence (lora.ops.NO_ADAPTER)
 
 
 @dataclass(slots=True)
@@ -20,7 +26,8 @@ class SeqStep:
 
     `block_table` covers every position up to the last computed one; position p's K/V lives in slot
     `block_table[p // block_size] * block_size + p % block_size`. `sample` is set when the step computes the
-    sequence's last token, whose logits pick the next one.
+    sequence's last token, whose logits pick the next one. `lora_slot` is the LoRA device slot whose adapter
+    computes it (NO_ADAPTER: the base model).
     """
 
     seq: Sequence  # the engine's state, for the book-keeping after the step; backends read the fields below
@@ -28,6 +35,7 @@ class SeqStep:
     token_ids: Seq[int]
     block_table: Seq[int]
     sample: SampleRow | None
+    lora_slot: int = NO_ADAPTER
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +57,9 @@ class StepPlan:
     With KV tiers: `offloads` are the cached blocks this schedule evicted, whose KV must be read out before the
     forward (which may overwrite them); `loads` are blocks to fill from a lower tier, each reported back with
     `Scheduler.load_done` (the sequences that wait for them stay in the queue until then).
+
+    With LoRA: `lora_writes` are the adapters to copy into their device slots before the forward (slot, adapter),
+    for the entries whose `lora_slot` names a slot that does not hold their adapter yet.
     """
 
     seqs: list[SeqStep] = field(default_factory=list)
@@ -56,6 +67,7 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     offloads: list[Evicted] = field(default_factory=list)
     loads: list[tuple[int, BlockContent]] = field(default_factory=list)
+    lora_writes: list[tuple[int, LoraAdapter]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ stops the start with the reason; `--no-cuda-graphs` serves without them.
 A decode step's inputs come from the backend's persistent input batch (backends/input_batch.py: rows kept per
 sequence, only what changed is written, pinned buffers, non-blocking copies into the bucket's buffers), the
 same rows the eager steps use; the graph returns the logits in plan order through the step's row permutation.
-Steps that mix prompt chunks with decodes run eagerly. With `capture=False` the same padded forward runs
+Steps that mix prompt chunks with decodes run eagerly, and so do decode steps with a LoRA adapter's row. With `capture=False` the same padded forward runs
 eagerly instead of from graphs; the CPU tests use that to check the padding, the buckets and the rows.
 """
 
@@ -30,7 +30,7 @@ from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.metadata import GatheredBuilder
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.plan import StepPlan
+from llmserve.engine.plan import NO_ADAPTER, StepPlan
 from llmserve.models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -211,6 +211,9 @@ class CudaBackend(TorchPagedBackend):
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         decode_only = len(plan.sampling) == len(plan.seqs) and all(len(s.token_ids) == 1 for s in plan.seqs)
+        # The graphs are captured without adapters (the LoRA hooks add nothing while capturing): a decode step
+        # with an adapter row runs eagerly, through the hooks; base-only decode steps keep replaying.
+        decode_only = decode_only and all(s.lora_slot == NO_ADAPTER for s in plan.seqs)
         if decode_only and self.graphs.covers(len(plan.seqs), max(s.end for s in plan.seqs)):
             return self.graphs.run(plan)
         return super().logits(plan)

@@ -10,18 +10,33 @@ parts (the compiled decode kernel and the fused forward; the decode graphs) arou
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from llmserve.engine.backends.attention import ATTN_IMPLEMENTATION, AttentionMetadata, VarlenKernel, register_attention
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
+from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder, VarlenBuilder
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.generators import Generators
+from llmserve.engine.lora.ops import LoraRows
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.sampler import RowFailed, Sampled, sample_each
 from llmserve.models import LoadedModel
+
+
+class Packed(NamedTuple):
+    """A step's packed row, ready for `forward`: input ids and positions [1, tokens], the rows to keep logits of,
+    the attention metadata, and the LoRA rows (None: no adapter in the step)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    keep: torch.Tensor
+    batch: AttentionMetadata
+    lora: LoraRows | None
 
 
 class TorchPagedBackend:
@@ -56,22 +71,26 @@ class TorchPagedBackend:
             self.attention = GatheredBuilder(self.inputs, kv, self.dtype)
         attention = "one Triton varlen kernel" if self.varlen_kernel is not None else "torch"
         self.description = f"transformers layers, paged attention in {attention}"
+        # LoRA slots (None unless the config serves adapters), applied by hooks on the model's projections.
+        self.lora = BackendLora.of(config, self.shape, model, self.dtype, self.device, fused=False)
 
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]:
         self.kv.copy_blocks(plan.copies)
+        if plan.lora_writes:
+            assert self.lora is not None, "a plan with LoRA writes for a backend without LoRA slots"
+            self.lora.write(plan.lora_writes)
         logits = self.logits(plan)
         return sample_each(logits, [s.sample for s in plan.sampling if s.sample is not None], self.generators)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """One forward over the plan; logits [len(plan.sampling), vocab] as float32, in plan.sampling order."""
-        input_ids, positions, keep, batch = self.prepare(plan)
-        return self.forward(input_ids, positions, keep, batch)
+        return self.forward(*self.prepare(plan))
 
-    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The packed row: input ids, positions, the rows to keep logits of, and the attention metadata."""
+    def prepare(self, plan: StepPlan) -> Packed:
+        """The packed row: input ids, positions, the rows to keep logits of, the attention metadata, LoRA rows."""
         entries = plan.seqs
         # One-token entries first, shortest context first: the decode attention batches them by length.
         order = sorted(range(len(entries)), key=lambda i: (len(entries[i].token_ids) != 1, entries[i].start))
@@ -83,12 +102,23 @@ class TorchPagedBackend:
         last[order] = staged.query_start[1:] - 1
         sampling = [i for i, entry in enumerate(entries) if entry.sample is not None]
         keep = torch.from_numpy(last[sampling]).to(dev)
-        return staged.ids[None].to(dev), staged.positions[None].to(dev), keep, batch
+        lora = None if self.lora is None else self.lora.rows(staged.entries)
+        return Packed(staged.ids[None].to(dev), staged.positions[None].to(dev), keep, batch, lora)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        batch: AttentionMetadata,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
-        """The model on a packed row; logits of the `keep` positions (all when None) as float32."""
+        """The model on a packed row; logits of the `keep` positions (all when None) as float32; `lora`: the
+        rows' adapter slots (needs the LoRA slots)."""
+        if lora is not None:
+            assert self.lora is not None
+            with self.lora.applied(lora):
+                return self.forward(input_ids, position_ids, keep, batch)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,

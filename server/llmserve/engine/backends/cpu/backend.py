@@ -21,9 +21,11 @@ from llmserve.engine.backends.attention import AttentionMetadata, paged_attentio
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.cpu import native, packed_linear
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
+from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.lora.ops import LoraRows
 from llmserve.models import LoadedModel
 
 __all__ = ["QUERY_BLOCK", "CpuBackend"]
@@ -53,6 +55,9 @@ class CpuBackend(TorchPagedBackend):
         self.fused: FusedForward | None = None
         if kernels and config.fused_layers:
             self.fused = FusedForward.build(model, native.load_fused(), pack, paged_attention, s)
+        if self.fused is not None and self.lora is not None:  # the fused forward applies the slots itself
+            self.lora.close()
+            self.lora = BackendLora(config, s, model, self.dtype, self.device, fused=True)
         if self.fused is not None:
             self.num_packed_linears = self.fused.num_packed
         elif pack:
@@ -67,8 +72,14 @@ class CpuBackend(TorchPagedBackend):
         self.description = ", ".join(parts)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        batch: AttentionMetadata,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         if self.fused is not None:
-            return self.fused(input_ids, position_ids, keep, batch)
-        return super().forward(input_ids, position_ids, keep, batch)
+            weights = None if lora is None or self.lora is None else self.lora.weights
+            return self.fused(input_ids, position_ids, keep, batch, lora, weights)
+        return super().forward(input_ids, position_ids, keep, batch, lora)

@@ -1,0 +1,141 @@
+"""The engine core's adapters: names, residency, pins and device slots together, on the step thread.
+
+The core owns one `LoraServing` (when the config serves adapters). It
+- reads the `--lora` adapters at start (a refusal stops the start) and those the load RPC names (`load`);
+- holds a request's adapter from admission to its end (`acquire` / `release`): nothing a waiting or running
+  request will need is unloaded to make room (registry.py). An adapter unloaded to make room is read again from
+  its folder when a request names it (`acquire` reads it again, on the step thread: a few ms for SmolLM2 rank 16);
+- gives each step's distinct adapters a device slot (slot_books.py) and writes into the plan the slot of every
+  entry (`SeqStep.lora_slot`) and the copies the backend makes before the forward (`StepPlan.lora_writes`).
+
+Residency ids are never reused, so a slot whose adapter left memory is just the least recently used one: nothing
+reads it before the books hand it to another adapter, which is copied in first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.lora.adapters import LoraAdapter, read_adapter
+from llmserve.engine.lora.registry import AdapterExists, AdapterRegistry, NotResident, Resident
+from llmserve.engine.lora.slot_books import SlotBooks
+from llmserve.engine.plan import NO_ADAPTER, StepPlan
+from llmserve.model_shape import ModelShape
+
+Held = Resident[LoraAdapter]
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterInfo:
+    """One registered adapter as the list RPC shows it."""
+
+    name: str
+    path: str
+    rank: int  # 0 while it is not in memory (unloaded to make room: read again on the next request)
+    target_modules: tuple[str, ...]
+    resident: bool
+    running_requests: int  # requests that hold it now (waiting or running)
+    host_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class LoraLimits:
+    """The bounds the list RPC and GetModelInfo report."""
+
+    max_loras: int
+    max_cpu_loras: int
+    max_lora_rank: int
+
+
+class LoraServing:
+    """The registry of adapters (at most `--max-cpu-loras` in memory) and the books of the `--max-loras` slots."""
+
+    def __init__(self, config: EngineConfig, shape: ModelShape) -> None:
+        self.shape = shape
+        self.limits = LoraLimits(config.max_loras, config.cpu_loras, config.max_lora_rank)
+        self.registry: AdapterRegistry[LoraAdapter] = AdapterRegistry(config.cpu_loras)
+        self.slots = SlotBooks(config.max_loras)
+        self.requests: Counter[str] = Counter()  # requests admitted per adapter name, since start
+        self.reads = 0  # adapters read from their folders (loads and re-reads)
+        for name, path in config.loras:
+            self.load(name, path)
+
+    def read(self, path: str) -> LoraAdapter:
+        """Read and check an adapter folder (AdapterNotFound / AdapterRefused name the file); touches no books, so
+        it may run off the step thread."""
+        adapter = read_adapter(Path(path), self.shape, self.limits.max_lora_rank)
+        self.reads += 1
+        return adapter
+
+    def load(self, name: str, path: str, adapter: LoraAdapter | None = None) -> AdapterInfo:
+        """Register `name` (read from `path` unless `adapter` was read already). Raises AdapterExists,
+        AdaptersBusy, AdapterNotFound, AdapterRefused."""
+        if name in self.registry:  # before reading: an existing name is refused whatever the folder holds
+            raise AdapterExists(name)
+        self.registry.load(name, path, adapter if adapter is not None else self.read(path))
+        return self.info(name)
+
+    def unload(self, name: str) -> int:
+        """Forget `name`; returns how many requests still hold it (they finish on it). Raises UnknownAdapter."""
+        resident = self.registry.resident_of(name)
+        held = 0 if resident is None else resident.pins
+        self.registry.unload(name)
+        self.requests.pop(name, None)
+        return held
+
+    def acquire(self, name: str) -> Held:
+        """Hold `name` for a request until `release`; read again if it was unloaded to make room. Raises
+        UnknownAdapter, AdaptersBusy (no room to read it again), AdapterNotFound/AdapterRefused (its folder
+        changed)."""
+        try:
+            held = self.registry.acquire(name)
+        except NotResident as gone:
+            self.registry.reload(name, self.read(gone.source))
+            held = self.registry.acquire(name)
+        self.requests[name] += 1
+        return held
+
+    def release(self, held: Held) -> None:
+        self.registry.release(held.adapter_id)
+
+    def assign(self, plan: StepPlan, held: Sequence[Held | None]) -> None:
+        """Give the plan's adapters their slots: `held[i]` is the adapter of plan.seqs[i] (None: base). Sets each
+        entry's lora_slot and the plan's lora_writes. Raises TooManyAdapters past --max-loras (the scheduler's
+        bound keeps a step within it)."""
+        ids = {h.adapter_id: h for h in held if h is not None}
+        if not ids:
+            return
+        assignment = self.slots.assign(ids)
+        for entry, h in zip(plan.seqs, held, strict=True):
+            entry.lora_slot = NO_ADAPTER if h is None else assignment.slot_of[h.adapter_id]
+        plan.lora_writes = [(slot, ids[adapter_id].payload) for slot, adapter_id in assignment.writes]
+
+    # -- what the list RPC, GetModelInfo and the metrics read ------------------------------------
+
+    def names(self) -> list[str]:
+        return [state.name for state in self.registry.states()]
+
+    def info(self, name: str) -> AdapterInfo:
+        return next(i for i in self.infos() if i.name == name)
+
+    def infos(self) -> list[AdapterInfo]:
+        out = []
+        for state in self.registry.states():
+            resident = self.registry.resident_of(state.name)
+            adapter = None if resident is None else resident.payload
+            out.append(
+                AdapterInfo(
+                    state.name,
+                    state.source,
+                    0 if adapter is None else adapter.rank,
+                    () if adapter is None else tuple(sorted(adapter.target_modules)),
+                    state.resident,
+                    state.requests,
+                    0 if adapter is None else adapter.nbytes,
+                )
+            )
+        return out
