@@ -190,7 +190,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 class _Extend(argparse.Action):
     """A repeated flag: the command line's values replace the environment's, in order."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
         given = getattr(namespace, f"_{self.dest}_given", False)
         current = getattr(namespace, self.dest) if given else ()
         setattr(namespace, self.dest, (*current, values))

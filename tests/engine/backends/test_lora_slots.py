@@ -87,7 +87,9 @@ def run_jobs(backend: Any, serving: LoraServing, made: Made, planted: bool = Fal
     held: dict[int, Held | None] = {}
     seqs = []
     for i, ((name, _, new), prompt) in enumerate(zip(JOBS, made.prompts, strict=True)):
-        request = GenerationRequest(f"r{i}", tuple(prompt), stopping=StoppingParams(max_new_tokens=new, ignore_eos=True))
+        request = GenerationRequest(
+            f"r{i}", tuple(prompt), stopping=StoppingParams(max_new_tokens=new, ignore_eos=True)
+        )
         seq = Sequence(request, list(prompt), 0.0, i)
         held[i] = None if name is None else serving.acquire(name)
         seqs.append(seq)

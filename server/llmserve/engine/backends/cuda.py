@@ -14,8 +14,9 @@ stops the start with the reason; `--no-cuda-graphs` serves without them.
 A decode step's inputs come from the backend's persistent input batch (backends/input_batch.py: rows kept per
 sequence, only what changed is written, pinned buffers, non-blocking copies into the bucket's buffers), the
 same rows the eager steps use; the graph returns the logits in plan order through the step's row permutation.
-Steps that mix prompt chunks with decodes run eagerly, and so do decode steps with a LoRA adapter's row. With `capture=False` the same padded forward runs
-eagerly instead of from graphs; the CPU tests use that to check the padding, the buckets and the rows.
+Steps that mix prompt chunks with decodes run eagerly, and so do decode steps with a LoRA adapter's row.
+With `capture=False` the same padded forward runs eagerly instead of from graphs; the CPU tests use that to
+check the padding, the buckets and the rows.
 """
 
 from __future__ import annotations

@@ -16,39 +16,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.lora.adapters import LoraAdapter, read_adapter
+from llmserve.engine.lora.catalog import AdapterInfo, LoraLimits
 from llmserve.engine.lora.registry import AdapterExists, AdapterRegistry, NotResident, Resident
 from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.plan import NO_ADAPTER, StepPlan
 from llmserve.model_shape import ModelShape
 
 Held = Resident[LoraAdapter]
-
-
-@dataclass(slots=True, frozen=True)
-class AdapterInfo:
-    """One registered adapter as the list RPC shows it."""
-
-    name: str
-    path: str
-    rank: int  # 0 while it is not in memory (unloaded to make room: read again on the next request)
-    target_modules: tuple[str, ...]
-    resident: bool
-    running_requests: int  # requests that hold it now (waiting or running)
-    host_bytes: int
-
-
-@dataclass(slots=True, frozen=True)
-class LoraLimits:
-    """The bounds the list RPC and GetModelInfo report."""
-
-    max_loras: int
-    max_cpu_loras: int
-    max_lora_rank: int
 
 
 class LoraServing:
