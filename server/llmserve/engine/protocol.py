@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.lora.catalog import LoraStats
 from llmserve.engine.request import Delta, GenerationRequest
 
 
@@ -53,6 +54,7 @@ class EngineStats:
     session_evictions: dict[str, int]
     prefix_cache_hits: int
     kv_tiers: Any = None  # kv_tiers.worker.TierStats when tiers are on
+    lora: LoraStats | None = None  # when the server serves LoRA adapters
 
 
 class Engine(Protocol):

@@ -66,3 +66,18 @@ class LoraLimits:
     max_loras: int
     max_cpu_loras: int
     max_lora_rank: int
+
+
+@dataclass(slots=True, frozen=True)
+class LoraStats:
+    """The adapters' part of EngineStats, for the metrics: a snapshot taken on the step thread."""
+
+    max_loras: int
+    running: tuple[str, ...]  # adapters with a running request, sorted
+    waiting: tuple[str, ...]  # adapters with waiting requests only, sorted
+    changed: float  # unix time the running or waiting set last changed
+    registered: int
+    resident: int  # in host memory
+    requests: tuple[tuple[str, int], ...]  # requests admitted per registered adapter since start (or its load)
+    slot_writes: int  # adapters copied into a device slot
+    reads: int  # adapter folders read (loads, and re-reads of adapters unloaded to make room)

@@ -14,13 +14,14 @@ reads it before the books hand it to another adapter, which is copied in first.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.lora.adapters import LoraAdapter, read_adapter
-from llmserve.engine.lora.catalog import AdapterInfo, LoraLimits
+from llmserve.engine.lora.catalog import AdapterInfo, LoraLimits, LoraStats
 from llmserve.engine.lora.registry import AdapterExists, AdapterRegistry, NotResident, Resident
 from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.plan import NO_ADAPTER, StepPlan
@@ -39,6 +40,8 @@ class LoraServing:
         self.slots = SlotBooks(config.max_loras)
         self.requests: Counter[str] = Counter()  # requests admitted per adapter name, since start
         self.reads = 0  # adapters read from their folders (loads and re-reads)
+        self._sets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the last stats' running and waiting
+        self._changed = time.time()
         for name, path in config.loras:
             self.load(name, path)
 
@@ -93,6 +96,26 @@ class LoraServing:
         plan.lora_writes = [(slot, ids[adapter_id].payload) for slot, adapter_id in assignment.writes]
 
     # -- what the list RPC, GetModelInfo and the metrics read ------------------------------------
+
+    def stats(self, running: Iterable[Held | None], waiting: Iterable[Held | None]) -> LoraStats:
+        """The metrics' snapshot, from the adapters of the running and of the waiting requests."""
+        run = {h.name for h in running if h is not None and h.name is not None}
+        wait = {h.name for h in waiting if h is not None and h.name is not None} - run
+        sets = (tuple(sorted(run)), tuple(sorted(wait)))
+        if sets != self._sets:
+            self._sets, self._changed = sets, time.time()
+        names = self.names()
+        return LoraStats(
+            self.limits.max_loras,
+            sets[0],
+            sets[1],
+            self._changed,
+            len(names),
+            self.registry.num_resident,
+            tuple((name, self.requests[name]) for name in names),
+            self.slots.num_writes,
+            self.reads,
+        )
 
     def names(self) -> list[str]:
         return [state.name for state in self.registry.states()]
