@@ -205,8 +205,8 @@ def section(result: dict[str, Any]) -> list[str]:
     rates, ttft, loading = result["tokens_per_s"], result["ttft_s"], result["loading"]
     lines = [
         f"Served by `python -m llmserve` (engine process) with {result['adapters']} adapters of rank "
-        f"{result['rank']} on every target projection (`--lora`); {result['clients']} closed-loop clients, {result['max_new_tokens']} new "
-        f"tokens each (EOS ignored, sampled), windows of {result['window_s']:g} s alternated (L B, B L, ...).",
+        f"{result['rank']} on every target projection (`--lora`); {result['clients']} closed-loop clients, "
+        f"{result['max_new_tokens']} new tokens each (EOS ignored, sampled), windows of {result['window_s']:g} s alternated (L B, B L, ...).",
         "",
     ]
     pairs = zip(rates["lora"], rates["base"], strict=True)
@@ -221,6 +221,6 @@ def section(result: dict[str, Any]) -> list[str]:
         "",
         f"LoadAdapter (rank {result['rank']}, all targets): median {loading['load_ms']['median']} ms over "
         f"{len(loading['load_ms']['all'])} loads. Memory per adapter: "
-        f"{loading['host_bytes_per_adapter'] / mib:.1f} MiB of factors (float32), engine process RSS +{loading['rss_bytes_per_adapter'] / mib:.1f} MiB per adapter; "
-        f"files {loading['adapter_files_bytes'] / mib:.1f} MiB.",
+        f"{loading['host_bytes_per_adapter'] / mib:.1f} MiB of factors (float32), engine process RSS "
+        f"+{loading['rss_bytes_per_adapter'] / mib:.1f} MiB per adapter; files {loading['adapter_files_bytes'] / mib:.1f} MiB.",
     ]
