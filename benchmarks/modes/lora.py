@@ -203,24 +203,28 @@ def main(argv: list[str]) -> int:
 def section(result: dict[str, Any]) -> list[str]:
     """The page's section, from the JSON."""
     rates, ttft, loading = result["tokens_per_s"], result["ttft_s"], result["loading"]
-    lines = [
-        f"Served by `python -m llmserve` (engine process) with {result['adapters']} adapters of rank "
-        f"{result['rank']} on every target projection (`--lora`); {result['clients']} closed-loop clients, "
-        f"{result['max_new_tokens']} new tokens each (EOS ignored, sampled), windows of {result['window_s']:g} s alternated (L B, B L, ...).",
-        "",
-    ]
+    served = (
+        f"Served by `python -m llmserve` (engine process) with {result['adapters']} adapters of rank {result['rank']}",
+        f"on every target projection (`--lora`); {result['clients']} closed-loop clients,",
+        f"{result['max_new_tokens']} new tokens each (EOS ignored, sampled),",
+        f"windows of {result['window_s']:g} s alternated (L B, B L, ...).",
+    )
+    lines = [" ".join(served), ""]
     pairs = zip(rates["lora"], rates["base"], strict=True)
     rows = [[i + 1, f"{lo:.1f}", f"{ba:.1f}", f"{lo / ba:.3f}"] for i, (lo, ba) in enumerate(pairs)]
     lines += writer.table(["window pair", "4 adapters tok/s", "base model tok/s", "ratio"], rows)
     lo, ba = ttft["lora"], ttft["base"]
     mib = 1 << 20
-    return lines + [
-        "",
-        f"Median ratio {result['ratio_median']} (target >= 0.8). Time to first token P50 / P99: with adapters "
-        f"{lo['p50']} s / {lo['p99']} s ({lo['n']} requests), base {ba['p50']} s / {ba['p99']} s ({ba['n']} requests).",
-        "",
-        f"LoadAdapter (rank {result['rank']}, all targets): median {loading['load_ms']['median']} ms over "
-        f"{len(loading['load_ms']['all'])} loads. Memory per adapter: "
-        f"{loading['host_bytes_per_adapter'] / mib:.1f} MiB of factors (float32), engine process RSS "
-        f"+{loading['rss_bytes_per_adapter'] / mib:.1f} MiB per adapter; files {loading['adapter_files_bytes'] / mib:.1f} MiB.",
-    ]
+    figures = (
+        f"Median ratio {result['ratio_median']} (target >= 0.8). Time to first token P50 / P99:",
+        f"with adapters {lo['p50']} s / {lo['p99']} s ({lo['n']} requests),",
+        f"base {ba['p50']} s / {ba['p99']} s ({ba['n']} requests).",
+    )
+    memory = (
+        f"LoadAdapter (rank {result['rank']}, all targets): median {loading['load_ms']['median']} ms",
+        f"over {len(loading['load_ms']['all'])} loads. Memory per adapter:",
+        f"{loading['host_bytes_per_adapter'] / mib:.1f} MiB of factors (float32),",
+        f"engine process RSS +{loading['rss_bytes_per_adapter'] / mib:.1f} MiB per adapter;",
+        f"files {loading['adapter_files_bytes'] / mib:.1f} MiB.",
+    )
+    return [*lines, "", " ".join(figures), "", " ".join(memory)]
