@@ -196,7 +196,7 @@ class Scheduler:
         if session_id is not None and reason is not FinishReason.ERROR and seq.num_computed > 0:
             keep = self.pool.blocks_for(seq.num_computed)
             self.pool.release(seq.block_table[keep:])
-            self.sessions.retain(session_id, seq.token_ids[: seq.num_computed], seq.block_table[:keep])
+            self.sessions.retain(session_id, seq.token_ids[: seq.num_computed], seq.block_table[:keep], _root(seq))
         else:
             self.pool.release(seq.block_table)
         seq.block_table = []
@@ -282,7 +282,7 @@ class Scheduler:
         shared: list[int] = []
         if self.enable_prefix_caching:
             self._hash_blocks(seq, limit // bs)
-            parent = prefix_root(seq.request.cache_salt)
+            parent = _root(seq)
             for i, block_hash in enumerate(seq.block_hashes[: limit // bs]):
                 block = self.pool.lookup(block_hash, parent, tokens[i * bs : (i + 1) * bs])
                 if block is None:
@@ -301,7 +301,7 @@ class Scheduler:
                 return ready, after.block_table[:full], cow
         session_id = seq.request.session_id
         if session_id is not None:
-            matched, blocks = self.sessions.match(session_id, tokens)
+            matched, blocks = self.sessions.match(session_id, tokens, _root(seq))
             matched = min(matched, limit)
             if matched > len(shared) * bs:
                 full = matched // bs
@@ -319,7 +319,7 @@ class Scheduler:
         num_full = (len(tokens) - 1) // bs
         self._hash_blocks(seq, num_full)
         hashes = seq.block_hashes
-        parent = prefix_root(seq.request.cache_salt)
+        parent = _root(seq)
         pins: list[int] = []
         waits: list[int] = []
         loads: list[BlockContent] = []
@@ -345,7 +345,11 @@ class Scheduler:
         session_id = seq.request.session_id
         if session_id is not None:
             session = self.sessions.get(session_id)
-            if session is not None and _common_prefix(session.token_ids, tokens) >= i * bs:
+            if (
+                session is not None
+                and session.root == _root(seq)
+                and _common_prefix(session.token_ids, tokens) >= i * bs
+            ):
                 return False  # the session in the pool covers as much: no load needed
         self.pool.acquire(pins + waits)  # before anything is evicted for the new blocks
         if not self.pool.can_allocate(len(loads)) and not self.sessions.evict_until_free(len(loads)):
@@ -367,7 +371,7 @@ class Scheduler:
         bs = self.pool.block_size
         hashes = seq.block_hashes
         # The salt is the root of the chain, so every block inherits it through its parents.
-        root = prefix_root(seq.request.cache_salt) if len(hashes) < num_full else b""
+        root = _root(seq) if len(hashes) < num_full else b""
         while len(hashes) < num_full:
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[i * bs : (i + 1) * bs]))
@@ -378,9 +382,14 @@ class Scheduler:
         self._hash_blocks(seq, num_full)
         for i in range(computed_before // bs, num_full):
             if self.pool.block_hash[seq.block_table[i]] is None:
-                parent = seq.block_hashes[i - 1] if i else prefix_root(seq.request.cache_salt)
+                parent = seq.block_hashes[i - 1] if i else _root(seq)
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]
                 self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens, seq.request.cache_salt)
+
+
+def _root(seq: Sequence) -> BlockHash:
+    """The root of seq's prefix hash chain: its cache salt's (the adapter joins it: lora/cache_keys.py)."""
+    return prefix_root(seq.request.cache_salt)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
