@@ -81,3 +81,41 @@ class LoraStats:
     requests: tuple[tuple[str, int], ...]  # requests admitted per registered adapter since start (or its load)
     slot_writes: int  # adapters copied into a device slot
     reads: int  # adapter folders read (loads, and re-reads of adapters unloaded to make room)
+
+
+@dataclass(slots=True, frozen=True)
+class LoadAdapter:
+    """Read the adapter folder `path` and serve it as `name` (AdapterService.LoadAdapter)."""
+
+    name: str
+    path: str
+
+
+@dataclass(slots=True, frozen=True)
+class UnloadAdapter:
+    """Forget `name`; requests that hold it finish on it (AdapterService.UnloadAdapter)."""
+
+    name: str
+
+
+@dataclass(slots=True, frozen=True)
+class ListAdapters:
+    """Every registered adapter and the limits (AdapterService.ListAdapters)."""
+
+
+AdapterOp = LoadAdapter | UnloadAdapter | ListAdapters
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterAnswer:
+    """The engine core's answer to an AdapterOp: `loaded` (LoadAdapter), `draining` (UnloadAdapter: requests still
+    on it), `adapters` and `limits` (always: the front end keeps the names it checks requests against from them)."""
+
+    adapters: tuple[AdapterInfo, ...]
+    limits: LoraLimits
+    loaded: AdapterInfo | None = None
+    draining: int = 0
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(info.name for info in self.adapters)

@@ -21,7 +21,15 @@ from pathlib import Path
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.lora.adapters import LoraAdapter, read_adapter
-from llmserve.engine.lora.catalog import AdapterInfo, LoraLimits, LoraStats
+from llmserve.engine.lora.catalog import (
+    AdapterAnswer,
+    AdapterInfo,
+    AdapterOp,
+    LoadAdapter,
+    LoraLimits,
+    LoraStats,
+    UnloadAdapter,
+)
 from llmserve.engine.lora.registry import AdapterExists, AdapterRegistry, NotResident, Resident
 from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.plan import NO_ADAPTER, StepPlan
@@ -51,6 +59,20 @@ class LoraServing:
         adapter = read_adapter(Path(path), self.shape, self.limits.max_lora_rank)
         self.reads += 1
         return adapter
+
+    def prepare(self, op: AdapterOp) -> LoraAdapter | None:
+        """What `apply` needs done off the step thread: a LoadAdapter's files read (raises what `read` raises)."""
+        return self.read(op.path) if isinstance(op, LoadAdapter) else None
+
+    def apply(self, op: AdapterOp, adapter: LoraAdapter | None = None) -> AdapterAnswer:
+        """An AdapterService call on the books (on the step thread): `adapter` is what `prepare` read. Raises
+        AdapterExists, AdaptersBusy, UnknownAdapter (and what reading raises, when nothing was prepared)."""
+        loaded, draining = None, 0
+        if isinstance(op, LoadAdapter):
+            loaded = self.load(op.name, op.path, adapter)
+        elif isinstance(op, UnloadAdapter):
+            draining = self.unload(op.name)
+        return AdapterAnswer(tuple(self.infos()), self.limits, loaded, draining)
 
     def load(self, name: str, path: str, adapter: LoraAdapter | None = None) -> AdapterInfo:
         """Register `name` (read from `path` unless `adapter` was read already). Raises AdapterExists,
