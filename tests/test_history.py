@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from redis_server import RedisServer
 
-from llmserve.engine.request import Delta, FinishReason, InvalidRequest
+from llmserve.engine.delta import Delta, FinishReason
+from llmserve.engine.errors import InvalidRequest
 from llmserve.history import (
     HistoryBusy,
     HistoryConfig,

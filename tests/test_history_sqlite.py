@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_history import Clock, finish, held_ids, tokens_turn
 
-from llmserve.engine.request import FinishReason
+from llmserve.engine.delta import FinishReason
 from llmserve.history import (
     HistoryBusy,
     HistoryConfig,

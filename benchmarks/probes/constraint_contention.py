@@ -21,12 +21,12 @@ import llguidance.torch as llt  # noqa: E402
 import torch  # noqa: E402
 from constraint_libraries import DOCUMENT, SCHEMAS, tokenizer  # noqa: E402
 
-from llmserve.engine.constraints import ConstraintCompiler  # noqa: E402
+from llmserve.engine.constraints import ConstraintCompiler, Vocabulary  # noqa: E402
 from llmserve.engine.request import ConstraintKind, ConstraintSpec  # noqa: E402
 
 tok = tokenizer()
-c = ConstraintCompiler(tok, 49152, (2,))
-comp = c.compile_now(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["nested"])))
+c = ConstraintCompiler(Vocabulary(tok, 49152, (2,)))
+comp = c.submit(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["nested"]))).result()
 ids = tok.encode(DOCUMENT, add_special_tokens=False)
 states = []
 for i in range(32):

@@ -21,10 +21,12 @@ configure_process()  # as the server does, before torch: a short OpenMP spin (a 
 import torch  # noqa: E402
 from constraint_libraries import DOCUMENT, SCHEMAS, tokenizer  # noqa: E402
 
-from llmserve.engine.constraints import ConstraintCompiler, fill_bitmask  # noqa: E402
+from llmserve.engine.constraints import ConstraintCompiler, Vocabulary  # noqa: E402
 from llmserve.engine.generators import Generators  # noqa: E402
-from llmserve.engine.request import ConstraintKind, ConstraintSpec, SampleRow, SamplingParams  # noqa: E402
+from llmserve.engine.masks import TokenMasks  # noqa: E402
+from llmserve.engine.request import ConstraintKind, ConstraintSpec, SamplingParams  # noqa: E402
 from llmserve.engine.sampler import sample  # noqa: E402
+from llmserve.engine.sequence import SampleRow  # noqa: E402
 
 ROWS = 32
 VOCAB = 49152
@@ -35,15 +37,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
     tok = tokenizer()
-    compiler = ConstraintCompiler(tok, VOCAB, (tok.eos_token_id,))
+    compiler = ConstraintCompiler(Vocabulary(tok, VOCAB, (tok.eos_token_id,)))
     start = time.perf_counter()
-    compiled = compiler.compile_now(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["nested"])))
+    compiled = compiler.submit(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["nested"]))).result()
     cold_ms = (time.perf_counter() - start) * 1e3  # includes the library's tokenizer, built once per process
     start = time.perf_counter()
-    compiler.compile_now(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["flat"])))
+    compiler.submit(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["flat"]))).result()
     warm_ms = (time.perf_counter() - start) * 1e3
     start = time.perf_counter()
-    compiler.compile_now(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["flat"])))
+    compiler.submit(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["flat"]))).result()
     cached_ms = (time.perf_counter() - start) * 1e3
     ids = tok.encode(DOCUMENT, add_special_tokens=False)  # json.dumps writes ", " and ": ", as the grammar wants
     states = []
@@ -64,7 +66,7 @@ def main() -> None:
             sample(logits, rows, streams)
             times[name].append((time.perf_counter() - start) * 1e3)
         start = time.perf_counter()
-        fill_bitmask(states, VOCAB)
+        TokenMasks.shared().bitmask(states, VOCAB)
         times["fill"].append((time.perf_counter() - start) * 1e3)
     report = {f"{k}_ms_median": round(statistics.median(v), 3) for k, v in times.items()}
     report |= {f"{k}_ms_p90": round(sorted(v)[int(0.9 * len(v))], 3) for k, v in times.items()}

@@ -44,7 +44,7 @@ from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
 from llmserve.engine.backends import create_backend  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core import EngineCore  # noqa: E402
-from llmserve.engine.core_process import ChildSpec, CoreClient  # noqa: E402
+from llmserve.engine.core_process import ChildSpec, ProcessCore  # noqa: E402
 from llmserve.engine.output_processor import OutputProcessor  # noqa: E402
 from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
 from llmserve.models import LoadedModel, from_config  # noqa: E402
@@ -89,7 +89,7 @@ def submit_through_front_end(
             ended.append(request.request_id)
 
     streams = [asyncio.run_coroutine_threadsafe(consume(request), loop) for request in requests]
-    while len(engine._outputs) < len(requests):  # every stream registered (and so submitted)
+    while len(engine._processor) < len(requests):  # every stream registered (and so submitted)
         time.sleep(0.01)
 
     def stop() -> None:
@@ -114,10 +114,23 @@ def probe_model(tokenizer: bool) -> LoadedModel:
     return loaded
 
 
-def prepare_child(backend: str, batch: int, steps: int, out: Path, core: EngineCore) -> None:
-    """In the engine process: the backend and the stub as `measure` sets them, and a timer on the step loop that
-    writes `steps` pass times (once all `batch` sequences decode) to `out`."""
+def timed_child_model(tokenizer: bool, backend: str, batch: int, steps: int, out: Path) -> LoadedModel:
+    """In the engine process (a ChildSpec's `load`): the probe's model, with the core about to be built over it set
+    up as `measure` sets it (the backend, the stubbed model call) and a timer on its step loop that writes `steps`
+    pass times (once all `batch` sequences decode) to `out`. The core is reached through its class, patched in this
+    process only: the probe's hook, kept out of the server's code."""
     torch.set_num_threads(1)
+    warm_up = EngineCore.warm_up
+
+    def prepare_then_warm_up(core: EngineCore) -> None:
+        prepare_child(core, backend, batch, steps, out)
+        warm_up(core)
+
+    EngineCore.warm_up = prepare_then_warm_up  # type: ignore[method-assign]
+    return probe_model(tokenizer)
+
+
+def prepare_child(core: EngineCore, backend: str, batch: int, steps: int, out: Path) -> None:
     if backend.startswith("cuda-path"):
         core.backend = create_backend(core.loaded, core.config, core.max_model_len, kind="cuda", capture=False)
     stub_model_call(core)
@@ -148,12 +161,8 @@ def measure_engine_process(
         # By the module's name: run as a script, this file is __main__, which the child cannot import.
         from benchmarks.probes import host_overhead as probe
 
-        spec = ChildSpec(
-            functools.partial(probe.probe_model, tokenizer),
-            config,
-            prepare=functools.partial(probe.prepare_child, backend, batch, steps, out),
-        )
-        client = CoreClient(spec)
+        spec = ChildSpec(functools.partial(probe.timed_child_model, tokenizer, backend, batch, steps, out), config)
+        client = ProcessCore(spec)
         client.wait_ready()
         assert client.loaded is not None
         engine = AsyncEngine(client.loaded, config, core=client)
@@ -213,7 +222,7 @@ def measure(
     loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
     loaded.tokenizer = tokenizer
     engine = AsyncEngine(loaded, config) if front_end else None
-    core = engine.core if engine is not None else EngineCore(loaded, config)
+    core = engine.core.engine_core if engine is not None else EngineCore(loaded, config)  # type: ignore[attr-defined]
     if backend.startswith("cuda-path"):  # the CUDA backend's decode path (graph buffers, eager), on the CPU
         core.backend = create_backend(loaded, config, core.max_model_len, kind="cuda", capture=False)
     stub_model_call(core)

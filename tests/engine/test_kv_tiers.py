@@ -196,7 +196,7 @@ def test_one_identity_never_reads_another_identity_s_blocks(tmp_path: Path) -> N
 
 
 def session_info(core: EngineCore, session_id: str):  # noqa: ANN201
-    reply = core.query_session(session_id)
+    reply = core.get_session(session_id)
     core.drain_inbox()
     return reply.result(timeout=0)
 

@@ -84,7 +84,7 @@ def _call(stub: generate_pb2_grpc.GenerateServiceStub, prompt: list[int], **opti
 
 def test_n4_with_a_1000_token_prompt_computes_the_prompt_once(server: ServerThread, stub) -> None:
     prompt = _prompt(990, 1)
-    work = PromptWork(server.engine.core)
+    work = PromptWork(server.engine.core.engine_core)
     try:
         responses = _call(stub, prompt, n=4, temperature=1.0, seed=5, max_new_tokens=8, request_id="once")
     finally:
@@ -103,7 +103,7 @@ def test_n4_with_a_1000_token_prompt_computes_the_prompt_once(server: ServerThre
     total = responses[-1].total_usage
     assert (total.prompt_tokens, total.cached_prompt_tokens, total.completion_tokens) == (990, 0, 32)
     assert not any(r.HasField("total_usage") for r in responses[:-1])
-    core = server.engine.core
+    core = server.engine.core.engine_core
     assert wait_until(lambda: not core.scheduler.live)
     assert core.pool.num_free == core.pool.num_blocks  # no block left held (the prompt's stay cached, reusable)
 
@@ -138,7 +138,7 @@ def test_without_a_seed_each_completion_reports_its_own_and_a_replay_with_the_fi
 
 
 def test_cancelling_the_call_ends_all_n_and_leaks_no_block(server: ServerThread, stub) -> None:
-    core = server.engine.core
+    core = server.engine.core.engine_core
     call = stub.Generate(
         build_request(token_ids=_prompt(200, 5), n=4, temperature=1.0, max_new_tokens=800, ignore_eos=True),
         timeout=120,
@@ -156,7 +156,7 @@ def test_cancelling_the_call_ends_all_n_and_leaks_no_block(server: ServerThread,
 
 
 def test_the_deadline_ends_all_n(server: ServerThread, stub) -> None:
-    core = server.engine.core
+    core = server.engine.core.engine_core
     request = build_request(token_ids=_prompt(100, 6), n=4, temperature=1.0, max_new_tokens=800, ignore_eos=True)
     with StepSpy(core, step_delay_s=0.01):  # 800 steps take 8 s at least: the deadline comes first on any machine
         with pytest.raises(grpc.RpcError) as err:

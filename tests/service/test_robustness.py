@@ -35,7 +35,7 @@ PROMPTS = [
 
 
 def _engine_idle(srv: ServerThread) -> bool:
-    pool = srv.engine.core.pool
+    pool = srv.engine.core.engine_core.pool
     return (
         srv.server.servicer.num_streams == 0
         and srv.engine.num_running == 0

@@ -9,7 +9,8 @@ import grpc
 import pytest
 from harness import CONTEXT_LENGTH, ServerThread, smollm2_tokenizer, wait_until
 
-from llmserve.engine.request import FinishReason, GenerationRequest, StoppingParams
+from llmserve.engine.delta import FinishReason
+from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve_client import build_request, pb
 from tests.stepspy import StepSpy
 
@@ -146,7 +147,7 @@ def test_generated_request_ids_are_unique(stub) -> None:
 
 def test_cancel_mid_stream_frees_the_request(server: ServerThread, stub) -> None:
     # 20 ms a step: the cancel reaches the engine within a step, and 900 tokens would take 18 s.
-    with StepSpy(server.engine.core, step_delay_s=0.02) as spy:
+    with StepSpy(server.engine.core.engine_core, step_delay_s=0.02) as spy:
         call = stub.Generate(build_request(PROMPT, max_new_tokens=900, ignore_eos=True, request_id="gone"), timeout=60)
         next(call)
         next(call)
@@ -201,7 +202,7 @@ def test_logprobs_and_the_logged_input_convert_exactly() -> None:
     """The edge's conversions on their own: every logprob value reaches the message; the log's input summary."""
     from llmserve.api.convert import input_text as _input_text
     from llmserve.api.convert import logprob_pb as _logprob_pb
-    from llmserve.engine.request import TokenLogprob
+    from llmserve.engine.delta import TokenLogprob
 
     message = _logprob_pb(TokenLogprob(7, -0.25, [(7, -0.25), (3, -1.5)]))
     assert (message.token_id, message.logprob) == (7, -0.25)

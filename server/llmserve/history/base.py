@@ -28,7 +28,8 @@ from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from llmserve.engine.request import Delta, FinishReason, InvalidRequest
+from llmserve.engine.delta import Delta, FinishReason
+from llmserve.engine.errors import InvalidRequest
 
 log = logging.getLogger("llmserve.history")
 
