@@ -357,7 +357,7 @@ async def test_extreme_sampling_values_never_fail_a_batch(engine: AsyncEngine) -
         SamplingParams(temperature=1.0, repetition_penalty=1e300, min_p=1.0, top_k=2**31 - 1),
     ]
     normal, _ = await run(engine, req("normal-alone", [5, 6, 7], max_new=8))
-    for round_ in range(3):  # three in a row used to kill the engine
+    for round_ in range(3):  # three failed steps in a row would make the engine dead
         results = await asyncio.gather(
             run(engine, req(f"n{round_}", [5, 6, 7], max_new=8)),
             *(run(engine, req(f"x{round_}-{i}", [1, 2, 3], max_new=8, sampling=s)) for i, s in enumerate(extremes)),

@@ -60,6 +60,15 @@ def server() -> Iterator[ServerThread]:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def inner() -> Iterator[tuple[ServerThread, generate_pb2_grpc.GenerateServiceStub]]:
+    """The same server with its core on a thread of this process, for the tests that look into the core's books."""
+    srv = ServerThread(tiny_engine(in_process=True, max_n=MAX_N)).start()
+    with grpc.insecure_channel(srv.address) as channel:
+        yield srv, generate_pb2_grpc.GenerateServiceStub(channel)
+    srv.stop()
+
+
 def _prompt(length: int, salt: int) -> list[int]:
     """A prompt no other test sends (so that its first computation is its own)."""
     return [(salt * 7919 + 31 * i) % 40000 + 100 for i in range(length)]
@@ -82,7 +91,8 @@ def _call(stub: generate_pb2_grpc.GenerateServiceStub, prompt: list[int], **opti
     return list(stub.Generate(build_request(token_ids=prompt, return_token_ids=True, **options), timeout=120))
 
 
-def test_n4_with_a_1000_token_prompt_computes_the_prompt_once(server: ServerThread, stub) -> None:
+def test_n4_with_a_1000_token_prompt_computes_the_prompt_once(inner) -> None:  # noqa: ANN001
+    server, stub = inner
     prompt = _prompt(990, 1)
     work = PromptWork(server.engine.core.engine_core)
     try:
@@ -137,7 +147,8 @@ def test_without_a_seed_each_completion_reports_its_own_and_a_replay_with_the_fi
     assert [_tokens(again[i]) for i in range(3)] == [_tokens(first[i]) for i in range(3)]
 
 
-def test_cancelling_the_call_ends_all_n_and_leaks_no_block(server: ServerThread, stub) -> None:
+def test_cancelling_the_call_ends_all_n_and_leaks_no_block(inner) -> None:  # noqa: ANN001
+    server, stub = inner
     core = server.engine.core.engine_core
     call = stub.Generate(
         build_request(token_ids=_prompt(200, 5), n=4, temperature=1.0, max_new_tokens=800, ignore_eos=True),
@@ -155,7 +166,8 @@ def test_cancelling_the_call_ends_all_n_and_leaks_no_block(server: ServerThread,
     assert core.pool.num_free == core.pool.num_blocks
 
 
-def test_the_deadline_ends_all_n(server: ServerThread, stub) -> None:
+def test_the_deadline_ends_all_n(inner) -> None:  # noqa: ANN001
+    server, stub = inner
     core = server.engine.core.engine_core
     request = build_request(token_ids=_prompt(100, 6), n=4, temperature=1.0, max_new_tokens=800, ignore_eos=True)
     with StepSpy(core, step_delay_s=0.01):  # 800 steps take 8 s at least: the deadline comes first on any machine

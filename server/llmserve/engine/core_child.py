@@ -119,7 +119,7 @@ def _build(spec: ChildSpec) -> EngineCore:
 def _receive(commands: Connection, core: EngineCore, stop: threading.Event, send: Send) -> None:
     """The command thread: each command from the parent into the core, until Stop or the parent goes away. A request
     that comes after the core's last drain is not taken in (EngineDead): the parent ends it when the child says Bye
-    (so does a session command, whose refusal the sender no longer sends once it sent Bye)."""
+    (so does a session command, whose refusal the sender drops once it has sent Bye)."""
     while True:
         try:
             command = commands.recv()
