@@ -41,7 +41,7 @@ def engine_loop() -> Any:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    engine = tiny_engine(max_num_seqs=32)
+    engine = tiny_engine(in_process=True, max_num_seqs=32)  # in the engine process: test_structured_output.py
     asyncio.run_coroutine_threadsafe(engine.start(), loop).result(120)
     yield engine, loop
     asyncio.run_coroutine_threadsafe(engine.shutdown(), loop).result(60)

@@ -78,7 +78,7 @@ def _check(results: list[tuple[str, FinishReason | None]], names: list[str]) -> 
 
 def test_every_finished_answer_of_the_tiny_model_validates() -> None:
     async def go() -> tuple[list[str], list[tuple[str, FinishReason | None]]]:
-        engine = tiny_engine(max_num_seqs=64)
+        engine = tiny_engine(in_process=True, max_num_seqs=64)
         await engine.start()
         try:
             assert engine.checker is not None
