@@ -243,21 +243,27 @@ class ProcessCore:
                 return
 
     def _decode(self, items: list[messages.Item]) -> list[EngineOutput]:
+        """A pass's items as outputs, counting what each request was sent (one loop: it runs for every token)."""
         requests = self._requests
+        seen_of = requests.get
         outputs: list[EngineOutput] = []
         for item in items:
             if isinstance(item, EngineOutput):
                 output = item
-                seen = requests.get(output.handle)
-                if seen is not None and output.start is not None:
-                    seen.start = output.start
+                seen = seen_of(output.handle)
+                if seen is not None:
+                    if output.start is not None:
+                        seen.start = output.start
+                    seen.num_generated += len(output.token_ids)
+                    if output.finish_reason is not None:
+                        requests.discard(output.handle)
             else:
-                seen = requests.get(item[0])
-                output = EngineOutput(item[0], "" if seen is None else seen.request_id, item[1])
-            if seen is not None:
-                seen.num_generated += len(output.token_ids)
+                handle, tokens = item
+                seen = seen_of(handle)
+                if seen is not None:
+                    seen.num_generated += len(tokens)
+                output = EngineOutput(handle, "" if seen is None else seen.request_id, tokens)
             outputs.append(output)
-        requests.end(outputs)
         return outputs
 
     def _end(self, emit: Emit, reason: FinishReason, why: str) -> None:
