@@ -22,6 +22,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.engine.delta import FinishReason, Usage
 from llmserve.engine.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.kv_events import KvStored
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import from_config
@@ -102,6 +103,19 @@ async def test_final_delta_reports_usage_timing_and_seed(engine: AsyncEngine) ->
     assert last.seed is not None
     assert 0 <= last.timing.queue_s <= last.timing.ttft_s <= last.timing.total_s
     assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+async def test_the_prefix_caches_stored_blocks_reach_the_front_end_as_events(engine: AsyncEngine) -> None:
+    """Either core hands out the pool's events (kv_events.py) through the one interface, by the final delta."""
+    bs = engine.stats().block_size
+    prompt = [(7 * i) % 50 + 3 for i in range(2 * bs + 3)]  # two full blocks no other test of the module uses
+    engine.take_kv_events()
+    await run(engine, req("kv", prompt, max_new=2))
+    stored = [e for e in engine.take_kv_events() if isinstance(e, KvStored)]
+    chunks = [tuple(prompt[:bs]), tuple(prompt[bs : 2 * bs])]
+    ours = [e for e in stored if e.tokens in chunks]
+    assert [e.tokens for e in ours] == chunks and ours[1].parent == ours[0].block_hash, stored
+    assert [e.number for e in ours] == sorted(e.number for e in ours)
 
 
 async def test_logprobs_and_top_n(engine: AsyncEngine) -> None:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from llmserve.engine.delta import Delta, FinishReason, Timing, TokenLogprob, Usage
 from llmserve.engine.errors import EngineDead, QueueFull
+from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.protocol import Engine, EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.request import GenerationRequest
 
@@ -72,6 +73,9 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         running = len(self._running)
         return EngineStats(running, 0, 64, 0, 0, 16, len(self._sessions), 0, 0, 0, 0, {}, 0)
+
+    def take_kv_events(self) -> list[KvEvent]:
+        return []  # no prefix cache
 
     async def get_session(self, session_id: str) -> SessionInfo | None:
         if session_id not in self._sessions:

@@ -2,12 +2,11 @@
 
 A step reads as its five parts: drain the inbox (`Add`, `Abort`), schedule (the scheduler's `StepPlan`), execute
 (the backend: one forward, the rows that sample), update the books, collect each request's `EngineOutput` (token
-ids, logprobs, finish facts; no text). `run()` hands each pass's outputs to the `emit` callback it is given; the
-front end (async_engine.py, output_processor.py) owns text, stop strings and the caller's deltas. The step thread
-owns all engine state and takes no lock: other threads only put commands in the inbox (session queries answered
-through a future) and read `stats()`. A request's grammar is compiled here, on the compiler's workers, while it
-waits in `compiling` (compiling.py). The loop runs on a thread (core_client.ThreadCore) or in an engine process
-of its own (core_process.ProcessCore).
+ids, logprobs, finish facts; no text). `run()` hands each pass's outputs to its `emit`; the front end
+(async_engine.py, output_processor.py) owns text, stop strings and deltas. The step thread owns all engine state
+and takes no lock: other threads only put commands in the inbox (session queries answered through a future) and
+read `stats()`. A request's grammar is compiled on the compiler's workers while it waits in `compiling`. The loop
+runs on a thread (core_client.ThreadCore) or in an engine process of its own (core_process.ProcessCore).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future
+from typing import TypeVar
 
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.base import BlockCopier
@@ -27,9 +27,10 @@ from llmserve.engine.commands import Abort, Add, Command, DeleteSession, Emit, G
 from llmserve.engine.compiling import Compiling
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import ConstraintCompiler, ConstraintState, Vocabulary
-from llmserve.engine.delta import FinishReason, Timing, Usage
+from llmserve.engine.delta import FinishReason
 from llmserve.engine.errors import EngineDead
 from llmserve.engine.facts import CoreFacts, context_cap
+from llmserve.engine.kv_events import KvEvent, KvEventLog
 from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.outputs import EngineOutput, RequestStart, ended, ended_unstarted
 from llmserve.engine.plan import StepPlan
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_FAILURES = 3
 STOPPED = "the engine has stopped"
+Query = TypeVar("Query", GetSession, DeleteSession)
 
 
 class EngineCore:
@@ -61,7 +63,9 @@ class EngineCore:
         self.backend = create_backend(loaded, config, self.max_model_len)
         # Lower KV tiers (--kv-offload-*): raises DiskTierError naming the flag when they cannot be had.
         self.tiers = build_tiers(config, loaded, BlockCopier(self.backend.kv))
-        self.pool = BlockPool(self.backend.num_blocks, config.block_size, track_evictions=self.tiers is not None)
+        self.pool = BlockPool(
+            self.backend.num_blocks, config.block_size, track_evictions=self.tiers is not None, events=KvEventLog()
+        )
         self.sessions = SessionStore(
             self.pool,
             ttl_s=config.session_ttl_s,
@@ -105,10 +109,9 @@ class EngineCore:
     # -- called from any thread ------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, *, after: int | None = None, handle: int | None = None) -> int:
-        """Queue a request (checked by facts.validate); returns the handle its outputs carry and `abort` takes, or
-        uses `handle` (a client that numbers requests itself, in increasing order). `after`: the handle of
-        completion 0 of the same n > 1 request, whose prompt KV this one waits for and shares. Raises EngineDead
-        once the step loop has ended."""
+        """Queue a request (checked by facts.validate) under `handle` (a client numbers its own, increasing) or the
+        next; returns it. `after`: the handle of completion 0 of the same n > 1 request, whose prompt KV this one
+        waits for and shares. Raises EngineDead once the step loop has ended."""
         if handle is None:
             handle = next(self._handles)
         if not self._put(Add(handle, request, time.monotonic(), after)):
@@ -121,15 +124,11 @@ class EngineCore:
 
     def get_session(self, session_id: str) -> Future[SessionInfo | None]:
         """What the core holds for a session, answered when the inbox is next drained (within a step)."""
-        query = GetSession(session_id, Future())
-        self._ask(query)
-        return query.reply
+        return self._ask(GetSession(session_id, Future())).reply
 
     def delete_session(self, session_id: str) -> Future[bool]:
         """Free what the core holds for a session; the answer says whether it held anything."""
-        query = DeleteSession(session_id, Future())
-        self._ask(query)
-        return query.reply
+        return self._ask(DeleteSession(session_id, Future())).reply
 
     def wake(self) -> None:
         self._wake.set()  # an idle step loop looks at its inbox and stop flag now
@@ -139,8 +138,7 @@ class EngineCore:
         return len(self.scheduler.running)
 
     def stats(self) -> EngineStats:
-        """Read without the lock (plain ints, each read atomically): a scrape never stalls a step. `waiting`: what
-        it holds and does not run (its clients count what is on the way to it too: core_client.InFlight)."""
+        """Read without a lock: a scrape never stalls a step. Clients add what is on its way to `waiting` (InFlight)."""
         pool, sessions, scheduler = self.pool, self.sessions, self.scheduler
         free = pool.num_free
         return EngineStats(
@@ -201,6 +199,11 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.write_back(self.pool)
             self.tiers.close()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's stored and removed blocks since the last call (any thread may take them)."""
+        assert self.pool.events is not None
+        return self.pool.events.take()
 
     def take_outputs(self) -> list[EngineOutput]:
         """The outputs collected since the last call (commands drained, steps taken), in order."""
@@ -268,9 +271,10 @@ class EngineCore:
         if self._collected:
             emit(self.take_outputs())
 
-    def _ask(self, query: GetSession | DeleteSession) -> None:
+    def _ask(self, query: Query) -> Query:
         if not self._put(query):  # the loop ended: its last drain is done, nobody would answer
             query.reply.set_exception(EngineDead(STOPPED))
+        return query
 
     def _put(self, command: Command) -> bool:
         """Queue a command for the step thread; False once the inbox has closed (the loop ended)."""
@@ -374,11 +378,7 @@ class EngineCore:
         """Retire a live request and collect its final output; its random stream goes with it."""
         self.scheduler.finish(seq, reason)
         self.backend.generators.release(seq.seq_no)
-        now = time.monotonic()
-        started = seq.first_scheduled if seq.first_scheduled is not None else now
-        first = seq.first_token if seq.first_token is not None else now
-        timing = Timing(started - seq.arrival, first - seq.arrival, now - seq.arrival)
-        usage = Usage(seq.num_prompt, seq.num_cached_prompt, seq.num_generated)
+        usage, timing = seq.ended(time.monotonic())
         final = ended(seq.seq_no, seq.request_id, reason, usage, timing, seed=seq.seed, error=error, last=output)
         self._collected.append(final)
 

@@ -105,7 +105,7 @@ def _send_all(outbox: queue.Queue[object], events: Connection) -> None:
 
 def _pass_message(core: EngineCore, outputs: list[EngineOutput]) -> Outputs:
     """A pass's outputs as they travel, with the core's state of that moment."""
-    return Outputs(encode(outputs), core.dead_reason, core.stats())
+    return Outputs(encode(outputs), core.dead_reason, core.stats(), core.take_kv_events())
 
 
 def _build(spec: ChildSpec) -> EngineCore:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from llmserve.engine.commands import Emit
 from llmserve.engine.errors import EngineDead
 from llmserve.engine.facts import CoreFacts
+from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import GenerationRequest
@@ -71,6 +72,8 @@ class Core(Protocol):
     def delete_session(self, session_id: str) -> Future[bool]: ...
 
     def stats(self) -> EngineStats: ...
+
+    def take_kv_events(self) -> list[KvEvent]: ...  # the prefix cache's stored/removed blocks since the last call
 
     def stop(self) -> None: ...  # what still runs ends CANCELLED; returns once the core has ended
 
@@ -182,6 +185,9 @@ class ThreadCore:
 
     def stats(self) -> EngineStats:
         return self._requests.stats(self.engine_core.stats())
+
+    def take_kv_events(self) -> list[KvEvent]:
+        return self.engine_core.take_kv_events()
 
     def stop(self) -> None:
         """End the step loop (see EngineCore.run) and wait for it; a core never started ends on this thread, where

@@ -35,6 +35,7 @@ from llmserve.engine.core_messages import ChildSpec
 from llmserve.engine.delta import FinishReason
 from llmserve.engine.errors import EngineDead
 from llmserve.engine.facts import CoreFacts
+from llmserve.engine.kv_events import KvEvent, KvEventLog
 from llmserve.engine.outputs import EngineOutput, RequestStart, ended, ended_unstarted
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import GenerationRequest
@@ -111,6 +112,7 @@ class ProcessCore:
         self._facts: CoreFacts | None = None
         self._stats: EngineStats | None = None
         self.dead_reason: str | None = None
+        self._kv_events = KvEventLog()  # the child's, as they arrive with its passes, until taken
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -204,6 +206,10 @@ class ProcessCore:
             self.process.kill()
         self._join()
 
+    def take_kv_events(self) -> list[KvEvent]:
+        """The child's prefix-cache events that have arrived with its passes since the last call."""
+        return self._kv_events.take()
+
     # -- the reader thread -----------------------------------------------------------------------
 
     def _read(self, emit: Emit) -> None:
@@ -228,6 +234,7 @@ class ProcessCore:
                 return
             if isinstance(message, messages.Outputs):
                 self.dead_reason, self._stats = message.dead_reason, message.stats
+                self._kv_events.extend(message.kv_events)
                 merged.extend(self._decode(message.items))
                 continue
             if merged:  # what came before an answer or the end goes out first

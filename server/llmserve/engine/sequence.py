@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from llmserve.engine.delta import FinishReason
+from llmserve.engine.delta import FinishReason, Timing, Usage
 from llmserve.engine.request import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -151,3 +151,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    def ended(self, now: float) -> tuple[Usage, Timing]:
+        """What it used, and its times, for a request that ends at `now` (before it ran, or before its first token,
+        included)."""
+        started = self.first_scheduled if self.first_scheduled is not None else now
+        first = self.first_token if self.first_token is not None else now
+        timing = Timing(started - self.arrival, first - self.arrival, now - self.arrival)
+        return Usage(self.num_prompt, self.num_cached_prompt, self.num_generated), timing
