@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmserve.engine.block_pool import BlockContent, Evicted
-from llmserve.engine.request import SampleRow, Sequence
+from llmserve.engine.sequence import SampleRow, Sequence
 
 if TYPE_CHECKING:
     from llmserve.engine.lora.adapters import LoraAdapter
