@@ -43,6 +43,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.model_info = ModelInfo("fake", 256, 255, "float32", "cpu", 1000, backend="fake: no model")
         self.started = False
+        self.adapters = None  # serves no LoRA adapters
         self.aborted: list[str] = []
         self._running: set[str] = set()
         self._sessions: dict[str, int] = {}
@@ -60,6 +61,9 @@ class FakeEngine:
         return len(self._running)
 
     num_waiting = 0
+
+    async def manage_adapters(self, op: object) -> None:
+        raise AssertionError("the fake engine serves no adapters (AdapterService answers FAILED_PRECONDITION first)")
 
     async def start(self) -> None:
         self.started = True

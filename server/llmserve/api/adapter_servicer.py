@@ -17,9 +17,9 @@ import grpc
 from llmserve.api.errors import FieldNotFound, ServiceError
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
-from llmserve.engine.lora.catalog import AdapterInfo, adapter_name_problem
+from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.lora.catalog import AdapterInfo, ListAdapters, LoadAdapter, UnloadAdapter, adapter_name_problem
 from llmserve.engine.lora.registry import UnknownAdapter
-from llmserve.engine.request import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import adapters_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import adapters_pb2_grpc
 
@@ -47,7 +47,7 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
         engine: Engine | None = self._engine()
         if engine is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        if not engine.model_info.max_loras:
+        if engine.adapters is None:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this server serves no LoRA adapters: start it with --enable-lora or --lora NAME=PATH",
@@ -63,8 +63,9 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
             raise InvalidRequest("path", "must name the adapter's folder on the server")
         if len(request.path) > MAX_PATH_CHARS or "\x00" in request.path:
             raise InvalidRequest("path", f"must be at most {MAX_PATH_CHARS} characters, without NUL")
-        info = await engine.load_adapter(request.name, request.path)
-        return pb.LoadAdapterResponse(adapter=to_pb(info))
+        answer = await engine.manage_adapters(LoadAdapter(request.name, request.path))
+        assert answer.loaded is not None
+        return pb.LoadAdapterResponse(adapter=to_pb(answer.loaded))
 
     async def UnloadAdapter(
         self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -72,18 +73,19 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
         engine = self._ready()
         _check_name(request.name)
         try:
-            draining = await engine.unload_adapter(request.name)
+            answer = await engine.manage_adapters(UnloadAdapter(request.name))
         except UnknownAdapter as exc:
             raise FieldNotFound("name", str(exc)) from None
-        return pb.UnloadAdapterResponse(draining_requests=draining)
+        return pb.UnloadAdapterResponse(draining_requests=answer.draining)
 
     async def ListAdapters(
         self, request: pb.ListAdaptersRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListAdaptersResponse:
         engine = self._ready()
-        infos, limits = await engine.list_adapters()
+        answer = await engine.manage_adapters(ListAdapters())
+        limits = answer.limits
         return pb.ListAdaptersResponse(
-            adapters=[to_pb(info) for info in infos],
+            adapters=[to_pb(info) for info in answer.adapters],
             max_loras=limits.max_loras,
             max_cpu_loras=limits.max_cpu_loras,
             max_lora_rank=limits.max_lora_rank,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmserve.engine.delta import Delta
 from llmserve.engine.kv_events import KvEvent
-from llmserve.engine.lora.catalog import LoraStats
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, LoraStats
 from llmserve.engine.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ class ModelInfo:
     vocab_size: int
     backend: str = ""  # which path serves, and how (the backend's name and one-line description)
     sliding_window: int = 0  # the model's attention window, 0 for none; the context is capped at it
+    max_loras: int = 0  # LoRA adapters in one step (--max-loras); 0 when the server serves none
+    max_lora_rank: int = 0
     eos_token_ids: tuple[int, ...] = ()  # the tokens that end a generation (unless a request ignores EOS)
 
 
@@ -109,5 +111,10 @@ class Engine(Protocol):
     async def get_session(self, session_id: str) -> SessionInfo | None: ...
 
     async def delete_session(self, session_id: str) -> bool: ...
+
+    @property
+    def adapters(self) -> AdapterAnswer | None: ...  # the LoRA adapters as last known; None when LoRA is off
+
+    async def manage_adapters(self, op: AdapterOp) -> AdapterAnswer: ...  # AdapterService's load, unload, list
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...

@@ -103,16 +103,22 @@ class SessionStore:
         session = self._sessions.get(session_id)
         if session is None:
             return 0, []
-        if session.root != root:
-            self._touch(session)
-            return 0, []
         self._touch(session)
+        n = self.covered(session_id, token_ids, root)
+        return n, session.blocks[: self._pool.blocks_for(n)]
+
+    def covered(self, session_id: str, token_ids: Sequence[int], root: bytes) -> int:
+        """How many of `token_ids` the session's KV holds (their longest common prefix; 0 under another `root`),
+        without touching it."""
+        session = self._sessions.get(session_id)
+        if session is None or session.root != root:
+            return 0
         cached = session.token_ids
         limit = min(len(cached), len(token_ids))
         n = 0
         while n < limit and cached[n] == token_ids[n]:
             n += 1
-        return n, session.blocks[: self._pool.blocks_for(n)]
+        return n
 
     def retain(self, session_id: str, token_ids: list[int], blocks: list[int], root: bytes) -> None:
         """Make the session hold `blocks` (whose references the caller hands over) for `token_ids`, computed under

@@ -18,11 +18,13 @@ import torch
 from llmserve.engine.backends import create_backend
 from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.delta import FinishReason
 from llmserve.engine.lora.serving import Held, LoraServing
 from llmserve.engine.plan import NO_ADAPTER, StepPlan
-from llmserve.engine.request import FinishReason, GenerationRequest, Sequence, StoppingParams
+from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.engine.sampler import Sampled
 from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.sequence import Sequence
 from llmserve.engine.sessions import SessionStore
 from llmserve.models import LoadedModel
 from llmserve.testing import greedy_reference, tiny_model

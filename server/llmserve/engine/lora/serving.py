@@ -14,13 +14,18 @@ reads it before the books hand it to another adapter, which is copied in first.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.lora.adapters import LoraAdapter, read_adapter
+from llmserve.engine.lora.adapters import AdapterRefused, LoraAdapter, read_adapter
+from llmserve.engine.lora.cache_keys import adapter_root
 from llmserve.engine.lora.catalog import (
     AdapterAnswer,
     AdapterInfo,
@@ -30,12 +35,34 @@ from llmserve.engine.lora.catalog import (
     LoraStats,
     UnloadAdapter,
 )
-from llmserve.engine.lora.registry import AdapterExists, AdapterRegistry, NotResident, Resident
+from llmserve.engine.lora.registry import (
+    AdapterExists,
+    AdapterRegistry,
+    AdaptersBusy,
+    NotResident,
+    Resident,
+    UnknownAdapter,
+)
 from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.plan import NO_ADAPTER, StepPlan
+from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.model_shape import ModelShape
 
+if TYPE_CHECKING:
+    from llmserve.engine.commands import ManageAdapters
+    from llmserve.engine.scheduler import Scheduler
+
 Held = Resident[LoraAdapter]
+
+
+class LoraOff(RuntimeError):
+    """An AdapterService call to a core that serves no adapters."""
+
+    def __init__(self) -> None:
+        super().__init__("this server serves no LoRA adapters: start it with --enable-lora or --lora NAME=PATH")
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return type(self), ()
 
 
 class LoraServing:
@@ -52,6 +79,31 @@ class LoraServing:
         self._changed = time.time()
         for name, path in config.loras:
             self.load(name, path)
+
+    @classmethod
+    def of(cls, config: EngineConfig, shape: ModelShape) -> LoraServing | None:
+        """The books when the config serves adapters (the --lora ones read now: a refusal stops the start)."""
+        return cls(config, shape) if config.lora_enabled else None
+
+    # -- for the engine core -----------------------------------------------------------------------
+
+    def bind(self, seq: Sequence) -> str | None:
+        """At admission: hold the request's adapter for its sequence and key its caches by it (the root of its
+        prefix hash chain). Returns why it cannot be served (the name is gone, its files changed, no room in memory),
+        or None."""
+        name = seq.request.adapter
+        if name is None:
+            return None
+        try:
+            seq.lora = held = self.acquire(name)
+        except (UnknownAdapter, AdaptersBusy, AdapterRefused) as exc:
+            return str(exc)
+        seq.prefix_root = adapter_root(seq.prefix_root, held.payload.digest)
+        return None
+
+    def stats_of(self, scheduler: Scheduler) -> LoraStats:
+        running = [s.lora for s in scheduler.running]
+        return self.stats(running, [s.lora for s in scheduler.live.values() if s.status is SeqStatus.WAITING])
 
     def read(self, path: str) -> LoraAdapter:
         """Read and check an adapter folder (AdapterNotFound / AdapterRefused name the file); touches no books, so
@@ -105,7 +157,7 @@ class LoraServing:
     def release(self, held: Held) -> None:
         self.registry.release(held.adapter_id)
 
-    def assign(self, plan: StepPlan, held: Sequence[Held | None]) -> None:
+    def assign(self, plan: StepPlan, held: Seq[Held | None]) -> None:
         """Give the plan's adapters their slots: `held[i]` is the adapter of plan.seqs[i] (None: base). Sets each
         entry's lora_slot and the plan's lora_writes. Raises TooManyAdapters past --max-loras (the scheduler's
         bound keeps a step within it)."""
@@ -162,3 +214,47 @@ class LoraServing:
                 )
             )
         return out
+
+
+def unbind(lora: LoraServing | None, seq: Sequence) -> None:
+    """At the end of a request (every way it ends): let go of its adapter."""
+    if lora is not None and seq.lora is not None:
+        lora.release(seq.lora)
+        seq.lora = None
+
+
+def manage(
+    ask: Callable[[ManageAdapters], ManageAdapters], lora: LoraServing | None, op: AdapterOp
+) -> Future[AdapterAnswer]:
+    """An AdapterService call on a core (`ask` queues its command): a load's files are read on a thread of its own
+    (a slow disk holds up neither the caller nor the step loop), then the step thread changes the books."""
+    from llmserve.engine.commands import ManageAdapters
+
+    reply: Future[AdapterAnswer] = Future()
+    if lora is None:
+        reply.set_exception(LoraOff())
+        return reply
+
+    def read_then_ask() -> None:
+        try:
+            adapter = lora.prepare(op)
+        except Exception as exc:  # AdapterNotFound, AdapterRefused: the caller's answer
+            reply.set_exception(exc)
+            return
+        ask(ManageAdapters(op, adapter, reply))
+
+    if isinstance(op, LoadAdapter):
+        threading.Thread(target=read_then_ask, name="llmserve-lora-read", daemon=True).start()
+    else:
+        ask(ManageAdapters(op, None, reply))
+    return reply
+
+
+def answer(command: ManageAdapters, lora: LoraServing | None) -> None:
+    """Apply an AdapterService call on the step thread and answer it."""
+    try:
+        if lora is None:
+            raise LoraOff()
+        command.reply.set_result(lora.apply(command.op, command.adapter))
+    except Exception as exc:  # AdapterExists, AdaptersBusy, UnknownAdapter: the caller's answer
+        command.reply.set_exception(exc)
