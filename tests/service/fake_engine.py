@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from llmserve.engine.delta import Delta, FinishReason, Timing, TokenLogprob, Usage
 from llmserve.engine.errors import EngineDead, QueueFull
 from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
 from llmserve.engine.protocol import Engine, EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.request import GenerationRequest
 
@@ -62,7 +63,7 @@ class FakeEngine:
 
     num_waiting = 0
 
-    async def manage_adapters(self, op: object) -> None:
+    async def manage_adapters(self, op: AdapterOp) -> AdapterAnswer:
         raise AssertionError("the fake engine serves no adapters (AdapterService answers FAILED_PRECONDITION first)")
 
     async def start(self) -> None:

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_FAILURES = 3
 STOPPED = "the engine has stopped"
-Query = TypeVar("Query", GetSession, DeleteSession)
+Query = TypeVar("Query", GetSession, DeleteSession, ManageAdapters)
 
 
 class EngineCore:

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from llmserve.engine import core_messages as messages
 from llmserve.engine.commands import Abort, Add, Emit
@@ -254,7 +254,8 @@ class ProcessCore:
             elif isinstance(message, messages.SessionDeleted):
                 self._answer(self._deletes, message.number, message.deleted, message.refused)
             elif isinstance(message, messages.AdapterReply):
-                self._answer(self._adapter_calls, message.number, message.answer, message.refused, message.error)
+                answer = cast(AdapterAnswer, message.answer)  # None only with an error or a refusal
+                self._answer(self._adapter_calls, message.number, answer, message.refused, message.error)
             elif isinstance(message, messages.Bye):
                 self._join()
                 self._end(emit, FinishReason.CANCELLED, STOPPED)
