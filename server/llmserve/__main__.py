@@ -21,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from llmserve.app import run
     from llmserve.auth import TokenFileError
     from llmserve.engine.kv_tiers.disk import DiskTierError
+    from llmserve.engine.lora.catalog import AdapterRefused
 
     try:
         return asyncio.run(run(config))
@@ -29,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except DiskTierError as exc:
         logging.getLogger("llmserve").error("KV tiers: %s", exc)
+        return 2
+    except AdapterRefused as exc:  # a --lora adapter that cannot be served (AdapterNotFound too)
+        logging.getLogger("llmserve").error("--lora: %s", exc)
         return 2
 
 

@@ -191,3 +191,32 @@ def test_a_server_without_lora_refuses_the_adapter_service(made: Adapters) -> No
             assert list(stub.GetModelInfo(pb.GetModelInfoRequest()).adapters) == []
     finally:
         srv.stop()
+
+
+def test_python_m_llmserve_with_lora(made: Adapters, tiny_model_dir: Path) -> None:
+    """What a user runs: --lora at start serves the adapter (the client's adapter=); one that cannot be served stops
+    the start with status 2, naming the file."""
+    from server_process import ServerProcess
+
+    from llmserve_client import Client
+
+    bad = ServerProcess("--model", str(tiny_model_dir), "--lora", f"x={made.high}", "--history-store", "memory")
+    try:
+        assert bad.proc.wait(120) == 2
+    finally:
+        bad.kill()
+    log = "".join(bad.log)
+    assert "adapter_model.safetensors" in log and "above --max-lora-rank 16" in log, log[-2000:]
+    good = ServerProcess(
+        "--model", str(tiny_model_dir), "--lora", f"sql={made.sql.folder}", "--history-store", "memory"
+    )
+    try:
+        port = good.wait_serving()
+        with Client(f"127.0.0.1:{port}", timeout=60) as client:
+            options = dict(max_new_tokens=6, ignore_eos=True, return_token_ids=True, adapter="sql")
+            out = [t for r in client.generate(token_ids=PROMPT, **options) for t in r.token_ids]
+            assert out == greedy_reference(made.sql.merged, PROMPT, 6)
+            assert list(client.model_info().adapters) == ["sql"]
+            assert [a.name for a in client.list_adapters().adapters] == ["sql"]
+    finally:
+        good.kill()
