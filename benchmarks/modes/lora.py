@@ -5,12 +5,12 @@ hits both alike.
 
 The adapters are made at start with PEFT on the served model (rank 16, alpha 32, every target projection, both
 factors random and scaled down so that the text stays finite), saved in a temporary folder and served with
-`--lora NAME=PATH`. Client c asks adapter c mod 4 in the LoRA windows and the base model in the others; the prompts,
-the sampling and the token counts (EOS ignored) are the same. A window's throughput is the completion tokens that
-arrived inside it over its length; time to first token is from the request's start to its first token, for
-requests started inside the window. Then: the LoadAdapter RPC's wall time (an adapter of the same size loaded and
-unloaded again, median of several), and the engine process's resident memory per adapter (four more loaded: the
-RSS delta over four, from the server's metrics) beside the adapter's host bytes (AdapterInfo.host_bytes).
+`--lora NAME=PATH`. Client c asks adapter c mod 4 in the LoRA windows and the base model in the others; the prompts
+(40 token ids each), the sampling and the token counts (EOS ignored) are the same. A window's throughput is the
+completion tokens that arrived inside it over its length; time to first token is from the request's start to its
+first token, for requests started inside the window. Then: the LoadAdapter RPC's wall time (an adapter of the same
+size loaded and unloaded again, median of several), and the engine process's resident memory per adapter (four more
+loaded: the RSS delta over four, from the server's metrics) beside the adapter's host bytes (AdapterInfo.host_bytes).
 
     python benchmarks/run.py --mode lora [--windows 3] [--window-s 30] [--clients 32] [--quick]
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import shutil
 import statistics
 import subprocess
@@ -33,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import options, writer
-from benchmarks.modes.gateway import QUESTIONS, Window, _wait_serving, free_port, percentile
+from benchmarks.modes.gateway import Window, _wait_serving, free_port, percentile
 from benchmarks.paths import child_env
 from llmserve_client import AsyncClient, Client
 
 TITLE = "LoRA adapters: 32 clients over 4 rank-16 adapters vs the base model (issue 32)"
 ADAPTERS = 4
+PROMPT_TOKENS = 40  # about a chat-templated question's length
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -66,15 +68,23 @@ def make_adapters(model_spec: str | None, root: Path, count: int, rank: int) -> 
     return folders
 
 
-async def client_loop(c: int, window: Window, address: str, adapter: str, args: argparse.Namespace) -> None:
+def prompts(vocab_size: int, count: int = 8, length: int = PROMPT_TOKENS) -> list[list[int]]:
+    """Token-id prompts (the same in both modes; a random-weight model has no tokenizer)."""
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+async def client_loop(
+    c: int, window: Window, address: str, adapter: str, args: argparse.Namespace, prompt_ids: list[list[int]]
+) -> None:
     async with AsyncClient(address, timeout=600) as client:
         k = 0
         while time.monotonic() < window.end:
-            question = QUESTIONS[(c + k) % len(QUESTIONS)]
+            prompt = prompt_ids[(c + k) % len(prompt_ids)]
             k += 1
             began, arrivals, tokens = time.monotonic(), [], 0
             async for response in client.generate(
-                messages=[{"role": "user", "content": question}],
+                token_ids=prompt,
                 max_new_tokens=args.max_new_tokens,
                 ignore_eos=True,
                 temperature=0.7,
@@ -88,10 +98,10 @@ async def client_loop(c: int, window: Window, address: str, adapter: str, args: 
             window.done(began, arrivals, tokens)
 
 
-async def run_window(mode: str, address: str, args: argparse.Namespace) -> Window:
+async def run_window(mode: str, address: str, args: argparse.Namespace, prompt_ids: list[list[int]]) -> Window:
     window = Window(time.monotonic(), args.warmup_s, args.window_s)
     names = [f"a{c % ADAPTERS}" if mode == "lora" else "" for c in range(args.clients)]
-    await asyncio.gather(*(client_loop(c, window, address, names[c], args) for c in range(args.clients)))
+    await asyncio.gather(*(client_loop(c, window, address, names[c], args, prompt_ids) for c in range(args.clients)))
     return window
 
 
@@ -131,11 +141,12 @@ def loads(address: str, metrics_url: str, spare: list[Path], repeats: int) -> di
 async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
     async with AsyncClient(address, timeout=30) as client:
         info = await client.model_info()
+    prompt_ids = prompts(info.vocab_size)
     rates: dict[str, list[float]] = {"lora": [], "base": []}
     ttfts: dict[str, list[float]] = {"lora": [], "base": []}
     for i in range(args.windows):
         for mode in ("lora", "base") if i % 2 == 0 else ("base", "lora"):
-            window = await run_window(mode, address, args)
+            window = await run_window(mode, address, args, prompt_ids)
             rates[mode].append(window.tokens / args.window_s)
             ttfts[mode] += window.ttfts
         print(json.dumps({k: [round(r, 1) for r in v] for k, v in rates.items()}), flush=True)
