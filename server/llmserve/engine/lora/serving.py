@@ -75,6 +75,7 @@ class LoraServing:
         self.slots = SlotBooks(config.max_loras)
         self.requests: Counter[str] = Counter()  # requests admitted per adapter name, since start
         self.reads = 0  # adapters read from their folders (loads and re-reads)
+        self._names: tuple[str, ...] = ()  # the registered names, replaced whole when they change (stats' read)
         self._sets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the last stats' running and waiting
         self._changed = time.time()
         for name, path in config.loras:
@@ -102,8 +103,11 @@ class LoraServing:
         return None
 
     def stats_of(self, scheduler: Scheduler) -> LoraStats:
-        running = [s.lora for s in scheduler.running]
-        return self.stats(running, [s.lora for s in scheduler.live.values() if s.status is SeqStatus.WAITING])
+        """The metrics' snapshot, read from any thread: the step thread's lists and maps are copied in one C call
+        each (under the interpreter lock) before they are walked, so that a step changing them cannot break it."""
+        running, live = list(scheduler.running), list(scheduler.live.values())
+        waiting = [s.lora for s in live if s.status is SeqStatus.WAITING]
+        return self.stats([s.lora for s in running], waiting)
 
     def read(self, path: str) -> LoraAdapter:
         """Read and check an adapter folder (AdapterNotFound / AdapterRefused name the file); touches no books, so
@@ -132,6 +136,7 @@ class LoraServing:
         if name in self.registry:  # before reading: an existing name is refused whatever the folder holds
             raise AdapterExists(name)
         self.registry.load(name, path, adapter if adapter is not None else self.read(path))
+        self._names = tuple(self.names())
         return self.info(name)
 
     def unload(self, name: str) -> int:
@@ -139,6 +144,7 @@ class LoraServing:
         resident = self.registry.resident_of(name)
         held = 0 if resident is None else resident.pins
         self.registry.unload(name)
+        self._names = tuple(self.names())
         self.requests.pop(name, None)
         return held
 
@@ -178,7 +184,7 @@ class LoraServing:
         sets = (tuple(sorted(run)), tuple(sorted(wait)))
         if sets != self._sets:
             self._sets, self._changed = sets, time.time()
-        names = self.names()
+        names, requests = self._names, dict(self.requests)  # the names as a whole, replaced by each change
         return LoraStats(
             self.limits.max_loras,
             sets[0],
@@ -186,7 +192,7 @@ class LoraServing:
             self._changed,
             len(names),
             self.registry.num_resident,
-            tuple((name, self.requests[name]) for name in names),
+            tuple((name, requests.get(name, 0)) for name in names),
             self.slots.num_writes,
             self.reads,
         )
