@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 
 from benchmarks import options, writer
 from benchmarks.paths import ROOT, child_env
@@ -67,12 +68,45 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise TimeoutError(url)
 
 
+class CpuMeter:
+    """CPU seconds (user + system, all threads) spent by each side of the run: the load generator's clients (this
+    process), the server (`python -m llmserve` and its engine process), smg; and the machine's idle seconds. On two
+    cores the clients and smg compete with the server, so a gap between the modes is read from these."""
+
+    def __init__(self, server: subprocess.Popen[bytes], smg: subprocess.Popen[bytes]) -> None:
+        root = psutil.Process(server.pid)
+        self._roles = {
+            "clients": [psutil.Process()],
+            "server": [root, *root.children(recursive=True)],
+            "smg": [psutil.Process(smg.pid)],  # launch.sh execs smg: its pid is smg's
+        }
+
+    def read(self) -> dict[str, float]:
+        seconds = {role: sum(_cpu_s(p) for p in procs) for role, procs in self._roles.items()}
+        seconds["idle"] = psutil.cpu_times().idle
+        return seconds
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
 class Window:
     def __init__(self, start: float, warmup_s: float, window_s: float) -> None:
         self.counted_from = start + warmup_s
         self.end = self.counted_from + window_s
         self.tokens = 0.0
         self.ttfts: list[float] = []
+        self.cpu_s: dict[str, float] = {}
+
+    async def meter(self, cpu: CpuMeter) -> None:
+        """The CPU seconds each side spends inside the window (after its warm-up)."""
+        await asyncio.sleep(max(0.0, self.counted_from - time.monotonic()))
+        before = cpu.read()
+        await asyncio.sleep(max(0.0, self.end - time.monotonic()))
+        after = cpu.read()
+        self.cpu_s = {role: after[role] - before[role] for role in after}
 
     def done(self, began: float, arrivals: list[float], tokens: int) -> None:
         """A finished request: its messages' arrival times and its completion tokens (spread evenly over them)."""
@@ -128,12 +162,15 @@ async def smg_client(c: int, window: Window, sdk: openai.AsyncOpenAI, model: str
         window.done(began, arrivals, tokens)
 
 
-async def run_window(mode: str, address: str, sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> Window:
+async def run_window(
+    mode: str, address: str, sdk: openai.AsyncOpenAI, model: str, cpu: CpuMeter, args: argparse.Namespace
+) -> Window:
     window = Window(time.monotonic(), args.warmup_s, args.window_s)
     if mode == "smg":
-        await asyncio.gather(*(smg_client(c, window, sdk, model, args) for c in range(args.clients)))
+        clients = [smg_client(c, window, sdk, model, args) for c in range(args.clients)]
     else:
-        await asyncio.gather(*(grpc_client(c, window, address, args) for c in range(args.clients)))
+        clients = [grpc_client(c, window, address, args) for c in range(args.clients)]
+    await asyncio.gather(window.meter(cpu), *clients)
     return window
 
 
@@ -142,18 +179,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def measure(address: str, smg_url: str, args: argparse.Namespace) -> dict[str, object]:
+async def measure(address: str, smg_url: str, cpu: CpuMeter, args: argparse.Namespace) -> dict[str, object]:
     sdk = openai.AsyncOpenAI(base_url=smg_url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = (await sdk.models.list()).data[0].id
     async with AsyncClient(address, timeout=30) as client:
         info = await client.model_info()
     rates: dict[str, list[float]] = {"smg": [], "grpc": []}
     ttfts: dict[str, list[float]] = {"smg": [], "grpc": []}
+    cpu_s: dict[str, list[dict[str, float]]] = {"smg": [], "grpc": []}
     for i in range(args.windows):
         for mode in ("smg", "grpc") if i % 2 == 0 else ("grpc", "smg"):
-            window = await run_window(mode, address, sdk, model, args)
+            window = await run_window(mode, address, sdk, model, cpu, args)
             rates[mode].append(window.tokens / args.window_s)
             ttfts[mode] += window.ttfts
+            cpu_s[mode].append(window.cpu_s)
         print(json.dumps({k: [round(r, 1) for r in v] for k, v in rates.items()}), flush=True)
     ratios = [via / direct for via, direct in zip(rates["smg"], rates["grpc"], strict=True)]
     return {
@@ -168,6 +207,22 @@ async def measure(address: str, smg_url: str, args: argparse.Namespace) -> dict[
             mode: {"p50": round(percentile(v, 0.5), 3), "p99": round(percentile(v, 0.99), 3), "n": len(v)}
             for mode, v in ttfts.items()
         },
+        "cpu_s_per_window": {mode: [{k: round(v, 2) for k, v in w.items()} for w in ws] for mode, ws in cpu_s.items()},
+        # Median over the mode's windows: the cores each side kept busy (idle: the cores nobody used), and the CPU
+        # milliseconds each side spent per completion token.
+        "cpu_cores": {mode: _median_per_role(ws, [args.window_s] * len(ws)) for mode, ws in cpu_s.items()},
+        "cpu_ms_per_token": {
+            mode: _median_per_role(ws, [r * args.window_s / 1000 for r in rates[mode]], skip=("idle",))
+            for mode, ws in cpu_s.items()
+        },
+    }
+
+
+def _median_per_role(windows: list[dict[str, float]], per: list[float], skip: tuple[str, ...] = ()) -> dict[str, float]:
+    """Each role's median over the windows of its CPU seconds divided by the window's `per`."""
+    roles = [role for role in windows[0] if role not in skip] if windows else []
+    return {
+        role: round(statistics.median(w[role] / d for w, d in zip(windows, per, strict=True) if d), 3) for role in roles
     }
 
 
@@ -196,7 +251,8 @@ def main(argv: list[str]) -> int:
         launch = ["bash", str(ROOT / "deploy" / "smg" / "launch.sh"), address, "--log-level", "warn"]
         smg = subprocess.Popen(launch, env=smg_env, stdout=subprocess.DEVNULL)
         wait_ready(f"http://127.0.0.1:{smg_port}", 60)
-        figures = asyncio.run(measure(address, f"http://127.0.0.1:{smg_port}", args))
+        cpu = CpuMeter(server, smg)
+        figures = asyncio.run(measure(address, f"http://127.0.0.1:{smg_port}", cpu, args))
         run.model = figures.pop("served")  # type: ignore[assignment]
     finally:
         for proc in (smg, server):
@@ -233,9 +289,25 @@ def section(result: dict[str, Any]) -> list[str]:
     rows = [[i + 1, f"{via:.1f}", f"{direct:.1f}", f"{via / direct:.3f}"] for i, (via, direct) in enumerate(pairs)]
     lines += writer.table(["window pair", "smg (OpenAI HTTP) tok/s", "llmserve gRPC tok/s", "ratio"], rows)
     smg, grpc = ttft["smg"], ttft["grpc"]
-    return lines + [
+    lines += [
         "",
         f"Median ratio {result['ratio_median']} (target >= 0.9). Time to first token P50 / P99: through smg "
         f"{smg['p50']} s / {smg['p99']} s ({smg['n']} requests), on gRPC {grpc['p50']} s / {grpc['p99']} s "
         f"({grpc['n']} requests).",
+        "",
+        "Where the CPU went (medians over each mode's windows): cores kept busy, and CPU ms per completion token.",
+        "",
     ]
+    cores, per_token = result["cpu_cores"], result["cpu_ms_per_token"]
+    rows = [
+        [
+            role,
+            f"{cores['smg'][role]:.2f}",
+            f"{cores['grpc'][role]:.2f}",
+            f"{per_token['smg'][role]:.2f}" if role in per_token["smg"] else "–",
+            f"{per_token['grpc'][role]:.2f}" if role in per_token["grpc"] else "–",
+        ]
+        for role in cores["smg"]
+    ]
+    header = ["process", "cores, smg windows", "cores, gRPC windows", "ms/token, smg", "ms/token, gRPC"]
+    return lines + writer.table(header, rows)
