@@ -72,3 +72,51 @@ def test_the_cuda_backend_needs_the_varlen_kernel() -> None:
     config = EngineConfig(kv_cache_tokens=1024, attention_kernel="torch")
     with pytest.raises(ValueError, match="varlen kernel"):
         create_backend(loaded, config, 256, kind="cuda", capture=False)
+
+
+async def test_every_step_reads_the_buffers_allocated_at_start() -> None:
+    """Through the engine (prompt chunks beside decodes, padded decode steps, rows leaving): every forward the
+    CUDA backend runs reads its inputs from the step buffers it allocated when built, never from tensors made for
+    the step, and those buffers are never replaced."""
+    import asyncio
+
+    from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.request import GenerationRequest, StoppingParams
+
+    loaded = from_config(tiny_config(max_positions=256), dtype=torch.float32)
+    config = EngineConfig(
+        block_size=16, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=48, attention_kernel="triton"
+    )
+    engine = AsyncEngine(loaded, config)
+    backend = create_backend(loaded, config, engine.core.max_model_len, kind="cuda", capture=False)
+    assert isinstance(backend, CudaBackend) and backend.steps is not None
+    steps = backend.steps
+    buffers = {t.untyped_storage().data_ptr() for t in (steps.d64, steps.d32, steps.d_tables)}
+    seen: list[set[int]] = []
+    real_forward = backend.forward
+
+    def forward(input_ids, position_ids, keep, batch):  # noqa: ANN001, ANN202
+        inputs = (input_ids, position_ids, keep, batch.slot_mapping, batch.query_start, batch.seq_lens)
+        seen.append({t.untyped_storage().data_ptr() for t in (*inputs, batch.block_tables)})
+        return real_forward(input_ids, position_ids, keep, batch)
+
+    backend.forward = forward  # type: ignore[method-assign]
+    engine.core.backend = backend
+    await engine.start()
+    try:
+        requests = [
+            GenerationRequest(f"r{i}", tuple(range(1, 30 + 7 * i)), stopping=StoppingParams(3 + 2 * i, ignore_eos=True))
+            for i in range(3)
+        ]
+
+        async def run(request: GenerationRequest) -> int:
+            return sum([len(d.token_ids) async for d in engine.generate(request)])
+
+        async with asyncio.timeout(120):
+            counts = await asyncio.gather(*(run(r) for r in requests))
+    finally:
+        await engine.shutdown()
+    assert counts == [3, 5, 7]
+    assert backend.graphs.replays > 0 and len(seen) > backend.graphs.replays  # padded decodes and eager steps
+    assert all(ptrs <= buffers for ptrs in seen), seen
+    assert {t.untyped_storage().data_ptr() for t in (steps.d64, steps.d32, steps.d_tables)} == buffers

@@ -214,3 +214,83 @@ def test_more_than_the_buffers_hold_is_refused() -> None:
     seq = _Seq(1, 50, table=list(range(13)))
     with pytest.raises(ValueError, match="at most 40"):
         buf.write([SeqStep(seq, 0, list(range(41)), seq.table, None)])  # type: ignore[arg-type]
+
+
+def _steps(n_seqs: int, chunk: int, *, decode: bool = False) -> tuple[StepBuffers, list[SeqStep]]:
+    """Buffers with `n_seqs` sequences placed (their tables written), and a step of theirs: each one token
+    (decode) or a `chunk`-token prompt chunk."""
+    buf = buffers()
+    seqs = [_Seq(i, 40, table=list(range(5 * i, 5 * i + 5))) for i in range(n_seqs)]
+    if decode:
+        entries = [SeqStep(s, 12, [token(s.seq_no, 12)], s.table, object()) for s in seqs]  # type: ignore[arg-type]
+    else:
+        entries = [
+            SeqStep(s, 0, [token(s.seq_no, p) for p in range(chunk)], s.table, object())  # type: ignore[arg-type]
+            for s in seqs
+        ]
+    buf.write(entries)  # the rows and their tables in place: what follows is a steady step
+    return buf, entries
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_staging_a_step_allocates_no_tensor(decode: bool) -> None:
+    """A step's staging and its views take no memory from torch's allocator (on CUDA it would be device memory
+    every step): the values go into the staging allocated at start and are copied into the buffers in place."""
+    from torch.profiler import ProfilerActivity, profile
+
+    buf, entries = _steps(4, 8, decode=decode)
+    ptrs = (buf.d64.data_ptr(), buf.d32.data_ptr(), buf.d_tables.data_ptr())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(3):
+            step = buf.inputs_of(buf.write(entries, rows_to=8 if decode else None, tokens_to=None))
+    allocations = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
+    assert allocations == []
+    assert (buf.d64.data_ptr(), buf.d32.data_ptr(), buf.d_tables.data_ptr()) == ptrs
+    for t in _tensors(step):  # every input the forward reads is a view of the buffers allocated at start
+        assert t.untyped_storage().data_ptr() in ptrs
+    check_step(buf, step, entries, 8 if decode else None)
+    # The probe sees allocations where there are some (so the empty list above means none).
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.from_numpy(buf._h64[:8]).clone()
+    assert any(e.cpu_memory_usage > 0 for e in prof.events())
+
+
+def _lines_run(run: object) -> int:
+    """Python lines executed in the backends' modules while `run()` runs (a loop per token shows as lines per
+    token; NumPy's and torch's own loops run in C and count nothing)."""
+    import sys
+
+    backends = str(StepBuffers.__module__).rsplit(".", 1)[0].replace(".", "/")
+    count = 0
+
+    def tracer(frame, event, arg):  # noqa: ANN001, ANN202
+        nonlocal count
+        if backends in frame.f_code.co_filename:
+            if event == "line":
+                count += 1
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        run()  # type: ignore[operator]
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_staging_has_no_loop_per_token() -> None:
+    """The Python work of staging a step does not grow with its tokens: two sequences' prompt chunks of 2 or of
+    20 tokens run the same lines; per sequence it grows by a constant (the rows' book-keeping), in decode steps
+    and chunk steps alike."""
+    lines = {}
+    for chunk in (2, 20):
+        buf, entries = _steps(2, chunk)
+        lines[chunk] = _lines_run(lambda b=buf, e=entries: b.inputs_of(b.write(e)))
+    assert lines[2] == lines[20]
+    decode = {}
+    for n_seqs in (2, 4, 8):
+        buf, entries = _steps(n_seqs, 1, decode=True)
+        decode[n_seqs] = _lines_run(lambda b=buf, e=entries: b.write(e, rows_to=8))
+    assert decode[8] - decode[4] == 2 * (decode[4] - decode[2])  # linear in the sequences
+    assert (decode[4] - decode[2]) / 2 <= 16  # per sequence: place()'s loop body and the ids' comprehension
