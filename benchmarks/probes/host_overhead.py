@@ -186,9 +186,13 @@ def measure(
 ) -> dict[str, float]:
     """Median and P90 host milliseconds per decode step with `batch` sequences running (detokenized with
     `tokenizer` where the engine does that, when one is given)."""
+    # Room to generate well past the timed steps: with the engine process the child steps while the front end is
+    # still submitting (a stubbed step at 32 sequences takes 0.1 ms), and a request that ended before the last one
+    # arrived left the batch short of `batch` for good (the timer never started: a hang until the deadline).
+    new_tokens = steps + 64 + 1024
     config = EngineConfig(
         block_size=16,
-        kv_cache_tokens=batch * (prompt + steps + 64) + 1024,
+        kv_cache_tokens=batch * (prompt + new_tokens) + 1024,
         max_num_seqs=batch,
         max_num_batched_tokens=max(512, batch),
         cuda_graphs=False,
@@ -196,7 +200,7 @@ def measure(
         # context limit, 4,096 tokens here); torch-path: the torch attention's gathered decode (CUDA without Triton).
         attention_kernel="triton" if backend == "cuda-path-triton" else "torch",
     )
-    stopping = StoppingParams(max_new_tokens=steps + 64, ignore_eos=True)
+    stopping = StoppingParams(max_new_tokens=new_tokens, ignore_eos=True)
     # --sampled: every request samples (temperature, top-p, its own seed) instead of taking the argmax.
     sampling = [
         SamplingParams(temperature=0.8, top_p=0.95, seed=i) if sampled else SamplingParams() for i in range(batch)

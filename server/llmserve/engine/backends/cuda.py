@@ -7,7 +7,7 @@ when the backend is built, before anything is served: replaying a graph costs on
 kernel launches from Python, and no request ever waits on a capture. A graph reads its inputs from the backend's
 step buffers (step_buffers.py) at its bucket's offsets, so staging a step is the same whatever runs it, and returns
 the logits in plan order through the step's kept rows. Steps that mix prompt chunks with decodes run eagerly, or
-through piecewise graphs where those are on (piecewise.py).
+compiled piecewise around attention under `--mixed-steps` (piecewise.py).
 
 Memory, captured once (vLLM v1 profiles a forward, sizes the KV cache, then captures): before the cache is sized,
 `graph_reserve` runs one eager forward of the largest bucket over a one-block cache and nothing else, and the KV
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.engine.backends.base import KVCache
+from llmserve.engine.backends.piecewise import MixedSteps
 from llmserve.engine.backends.step_buffers import StepBuffers, StepInputs
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
@@ -159,6 +160,10 @@ class CudaBackend(TorchPagedBackend):
         """`reserved_bytes`: what the KV budget left out for the graphs (`graph_reserve`), for the description."""
         super().__init__(loaded, config, kv, max_model_len)
         self.graphs = DecodeGraphs(self, config.max_num_seqs, capture=capture)
+        self.mixed: MixedSteps | None = None
+        if config.mixed_steps != "eager":
+            forward = functools.partial(TorchPagedBackend.forward, self)
+            self.mixed = MixedSteps(forward, self.graphs.steps, config.mixed_steps)
         free_before = _free_bytes(self.device) if capture else None
         self.graphs.build_all()
         # What the capture took (CUDA): reported beside the estimate, so that a run shows whether it holds.
@@ -173,11 +178,15 @@ class CudaBackend(TorchPagedBackend):
             f"{self.description}, {len(self.graphs)} CUDA graphs ({'captured' if capture else 'eager'}) "
             f"for decode steps ({memory})"
         )
+        if self.mixed is not None:
+            self.description += f", mixed steps through torch.compile ({config.mixed_steps})"
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         seqs = plan.seqs
         if self.graphs.covers(len(seqs)) and all(s.sample is not None and len(s.token_ids) == 1 for s in seqs):
             return self.graphs.run(plan)
+        if self.mixed is not None:
+            return self.mixed.run(plan)
         return super().logits(plan)
 
 
