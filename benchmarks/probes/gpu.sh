@@ -51,6 +51,7 @@ status=0
 part() {  # part SECONDS NAME COMMAND...: one part under its time limit; its output to $out/gpu-NAME.log too
   local limit=$1 name=$2
   shift 2
+  case " ${GPU_PARTS:-$name} " in *" $name "*) ;; *) echo "== $name: skipped (GPU_PARTS)"; return ;; esac
   local t0=$SECONDS
   echo "== $name (limit ${limit} s)"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/gpu-$name.log"
@@ -70,14 +71,16 @@ if [ "$mode" = dry ]; then
 fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$out/gpu-smi.log"
+# The limits add up to 540 s, within one device call's 600 (start it with timeout_s 600). A rerun of some parts:
+# GPU_PARTS="grpc mixed" (names as below; inprocess-SHAPE per shape).
 perf=("$py" benchmarks/run.py --mode gpu-perf --cap-s 45 --out "$out")
-part 60 start "${perf[@]}" --shapes smollm2-135m --parts start
+part 50 start "${perf[@]}" --shapes smollm2-135m --parts start
 part 60 check "$py" benchmarks/run.py --mode gpu-check --shapes none --out "$out"
 for shape in smollm2-135m qwen3-0.6b; do
-  part 80 "inprocess-$shape" "${perf[@]}" --shapes "$shape" --parts inprocess,decode
+  part 70 "inprocess-$shape" "${perf[@]}" --shapes "$shape" --parts inprocess,decode
 done
-part 130 grpc "${perf[@]}" --shapes smollm2-135m --parts grpc
-part 90 mixed "${perf[@]}" --shapes smollm2-135m --parts mixed
-part 90 ladder "$py" benchmarks/run.py --device cuda --dtype bfloat16 --model random:smollm2-135m \
+part 100 grpc "${perf[@]}" --shapes smollm2-135m --parts grpc --cap-s 30
+part 110 mixed "${perf[@]}" --shapes smollm2-135m --parts mixed
+part 80 ladder "$py" benchmarks/run.py --device cuda --dtype bfloat16 --model random:smollm2-135m \
   --systems hf_continuous,llmserve --out-dir "$out" --name gpu-ladder "$@"
 exit "$status"

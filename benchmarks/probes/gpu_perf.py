@@ -339,9 +339,9 @@ def measure_shape(shape: str, args: argparse.Namespace, result: dict[str, Any]) 
                     nano[key] = asyncio.run(run_grpc(model, args.device, dtype, config, work, args.cap_s, extra))
             elif part == "mixed":
                 loaded = random_model(model, dtype=dtype, device=args.device)
-                result["mixed_step_ms"] = {
-                    m: mixed_step(loaded, m, smoke) for m in ("eager", "compile", "compile-graphs")
-                }
+                for m in ("eager", "compile", "compile-graphs"):  # each written as it ends: a compile may run long
+                    result.setdefault("mixed_step_ms", {})[m] = mixed_step(loaded, m, smoke)
+                    args.write()
             else:
                 raise ValueError(f"unknown part {part!r}: {', '.join(PARTS)}")
         except Exception as exc:  # record and go on: one shot at the device
