@@ -25,9 +25,10 @@ import heapq
 from dataclasses import dataclass, field
 
 from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, chain_hash, prefix_root
+from llmserve.engine.delta import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.plan import SeqStep, StepPlan
-from llmserve.engine.request import FinishReason, SeqStatus, Sequence
+from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
 
 
