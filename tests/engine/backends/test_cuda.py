@@ -88,7 +88,7 @@ async def test_every_step_reads_the_buffers_allocated_at_start() -> None:
         block_size=16, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=48, attention_kernel="triton"
     )
     engine = AsyncEngine(loaded, config)
-    backend = create_backend(loaded, config, engine.core.max_model_len, kind="cuda", capture=False)
+    backend = create_backend(loaded, config, engine.core.engine_core.max_model_len, kind="cuda", capture=False)
     assert isinstance(backend, CudaBackend) and backend.steps is not None
     steps = backend.steps
     buffers = {t.untyped_storage().data_ptr() for t in (steps.d64, steps.d32, steps.d_tables)}
@@ -101,7 +101,7 @@ async def test_every_step_reads_the_buffers_allocated_at_start() -> None:
         return real_forward(input_ids, position_ids, keep, batch)
 
     backend.forward = forward  # type: ignore[method-assign]
-    engine.core.backend = backend
+    engine.core.engine_core.backend = backend
     await engine.start()
     try:
         requests = [

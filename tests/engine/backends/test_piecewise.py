@@ -59,7 +59,7 @@ async def test_mixed_steps_compiled_equal_generate(mode: str, compiler: str) -> 
         mixed_steps=mode,
     )
     engine = AsyncEngine(loaded, config)
-    backend = create_backend(loaded, config, engine.core.max_model_len, kind="cuda", capture=False)
+    backend = create_backend(loaded, config, engine.core.engine_core.max_model_len, kind="cuda", capture=False)
     assert isinstance(backend, CudaBackend) and backend.mixed is not None and backend.mixed.mode == mode
     assert f"torch.compile ({mode})" in backend.description
     forward = functools.partial(TorchPagedBackend.forward, backend)
@@ -73,7 +73,7 @@ async def test_mixed_steps_compiled_equal_generate(mode: str, compiler: str) -> 
         return real_write(entries, rows_to=rows_to, tokens_to=tokens_to)
 
     backend.graphs.steps.write = write  # type: ignore[method-assign]
-    engine.core.backend = backend
+    engine.core.engine_core.backend = backend
     torch._dynamo.utils.counters.clear()
     await engine.start()
     try:
