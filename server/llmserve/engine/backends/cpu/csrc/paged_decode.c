@@ -18,9 +18,9 @@
  * Returns 0, or 1 when a score buffer could not be allocated.
  *
  * For each pair the file includes itself once per scalar type (float, double), and once more for a bfloat16
- * cache: paged_decode_bf16_d<HEAD_DIM>_g<GROUP> reads bfloat16 q, k and v (uint16 storage), computes in float32
- * exactly as the float32 function does (each bfloat16 widened exactly), and writes bfloat16. Half the bytes per
- * key and value row: the decode kernel is bound by reading them.
+ * cache: paged_decode_bf16_d<HEAD_DIM>_g<GROUP> reads bfloat16 q, k and v (uint16 storage), widens each exactly,
+ * computes in float32 as the float32 function does, and writes bfloat16 (one rounding). Half the bytes per key and
+ * value row: the decode kernel is bound by reading them.
  */
 #ifndef SCALAR
 
