@@ -38,7 +38,13 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from llmserve.engine.backends.cpu import native
-from llmserve.engine.backends.cpu.packed_linear import Linear, make_linear, onednn_implementation, sample_input
+from llmserve.engine.backends.cpu.packed_linear import (
+    Linear,
+    bf16_available,
+    make_linear,
+    onednn_implementation,
+    sample_input,
+)
 from llmserve.model_shape import ModelShape
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -214,7 +220,8 @@ class FusedForward:
         weights: str | None = None,
     ) -> FusedForward | None:
         """The fused forward of `model`, or None where it does not apply (another architecture, a device other
-        than the CPU, a dtype without a Precision, or no compiled kernels). `pack`: run float32 linears on packed
+        than the CPU, a dtype without a Precision, no compiled kernels, or bfloat16 rows oneDNN cannot run on this
+        CPU: below AVX-512, a bfloat16 model runs transformers' layers). `pack`: run float32 linears on packed
         oneDNN weights; `attention`: the backend's paged attention function; `shape`: the model's
         (LoadedModel.shape), read from its config when not given; `mixed`: the row operations a bfloat16 or int8
         precision needs; `weights`: "int8" for int8 linears on a bfloat16 model."""
@@ -223,7 +230,7 @@ class FusedForward:
         precision = Precision.of(param.dtype, weights)
         if ops is None or param.device.type != "cpu" or precision is None:
             return None
-        if not precision.exact and mixed is None:
+        if not precision.exact and (mixed is None or not bf16_available()):
             return None
         if (
             getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES

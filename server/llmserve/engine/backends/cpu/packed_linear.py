@@ -58,6 +58,11 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def bf16_available() -> bool:
+    """Whether oneDNN runs bfloat16 linears on this CPU, as capped (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # type: ignore[no-untyped-call]
+
+
 def pack_weight(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> torch.Tensor:
     """`weight` [out, in] (float32 or bfloat16) in oneDNN's blocked layout, tuned for `batch_hint` rows."""
     packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
