@@ -120,14 +120,15 @@ bench: $(STAMP_MODEL)
 bench-quick: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --quick
 
-# n = 4 completions of a ~1,000-token prompt vs four separate calls (benchmarks/n_completions.py, ~2 min on the CPU).
+# n = 4 completions of a ~1,000-token prompt vs four separate calls (benchmarks/modes/n_completions.py, ~2 min on the
+# CPU). Every mode: `$(PY) benchmarks/run.py --list`.
 bench-n: $(STAMP_MODEL)
-	$(PY) benchmarks/run.py --n-completions
+	$(PY) benchmarks/run.py --mode n
 
 # Structured output's cost (issue 22): 32 clients, a JSON schema vs unconstrained in alternated windows, the masks'
 # time per step and compile times. Results in benchmarks/results/<date>-cpu-structured.{md,json}.
 bench-structured: $(STAMP_MODEL)
-	$(PY) benchmarks/run.py --structured
+	$(PY) benchmarks/run.py --mode structured
 
 # Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
 # machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).

@@ -28,12 +28,13 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
+from llmserve.api.admission import Admission
 from llmserve.api.errors import StreamStalled, status_for
 from llmserve.api.servicer import SERVICE_NAME, GenerateServicer
 from llmserve.auth import Authenticator, AuthInterceptor, TokenStore
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.request import InvalidRequest
-from llmserve.history import StoreUnavailable
+from llmserve.history import StoreUnavailable, open_store
 from llmserve.telemetry.metrics import ServerMetrics
 from llmserve.telemetry.tracing import Tracing
 from llmserve.telemetry.tracing import from_env as tracing_from_env
@@ -96,14 +97,18 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None, message_name: str) ->
     return deserialize
 
 
+Trailing = tuple[tuple[str, str], ...]
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """For GenerateService: turns the errors it raises into gRPC statuses (with google.rpc details) via
     `status_for`, answers undecodable requests INVALID_ARGUMENT, aborts a stream whose next message has
     waited on the client's flow control for `stall_timeout_s` (the client reads nothing), and ends every
-    call with `trailing_metadata` (the replica's name), whatever its status."""
+    call with `trailing_metadata()` (the replica's name), whatever its status: read per call, as the name
+    holds the port, bound only after the server has taken its interceptors."""
 
-    def __init__(self, stall_timeout_s: float) -> None:
-        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
+    def __init__(self, stall_timeout_s: float, trailing_metadata: Callable[[], Trailing]) -> None:
+        self._trailing_metadata = trailing_metadata
         self._stall_timeout_s = stall_timeout_s
 
     async def intercept_service(
@@ -119,13 +124,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         deserializer = _tolerant(handler.request_deserializer, rpc.input_type.full_name if rpc else "request")
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _stream_with_status(handler.unary_stream, self.trailing_metadata, self._stall_timeout_s),
+                _stream_with_status(handler.unary_stream, self._trailing_metadata(), self._stall_timeout_s),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _unary_with_status(handler.unary_unary, self.trailing_metadata),
+                _unary_with_status(handler.unary_unary, self._trailing_metadata()),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -141,9 +146,6 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext[Any, Any]
     await context.abort(
         s.code, s.details, trailing_metadata=(*(context.trailing_metadata() or ()), *s.trailing_metadata)
     )
-
-
-Trailing = tuple[tuple[str, str], ...]
 
 
 def _unary_with_status(behaviour: Callable[..., Awaitable[Any]], trailing: Trailing) -> Callable[..., Awaitable[Any]]:
@@ -198,15 +200,12 @@ class LLMServer:
     def __init__(self, config: ServerConfig, *, tracing: Tracing | None = None) -> None:
         self.config = config
         self.authenticator = _authenticator(config)
-        errors = ErrorInterceptor(config.stream_stall_timeout_s)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.authenticator is not None:
             exempt = [_HEALTH_PREFIX] if config.reflection_requires_auth else [_HEALTH_PREFIX, _REFLECTION_PREFIX]
             interceptors.append(AuthInterceptor(self.authenticator, exempt=exempt))
-        interceptors.append(errors)
+        interceptors.append(ErrorInterceptor(config.stream_stall_timeout_s, lambda: ((REPLICA_KEY, self.replica),)))
         self._server = grpc.aio.server(interceptors=interceptors, options=_server_options(config))
-        self.servicer = GenerateServicer(config)
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
         self.health = _HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if config.reflection:
@@ -217,17 +216,18 @@ class LLMServer:
         else:
             self.port = self._server.add_insecure_port(config.address)
         self.replica = config.replica_name or f"{socket.gethostname()}:{self.port}"
-        errors.trailing_metadata = ((REPLICA_KEY, self.replica),)
         self.engine: Engine | None = None
+        histories = open_store(config.history)  # connected by start(), closed by stop()
+        admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
         self.metrics = (
-            ServerMetrics(self.replica, lambda: self.servicer.num_streams, lambda: self.engine, self.servicer.histories)
+            ServerMetrics(self.replica, admission.__len__, lambda: self.engine, histories)
             if config.metrics_port
             else None
         )
         self.tracing = tracing if tracing is not None or not config.tracing else tracing_from_env(self.replica)
-        for observer in (self.metrics, self.tracing):
-            if observer is not None:
-                self.servicer.add_observer(observer)
+        observers = [o for o in (self.metrics, self.tracing) if o is not None]
+        self.servicer = GenerateServicer(config, observers, histories, admission)
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
         self._watchdog: asyncio.Task[None] | None = None
         # Set when the engine has died: run() then drains and returns EXIT_ENGINE_DEAD.
         self.engine_died = asyncio.Event()

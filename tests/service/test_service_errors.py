@@ -562,13 +562,13 @@ def test_attaching_an_engine_caps_histories_at_its_context_unless_configured() -
 
     servicer = GenerateServicer(ServerConfig())
     servicer.attach(FakeEngine())
-    servicer.histories.check_length(256)  # the fake model's context
+    servicer.prompts.check_length(256)  # the fake model's context
     with pytest.raises(InvalidRequest, match=r"--max-session-tokens \(256\)"):
-        servicer.histories.check_length(257)
+        servicer.prompts.check_length(257)
     configured = GenerateServicer(ServerConfig(history=HistoryConfig(max_tokens=100)))
     configured.attach(FakeEngine())
     with pytest.raises(InvalidRequest, match=r"--max-session-tokens \(100\)"):
-        configured.histories.check_length(101)
+        configured.prompts.check_length(101)
 
 
 def test_the_per_identity_stream_cap_counts_streams_as_they_end() -> None:

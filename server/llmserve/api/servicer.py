@@ -55,27 +55,35 @@ _ENDINGS = {
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Serves llmserve.v1.GenerateService; answers UNAVAILABLE until `attach()` hands it a started engine."""
 
-    def __init__(self, config: ServerConfig, observers: Sequence[CallObserver] = ()) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        observers: Sequence[CallObserver] = (),
+        histories: HistoryStore | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        """`observers` are told about each Generate call once it ends (metrics, tracing); `histories` is the
+        session history store (default: the one config.history names), which the server connects at start and
+        closes at stop; `admission` counts the streams in flight (default: one with the config's caps)."""
         self._config = config
-        self._observers = list(observers)  # told about each Generate call once it ends (metrics, tracing)
+        self._observers = tuple(observers)
         self._engine: Engine | None = None
         self._limits = config.limits
         self._max_prompt_bytes = 0
-        self.admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
-        self.histories: HistoryStore = open_store(config.history)  # the server connects it at start, closes it
-        self._prompts = SessionPrompts(self.histories)
-
-    def add_observer(self, observer: CallObserver) -> None:
-        """Tell `observer` about each Generate call from now on, once the call ends."""
-        self._observers.append(observer)
+        if admission is None:
+            admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
+        self.admission = admission
+        self.histories: HistoryStore = histories if histories is not None else open_store(config.history)
+        self.prompts = SessionPrompts(self.histories, config.history.max_tokens)
 
     def attach(self, engine: Engine) -> None:
-        """Start serving with `engine` (already started and warmed up)."""
+        """Start serving with `engine` (already started and warmed up): the limits that depend on its model
+        (the prompt's bytes, the per-session token cap when --max-session-tokens is unset) from now on."""
         info = engine.model_info
         self._max_prompt_bytes = prompt_byte_limit(self._limits, info.context_length)
+        cap = self._config.history.max_tokens
+        self.prompts = SessionPrompts(self.histories, info.context_length if cap is None else cap)
         self._engine = engine
-        if self._config.history.max_tokens is None:
-            self.histories.max_tokens = info.context_length
 
     def begin_drain(self) -> None:
         """Refuse new Generate streams from now on; those in flight go on."""
@@ -111,7 +119,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             key = await self.admission.admit(identity, request_id)
             # The history store is keyed per identity too: the request id it names is the caller's own.
             session_key = scoped(identity, request.session_id) if request.session_id else None
-            prompt_ids, turn = await self._prompts.prompt(engine.tokenizer, request, request_id, session_key)
+            prompt_ids, turn = await self.prompts.prompt(engine.tokenizer, request, request_id, session_key)
             gen_request = self._engine_request(
                 engine, request, request_id, prompt_ids, session_key, call_deadline, identity
             )

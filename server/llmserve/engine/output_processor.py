@@ -1,8 +1,9 @@
 """The front end's output processor: the core's token outputs in, the caller's deltas out.
 
-It owns what the step thread no longer does: incremental detokenization, stop strings, and the accounts of a
-request that a stop string ended. It runs wherever the front end runs (the event loop, in the server), once
-per step for all of that step's outputs. A stop string found in a request's text ends that request's stream at
+It does a request's text work away from the step thread, so that the thread that feeds the device never
+waits on it: incremental detokenization, stop strings, and the accounts of a request that a stop string ended.
+It runs wherever the front end runs (the event loop, in the server), once per step for all of that step's
+outputs. A stop string found in a request's text ends that request's stream at
 once; `process` returns it so that the front end tells the core to stop it too (`EngineCore.abort` with the
 number of tokens the caller was sent), and any token the core produced meanwhile is dropped here.
 """

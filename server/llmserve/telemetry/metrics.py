@@ -272,13 +272,11 @@ def _tier_metrics(t: Any) -> Iterator[Metric]:
         "Offloads dropped because the disk writes queued behind the step were full",
         t.dropped_writes,
     )
-    buckets = [(str(b), c) for b, c in zip(t.reload_buckets, t.reload_counts, strict=False)]
-    buckets.append(("+Inf", t.reload_counts[-1]))
     yield HistogramMetricFamily(
         f"{p}_kv_tier_reload_seconds",
         "Time from a block's reload request to its KV being ready for the step",
-        buckets=buckets,
-        sum_value=t.reload_sum,
+        buckets=t.reload.cumulative(),
+        sum_value=t.reload.total_s,
     )
 
 
@@ -290,8 +288,6 @@ class HistoryCollector(Collector):
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
-        from llmserve.history.base import LATENCY_BUCKETS
-
         store = self.store
         latency = HistogramMetricFamily(
             f"{PREFIX}_history_store_operation_seconds",
@@ -305,11 +301,7 @@ class HistoryCollector(Collector):
         )
         kind = store.kind if store is not None else ""
         for op, stats in sorted(store.stats.items()) if store is not None else ():
-            cumulative, buckets = 0, []
-            for bound, n in zip((*LATENCY_BUCKETS, float("inf")), stats.buckets, strict=True):
-                cumulative += n
-                buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
-            latency.add_metric([kind, op], buckets, stats.total_s)
+            latency.add_metric([kind, op], stats.latency.cumulative(), stats.latency.total_s)
             errors.add_metric([kind, op], stats.errors)
         yield latency
         yield errors
