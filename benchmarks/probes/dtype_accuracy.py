@@ -6,7 +6,8 @@
   asserted: two bfloat16 implementations round differently).
 - Perplexity of tests/data/perplexity.txt (public-domain prose, ~650 tokens) under each dtype, every token's
   logits from one forward of the backend (the path the engine serves).
-- `--head float32`: the bfloat16 forward with a float32 LM head instead (the measurement behind the choice).
+- Variants that put some linears in another kind (`--variants "bfloat16:head=float32" "int8:head=bfloat16"`,
+  the names `head`, `qkv`, `o`, `gate_up`, `down`): the measurements behind the precisions' choices.
 
     python benchmarks/probes/dtype_accuracy.py --out benchmarks/results/DATE-cpu-dtype-accuracy
 
@@ -59,24 +60,49 @@ def prefix_agreement(a: list[int], b: list[int]) -> float:
     return same / max(len(a), 1)
 
 
-def load(dtype: str, head: str | None = None) -> Any:
-    """The default model as the server loads it, and a CPU backend over it; `head` "float32" swaps the fused
-    forward's LM head for a packed float32 one."""
+def load(dtype: str, swaps: dict[str, str]) -> Any:
+    """An engine core over the default model as the server loads it; `swaps` {linear name: kind} rebuilds those
+    linears of the fused forward in another packed_linear kind (the LM head: "head")."""
     import torch
 
     from llmserve.engine.backends.cpu import native
-    from llmserve.engine.backends.cpu.packed_linear import make_linear
+    from llmserve.engine.backends.cpu.packed_linear import RefinedHead, make_linear
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.core import EngineCore
     from llmserve.models import load_model
 
     loaded = load_model(None, device="cpu", dtype=dtype)
     core = EngineCore(loaded, EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, max_num_batched_tokens=1024))
-    fused = core.backend.fused
-    if head == "float32" and fused is not None:
-        weight = loaded.model.get_output_embeddings().weight.detach().float()
-        fused.lm_head = make_linear(weight, None, "float32", True, native.load_mixed(), torch.float32)
+    fused, mixed = core.backend.fused, native.load_mixed()
+    base = loaded.model.model
+
+    def rebuild(weights: list[torch.Tensor], kind: str, gives: torch.dtype) -> Any:
+        return make_linear(torch.cat([w.detach().float() for w in weights]), None, kind, True, mixed, gives)
+
+    for name, kind in swaps.items():
+        if name == "head":  # float32: a plain packed head; else refined as the fused forward builds it
+            weight = loaded.model.get_output_embeddings().weight
+            fused.lm_head = rebuild([weight], kind, torch.float32)
+            if kind != "float32":
+                fused.lm_head = RefinedHead(fused.lm_head, weight.detach(), mixed)
+            continue
+        for layer, module in zip(fused.layers, base.layers, strict=True):
+            attn, mlp = module.self_attn, module.mlp
+            parts = {
+                "qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
+                "o": [attn.o_proj],
+                "gate_up": [mlp.gate_proj, mlp.up_proj],
+                "down": [mlp.down_proj],
+            }[name]
+            gives = loaded.dtype if name == "qkv" else torch.float32
+            setattr(layer, name, rebuild([m.weight for m in parts], kind, gives))
     return core
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """ "int8:head=bfloat16,down=bfloat16" -> ("int8", {"head": "bfloat16", "down": "bfloat16"})."""
+    dtype, _, rest = text.partition(":")
+    return dtype, dict(item.split("=", 1) for item in rest.split(",") if item)
 
 
 def greedy(core: Any, prompt: list[int]) -> list[int]:
@@ -135,7 +161,7 @@ def transformers_bf16(prompts: list[list[int]]) -> list[list[int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
-    parser.add_argument("--head", choices=["both", "bfloat16"], default="both", help="also a float32 LM head")
+    parser.add_argument("--variants", nargs="*", default=["bfloat16:head=float32"], help="DTYPE:LINEAR=KIND,...")
     args = parser.parse_args()
     configure_process()
     import torch
@@ -145,17 +171,19 @@ def main() -> int:
 
     tokenizer = load_model(None, device="cpu", dtype="float32").tokenizer
     prompts = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True)["input_ids"])
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
         for q in QUESTIONS
     ]
     text_ids = tokenizer(TEXT.read_text())["input_ids"]
-    variants = [("float32", None), ("bfloat16", None), ("int8", None)]
-    if args.head == "both":
-        variants.append(("bfloat16", "float32"))
     runs: dict[str, Any] = {}
-    for dtype, head in variants:
-        name = dtype if head is None else f"{dtype} (float32 head)"
-        core = load(dtype, head)
+    for text in ["float32", "bfloat16", "int8", *args.variants]:
+        dtype, swaps = parse_variant(text)
+        name = dtype + "".join(f", {k} {v}" for k, v in swaps.items())
+        core = load(dtype, swaps)
         runs[name] = {
             "backend": core.backend.description,
             "tokens": [greedy(core, p) for p in prompts],
@@ -168,7 +196,12 @@ def main() -> int:
         run["agreement"] = [prefix_agreement(t, r) for t, r in zip(run["tokens"], reference, strict=True)]
     hf = transformers_bf16(prompts)
     hf_agreement = [prefix_agreement(t, h) for t, h in zip(runs["bfloat16"]["tokens"], hf, strict=True)]
-    result = {"questions": QUESTIONS, "text_tokens": len(text_ids), "runs": runs, "transformers_bf16_agreement": hf_agreement}
+    result = {
+        "questions": QUESTIONS,
+        "text_tokens": len(text_ids),
+        "runs": runs,
+        "transformers_bf16_agreement": hf_agreement,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     args.out.with_suffix(".md").write_text(report(result))
@@ -195,9 +228,14 @@ def report(result: dict[str, Any]) -> str:
             f"| {name} | {run['perplexity']:.3f} | {100 * (run['perplexity'] / base - 1):+.2f}% | "
             f"{sum(a) / len(a):.2f} | {a[len(a) // 2]:.2f} | {sum(x == 1.0 for x in a)}/{len(a)} |"
         )
-    lines += ["", "Per prompt (agreement with float32; last column: the engine's bfloat16 against transformers' own bf16",
-              "`generate`):", "", "| prompt | " + " | ".join(runs) + " | bf16 vs transformers bf16 |",
-              "|---|" + "---|" * (len(runs) + 1)]
+    lines += [
+        "",
+        "Per prompt (agreement with float32; last column: the engine's bfloat16 against transformers' own bf16",
+        "`generate`):",
+        "",
+        "| prompt | " + " | ".join(runs) + " | bf16 vs transformers bf16 |",
+        "|---|" + "---|" * (len(runs) + 1),
+    ]
     for i, q in enumerate(result["questions"]):
         cells = [f"{run['agreement'][i]:.2f}" for run in runs.values()]
         lines.append(f"| {q} | " + " | ".join(cells) + f" | {result['transformers_bf16_agreement'][i]:.2f} |")

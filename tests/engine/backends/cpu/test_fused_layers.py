@@ -15,7 +15,7 @@ from llmserve.engine.backends.attention import Chunk, GatheredAttention, KernelD
 from llmserve.engine.backends.cpu import native
 from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
-from llmserve.engine.backends.cpu.packed_linear import Int8Linear, PackedBF16
+from llmserve.engine.backends.cpu.packed_linear import Int8Linear, PackedBF16, RefinedHead
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
@@ -141,7 +141,9 @@ def test_bfloat16_and_int8_forwards_give_the_models_logits_within_their_rounding
     runner = create_backend(loaded, EngineConfig(block_size=16, kv_cache_tokens=256))
     assert isinstance(runner, CpuBackend) and runner.fused is not None
     kind = PackedBF16 if dtype == "bfloat16" else Int8Linear
-    linears = [runner.fused.lm_head] + [getattr(ly, n) for ly in runner.fused.layers for n in ("qkv", "o", "gate_up", "down")]
+    head = runner.fused.lm_head
+    assert isinstance(head, RefinedHead)  # its best candidates recomputed in float32
+    linears = [head.head] + [getattr(ly, n) for ly in runner.fused.layers for n in ("qkv", "o", "gate_up", "down")]
     assert all(type(linear) is kind for linear in linears) and runner.fused.num_packed == len(linears)
     assert runner.kv.tensor.dtype == torch.bfloat16
     ids = torch.randint(TINY_VOCAB, (1, 101), generator=torch.Generator().manual_seed(2))

@@ -88,3 +88,23 @@ def test_bfloat16_and_int8_linears_within_their_rounding(kind: str) -> None:
     out = linear(x.bfloat16() if kind == "bfloat16" else quantized(x))
     error = (out.float() - expected).abs().mean() / expected.abs().mean()
     assert error < {"bfloat16": 0.01, "int8": 0.02}[kind], error
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+def test_the_refined_head_picks_what_a_float32_head_picks(kind: str) -> None:
+    """The cheap head's best candidates recomputed in float32: the argmax and those logits of a float32 head on
+    the same (bfloat16) weights, each row alike alone or in a batch."""
+    g = torch.Generator().manual_seed(6)
+    weight = (torch.randn(4096, 576, generator=g) * 0.05).bfloat16()
+    ops = native.load_mixed()
+    assert ops is not None
+    head = packed_linear.RefinedHead(
+        packed_linear.make_linear(weight, None, kind, True, ops, torch.float32), weight, ops
+    )
+    exact = packed_linear.make_linear(weight.float(), None, "float32", True, ops, torch.float32)
+    x = torch.randn(64, 576, generator=g)
+    refined, expected = head(x), exact(x)
+    assert torch.equal(refined.argmax(-1), expected.argmax(-1))
+    top = expected.topk(3, dim=-1).indices
+    torch.testing.assert_close(refined.gather(1, top), expected.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([head(x[i : i + 1]) for i in range(64)]), refined)

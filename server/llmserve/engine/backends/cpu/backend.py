@@ -90,7 +90,9 @@ class CpuBackend(TorchPagedBackend):
             parts.append(f"compiled decode kernel over a {cache} KV cache{' for every token' if every else ''}")
         if self.num_packed_linears:
             implementation = fused.onednn_kernel() if fused is not None else None
-            parts.append(f"{self.num_packed_linears} packed oneDNN linears" + (f" ({implementation})" if implementation else ""))
+            parts.append(
+                f"{self.num_packed_linears} packed oneDNN linears" + (f" ({implementation})" if implementation else "")
+            )
         else:
             parts.append("plain linears")
         parts.append(f"CPU {cpu_features.cpu_level()}")

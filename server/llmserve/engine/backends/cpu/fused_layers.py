@@ -40,6 +40,7 @@ from transformers.activations import SiLUActivation
 from llmserve.engine.backends.cpu import native
 from llmserve.engine.backends.cpu.packed_linear import (
     Linear,
+    RefinedHead,
     bf16_available,
     make_linear,
     onednn_implementation,
@@ -199,7 +200,10 @@ class FusedForward:
         p = precision
         norm_dtype = p.residual
         self.final_norm = _norm(base.norm, norm_dtype)
-        self.lm_head = _linear([model.get_output_embeddings()], p.head, pack, mixed, torch.float32)
+        head = model.get_output_embeddings()
+        self.lm_head: Linear = _linear([head], p.head, pack, mixed, torch.float32)
+        if not p.exact and mixed is not None:
+            self.lm_head = RefinedHead(self.lm_head, head.weight.detach(), mixed)
         self.num_heads = shape.num_heads
         self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim

@@ -264,7 +264,9 @@ class MixedOps:
         """Rotate bfloat16 x [tokens, heads, dim] in place by float32 cos/sin [tokens, dim] (contiguous)."""
         tokens, heads, dim = x.shape
         if x.dtype != torch.bfloat16 or x.stride(2) != 1 or dim % 2 or cos.shape != (tokens, dim):
-            raise ValueError(f"rotary: bfloat16 x {tuple(x.shape)} with a contiguous even dim, cos/sin [{tokens}, {dim}]")
+            raise ValueError(
+                f"rotary: bfloat16 x {tuple(x.shape)} with a contiguous even dim, cos/sin [{tokens}, {dim}]"
+            )
         if cos.dtype != torch.float32 or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rotary needs contiguous float32 cos/sin")
         self._fns["mixed_rotary_bf16"](
