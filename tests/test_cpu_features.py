@@ -33,8 +33,8 @@ def test_the_cap_lowers_never_raises() -> None:
         capped("avx512_core_amx", {"LLMSERVE_CPU_ISA": "amx2"})
 
 
-def test_auto_picks_bfloat16_from_avx512_bf16_up() -> None:
-    assert [auto_dtype(level) for level in cpu_features.LEVELS] == ["float32"] * 4 + ["bfloat16"] * 2
+def test_auto_picks_bfloat16_with_amx_only() -> None:
+    assert [auto_dtype(level) for level in cpu_features.LEVELS] == ["float32"] * 5 + ["bfloat16"]
     assert at_least("avx512_core_amx", cpu_features.INT8_FROM) and not at_least("avx512_core", cpu_features.INT8_FROM)
 
 

@@ -30,10 +30,11 @@ _NEEDS = {
     "avx512_core_bf16": ("avx512_bf16",),
     "avx512_core_amx": ("amx_tile", "amx_bf16", "amx_int8"),
 }
-# Where --dtype auto picks bfloat16. AMX-BF16 by the issue's measurement (a bf16 linear of SmolLM2's MLP shape
-# ~3x float32). AVX512-BF16 without AMX by ours (benchmarks/README.md, "bfloat16 and int8 on the CPU"): the fused
-# bfloat16 forward served SmolLM2-135M faster than float32 at 1, 4 and 32 clients on such a machine.
-BF16_FROM = "avx512_core_bf16"
+# Where --dtype auto picks bfloat16: with AMX-BF16 (the issue's measurement: a bf16 linear of SmolLM2's MLP shape
+# ~3x float32 there). Below it, float32: the exact path, and what the server and its tests run by default on an
+# AVX512-BF16 machine; `--dtype bfloat16` still runs the fused bf16 forward there (benchmarks/README.md,
+# "bfloat16 and int8 on the CPU", says what it gives).
+BF16_FROM = "avx512_core_amx"
 # --dtype int8 multiplies u8 x s8 on oneDNN's kernels; below VNNI those add pairs of products into int16 with
 # saturation, which int8 activations of full range overflow.
 INT8_FROM = "avx512_core_vnni"

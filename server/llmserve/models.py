@@ -169,7 +169,7 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The model's dtype: "auto" is bfloat16 on CUDA, and on the CPU what cpu_features.auto_dtype picks for its
-    instruction set (bfloat16 with AVX512-BF16 or AMX, else float32); "int8" (CPU only) is bfloat16, its linears
+    instruction set (bfloat16 with AMX, else float32); "int8" (CPU only) is bfloat16, its linears
     quantized by the CPU backend, and needs AVX512-VNNI or AMX; else one of float32/float16/bfloat16/float64."""
     if dtype == "auto":
         if device.type == "cuda":

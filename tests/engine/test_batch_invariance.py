@@ -68,7 +68,10 @@ async def test_greedy_tokens_alone_equal_those_among_32_concurrent_requests(dtyp
         await engine.shutdown()
 
     # Together: 32 streams at once, 64 tokens a step (prompts in chunks, beside decodes), a pool that holds
-    # about a sixth of them (preemption), the prefix cache on, sessions whose second turn reuses their KV.
+    # about a sixth of them (preemption), the prefix cache on. The sessions' first turns run first, among
+    # themselves; then their second turns (reusing the KV of those the pool kept) arrive at once with the 24
+    # others, which come over the next 0.3 s: second turns first, so that the scheduler takes them before the
+    # others' prompts evict their sessions (at random arrivals all 8 were evicted in 1 of 8 runs).
     config = EngineConfig(kv_cache_tokens=640, max_num_seqs=32, max_num_batched_tokens=64)
     engine = AsyncEngine(loaded, config)
     await engine.start()
@@ -78,23 +81,20 @@ async def test_greedy_tokens_alone_equal_those_among_32_concurrent_requests(dtyp
         await asyncio.sleep(jitter.random() * 0.3)
         return await generate(engine, request(f"c{i}", prompts[i], max_new[i]))
 
-    async def session(i: int) -> tuple[list[int], list[int]]:
-        await asyncio.sleep(jitter.random() * 0.3)
-        first = await generate(engine, request(f"s{i}", first_turns[i], max_new[i], session=f"conv{i}"))
-        second = await generate(engine, request(f"s{i}b", turns[i], max_new[i], session=f"conv{i}"))
-        return first, second
+    def turn(i: int, prompt: list[int], second: bool) -> GenerationRequest:
+        return request(f"s{i}{'b' if second else ''}", prompt, max_new[i], session=f"conv{i}")
 
     try:
-        together = await asyncio.gather(
-            asyncio.gather(*(session(i) for i in range(SESSIONS))),
+        firsts = await asyncio.gather(*(generate(engine, turn(i, p, False)) for i, p in enumerate(first_turns)))
+        seconds, others = await asyncio.gather(
+            asyncio.gather(*(generate(engine, turn(i, t, True)) for i, t in enumerate(turns))),
             asyncio.gather(*(one(i) for i in range(SESSIONS, len(prompts)))),
         )
         stats = engine.core.stats()
     finally:
         await engine.shutdown()
-    sessions, others = together
-    assert [first for first, _ in sessions] == alone[:SESSIONS]
-    assert [second for _, second in sessions] == alone_turns
+    assert list(firsts) == alone[:SESSIONS]
+    assert list(seconds) == alone_turns
     assert list(others) == alone[SESSIONS:]
     assert engine.core.scheduler.num_preemptions > 0
     assert stats.session_hits > 0, stats  # second turns that found their session's KV (others were evicted)

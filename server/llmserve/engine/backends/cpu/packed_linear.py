@@ -80,7 +80,11 @@ class Linear(Protocol):
 
     takes: torch.dtype
     gives: torch.dtype
-    packed: bool
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weights are in oneDNN's blocked layout (a dense weight computes the same, only slower)."""
+        ...
 
     def __call__(self, x: Rows) -> torch.Tensor: ...
 
@@ -108,7 +112,10 @@ class PackedF32:
     bias: torch.Tensor | None
     takes: torch.dtype = torch.float32
     gives: torch.dtype = torch.float32
-    packed: bool = True
+
+    @property
+    def packed(self) -> bool:
+        return self.weight.is_mkldnn
 
     def __call__(self, x: Rows) -> torch.Tensor:
         assert isinstance(x, torch.Tensor)
@@ -125,7 +132,10 @@ class PackedBF16:
     bias: torch.Tensor | None  # float32
     takes: torch.dtype = torch.bfloat16
     gives: torch.dtype = torch.bfloat16
-    packed: bool = True
+
+    @property
+    def packed(self) -> bool:
+        return all(part.is_mkldnn for _, part in self.parts)
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBF16:
@@ -158,7 +168,10 @@ class Int8Linear:
     ops: MixedOps
     gives: torch.dtype
     takes: torch.dtype = torch.uint8
-    packed: bool = True
+
+    @property
+    def packed(self) -> bool:
+        return self.weight.is_mkldnn
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops: MixedOps, gives: torch.dtype) -> Int8Linear:
@@ -195,7 +208,10 @@ class RefinedHead:
     candidates: int = 8
     takes: torch.dtype = torch.float32
     gives: torch.dtype = torch.float32
-    packed: bool = True
+
+    @property
+    def packed(self) -> bool:
+        return self.head.packed
 
     def __call__(self, x: Rows) -> torch.Tensor:
         assert isinstance(x, torch.Tensor)
