@@ -105,13 +105,13 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return dtype, dict(item.split("=", 1) for item in rest.split(",") if item)
 
 
-def greedy(core: Any, prompt: list[int]) -> list[int]:
+def greedy(core: Any, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     from llmserve.engine.request import GenerationRequest, StoppingParams
 
     handle_tokens: list[int] = []
-    core.submit(GenerationRequest("g", tuple(prompt), stopping=StoppingParams(NEW_TOKENS, ignore_eos=True)))
+    core.submit(GenerationRequest("g", tuple(prompt), stopping=StoppingParams(new_tokens, ignore_eos=True)))
     core.drain_inbox()
-    while len(handle_tokens) < NEW_TOKENS:
+    while len(handle_tokens) < new_tokens:
         core.step()
         for output in core.take_outputs():
             handle_tokens.extend(output.token_ids)

@@ -8,6 +8,7 @@ A GGUF is converted once into a safetensors folder (gguf.py); a model's dimensio
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from llmserve.gguf import (
     model_name,
 )
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "MARKER",
@@ -174,7 +177,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        return _DTYPES[cpu_features.auto_dtype(cpu_features.cpu_level())] if device.type == "cpu" else torch.float32
+        if device.type != "cpu":
+            return torch.float32
+        level = cpu_features.cpu_level()
+        picked = cpu_features.auto_dtype(level)
+        if picked != "bfloat16":
+            log.info("dtype auto: %s on a CPU of level %s (bfloat16 is picked with AMX only)", picked, level)
+        return _DTYPES[picked]
     if dtype == INT8:
         level = cpu_features.cpu_level()
         if device.type != "cpu" or not cpu_features.at_least(level, cpu_features.INT8_FROM):
