@@ -29,7 +29,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway gateway docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -130,6 +130,11 @@ bench-n: $(STAMP_MODEL)
 bench-structured: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --mode structured
 
+# The smg gateway's cost (issue 30): 32 clients through smg's OpenAI HTTP vs llmserve's own gRPC, alternated windows,
+# one python -m llmserve server. Results in benchmarks/results/<date>-cpu-gateway.{md,json}.
+bench-gateway: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py --mode gateway
+
 # Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
 # machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).
 docker:
@@ -147,6 +152,12 @@ nginx:
 redis:
 	@command -v redis-server >/dev/null 2>&1 || test -x /usr/bin/redis-server \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
+
+# smg (the gateway extra) in front of REPLICAS replicas of the default model (ports 50051...): OpenAI-compatible
+# HTTP on 127.0.0.1:30000 (deploy/smg/launch.sh), until Ctrl-C. REPLICAS=2 shows cache-aware routing.
+REPLICAS ?= 1
+gateway: $(STAMP_MODEL)
+	$(PY) -m tests.deploy.smg --replicas $(REPLICAS)
 
 # Three replicas of the default model behind nginx (deploy/nginx/llmserve.conf) on loopback, until Ctrl-C.
 # DEMO_MODEL=random:tiny starts in seconds (token ids only: it has no tokenizer).

@@ -97,6 +97,7 @@ class OutputProcessor:
             pushed = detok.push(output.token_ids)
             delta.text = pushed.text
             if pushed.stop_sequence is not None and reason in (None, FinishReason.LENGTH):
+                delta.matched_stop = pushed.stop_sequence
                 if reason is None:
                     return self._final(stream, delta, FinishReason.STOP_SEQUENCE), True
                 reason = FinishReason.STOP_SEQUENCE
@@ -104,6 +105,7 @@ class OutputProcessor:
                 delta.text += detok.flush()
                 if detok.stopped_on is not None:  # the held-back tail completed a stop string
                     reason = FinishReason.STOP_SEQUENCE
+                    delta.matched_stop = detok.stopped_on
         if reason is not None:
             delta.finish_reason = reason
             delta.usage, delta.timing, delta.seed, delta.error = output.usage, output.timing, output.seed, output.error
