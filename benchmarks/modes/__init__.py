@@ -39,6 +39,7 @@ MODES = {
         Mode("kv-tiers", "benchmarks.modes.kv_tiers", "returning conversations: the disk tier vs recompute"),
         Mode("n", "benchmarks.modes.n_completions", "n = 4 completions vs four separate calls (make bench-n)"),
         Mode("structured", "benchmarks.modes.structured", "a JSON schema vs unconstrained (make bench-structured)"),
+        Mode("dtypes", "benchmarks.modes.dtypes", "CPU float32 vs bfloat16 vs int8 over gRPC, llama.cpp beside"),
         Mode("gateway", "benchmarks.modes.gateway", "smg's OpenAI HTTP vs llmserve's gRPC (make bench-gateway)"),
         Mode("host-overhead", "benchmarks.probes.host_overhead", "host work per step, model call stubbed", True),
         Mode("frontend", "benchmarks.probes.frontend", "the serving path's ceiling, model call stubbed", True),

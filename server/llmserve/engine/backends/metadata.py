@@ -146,15 +146,26 @@ class GatheredBuilder:
 
 class KernelDecodeBuilder:
     """Metadata for the CPU's compiled decode kernel: the decode rows' block tables and lengths as the kernel
-    reads them; chunks as `chunks` (a GatheredBuilder) makes them."""
+    reads them; chunks as `chunks` (a GatheredBuilder) makes them.
 
-    def __init__(self, inputs: InputBatch, kv: KVCache, kernel: DecodeKernel, chunks: GatheredBuilder) -> None:
+    `every_token`: prompt chunks' tokens go through the kernel too, each as a query of its own over the context up
+    to itself (the chunk's keys are in the cache before any layer attends). A token then gets bit for bit the
+    attention it would get in a decode step, whatever chunk it was computed in, or whether a preempted or
+    continued sequence computes it again: the batch invariance of the bfloat16 and int8 forwards, where SDPA's
+    blocked softmax and the kernel round differently."""
+
+    def __init__(
+        self, inputs: InputBatch, kv: KVCache, kernel: DecodeKernel, chunks: GatheredBuilder, every_token: bool = False
+    ) -> None:
         self.inputs = inputs
         self.kv = kv
         self.kernel = kernel
         self._chunks = chunks
+        self.every_token = every_token
 
     def build(self, staged: Staged, slot_mapping: torch.Tensor) -> KernelDecodeAttention:
+        if self.every_token:
+            return self.build_every_token(staged, slot_mapping)
         num = decode_count(staged)
         width = int(staged.widths[:num].max()) if num else 0
         return KernelDecodeAttention(
@@ -167,6 +178,27 @@ class KernelDecodeBuilder:
             max_len=int(staged.lens[:num].max()) if num else 0,
             block_size=self.kv.block_size,
             chunks=self._chunks.chunks(staged, num),
+        )
+
+    def build_every_token(self, staged: Staged, slot_mapping: torch.Tensor) -> KernelDecodeAttention:
+        """Every token of the step as a kernel query: its sequence's block table and its own context length."""
+        counts = np.diff(staged.query_start).astype(np.int64)
+        rows = np.repeat(staged.rows, counts)
+        # The token at offset j of an entry with c queries and final context L sees L - c + 1 + j positions.
+        ends = np.repeat(staged.lens.astype(np.int64), counts)
+        offsets = np.arange(len(rows), dtype=np.int64) - np.repeat(staged.query_start[:-1].astype(np.int64), counts)
+        lens = (ends - np.repeat(counts, counts) + 1 + offsets).astype(np.int32)
+        width = int(staged.widths.max())
+        return KernelDecodeAttention(
+            kv=self.kv.tensor,
+            slot_mapping=slot_mapping,
+            kernel=self.kernel,
+            num=len(rows),
+            tables=self.inputs.tables_of(rows, width),
+            lens=torch.from_numpy(lens),
+            max_len=int(lens.max()),
+            block_size=self.kv.block_size,
+            chunks=[],
         )
 
 
