@@ -33,6 +33,10 @@ from benchmarks.paths import make_importable  # noqa: E402
 
 make_importable()
 
+from llmserve.process import configure_process  # noqa: E402
+
+configure_process()  # as `python -m llmserve` does, before torch loads
+
 from benchmarks.probes.spec_samples import DEFAULT_OUT  # noqa: E402
 from llmserve.engine.spec.ngram import NgramConfig, NgramProposer  # noqa: E402
 from llmserve.engine.spec.suffix import SuffixConfig, SuffixProposer  # noqa: E402

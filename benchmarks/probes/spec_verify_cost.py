@@ -30,6 +30,10 @@ from benchmarks.paths import make_importable  # noqa: E402
 
 make_importable()
 
+from llmserve.process import configure_process  # noqa: E402
+
+configure_process()  # as `python -m llmserve` does, before torch loads
+
 import torch  # noqa: E402
 
 from llmserve.engine.backends import create_backend  # noqa: E402
