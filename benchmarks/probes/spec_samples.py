@@ -151,22 +151,48 @@ async def generate_all(per_workload: int, max_new: int) -> dict:
     await engine.start()
 
     def chat(text: str) -> list[int]:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         ids: list[int] = tokenizer.encode(rendered, add_special_tokens=False)
         return ids
 
     jobs: list[tuple[str, str, GenerationRequest]] = []
     for i, text in enumerate(edit_prompts()[:per_workload]):
-        jobs.append(("edit", text, GenerationRequest(f"edit-{i}", tuple(chat(text)),
-                                                      SamplingParams(), StoppingParams(max_new_tokens=max_new))))
+        jobs.append(
+            (
+                "edit",
+                text,
+                GenerationRequest(
+                    f"edit-{i}", tuple(chat(text)), SamplingParams(), StoppingParams(max_new_tokens=max_new)
+                ),
+            )
+        )
     for i, (text, schema) in enumerate(json_prompts()[:per_workload]):
         spec = ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
-        jobs.append(("json", text, GenerationRequest(f"json-{i}", tuple(chat(text)), SamplingParams(),
-                                                      StoppingParams(max_new_tokens=max_new), constraint=spec)))
+        jobs.append(
+            (
+                "json",
+                text,
+                GenerationRequest(
+                    f"json-{i}",
+                    tuple(chat(text)),
+                    SamplingParams(),
+                    StoppingParams(max_new_tokens=max_new),
+                    constraint=spec,
+                ),
+            )
+        )
     for i, text in enumerate(QUESTIONS[:per_workload]):
-        jobs.append(("chat", text, GenerationRequest(f"chat-{i}", tuple(chat(text)),
-                                                      SamplingParams(), StoppingParams(max_new_tokens=max_new))))
+        jobs.append(
+            (
+                "chat",
+                text,
+                GenerationRequest(
+                    f"chat-{i}", tuple(chat(text)), SamplingParams(), StoppingParams(max_new_tokens=max_new)
+                ),
+            )
+        )
 
     async def one(request: GenerationRequest) -> list[int]:
         tokens: list[int] = []
@@ -189,8 +215,13 @@ async def generate_all(per_workload: int, max_new: int) -> dict:
         }
         for (workload, _, request), answer in zip(jobs, answers, strict=True)
     ]
-    return {"model": "SmolLM2-135M-Instruct", "greedy": True, "max_new_tokens": max_new, "seconds": took,
-            "samples": samples}
+    return {
+        "model": "SmolLM2-135M-Instruct",
+        "greedy": True,
+        "max_new_tokens": max_new,
+        "seconds": took,
+        "samples": samples,
+    }
 
 
 def main() -> None:

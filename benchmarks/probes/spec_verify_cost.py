@@ -54,8 +54,9 @@ class Bench:
     def __init__(self, max_seqs: int, context: int, chunk: int) -> None:
         self.loaded = load_model(None, device="cpu", dtype="float32")
         tokens = (max_seqs + 1) * (context + 64 + chunk)
-        config = EngineConfig(block_size=BLOCK, kv_cache_tokens=tokens, max_num_seqs=max_seqs + 1,
-                              max_num_batched_tokens=4096)
+        config = EngineConfig(
+            block_size=BLOCK, kv_cache_tokens=tokens, max_num_seqs=max_seqs + 1, max_num_batched_tokens=4096
+        )
         self.backend = create_backend(self.loaded, config, max_model_len=context + 64 + chunk + 1)
         self.pool = BlockPool(self.backend.num_blocks, BLOCK)
         self.context = context
@@ -75,8 +76,9 @@ class Bench:
         plan = StepPlan()
         for seq in self.seqs[:batch]:
             row = seq.sample_row()
-            plan.seqs.append(SeqStep(seq, self.context, seq.token_ids[self.context : self.context + k + 1],
-                                     seq.block_table, row))
+            plan.seqs.append(
+                SeqStep(seq, self.context, seq.token_ids[self.context : self.context + k + 1], seq.block_table, row)
+            )
         if self.prompt is not None:
             seq = self.prompt
             plan.seqs.append(SeqStep(seq, 0, seq.token_ids[: self.chunk], seq.block_table, seq.sample_row()))
@@ -138,14 +140,24 @@ def main() -> None:
             ms = statistics.median(times[(b, k)])
             plan, _ = bench.plan(b, k)
             logits = torch.randn(b * (k + 1), vocab)
-            row = {"batch": b, "k": k, "context": args.context, "chunk": args.chunk, "forward_ms": ms,
-                   "ratio": ms / base, "spread_ms": [min(times[(b, k)]), max(times[(b, k)])],
-                   "sample_greedy_ms": sampler_ms(logits, plan, False),
-                   "sample_top_p_ms": sampler_ms(logits, plan, True)}
+            row = {
+                "batch": b,
+                "k": k,
+                "context": args.context,
+                "chunk": args.chunk,
+                "forward_ms": ms,
+                "ratio": ms / base,
+                "spread_ms": [min(times[(b, k)]), max(times[(b, k)])],
+                "sample_greedy_ms": sampler_ms(logits, plan, False),
+                "sample_top_p_ms": sampler_ms(logits, plan, True),
+            }
             rows.append(row)
-            print(f"batch {b:3} k={k}  forward {ms:7.1f} ms  x{ms / base:4.2f} of k=0  "
-                  f"(min {row['spread_ms'][0]:.1f}, max {row['spread_ms'][1]:.1f})  sample greedy "
-                  f"{row['sample_greedy_ms']:5.2f} ms, top-p {row['sample_top_p_ms']:6.2f} ms", flush=True)
+            print(
+                f"batch {b:3} k={k}  forward {ms:7.1f} ms  x{ms / base:4.2f} of k=0  "
+                f"(min {row['spread_ms'][0]:.1f}, max {row['spread_ms'][1]:.1f})  sample greedy "
+                f"{row['sample_greedy_ms']:5.2f} ms, top-p {row['sample_top_p_ms']:6.2f} ms",
+                flush=True,
+            )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
 

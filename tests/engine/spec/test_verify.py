@@ -161,7 +161,9 @@ def test_accept_takes_the_longest_matching_prefix_and_the_next_pick() -> None:
         accept([4, 5], [4, 5])
 
 
-@given(st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=5), st.lists(st.integers(0, 3), min_size=6, max_size=6))))
+@given(
+    st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=5), st.lists(st.integers(0, 3), min_size=6, max_size=6)))
+)
 def test_accept_batch_is_accept_per_sequence(cases) -> None:
     drafts = [d for d, _ in cases]
     picks = [p[: len(d) + 1] for d, p in cases]
