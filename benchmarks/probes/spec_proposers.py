@@ -98,12 +98,16 @@ class Ngram(Method):
 
 
 class Suffix(Method):
-    def __init__(self, config: SuffixConfig) -> None:
-        super().__init__(f"suffix p>={config.min_token_prob} factor {config.max_spec_factor}")
+    """`own_only`: every request an identity of its own, so that no earlier answer is drafted from."""
+
+    def __init__(self, config: SuffixConfig, own_only: bool = False) -> None:
+        own = ", own context only" if own_only else ""
+        super().__init__(f"suffix p>={config.min_token_prob} factor {config.max_spec_factor}{own}")
         self.proposer = SuffixProposer(config)
+        self.own_only = own_only
 
     def start(self, key: int, prompt: list[int], sample: dict) -> None:
-        self.proposer.start(key, None, prompt)
+        self.proposer.start(key, f"request-{key}" if self.own_only else None, prompt)
 
     def propose(self, key: int, tokens: list[int], k: int) -> list[int]:
         return self.proposer.propose(key, tokens, k)
@@ -187,6 +191,7 @@ def methods_for(workload: str, compiler: object | None) -> list[Callable[[], Met
         lambda: Suffix(SuffixConfig(k=16)),
         lambda: Suffix(SuffixConfig(k=16, min_token_prob=0.3)),
         lambda: Suffix(SuffixConfig(k=16, max_spec_factor=2.0)),
+        lambda: Suffix(SuffixConfig(k=16), own_only=True),
     ]
     if workload == "json" and compiler is not None:
         out += [
