@@ -7,9 +7,12 @@ import json
 import pytest
 import torch
 
-from llmserve.engine.constraints import ConstraintCompiler, fill_bitmask
-from llmserve.engine.request import ConstraintKind, ConstraintSpec
+from llmserve.engine.constraints import ConstraintCompiler, additive_mask, fill_bitmask
+from llmserve.engine.generators import Generators
+from llmserve.engine.request import ConstraintKind, ConstraintSpec, SampleRow, SamplingParams
+from llmserve.engine.sampler import sample
 from llmserve.engine.spec.forced import draft_bitmasks, forced_tokens, grammar_drafts
+from llmserve.engine.spec.verify import StreamMark, accept, position_rows
 
 SCHEMA = {
     "type": "object",
@@ -85,3 +88,45 @@ def test_draft_bitmasks_are_the_masks_of_the_grammar_advanced_over_the_drafts(co
         if j < 2:
             assert other.accept(drafts[1][j])
     assert not masks[7 + 3].any() and not masks[7 + 4].any()  # after the refused draft: nothing allowed
+
+
+def test_constrained_verification_with_position_masks_emits_what_constrained_sampling_emits(compiled) -> None:
+    """Drafts verified with each position's mask from draft_bitmasks give the tokens the sampler gives with the
+    request's grammar state one token at a time (greedy and seeded sampling, drafts partly wrong)."""
+    template, vocab = compiled
+    n, k = 24, 4
+
+    def logits_at(context: list[int]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash(tuple(context[-2:])) % 2**31)
+        return torch.randn(vocab, generator=g) * 4.0
+
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=5)):
+        generators, state, context = Generators(), template.start(), [1]
+        while len(context) - 1 < n and not state.done:
+            row = SampleRow(params, params.seed, 3, context, (), False, 0, num_prompt=1, constraint=state)
+            ids, _ = sample(logits_at(context)[None], [row], generators)
+            assert state.accept(ids[0])
+            context.append(ids[0])
+        expected = context[1:]
+
+        generators, state, context, flips = Generators(), template.start(), [1], 0
+        while len(context) - 1 < len(expected) and not state.done:
+            done = len(context) - 1
+            drafts = list(expected[done : done + k])[: len(expected) - done - 1]
+            flips += 1
+            if drafts and flips % 3 == 0:
+                drafts[-1] = (drafts[-1] + 1) % vocab  # a wrong guess now and then
+            masks = additive_mask(draft_bitmasks([(state.matcher, drafts)], vocab), vocab, torch.device("cpu"))
+            logits = torch.stack([logits_at(context + drafts[:j]) for j in range(len(drafts) + 1)]) + masks
+            base = SampleRow(params, params.seed, 3, context, (), False, 0, num_prompt=1)
+            mark = None if params.greedy else StreamMark(generators, base)
+            picks, _ = sample(logits, position_rows(base, drafts), generators)
+            verdict = accept(picks, drafts)
+            if mark is not None:
+                mark.settle(len(verdict.emitted))
+            for token in verdict.emitted:
+                assert state.accept(token)
+                context.append(token)
+                if state.done:
+                    break
+        assert context[1:] == expected
