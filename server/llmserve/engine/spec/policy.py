@@ -57,7 +57,7 @@ class CostTable:
         return _along(self.ks, self.ms[i], k)
 
     def row(self, batch: float) -> list[float]:
-        """step_ms(batch, k) at every measured k (for reading many k's of one batch size with `_along`)."""
+        """step_ms(batch, k) at every measured k: one batch size's row, to read at many k's."""
         return [self.step_ms(batch, k) for k in self.ks]
 
     @classmethod

@@ -77,11 +77,11 @@ class SuffixProposer:
     """Suffix-tree drafts for every live sequence, by its key; `start` before its first `propose`, `release` when
     it ends (its answer stays in its identity's tree)."""
 
-    __slots__ = ("config", "_tree", "_identities", "_live", "_next_id")
+    __slots__ = ("config", "_tree_cls", "_identities", "_live", "_next_id")
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config or SuffixConfig()
-        self._tree = _tree_type()  # ImportError when the library is missing: the caller checks available()
+        self._tree_cls = _tree_type()  # ImportError when the library is missing: the caller checks available()
         self._identities: OrderedDict[str | None, _Identity] = OrderedDict()
         self._live: dict[int, _Live] = {}
         self._next_id = 0
@@ -104,11 +104,11 @@ class SuffixProposer:
             raise ValueError(f"sequence {key} is already started")
         identity = self._identities.get(salt)
         if identity is None:
-            identity = self._identities[salt] = _Identity(self._tree(self.config.max_depth))
+            identity = self._identities[salt] = _Identity(self._tree_cls(self.config.max_depth))
         self._identities.move_to_end(salt)
         identity.live += 1  # before any dropping: this one stays
         self._drop_identities()
-        own = self._tree(self.config.max_depth)
+        own = self._tree_cls(self.config.max_depth)
         own.extend(0, list(prompt))
         answer_id = self._next_id
         self._next_id = (self._next_id + 1) & 0x7FFFFFFF
