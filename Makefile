@@ -35,7 +35,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway gateway docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -128,14 +128,20 @@ bench: $(STAMP_MODEL)
 bench-quick: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --quick
 
-# n = 4 completions of a ~1,000-token prompt vs four separate calls (benchmarks/n_completions.py, ~2 min on the CPU).
+# n = 4 completions of a ~1,000-token prompt vs four separate calls (benchmarks/modes/n_completions.py, ~2 min on the
+# CPU). Every mode: `$(PY) benchmarks/run.py --list`.
 bench-n: $(STAMP_MODEL)
-	$(PY) benchmarks/run.py --n-completions
+	$(PY) benchmarks/run.py --mode n
 
 # Structured output's cost (issue 22): 32 clients, a JSON schema vs unconstrained in alternated windows, the masks'
 # time per step and compile times. Results in benchmarks/results/<date>-cpu-structured.{md,json}.
 bench-structured: $(STAMP_MODEL)
-	$(PY) benchmarks/run.py --structured
+	$(PY) benchmarks/run.py --mode structured
+
+# The smg gateway's cost (issue 30): 32 clients through smg's OpenAI HTTP vs llmserve's own gRPC, alternated windows,
+# one python -m llmserve server. Results in benchmarks/results/<date>-cpu-gateway.{md,json}.
+bench-gateway: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py --mode gateway
 
 # Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
 # machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).
@@ -154,6 +160,12 @@ nginx:
 redis:
 	@command -v redis-server >/dev/null 2>&1 || test -x /usr/bin/redis-server \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
+
+# smg (the gateway extra) in front of REPLICAS replicas of the default model (ports 50051...): OpenAI-compatible
+# HTTP on 127.0.0.1:30000 (deploy/smg/launch.sh), until Ctrl-C. REPLICAS=2 shows cache-aware routing.
+REPLICAS ?= 1
+gateway: $(STAMP_MODEL)
+	$(PY) -m tests.deploy.smg --replicas $(REPLICAS)
 
 # Three replicas of the default model behind nginx (deploy/nginx/llmserve.conf) on loopback, until Ctrl-C.
 # DEMO_MODEL=random:tiny starts in seconds (token ids only: it has no tokenizer).

@@ -1,4 +1,5 @@
-"""Writes a run's results: `<name>.md` (tables and method), `<name>.json` (every figure), PNG plots."""
+"""The ladder's results: its page (tables and method), its JSON (every figure) and PNG plots, written through
+benchmarks/writer.py."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks import runner
+from benchmarks import runner, writer
 from benchmarks.analysis import Target, floor_share
 from benchmarks.labels import LABELS
 from benchmarks.metrics import PointSummary, ratio, relative_spread
 from benchmarks.roofline import Roofline
 from benchmarks.runner import SystemRun
 from benchmarks.settings import BASELINES, BenchSettings, Plan
+from benchmarks.writer import loads, mib, num, pct, seconds, times
 
 
 @dataclass(slots=True)
@@ -34,29 +36,6 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _s(value: float | None) -> str:
-    """Seconds, compactly."""
-    if value is None:
-        return "–"
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def _n(value: float | None, digits: int = 2) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
-def _x(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}×"
-
-
-def _pct(value: float | None) -> str:
-    return "–" if value is None else f"{value * 100:.0f}%"
-
-
-def _mib(value: int | None) -> str:
-    return "–" if value is None else f"{value / 2**20:,.0f} MiB"
-
-
 def main_table(result: BenchResult) -> list[str]:
     c = result.settings.plan.main.concurrency
     base = {s: result.points.get(s, {}).get(c) for s in ("naive", "dynamic")}
@@ -76,11 +55,12 @@ def main_table(result: BenchResult) -> list[str]:
         tps = m["output_tokens_per_s"]
         label = LABELS.get(system, system) + (" ¹" if p.composed_from is not None else "")
         rows.append(
-            f"| {label} | {_n(m['requests_per_s'], 3)} | {_n(tps, 1)} ± {_n(sp['output_tokens_per_s'], 1)} "
-            f"| {_s(m['ttft_p50_s'])} / {_s(m['ttft_p99_s'])} | {_s(m['itl_p50_s'])} / {_s(m['itl_p99_s'])} "
-            f"| {_s(m['e2e_p50_s'])} / {_s(m['e2e_p99_s'])} | {_mib(p.peak_memory_bytes)} "
-            f"| {_x(ratio(tps, base['naive'].mean['output_tokens_per_s'] if base['naive'] else None))} "
-            f"| {_x(ratio(tps, base['dynamic'].mean['output_tokens_per_s'] if base['dynamic'] else None))} |"
+            f"| {label} | {num(m['requests_per_s'], 3)} | {num(tps, 1)} ± {num(sp['output_tokens_per_s'], 1)} "
+            f"| {seconds(m['ttft_p50_s'])} / {seconds(m['ttft_p99_s'])} "
+            f"| {seconds(m['itl_p50_s'])} / {seconds(m['itl_p99_s'])} "
+            f"| {seconds(m['e2e_p50_s'])} / {seconds(m['e2e_p99_s'])} | {mib(p.peak_memory_bytes)} "
+            f"| {times(ratio(tps, base['naive'].mean['output_tokens_per_s'] if base['naive'] else None))} "
+            f"| {times(ratio(tps, base['dynamic'].mean['output_tokens_per_s'] if base['dynamic'] else None))} |"
         )
     rows += [
         "",
@@ -100,8 +80,8 @@ def main_table(result: BenchResult) -> list[str]:
         done = ", ".join(str(w.completed) for w in p.windows)
         errors = sum(w.errors for w in p.windows)
         rows.append(
-            f"| {system} | {_pct(relative_spread(p, 'output_tokens_per_s'))} "
-            f"| {_pct(relative_spread(p, 'ttft_p99_s'))} | {done} | {errors} |"
+            f"| {system} | {pct(relative_spread(p, 'output_tokens_per_s'))} "
+            f"| {pct(relative_spread(p, 'ttft_p99_s'))} | {done} | {errors} |"
         )
     return rows
 
@@ -139,14 +119,14 @@ def roofline_section(result: BenchResult) -> list[str]:
             "sequences).",
             f"- Decode-step floor: {r.step_floor_s * 1000:.1f} ms per step ({r.bound}-bound), so at most "
             f"{r.max_decode_tokens_per_s:,.0f} decode tokens/s if steps held nothing but decodes "
-            f"(llmserve: {_pct(ratio(tps, r.max_decode_tokens_per_s))} of it).",
+            f"(llmserve: {pct(ratio(tps, r.max_decode_tokens_per_s))} of it).",
             f"- But every request also brings its prompt, {r.prefill_flops_per_request / 1e9:,.1f} GFLOP on average "
             f"(LM head once), and at {r.batch} concurrent the steps carry those chunks too. Counting prefill at peak "
             f"FLOP/s (it samples the first new token) plus one decode-step share per other generated token, the "
             f"**workload floor is "
             f"{r.max_output_tokens_per_s_with_prefill:,.1f} output tokens/s**.",
-            f"- llmserve at {r.batch} concurrent: {_n(tps, 1)} output tokens/s = "
-            f"{_pct(ratio(tps, r.max_output_tokens_per_s_with_prefill))} of the workload floor.",
+            f"- llmserve at {r.batch} concurrent: {num(tps, 1)} output tokens/s = "
+            f"{pct(ratio(tps, r.max_output_tokens_per_s_with_prefill))} of the workload floor.",
         ]
         + (window_floor_lines(r, engine, result.mean_prompt_tokens) if engine else [])
         + [""]
@@ -165,7 +145,7 @@ def window_floor_lines(r: Roofline, engine: PointSummary, mean_prompt: float) ->
         mean = sum(prompts) / len(prompts) if prompts else 0.0
         per_window.append(
             f"{len(prompts)} prompts of mean {mean:.0f} tokens, mean context {w.decode_context_mean:.0f}: "
-            f"floor {share * w.window_s:.1f} s of {w.window_s:.0f} s = {_pct(share)}"
+            f"floor {share * w.window_s:.1f} s of {w.window_s:.0f} s = {pct(share)}"
         )
     if not shares:
         return []
@@ -174,7 +154,7 @@ def window_floor_lines(r: Roofline, engine: PointSummary, mean_prompt: float) ->
         "window serves average more or less. Each window's own work (the prompts whose first token came in it, "
         "the other tokens generated in it, at their mean context) has its own floor: "
         + "; ".join(per_window)
-        + f". **llmserve ran at {_pct(sum(shares) / len(shares))} of the roofline floor of the work it served**; "
+        + f". **llmserve ran at {pct(sum(shares) / len(shares))} of the roofline floor of the work it served**; "
         "that is the share the target holds it to.",
     ]
 
@@ -232,11 +212,11 @@ def targets_section(result: BenchResult) -> list[str]:
     rows = ["## Issue 5 targets", "", "| target | measured | bar | met | noise |", "|---|---|---|---|---|"]
     for t in result.targets:
         met = "–" if t.met is None else ("yes" if t.met else "no")
-        rows.append(f"| {t.name} | {_n(t.value)} | {t.bar} | {met} | ±{_pct(t.noise)} |")
+        rows.append(f"| {t.name} | {num(t.value)} | {t.bar} | {met} | ±{pct(t.noise)} |")
     return rows + [""]
 
 
-def to_markdown(result: BenchResult, plots: list[Path]) -> str:
+def to_markdown(result: BenchResult, plots: list[Path]) -> list[str]:
     s = result.settings
     m = result.machine
     lines = [
@@ -253,8 +233,10 @@ def to_markdown(result: BenchResult, plots: list[Path]) -> str:
     ]
     lines += [f"> {note}" for note in result.notes] + ([""] if result.notes else [])
     lines += main_table(result) + [""]
-    lines += ["### Output tokens/s by concurrency", ""] + sweep_table(result, "output_tokens_per_s", lambda v: _n(v, 1))
-    lines += ["", "### TTFT P99 by concurrency", ""] + sweep_table(result, "ttft_p99_s", _s) + [""]
+    lines += ["### Output tokens/s by concurrency", ""] + sweep_table(
+        result, "output_tokens_per_s", lambda v: num(v, 1)
+    )
+    lines += ["", "### TTFT P99 by concurrency", ""] + sweep_table(result, "ttft_p99_s", seconds) + [""]
     lines += [f"![{p.stem}]({p.name})" for p in plots] + [""]
     lines += roofline_section(result) + targets_section(result)
     if result.sessions_markdown:
@@ -265,12 +247,8 @@ def to_markdown(result: BenchResult, plots: list[Path]) -> str:
         lines += ["## Failures", ""] + [f"- {r.system}: {r.error}" for r in failed] + [""]
     lines += ["## Runs", "", "| system | wall | load avg before → after |", "|---|---|---|"]
     for r in result.runs:
-        lines.append(f"| {r.system} | {r.wall_s:.0f} s | {_loads(r.loadavg_before)} → {_loads(r.loadavg_after)} |")
-    return "\n".join(lines) + "\n"
-
-
-def _loads(values) -> str:
-    return " ".join(f"{v:.1f}" for v in values) if values else "–"
+        lines.append(f"| {r.system} | {r.wall_s:.0f} s | {loads(r.loadavg_before)} → {loads(r.loadavg_after)} |")
+    return lines
 
 
 def to_json(result: BenchResult) -> dict:
@@ -322,10 +300,7 @@ def write_plots(result: BenchResult, out_dir: Path) -> list[Path]:
 
 
 def write(result: BenchResult, out_dir: Path) -> Path:
-    """Write the JSON, the plots and the markdown; returns the markdown's path."""
+    """Write the plots, then the JSON and the page; returns the page's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{result.name}.json").write_text(json.dumps(to_json(result), indent=1))
     plots = write_plots(result, out_dir)
-    md = out_dir / f"{result.name}.md"
-    md.write_text(to_markdown(result, plots))
-    return md
+    return writer.write(out_dir, result.name, to_json(result), to_markdown(result, plots))

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from redis_server import RedisServer
 
+from llmserve.api.prompts import SessionPrompts, continue_chat, continue_tokens
 from llmserve.engine.request import Delta, FinishReason, InvalidRequest
 from llmserve.history import (
     HistoryBusy,
@@ -63,19 +64,19 @@ async def make(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
         server.flush()
     made: list[HistoryStore] = []
 
-    def factory(config: HistoryConfig | None = None, max_tokens: int = 1000, clock: Clock | None = None) -> Any:
+    def factory(config: HistoryConfig | None = None, clock: Clock | None = None) -> Any:
         config = config or HistoryConfig()
         store: HistoryStore
         if kind == "memory":
             if made:
                 pytest.skip("a memory store is one process's own")
-            store = MemoryHistoryStore(config, max_tokens=max_tokens, clock=clock or Clock())
+            store = MemoryHistoryStore(config, clock=clock or Clock())
         elif kind == "sqlite":
-            store = SqliteHistoryStore(config, tmp_path / "h.db", max_tokens=max_tokens, clock=clock or Clock())
+            store = SqliteHistoryStore(config, tmp_path / "h.db", clock=clock or Clock())
         else:
             if clock is not None:
                 pytest.skip("Redis keeps its own clock")
-            store = RedisHistoryStore(config, server.url, max_tokens=max_tokens)
+            store = RedisHistoryStore(config, server.url)
         made.append(store)
         return store
 
@@ -96,11 +97,11 @@ async def finish(turn: Turn, ids: list[int], text: str = "", reason: FinishReaso
 
 
 async def tokens_turn(
-    store: HistoryStore, key: str, prompt: list[int], answer: list[int], continues: bool = False
+    store: HistoryStore, key: str, prompt: list[int], answer: list[int], continues: bool = False, cap: int = 1000
 ) -> None:
     turn = await store.start(key, f"req-{key}", continues=continues)
-    ids = store.continue_tokens(turn, prompt, "token_ids") if continues else prompt
-    turn.begin(HistoryInput.TOKENS, ids)
+    ids = continue_tokens(turn, prompt, "token_ids") if continues else prompt
+    turn.begin(HistoryInput.TOKENS, ids, max_tokens=cap)
     await finish(turn, answer)
 
 
@@ -127,7 +128,7 @@ async def test_chat_history_holds_the_answer_as_an_assistant_message(make: Make)
     turn.begin(HistoryInput.CHAT, [10, 11], [("system", "Be brief."), ("user", "Hï")])
     await finish(turn, [12, 13], text="Héllo!")
     turn = await store.start("c", "r2", continues=True)
-    composed = store.continue_chat(turn, [("user", "Bye")])
+    composed = continue_chat(turn, [("user", "Bye")])
     assert composed == [("system", "Be brief."), ("user", "Hï"), ("assistant", "Héllo!"), ("user", "Bye")]
     await turn.release()
     held = await store.get("c")
@@ -139,7 +140,7 @@ async def test_kinds_do_not_mix(make: Make) -> None:
     await tokens_turn(store, "t", [1], [2])
     turn = await store.start("t", "r", continues=True)
     with pytest.raises(InvalidRequest) as err:
-        store.continue_chat(turn, [("user", "x")])
+        continue_chat(turn, [("user", "x")])
     assert err.value.field == "chat"
     await turn.release()
     turn = await store.start("c", "r", continues=False)
@@ -147,7 +148,7 @@ async def test_kinds_do_not_mix(make: Make) -> None:
     await finish(turn, [2])
     turn = await store.start("c", "r2", continues=True)
     with pytest.raises(InvalidRequest) as err:
-        store.continue_tokens(turn, [3], "text")
+        continue_tokens(turn, [3], "text")
     assert err.value.field == "text"
     await turn.release()
 
@@ -157,7 +158,7 @@ async def test_a_cut_short_turn_leaves_the_history_as_it_was(make: Make) -> None
     await tokens_turn(store, "s", [1], [2])
     for reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
         turn = await store.start("s", "r", continues=True)
-        turn.begin(HistoryInput.TOKENS, store.continue_tokens(turn, [3], "token_ids"))
+        turn.begin(HistoryInput.TOKENS, continue_tokens(turn, [3], "token_ids"))
         await finish(turn, [4], reason=reason)
         assert await held_ids(store, "s") == [1, 2]
 
@@ -183,7 +184,7 @@ async def test_one_continuing_call_at_a_time_across_processes_sharing_the_store(
     with pytest.raises(HistoryBusy) as err:
         await b.start("s", "on-b", continues=True)
     assert err.value.request_id == "on-a"
-    first.begin(HistoryInput.TOKENS, a.continue_tokens(first, [3], "token_ids"))
+    first.begin(HistoryInput.TOKENS, continue_tokens(first, [3], "token_ids"))
     await finish(first, [4])
     assert await held_ids(b, "s") == [1, 2, 3, 4]
     await tokens_turn(b, "s", [5], [6], continues=True)
@@ -201,7 +202,7 @@ async def test_racing_continuations_on_two_stores_one_wins_never_a_mix(make: Mak
                 turn = await store.start("s", f"r{mark}", continues=True)
             except HistoryBusy:
                 return None
-            turn.begin(HistoryInput.TOKENS, store.continue_tokens(turn, [mark], "token_ids"))
+            turn.begin(HistoryInput.TOKENS, continue_tokens(turn, [mark], "token_ids"))
             await asyncio.sleep(0)
             await finish(turn, [mark])
             return mark
@@ -222,14 +223,14 @@ async def test_a_lapsed_lease_is_taken_over_and_its_late_commit_writes_nothing(m
     store = make(HistoryConfig(lease_s=0.3))
     await tokens_turn(store, "s", [1], [2])
     paused = await store.start("s", "paused", continues=True)
-    paused.begin(HistoryInput.TOKENS, store.continue_tokens(paused, [3], "token_ids"))
+    paused.begin(HistoryInput.TOKENS, continue_tokens(paused, [3], "token_ids"))
     store.stop_renewal(paused)  # type: ignore[attr-defined]  # as a frozen or crashed holder stops renewing
     if isinstance(store, SqliteHistoryStore):
         store._clock.now += 1.0  # type: ignore[attr-defined]
     else:
         await asyncio.sleep(0.6)
     late = await store.start("s", "later", continues=True)
-    late.begin(HistoryInput.TOKENS, store.continue_tokens(late, [5], "token_ids"))
+    late.begin(HistoryInput.TOKENS, continue_tokens(late, [5], "token_ids"))
     with pytest.raises(LeaseLost):
         await finish(paused, [4])
     await finish(late, [6])
@@ -245,7 +246,7 @@ async def test_a_running_call_renews_its_lease(make: Make) -> None:
     await asyncio.sleep(0.9)  # three leases: renewed every 0.1 s
     with pytest.raises(HistoryBusy):
         await store.start("s", "other", continues=True)
-    turn.begin(HistoryInput.TOKENS, store.continue_tokens(turn, [3], "token_ids"))
+    turn.begin(HistoryInput.TOKENS, continue_tokens(turn, [3], "token_ids"))
     await finish(turn, [4])
     assert await held_ids(store, "s") == [1, 2, 3, 4]
 
@@ -253,9 +254,9 @@ async def test_a_running_call_renews_its_lease(make: Make) -> None:
 async def test_missing_history_says_why_it_ended(make: Make) -> None:
     clock = Clock()
     if make.kind == "redis":  # type: ignore[attr-defined]
-        store = make(HistoryConfig(ttl_s=1.0, max_sessions=2), max_tokens=8)
+        store = make(HistoryConfig(ttl_s=1.0, max_sessions=2))
     else:
-        store = make(HistoryConfig(ttl_s=10, max_sessions=2), max_tokens=8, clock=clock)
+        store = make(HistoryConfig(ttl_s=10, max_sessions=2), clock=clock)
     with pytest.raises(NoHistory) as err:
         await store.start("never", "r", continues=True)
     assert err.value.reason is None
@@ -267,7 +268,7 @@ async def test_missing_history_says_why_it_ended(make: Make) -> None:
         await tokens_turn(store, key, [1], [2])
     with pytest.raises(NoHistory, match="--max-sessions"):
         await store.start("c", "r", continues=True)
-    await tokens_turn(store, "f", [1] * 6, [2, 3])  # 8 tokens: reaches the cap
+    await tokens_turn(store, "f", [1] * 6, [2, 3], cap=8)  # 8 tokens: reaches the cap
     with pytest.raises(NoHistory, match="--max-session-tokens"):
         await store.start("f", "r", continues=True)
     # A new history under an ended key starts afresh.
@@ -281,21 +282,21 @@ async def test_missing_history_says_why_it_ended(make: Make) -> None:
 
 
 def test_continued_prompt_over_the_token_cap_is_refused_naming_the_flag() -> None:
-    store = MemoryHistoryStore(HistoryConfig(max_tokens=5))
-    store.check_length(5)
+    prompts = SessionPrompts(MemoryHistoryStore(HistoryConfig()), max_tokens=5)
+    prompts.check_length(5)
     with pytest.raises(InvalidRequest, match="--max-session-tokens") as err:
-        store.check_length(6)
+        prompts.check_length(6)
     assert err.value.field == "continue_session"
 
 
 async def test_byte_cap_evicts_least_recently_used_first(make: Make) -> None:
-    store = make(HistoryConfig(max_bytes=1), max_tokens=10_000)
+    store = make(HistoryConfig(max_bytes=1))
     await tokens_turn(store, "alone", [1] * 100, [2])
     assert await store.get("alone") is None, "a history over the cap on its own is not kept"
     await store.close()
     if isinstance(store, SqliteHistoryStore):
         store.path.unlink()
-    store = make(HistoryConfig(max_bytes=3 * 1024), max_tokens=10_000)
+    store = make(HistoryConfig(max_bytes=3 * 1024))
     clock = getattr(store, "_clock", None)
     for key in "abcd":
         if isinstance(clock, Clock):
@@ -318,7 +319,7 @@ async def test_delete_during_a_call_writes_no_history(make: Make) -> None:
     for continues in (True, False):
         await tokens_turn(store, "s", [1], [2])
         turn = await store.start("s", "r", continues=continues)
-        turn.begin(HistoryInput.TOKENS, store.continue_tokens(turn, [3], "token_ids") if continues else [3])
+        turn.begin(HistoryInput.TOKENS, continue_tokens(turn, [3], "token_ids") if continues else [3])
         assert await store.delete("s")
         await finish(turn, [4])
         assert await store.get("s") is None

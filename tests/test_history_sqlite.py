@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_history import Clock, finish, held_ids, tokens_turn
 
+from llmserve.api.prompts import continue_tokens
 from llmserve.engine.request import FinishReason
 from llmserve.history import (
     HistoryBusy,
@@ -31,13 +32,15 @@ from llmserve.history import (
 )
 from llmserve.history.sqlite_store import SqliteHistoryStore
 
+CAP = 64  # the per-session token cap the state machine's turns begin with
+
 
 async def test_a_start_cancelled_midway_frees_its_lease(tmp_path: Path) -> None:
     """A caller that goes away while its continuing call is taking the lease leaves the session free at once,
     not for --history-lease: the store call lands, then the lease is released. The call is held inside SQLite
     (another connection holds the write lock) while the caller is cancelled."""
     path = tmp_path / "h.db"
-    store = SqliteHistoryStore(HistoryConfig(lease_s=600), path, max_tokens=100)
+    store = SqliteHistoryStore(HistoryConfig(lease_s=600), path)
     await tokens_turn(store, "s", [1], [2])
     blocker = sqlite3.connect(path, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")
@@ -61,12 +64,12 @@ async def test_a_start_cancelled_midway_frees_its_lease(tmp_path: Path) -> None:
 
 async def test_sqlite_histories_survive_the_store_and_open_store_reads_the_spec(tmp_path: Path) -> None:
     path = tmp_path / "deep" / "sessions.db"
-    store = open_store(HistoryConfig(store=f"sqlite:{path}"), max_tokens=100)
+    store = open_store(HistoryConfig(store=f"sqlite:{path}"))
     assert isinstance(store, SqliteHistoryStore)
     await store.connect()
     await tokens_turn(store, "s", [1, 2], [3])
     await store.close()
-    again = open_store(HistoryConfig(store=f"sqlite:{path}"), max_tokens=100)
+    again = open_store(HistoryConfig(store=f"sqlite:{path}"))
     await again.connect()
     assert await held_ids(again, "s") == [1, 2, 3]
     with sqlite3.connect(path) as conn:
@@ -77,7 +80,7 @@ async def test_sqlite_histories_survive_the_store_and_open_store_reads_the_spec(
 
 async def test_a_locked_sqlite_file_fails_the_call_naming_it_and_the_next_call_works(tmp_path: Path) -> None:
     path = tmp_path / "h.db"
-    store = SqliteHistoryStore(HistoryConfig(), path, max_tokens=100, busy_timeout_s=0.2)
+    store = SqliteHistoryStore(HistoryConfig(), path, busy_timeout_s=0.2)
     await tokens_turn(store, "s", [1], [2])
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")  # another process writing, or stuck
@@ -99,13 +102,13 @@ async def test_a_damaged_sqlite_file_fails_each_call_naming_it_and_never_crashes
     a server started with --history-store-optional does): every call fails StoreUnavailable naming the file and
     saying it is damaged; the start-up check says the same."""
     path = tmp_path / "h.db"
-    store = SqliteHistoryStore(HistoryConfig(), path, max_tokens=100)
+    store = SqliteHistoryStore(HistoryConfig(), path)
     await tokens_turn(store, "s", [1], [2])
     await store.close()
     for name in (path, path.with_name("h.db-wal"), path.with_name("h.db-shm")):
         if name.exists():
             name.write_bytes(b"\x00garbage" * 1000)
-    store = SqliteHistoryStore(HistoryConfig(), path, max_tokens=100)
+    store = SqliteHistoryStore(HistoryConfig(), path)
     for call in (store.start("s", "r", continues=True), store.get("s"), store.delete("s")):
         with pytest.raises(StoreUnavailable, match="damaged") as err:
             await call
@@ -119,12 +122,12 @@ async def test_a_damaged_sqlite_file_fails_each_call_naming_it_and_never_crashes
 async def test_a_full_sqlite_file_fails_the_commit_and_keeps_the_earlier_turn(tmp_path: Path) -> None:
     """A full disk, as SQLite reports it (the file capped at its current pages with max_page_count): the commit
     fails StoreUnavailable saying so, nothing half written, the earlier turn intact."""
-    store = SqliteHistoryStore(HistoryConfig(), tmp_path / "h.db", max_tokens=100_000)
+    store = SqliteHistoryStore(HistoryConfig(), tmp_path / "h.db")
     await tokens_turn(store, "s", [1], [2])
     pages = await store._call("cap", lambda conn: conn.execute("PRAGMA page_count").fetchone()[0])
     await store._call("cap", lambda conn: conn.execute(f"PRAGMA max_page_count = {pages}").fetchone())
     turn = await store.start("s", "r", continues=True)
-    turn.begin(HistoryInput.TOKENS, store.continue_tokens(turn, list(range(20_000)), "token_ids"))
+    turn.begin(HistoryInput.TOKENS, continue_tokens(turn, list(range(20_000)), "token_ids"))
     with pytest.raises(StoreUnavailable, match="full"):
         await finish(turn, [3])
     assert await held_ids(store, "s") == [1, 2]
@@ -145,8 +148,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         # A lease longer than any test: the memory store's calls hold their session until they end.
         self.config = HistoryConfig(ttl_s=50, max_sessions=3, max_bytes=2048, lease_s=1e9)
         self.folder = tempfile.TemporaryDirectory()
-        self.memory = MemoryHistoryStore(self.config, max_tokens=64, clock=self.clock)
-        self.sqlite = SqliteHistoryStore(self.config, Path(self.folder.name) / "h.db", max_tokens=64, clock=self.clock)
+        self.memory = MemoryHistoryStore(self.config, clock=self.clock)
+        self.sqlite = SqliteHistoryStore(self.config, Path(self.folder.name) / "h.db", clock=self.clock)
         self.open: list[tuple[Turn, Turn]] = []
         self.ids = itertools.count()
 
@@ -169,7 +172,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         self._step()
         pair = tuple(self.run(s.start(key, "r", continues=False)) for s in (self.memory, self.sqlite))
         for turn in pair:
-            turn.begin(HistoryInput.TOKENS, prompt)
+            turn.begin(HistoryInput.TOKENS, prompt, max_tokens=CAP)
         self.open.append(pair)  # type: ignore[arg-type]
 
     @rule(key=st.sampled_from(keys), new=st.lists(st.integers(0, 99), min_size=1, max_size=8))
@@ -185,8 +188,8 @@ class DifferentialMachine(RuleBasedStateMachine):
             o if isinstance(o, type) else Turn for o in reversed(outcomes)
         ], outcomes
         if isinstance(outcomes[0], Turn):
-            for store, turn in zip((self.memory, self.sqlite), outcomes, strict=True):
-                turn.begin(HistoryInput.TOKENS, store.continue_tokens(turn, new, "token_ids"))
+            for turn in outcomes:
+                turn.begin(HistoryInput.TOKENS, continue_tokens(turn, new, "token_ids"), max_tokens=CAP)
             self.open.append((outcomes[0], outcomes[1]))
 
     @precondition(lambda self: self.open)

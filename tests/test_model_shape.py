@@ -30,11 +30,13 @@ def test_the_shape_matches_the_built_models_tensors(family: str) -> None:
     assert attn.q_proj.out_features == shape.num_heads * shape.head_dim
     assert attn.k_proj.out_features == shape.num_kv_heads * shape.head_dim
     assert shape.group * shape.num_kv_heads == shape.num_heads
+    assert shape.hidden_size == attn.q_proj.in_features == model.model.layers[0].mlp.down_proj.out_features
+    assert shape.intermediate_size == model.model.layers[0].mlp.down_proj.in_features
 
 
 def test_random_shapes_read_as_published() -> None:
     smollm = ModelShape.of(RANDOM_SHAPES["smollm2-135m"]())
-    assert smollm == ModelShape(30, 9, 3, 64, 49152, 8192, None)
+    assert smollm == ModelShape(30, 9, 3, 64, 49152, 8192, None, 576, 1536)
     assert smollm.kv_bytes_per_token(4) == 2 * 30 * 3 * 64 * 4
     assert ModelShape.of(RANDOM_SHAPES["qwen3-0.6b"]()).head_dim == 128  # not hidden / heads (64)
 

@@ -8,7 +8,7 @@ consumed on an event loop with `AsyncEngine.generate`, over gRPC by a client in 
 talking to an LLMServer in this one. The two alternate, `--rounds` times each; tokens/s over each window after a
 one-second warm-up.
 
-    python benchmarks/probes/frontend.py [--streams 256] [--tokens 128] [--seconds 10] [--rounds 2]
+    python benchmarks/run.py --mode frontend [--streams 256] [--tokens 128] [--seconds 10] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -22,21 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-from benchmarks.paths import child_env, make_importable  # noqa: E402
-
-make_importable()
-
-import torch  # noqa: E402
-
-from benchmarks.probes.host_overhead import VOCAB, stub_model_call  # noqa: E402
-from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.config import EngineConfig  # noqa: E402
-from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
-from llmserve.models import from_config  # noqa: E402
-from llmserve.testing import tiny_config  # noqa: E402
+from benchmarks.paths import ROOT, child_env
+from benchmarks.probes.host_overhead import VOCAB, stub_model_call
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.models import from_config
+from llmserve.testing import tiny_config
 
 PROMPT = tuple(range(1, 17))
 WARM_UP_S = 1.0
@@ -112,7 +106,16 @@ def _over_grpc(engine: AsyncEngine, streams: int, tokens: int, seconds: float) -
     try:
         args = ["--client", server.address, "--streams", str(streams), "--tokens", str(tokens)]
         out = subprocess.run(
-            [sys.executable, __file__, *args, "--seconds", str(seconds)],
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "run.py"),
+                "--mode",
+                "frontend",
+                *args,
+                "--seconds",
+                str(seconds),
+            ],
+            cwd=ROOT,
             env=child_env(),
             check=True,
             capture_output=True,
@@ -124,7 +127,7 @@ def _over_grpc(engine: AsyncEngine, streams: int, tokens: int, seconds: float) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="benchmarks/run.py --mode frontend", description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--seconds", type=float, default=10.0, help="measurement window")
@@ -157,7 +160,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, **results}, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

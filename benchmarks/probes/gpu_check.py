@@ -1,10 +1,13 @@
 """One-shot CUDA check of the engine, for a lent GPU: correctness first, then what CUDA graphs buy.
 
+    python benchmarks/run.py --mode gpu-check --out DIR
+
 1. Exactness on CUDA: a tiny float64 Llama, greedy, engine (CUDA graphs on) vs transformers' generate.
 2. bf16, random weights in SmolLM2-135M's shape: agreement of the engine's greedy tokens with generate's.
 3. Decode throughput, bf16, CUDA graphs on vs off, SmolLM2-135M and 1B-class shapes, same run.
 
-Writes a JSON and a markdown summary to --out. Needs no tokenizer, no weights and no network.
+Writes gpu_check.json to --out (after every step, so that a run cut short keeps what it measured). Needs no
+tokenizer, no weights and no network.
 """
 
 from __future__ import annotations
@@ -14,20 +17,16 @@ import asyncio
 import gc
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "server"), str(ROOT)]
-
-from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.config import EngineConfig  # noqa: E402
-from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
-from llmserve.models import LoadedModel, from_config, random_model  # noqa: E402
-from llmserve.testing import greedy_reference, tiny_config  # noqa: E402
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.models import LoadedModel, from_config, random_model
+from llmserve.testing import greedy_reference, tiny_config
 
 
 async def run_engine(loaded: LoadedModel, config: EngineConfig, prompts: list[list[int]], max_new: int):
@@ -132,14 +131,14 @@ def throughput(shape: str, concurrency: int, max_new: int, graphs: bool) -> dict
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/run.py --mode gpu-check", description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--shapes", default="smollm2-135m,llama-1b")
     parser.add_argument("--concurrency", default="1,32,64")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     global DEVICE
     DEVICE = args.device
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +168,4 @@ def main() -> None:
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,8 +1,8 @@
 """Issue 12's GPU figures in one run: nano-vllm's workload in-process and over gRPC, decode step times with the
 GPU's idle share, per random-weight shape; written as benchmarks/results/latest-gpu.json's summary.
 
-    python benchmarks/probes/gpu_perf.py --out DIR                        # on the GPU: all three shapes, bf16
-    python benchmarks/probes/gpu_perf.py --device cpu --smoke --out DIR   # the same code on tiny sizes (tested in CI)
+    python benchmarks/run.py --mode gpu-perf --out DIR                        # on the GPU: all three shapes, bf16
+    python benchmarks/run.py --mode gpu-perf --device cpu --smoke --out DIR   # the same code on tiny sizes
 
 nano-vllm's workload: 256 sequences, prompt and output lengths uniform in 100-1,024, all submitted at once,
 EOS ignored; output tokens over the wall time from the first submission to the last token. Over gRPC the
@@ -30,22 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-from benchmarks.paths import child_env, make_importable  # noqa: E402
-
-make_importable()
-
-import torch  # noqa: E402
-
-from benchmarks.systems.grpc_e2e import free_port, server_command  # noqa: E402
-from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.config import EngineConfig  # noqa: E402
-from llmserve.engine.core import EngineCore  # noqa: E402
-from llmserve.engine.request import GenerationRequest, StoppingParams  # noqa: E402
-from llmserve.models import LoadedModel, random_model  # noqa: E402
-from llmserve_client import AsyncClient, pb  # noqa: E402
+from benchmarks.paths import child_env
+from benchmarks.systems.grpc_e2e import free_port, server_command
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.models import LoadedModel, random_model
+from llmserve_client import AsyncClient, pb
 
 SHAPES = ("smollm2-135m", "qwen3-0.6b", "llama-1b")
 
@@ -202,7 +196,7 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="benchmarks/run.py --mode gpu-perf", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--smoke", action="store_true", help="tiny model and workload: checks the script, measures nothing")
@@ -211,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-        "command": " ".join(["python", "benchmarks/probes/gpu_perf.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            ["python", "benchmarks/run.py", "--mode", "gpu-perf", *(argv if argv is not None else sys.argv[1:])]
+        ),
     }
     for shape in args.shapes.split(","):
         summary[shape] = measure_shape(shape, args)
@@ -221,7 +217,3 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,14 +7,13 @@ rotating which store goes first) so that drift in the machine's load falls on al
 store: the client's TTFT (the store's `start` is on it: read the history, take the lease) and the call's
 duration (the `commit` is on it, before the last message) of every continuing turn, P50 and P90.
 
-    python -m benchmarks.probes.history_store [--sessions 12] [--turns 8] [--model random:tiny] [--out PATH]
+    python benchmarks/run.py --mode history-store [--sessions 12] [--turns 8] [--model random:tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import socket
 import statistics
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import options, writer
+from benchmarks.systems.grpc_e2e import free_port
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
@@ -32,19 +33,14 @@ from llmserve.history import HistoryConfig
 from llmserve.models import load_model
 from llmserve_client import NO_RETRY, AsyncClient, build_request
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+TITLE = "History store cost: a continuing turn with memory vs sqlite vs redis"
 
 
 def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed (make redis)")
-    port = _free_port()
+    port = free_port()
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(200):
@@ -62,8 +58,8 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def main(args: argparse.Namespace) -> dict[str, Any]:
-    loaded = load_model(args.model, device="cpu", dtype="float32")
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     folder = tempfile.TemporaryDirectory()
     redis, url = _start_redis()
     stores = {"memory": "memory", "sqlite": f"sqlite:{Path(folder.name) / 'sessions.db'}", "redis": url}
@@ -104,7 +100,6 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         total[name].append(end - began)
                 order = order[1:] + order[:1]
         result: dict[str, Any] = {
-            "command": "python -m benchmarks.probes.history_store " + " ".join(args.argv),
             "model": args.model,
             "sessions": args.sessions,
             "turns": args.turns,
@@ -135,41 +130,40 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         folder.cleanup()
 
 
-def _markdown(result: dict[str, Any]) -> str:
+def section(result: dict[str, Any]) -> list[str]:
+    """The page's section, from the JSON."""
     lines = [
-        "# History store cost: a continuing turn with memory vs sqlite vs redis",
+        f"Model `{result['model']}`, {result['continuing_turns_per_store']} continuing turns per store "
+        f"({result['sessions']} sessions × {result['turns'] - 1} continuing turns, {result['answer_tokens']} answer "
+        "tokens), the store alternated at every turn, one client.",
         "",
-        f"`{result['command']}` — model `{result['model']}`, {result['continuing_turns_per_store']} continuing "
-        f"turns per store ({result['sessions']} sessions × {result['turns'] - 1} continuing turns, "
-        f"{result['answer_tokens']} answer tokens), the store alternated at every turn, one client.",
-        "",
-        "| store | TTFT P50 (ms) | TTFT P90 (ms) | added at P50 (ms) | call P50 (ms) | call added at P50 (ms) |",
-        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for name, row in result["stores"].items():
-        added = f"{row['ttft_p50_added_ms']:+.2f}" if "ttft_p50_added_ms" in row else "—"
-        call_added = f"{row['call_p50_added_ms']:+.2f}" if "call_p50_added_ms" in row else "—"
-        lines.append(
-            f"| {name} | {row['ttft_p50_ms']:.2f} | {row['ttft_p90_ms']:.2f} | {added} | {row['call_p50_ms']:.2f} "
-            f"| {call_added} |"
-        )
-    return "\n".join(lines) + "\n"
+    rows = [
+        [
+            name,
+            f"{row['ttft_p50_ms']:.2f}",
+            f"{row['ttft_p90_ms']:.2f}",
+            f"{row['ttft_p50_added_ms']:+.2f}" if "ttft_p50_added_ms" in row else "—",
+            f"{row['call_p50_ms']:.2f}",
+            f"{row['call_p50_added_ms']:+.2f}" if "call_p50_added_ms" in row else "—",
+        ]
+        for name, row in result["stores"].items()
+    ]
+    header = ["store", "TTFT P50 (ms)", "TTFT P90 (ms)", "added at P50 (ms)", "call P50 (ms)"]
+    return lines + writer.table([*header, "call added at P50 (ms)"], rows)
 
 
-if __name__ == "__main__":
-    import sys
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="random:tiny")
-    parser.add_argument("--sessions", type=int, default=12)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--answer", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=None, help="write PATH.json and PATH.md")
-    parsed = parser.parse_args()
-    parsed.argv = sys.argv[1:]
-    outcome = asyncio.run(main(parsed))
-    print(json.dumps(outcome, indent=2))
-    if parsed.out is not None:
-        parsed.out.with_suffix(".json").write_text(json.dumps(outcome, indent=2) + "\n")
-        parsed.out.with_suffix(".md").write_text(_markdown(outcome))
+def main(argv: list[str]) -> int:
+    p = options.parser("history-store", __doc__)
+    p.set_defaults(model="random:tiny")
+    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--answer", type=int, default=8)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sessions, args.turns = 2, 3
+    run = writer.Run(options.command("history-store", argv))
+    figures = asyncio.run(measure(args))
+    writer.publish(run, args.out_dir, options.result_name(args, "history-store"), TITLE, figures, section)
+    return 0

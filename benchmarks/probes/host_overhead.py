@@ -6,10 +6,10 @@ idle between steps, so it must stay small as the batch grows. This script builds
 2-layer tiny Llama, keeps `batch` sequences decoding, replaces only the model call (`backend.forward`, or the
 fused forward on the CPU) with one that returns ready logits, and times `EngineCore.step()`.
 
-    python benchmarks/probes/host_overhead.py             # CPU backend and the CUDA backend's paths, on the CPU
-    python benchmarks/probes/host_overhead.py --batches 32 64 256 --steps 300
-    python benchmarks/probes/host_overhead.py --front-end           # deltas through AsyncEngine to an event loop
-    python benchmarks/probes/host_overhead.py --front-end --engine-process   # the core in a process of its own
+    python benchmarks/run.py --mode host-overhead             # CPU backend and the CUDA backend's paths, on the CPU
+    python benchmarks/run.py --mode host-overhead --batches 32 64 256 --steps 300
+    python benchmarks/run.py --mode host-overhead --front-end   # deltas through AsyncEngine to an event loop
+    python benchmarks/run.py --mode host-overhead --front-end --engine-process   # the core in a process of its own
 
 With --front-end every request is a stream of AsyncEngine.generate consumed on an event loop thread, as in the
 server, and a step's time includes handing its deltas to that loop. With --engine-process as well, the core runs
@@ -24,31 +24,23 @@ import asyncio
 import functools
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-from benchmarks.paths import make_importable  # noqa: E402
-
-make_importable()
-
-import torch  # noqa: E402
-
-from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.backends import create_backend  # noqa: E402
-from llmserve.engine.config import EngineConfig  # noqa: E402
-from llmserve.engine.core import EngineCore  # noqa: E402
-from llmserve.engine.core_process import ChildSpec, CoreClient  # noqa: E402
-from llmserve.engine.output_processor import OutputProcessor  # noqa: E402
-from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
-from llmserve.models import LoadedModel, from_config  # noqa: E402
-from llmserve.testing import tiny_config  # noqa: E402
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.backends import create_backend
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.engine.core_process import ChildSpec, CoreClient
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from llmserve.models import LoadedModel, from_config
+from llmserve.testing import tiny_config
 
 VOCAB = 512
 
@@ -145,13 +137,10 @@ def measure_engine_process(
     """Pass times of the child's step loop with every request streamed through the front end in this process."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        # By the module's name: run as a script, this file is __main__, which the child cannot import.
-        from benchmarks.probes import host_overhead as probe
-
         spec = ChildSpec(
-            functools.partial(probe.probe_model, tokenizer),
+            functools.partial(probe_model, tokenizer),
             config,
-            prepare=functools.partial(probe.prepare_child, backend, batch, steps, out),
+            prepare=functools.partial(prepare_child, backend, batch, steps, out),
         )
         client = CoreClient(spec)
         client.wait_ready()
@@ -242,7 +231,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="benchmarks/run.py --mode host-overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 256])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--backends", nargs="+", default=["cpu", "cuda-path", "cuda-path-triton"])
@@ -275,7 +264,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,27 +17,26 @@ import importlib
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from grpc_status import rpc_status
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from llmserve.api.errors import StreamStalled, status_for
+from llmserve.api.admission import Admission
+from llmserve.api.interceptor import ErrorInterceptor
 from llmserve.api.servicer import SERVICE_NAME, GenerateServicer
+from llmserve.api.vllm_servicer import VLLM_SERVICE_NAME, VllmEngineServicer
 from llmserve.auth import Authenticator, AuthInterceptor, TokenStore
 from llmserve.config import Config, ServerConfig
-from llmserve.engine.request import InvalidRequest
-from llmserve.history import StoreUnavailable
+from llmserve.history import StoreUnavailable, open_store
 from llmserve.telemetry.metrics import ServerMetrics
 from llmserve.telemetry.tracing import Tracing
 from llmserve.telemetry.tracing import from_env as tracing_from_env
-from llmserve_client.pb.llmserve.v1 import generate_pb2, generate_pb2_grpc
+from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
     from llmserve.engine.protocol import Engine
@@ -46,8 +45,8 @@ log = logging.getLogger("llmserve")
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Health is reported for the whole server ("") and for the service by name.
-_HEALTH_NAMES = ("", SERVICE_NAME)
+# Health is reported for the whole server ("") and for each service by name.
+_HEALTH_NAMES = ("", SERVICE_NAME, VLLM_SERVICE_NAME)
 _DEAD_POLL_S = 1.0
 REPLICA_KEY = "x-llmserve-replica"
 # Exit status of the process when the engine died (0 is a clean shutdown, 1 an unexpected error).
@@ -56,7 +55,6 @@ EXIT_ENGINE_DEAD = 3
 EXIT_STORE_UNAVAILABLE = 2
 # After the engine stops, how long the streams it cut get to send their last message before the server stops.
 _FINAL_MESSAGES_S = 2.0
-_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"]
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _REFLECTION_PREFIX = "/grpc.reflection."
 
@@ -70,116 +68,6 @@ class _HealthServicer(health_aio.HealthServicer):  # type: ignore[misc]  # grpc_
     ) -> health_pb2.HealthListResponse:
         statuses = {name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()}
         return health_pb2.HealthListResponse(statuses=statuses)
-
-
-class Undecodable:
-    """What the request deserializer returns for bytes protobuf cannot parse; the call then ends
-    INVALID_ARGUMENT naming `request` (gRPC itself would answer UNKNOWN and log a traceback)."""
-
-    def __init__(self, message_name: str) -> None:
-        self.message_name = message_name
-
-    def error(self) -> InvalidRequest:
-        return InvalidRequest("request", f"is not a valid {self.message_name} message")
-
-
-def _tolerant(deserializer: Callable[[bytes], Any] | None, message_name: str) -> Callable[[bytes], Any] | None:
-    if deserializer is None:
-        return None
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return deserializer(data)
-        except DecodeError:
-            return Undecodable(message_name)
-
-    return deserialize
-
-
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """For GenerateService: turns the errors it raises into gRPC statuses (with google.rpc details) via
-    `status_for`, answers undecodable requests INVALID_ARGUMENT, aborts a stream whose next message has
-    waited on the client's flow control for `stall_timeout_s` (the client reads nothing), and ends every
-    call with `trailing_metadata` (the replica's name), whatever its status."""
-
-    def __init__(self, stall_timeout_s: float) -> None:
-        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
-        self._stall_timeout_s = stall_timeout_s
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or not method.startswith(f"/{SERVICE_NAME}/"):
-            return handler
-        rpc = _SERVICE.methods_by_name.get(method.rsplit("/", 1)[-1])
-        deserializer = _tolerant(handler.request_deserializer, rpc.input_type.full_name if rpc else "request")
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _stream_with_status(handler.unary_stream, self.trailing_metadata, self._stall_timeout_s),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _unary_with_status(handler.unary_unary, self.trailing_metadata),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
-
-
-async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-    status = status_for(exc)
-    if status is None:
-        raise exc
-    s = rpc_status.to_status(status)
-    # abort() replaces the trailing metadata set so far unless it is passed on.
-    await context.abort(
-        s.code, s.details, trailing_metadata=(*(context.trailing_metadata() or ()), *s.trailing_metadata)
-    )
-
-
-Trailing = tuple[tuple[str, str], ...]
-
-
-def _unary_with_status(behaviour: Callable[..., Awaitable[Any]], trailing: Trailing) -> Callable[..., Awaitable[Any]]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        context.set_trailing_metadata(trailing)
-        try:
-            if isinstance(request, Undecodable):
-                raise request.error()
-            return await behaviour(request, context)
-        except Exception as exc:  # noqa: BLE001 - _abort_for re-raises what it does not know
-            await _abort_for(exc, context)
-
-    return wrapped
-
-
-def _stream_with_status(
-    behaviour: Callable[..., Any], trailing: Trailing, stall_timeout_s: float
-) -> Callable[..., Awaitable[None]]:
-    # Writes with context.write rather than by being a generator, so that a write stuck on the client's
-    # flow control can be timed out; the stall is thrown into the servicer's generator at its yield.
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        context.set_trailing_metadata(trailing)
-        try:
-            if isinstance(request, Undecodable):
-                raise request.error()
-            async with contextlib.aclosing(behaviour(request, context)) as responses:
-                async for response in responses:
-                    try:
-                        async with asyncio.timeout(stall_timeout_s):
-                            await context.write(response)
-                    except TimeoutError:
-                        await responses.athrow(StreamStalled(stall_timeout_s))
-        except Exception as exc:  # noqa: BLE001 - _abort_for re-raises what it does not know
-            await _abort_for(exc, context)
-
-    return wrapped
 
 
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
@@ -198,36 +86,38 @@ class LLMServer:
     def __init__(self, config: ServerConfig, *, tracing: Tracing | None = None) -> None:
         self.config = config
         self.authenticator = _authenticator(config)
-        errors = ErrorInterceptor(config.stream_stall_timeout_s)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.authenticator is not None:
             exempt = [_HEALTH_PREFIX] if config.reflection_requires_auth else [_HEALTH_PREFIX, _REFLECTION_PREFIX]
             interceptors.append(AuthInterceptor(self.authenticator, exempt=exempt))
-        interceptors.append(errors)
+        interceptors.append(ErrorInterceptor(config.stream_stall_timeout_s, lambda: ((REPLICA_KEY, self.replica),)))
         self._server = grpc.aio.server(interceptors=interceptors, options=_server_options(config))
-        self.servicer = GenerateServicer(config)
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
         self.health = _HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if config.reflection:
-            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+            health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+            names = (SERVICE_NAME, VLLM_SERVICE_NAME, health, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self._server)
         if config.tls_cert is not None:
             self.port = self._server.add_secure_port(config.address, _server_credentials(config))
         else:
             self.port = self._server.add_insecure_port(config.address)
         self.replica = config.replica_name or f"{socket.gethostname()}:{self.port}"
-        errors.trailing_metadata = ((REPLICA_KEY, self.replica),)
         self.engine: Engine | None = None
+        histories = open_store(config.history)  # connected by start(), closed by stop()
+        admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
         self.metrics = (
-            ServerMetrics(self.replica, lambda: self.servicer.num_streams, lambda: self.engine, self.servicer.histories)
+            ServerMetrics(self.replica, admission.__len__, lambda: self.engine, histories)
             if config.metrics_port
             else None
         )
         self.tracing = tracing if tracing is not None or not config.tracing else tracing_from_env(self.replica)
-        for observer in (self.metrics, self.tracing):
-            if observer is not None:
-                self.servicer.add_observer(observer)
+        observers = [o for o in (self.metrics, self.tracing) if o is not None]
+        self.servicer = GenerateServicer(config, observers, histories, admission)
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
+        # vLLM's engine protocol over the same calls, for smg (which takes a worker for the first engine answering).
+        self.vllm_servicer = VllmEngineServicer(self.servicer)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self._server)
         self._watchdog: asyncio.Task[None] | None = None
         # Set when the engine has died: run() then drains and returns EXIT_ENGINE_DEAD.
         self.engine_died = asyncio.Event()
@@ -299,6 +189,7 @@ class LLMServer:
         await self._server.stop(0)  # cancels whatever is left, health watches included
         await closing
         await self.servicer.histories.close()
+        self.vllm_servicer.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.tracing is not None:

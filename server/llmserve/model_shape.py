@@ -21,7 +21,9 @@ class ModelShape:
 
     `vocab_size` is the width of the logits (config.vocab_size), which may exceed the tokenizer's length.
     `context_length` is the model's position limit; `sliding_window` the attention window the config enables
-    (Mistral; Qwen2 with use_sliding_window), or None.
+    (Mistral; Qwen2 with use_sliding_window), or None. `hidden_size` is the residual stream's width and
+    `intermediate_size` the MLP's (None where the config names none): the projections' shapes that LoRA adapters
+    are checked against (engine/lora/adapters.py).
     """
 
     num_layers: int
@@ -31,6 +33,8 @@ class ModelShape:
     vocab_size: int
     context_length: int
     sliding_window: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
 
     @classmethod
     def of(cls, config: Any) -> ModelShape:
@@ -45,7 +49,18 @@ class ModelShape:
         if not context:
             raise ValueError("model config has neither max_position_embeddings nor n_positions")
         layers = int(_first(text, "num_hidden_layers", "n_layer"))
-        return cls(layers, heads, kv_heads, head_dim, int(text.vocab_size), int(context), sliding_window(text))
+        inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
+        return cls(
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            int(text.vocab_size),
+            int(context),
+            sliding_window(text),
+            hidden,
+            None if inner is None else int(inner),
+        )
 
     @property
     def group(self) -> int:

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds `benchmarks`
-
-from benchmarks.loadgen import Measurement, RequestRecord, Schedule, compose_fifo  # noqa: E402
-from benchmarks.metrics import percentile, summarize, window_stats  # noqa: E402
+from benchmarks.loadgen import Measurement, RequestRecord, Schedule, compose_fifo
+from benchmarks.metrics import percentile, summarize, window_stats
 
 
 def record(rid: str, submit: float, first: float, gap: float, n: int, group: int | None = None) -> RequestRecord:

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds `benchmarks`
-
-from benchmarks import roofline  # noqa: E402
-from benchmarks.analysis import floor_share, targets  # noqa: E402
-from benchmarks.metrics import PointSummary, WindowStats  # noqa: E402
-from llmserve.testing import tiny_config  # noqa: E402
+from benchmarks import roofline
+from benchmarks.analysis import floor_share, targets
+from benchmarks.metrics import PointSummary, WindowStats
+from llmserve.testing import tiny_config
 
 PEAK = roofline.MachinePeak("cpu", "float32", matmul_flops_per_s=100e9, read_bytes_per_s=20e9, copy_bytes_per_s=20e9)
 PROMPTS = [32, 100, 300, 1000]

@@ -7,16 +7,13 @@ server subprocess can load the same one by path.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds `benchmarks`
-
-from benchmarks import run  # noqa: E402
-from llmserve.models import from_config  # noqa: E402
-from llmserve.testing import tiny_config  # noqa: E402
+from benchmarks import run
+from llmserve.models import from_config
+from llmserve.testing import tiny_config
 
 
 @pytest.fixture(scope="module")

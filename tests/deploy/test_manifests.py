@@ -29,8 +29,13 @@ def documents() -> list[dict[str, Any]]:
     return docs
 
 
-def by_kind(kind: str) -> list[dict[str, Any]]:
-    return [d for d in documents() if d["kind"] == kind]
+def by_kind(kind: str, app: str = "llmserve") -> list[dict[str, Any]]:
+    """The documents of a kind, of llmserve's own (or smg's: smg.yaml)."""
+    return [
+        d
+        for d in documents()
+        if d["kind"] == kind and d["metadata"].get("labels", {}).get("app.kubernetes.io/name", "llmserve") == app
+    ]
 
 
 @pytest.mark.parametrize("doc", documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
@@ -96,3 +101,36 @@ def test_the_fronts_hash_on_the_session_header() -> None:
     (route,) = manager["route_config"]["virtual_hosts"][0]["routes"]
     assert route["route"]["hash_policy"] == [{"header": {"header_name": "x-session-id"}}]
     assert route["route"]["timeout"] == "0s"
+
+
+def test_the_smg_gateway_discovers_the_replicas_on_their_grpc_port() -> None:
+    """deploy/k8s/smg.yaml: smg's service discovery selects the llmserve pods and dials their gRPC port, with the RBAC
+    to watch pods, the flags the tests' smg runs with (deploy/smg/launch.sh) and probes on its health port."""
+    (smg,) = by_kind("Deployment", "smg")
+    (llmserve,) = by_kind("Deployment")
+    pod = smg["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    flag = {name: args[args.index(name) + 1] for name in ("--selector", "--service-discovery-port", "--policy")}
+    labels = llmserve["spec"]["template"]["metadata"]["labels"]
+    assert flag["--selector"] == ",".join(f"{k}={v}" for k, v in labels.items())
+    (grpc_port,) = [
+        p["containerPort"]
+        for p in llmserve["spec"]["template"]["spec"]["containers"][0]["ports"]
+        if p["name"] == "grpc"
+    ]
+    assert int(flag["--service-discovery-port"]) == grpc_port and flag["--policy"] == "cache_aware"
+    (role,) = by_kind("Role", "smg")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    (binding,) = by_kind("RoleBinding", "smg")
+    assert (
+        binding["subjects"][0]["name"]
+        == pod["serviceAccountName"]
+        == by_kind("ServiceAccount", "smg")[0]["metadata"]["name"]
+    )
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == int(args[args.index("--port") + 1]) and ports["health"] == int(
+        args[args.index("--health-check-port") + 1]
+    )
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "health"}
+    assert '--policy "${SMG_POLICY:-cache_aware}"' in (ROOT / "deploy" / "smg" / "launch.sh").read_text()

@@ -223,8 +223,8 @@ def test_a_failed_forward_leaves_no_session_behind() -> None:
 
 
 def test_a_fault_in_the_books_fails_the_requests_instead_of_hanging_them() -> None:
-    """An exception outside the forward (here the scheduler's) used to end the step thread silently: every caller
-    waited forever and the engine still looked alive. Now the engine dies and says why."""
+    """An exception outside the forward (here the scheduler's) must not end the step thread silently, with every
+    caller waiting forever and the engine still looking alive: the engine dies and says why."""
     core = stepped_core()
     finals: dict[str, object] = {}
     core.submit(req("caught", [1, 2, 3], max_new=50))

@@ -112,7 +112,7 @@ def test_host_memory_tier_reloads_the_same_tokens() -> None:
     assert counters.loaded_blocks > 0 and counters.stored_blocks > 0 and cached >= 8 * BS
     assert got == reference(loaded, history, 8)
     stats = core.stats().kv_tiers
-    assert stats.reload_counts[-1] == counters.loaded_blocks  # each reload timed once
+    assert stats.reload.count == counters.loaded_blocks  # each reload timed once
 
 
 def test_the_disk_tier_survives_a_restart(tmp_path: Path) -> None:
@@ -316,3 +316,108 @@ def test_the_server_refuses_to_start_on_an_unwritable_tier_folder(tmp_path: Path
     assert proc.returncode == 2  # bad settings
     assert "--kv-offload-dir" in proc.stderr and "not a writable folder" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# -- planted collisions: a digest that matches a block whose recorded parent or tokens differ ------------------
+
+
+def chain(prompt: list[int], salt: str | None = None) -> list[BlockContent]:
+    """The contents of a prompt's full blocks, as the pool hashes them."""
+    parent, blocks = prefix_root(salt), []
+    for start in range(0, len(prompt) - BS + 1, BS):
+        tokens = tuple(prompt[start : start + BS])
+        blocks.append(BlockContent(chain_hash(parent, tokens), parent, tokens))
+        parent = blocks[-1].block_hash
+    return blocks
+
+
+def collision(real: BlockContent, other: BlockContent, differs: str) -> BlockContent:
+    """`real`'s digest recorded for `other`'s parent or tokens: what a digest collision would leave in a tier."""
+    if differs == "parent":
+        return BlockContent(real.block_hash, other.parent, real.tokens)
+    return BlockContent(real.block_hash, real.parent, other.tokens)
+
+
+PLANTED = 3  # the block of A's prompt whose digest is planted: the three before it come back, the rest recompute
+
+
+@pytest.mark.parametrize("differs", ["parent", "tokens"])
+def test_a_colliding_block_in_the_host_tier_is_a_miss_and_recomputed(differs: str) -> None:
+    loaded = tiny64()
+    core = core_for(loaded, kv_offload_bytes=64 << 20)
+    a, b, c = prompts(11, 3, 9 * BS)
+    first, _ = run(core, a, 8)
+    run(core, b, 8)
+    run(core, c, 8)
+    host = core.tiers.host  # type: ignore[union-attr]
+    assert host is not None
+    blocks = chain(a)
+    assert all(x.block_hash in host.index and not core.pool.holds(x.block_hash) for x in blocks[: PLANTED + 2])
+    # The tier holds another block's KV (A's block 5) under block 3's digest, recorded with another parent or
+    # other tokens, as if that block had been stored under a colliding digest.
+    decoy = blocks[5]
+    data = host.get(decoy)
+    assert data is not None
+    assert host.index.remove(blocks[PLANTED].block_hash)
+    host.put(collision(blocks[PLANTED], decoy, differs), data)
+    before = tier_counters(core, "host")
+    loaded_before, hits_before, failed_before = before.loaded_blocks, before.hits, before.failed_loads
+    history = a + first + [5, 6, 7]
+    got, cached = run(core, history, 8)
+    assert got == reference(loaded, history, 8)
+    after = tier_counters(core, "host")
+    assert cached == PLANTED * BS  # the prefix stops at the planted digest: from there on it is recomputed
+    assert after.loaded_blocks - loaded_before == after.hits - hits_before == PLANTED
+    assert after.failed_loads == failed_before  # a miss at lookup, not a load that failed
+    core.close_tiers()
+
+
+@pytest.mark.parametrize("differs", ["parent", "tokens"])
+def test_a_colliding_block_file_in_the_disk_tier_is_a_miss_and_recomputed(tmp_path: Path, differs: str) -> None:
+    loaded = tiny64()
+    first_engine = core_for(loaded, kv_offload_dir=str(tmp_path))
+    a, b, c = prompts(12, 3, 9 * BS)
+    first, _ = run(first_engine, a, 8)
+    run(first_engine, b, 8)
+    run(first_engine, c, 8)
+    first_engine.close_tiers()  # every block on disk
+    disk = first_engine.tiers.disk  # type: ignore[union-attr]
+    assert disk is not None
+    blocks = chain(a)
+    decoy = blocks[5]
+    payload = disk.get(decoy)
+    assert payload is not None
+    # A well-formed file of this model (fingerprint, checksum) under block 3's digest, whose header records
+    # another parent or other tokens and holds another block's KV: a restart indexes it as it says.
+    assert disk.put(collision(blocks[PLANTED], decoy, differs), payload)
+    core = core_for(loaded, kv_offload_dir=str(tmp_path))
+    history = a + first + [5, 6, 7]
+    got, cached = run(core, history, 8)
+    assert got == reference(loaded, history, 8)
+    counters = tier_counters(core, "disk")
+    assert cached == PLANTED * BS
+    assert counters.loaded_blocks == counters.hits == PLANTED and counters.failed_loads == 0
+    core.close_tiers()
+
+
+@pytest.mark.parametrize("differs", ["parent", "tokens"])
+def test_each_tier_serves_a_block_only_for_the_parent_and_tokens_it_recorded(tmp_path: Path, differs: str) -> None:
+    """The checks one by one, without a model: the index's lookup and each tier's read compare the recorded
+    parent and tokens, not the digest alone."""
+    from llmserve.engine.backends.base import BlockData
+    from llmserve.engine.kv_tiers.host import HostTier
+    from llmserve.engine.kv_tiers.index import TierIndex
+
+    real, other = chain(list(range(3, 3 + 2 * BS)))
+    planted = collision(real, other, differs)
+    index = TierIndex(10 * 64, 64)
+    index.add(planted)
+    assert not index.has(real.block_hash, real.parent, real.tokens)
+    assert index.has(planted.block_hash, planted.parent, planted.tokens)
+    assert (index.counters.hits, index.counters.misses) == (1, 1)
+    host = HostTier(10 * 64, 64)
+    host.put(planted, BlockData(torch.zeros(16, dtype=torch.float32)))
+    assert host.get(real) is None and host.get(planted) is not None
+    disk = DiskTier(tmp_path, b"f" * 16, 10 * 64, 64)
+    assert disk.put(planted, bytes(range(64)))
+    assert disk.get(real) is None and disk.index.counters.failed_loads == 1

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.protocol import Engine, EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.request import (
     Delta,
@@ -79,6 +80,9 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         running = len(self._running)
         return EngineStats(running, 0, 64, 0, 0, 16, len(self._sessions), 0, 0, 0, 0, {}, 0)
+
+    def take_kv_events(self) -> list[KvEvent]:
+        return []  # no prefix cache
 
     async def get_session(self, session_id: str) -> SessionInfo | None:
         if session_id not in self._sessions:

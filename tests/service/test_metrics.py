@@ -203,13 +203,42 @@ def test_counters_and_histograms_follow_what_the_clients_saw(metered: tuple[Serv
     text = scrape_text(port)
     assert "secret-session" not in text and "secret-request" not in text, "no label takes request values"
     families = [f.name for f in text_string_to_metric_families(text)]
-    assert all(name.startswith(("llmserve_", "process_", "python_")) for name in families), families
+    # vllm: the engine gauges again under the names the inference gateways scrape (test_the_vllm_gauges_...).
+    assert all(name.startswith(("llmserve_", "vllm:", "process_", "python_")) for name in families), families
     after = scrape(port)
     assert after["llmserve_engine_alive"] == 1
     assert after["llmserve_kv_cache_capacity_blocks"] == 32768 // 16
     assert after["llmserve_kv_cache_used_blocks"] == after["llmserve_sessions_held_blocks"]
     assert any(k.startswith("llmserve_build_info{") for k in after)
     assert any(k.startswith("llmserve_model_info{") for k in after)
+
+
+def test_the_vllm_gauges_are_the_engines_under_the_inference_gateways_names(metered: tuple[ServerThread, int]) -> None:
+    """vllm:num_requests_running/waiting, vllm:kv_cache_usage_perc (a fraction) and vllm:cache_config_info parse with
+    prometheus-client's parser and hold what llmserve's own gauges and the engine's books hold (a stream running)."""
+    srv, port = metered
+    with grpc.insecure_channel(srv.address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        call = stub.Generate(build_request(token_ids=list(range(5, 60)), max_new_tokens=LONG, ignore_eos=True))
+        next(call)  # running, holding blocks
+        families = {f.name: f for f in text_string_to_metric_families(scrape_text(port))}
+        stats = srv.engine.stats()
+        call.cancel()
+
+    def value(name: str) -> float:
+        (sample,) = families[name].samples
+        assert sample.labels == {"model_name": srv.engine.model_info.name}
+        return sample.value
+
+    own = {f: families[f].samples[0].value for f in families if f.startswith("llmserve_")}
+    assert value("vllm:num_requests_running") == own["llmserve_requests_running"] == stats.running == 1
+    assert value("vllm:num_requests_waiting") == own["llmserve_requests_waiting"] == stats.waiting
+    usage = value("vllm:kv_cache_usage_perc")
+    assert 0 < usage == own["llmserve_kv_cache_used_blocks"] / own["llmserve_kv_cache_capacity_blocks"] <= 1
+    assert usage == stats.kv_blocks_used / stats.kv_blocks_total
+    (config,) = families["vllm:cache_config_info"].samples
+    assert config.value == 1
+    assert config.labels == {"block_size": str(stats.block_size), "num_gpu_blocks": str(stats.kv_blocks_total)}
 
 
 def test_replica_name_is_in_the_trailing_metadata_of_every_call(metered: tuple[ServerThread, int]) -> None:

@@ -536,7 +536,7 @@ def test_endings_that_are_not_a_finish_end_the_stream_with_their_status(reason: 
     async def stream() -> list[pb.GenerateResponse]:
         servicer = GenerateServicer(ServerConfig())
         gen = GenerationRequest("r", (1, 2, 3), stopping=StoppingParams(max_new_tokens=4))
-        return [r async for r in servicer._stream(OneDelta(), gen, pb.GenerateRequest(), CallRecord("r", 0.0))]
+        return [r async for r in servicer._stream(OneDelta(), gen, CallRecord("r", 0.0))]
 
     with pytest.raises(ServiceError) as err:
         asyncio.run(stream())
@@ -549,7 +549,7 @@ def test_before_the_engine_is_attached_every_call_is_unavailable_saying_so() -> 
     from llmserve.config import ServerConfig
 
     with pytest.raises(ServiceError) as err:
-        GenerateServicer(ServerConfig())._ready_engine()
+        GenerateServicer(ServerConfig()).ready_engine()
     assert (err.value.code, err.value.message) == (grpc.StatusCode.UNAVAILABLE, "the model is still loading")
 
 
@@ -562,13 +562,13 @@ def test_attaching_an_engine_caps_histories_at_its_context_unless_configured() -
 
     servicer = GenerateServicer(ServerConfig())
     servicer.attach(FakeEngine())
-    servicer.histories.check_length(256)  # the fake model's context
+    servicer.prompts.check_length(256)  # the fake model's context
     with pytest.raises(InvalidRequest, match=r"--max-session-tokens \(256\)"):
-        servicer.histories.check_length(257)
+        servicer.prompts.check_length(257)
     configured = GenerateServicer(ServerConfig(history=HistoryConfig(max_tokens=100)))
     configured.attach(FakeEngine())
     with pytest.raises(InvalidRequest, match=r"--max-session-tokens \(100\)"):
-        configured.histories.check_length(101)
+        configured.prompts.check_length(101)
 
 
 def test_the_per_identity_stream_cap_counts_streams_as_they_end() -> None:

@@ -1,7 +1,11 @@
 """A Generate request's prompt as token ids: its input through the tokenizer (off the event loop) or as sent,
 and, in append mode (continue_session), the session's held history followed by the new input.
 
-The history store (llmserve.history) keeps the book-keeping; this module only decides what the prompt is.
+Every append-mode rule is here: which input continues which history (chat continues chat; text and token ids
+continue text and token ids), how the conversation is composed (held messages, the answer included, then the
+new ones; held token ids, then the new ones), and the per-session token cap (a continued prompt over it is
+refused; a finished conversation that reaches it ends the history). The history store (llmserve.history)
+keeps the book-keeping.
 """
 
 from __future__ import annotations
@@ -15,16 +19,52 @@ import grpc
 from llmserve.api.errors import ServiceError
 from llmserve.api.limits import quote_prefix
 from llmserve.engine.request import InvalidRequest
-from llmserve.history import HistoryBusy, HistoryInput, HistoryStore, NoHistory, Turn
+from llmserve.history import History, HistoryBusy, HistoryInput, HistoryStore, Message, NoHistory, Turn
 from llmserve.telemetry.request_log import clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 
-class SessionPrompts:
-    """Builds each Generate call's prompt, through the session history store when the call names a session."""
+def continue_chat(turn: Turn, new: Sequence[Message]) -> list[Message]:
+    """The whole conversation a continuing chat call renders: held messages (answer included), then `new`."""
+    held = _held(turn)
+    if held.kind is not HistoryInput.CHAT:
+        raise InvalidRequest(
+            "chat", f"session {turn.key!r} holds a text/token_ids history: continue it with text or token_ids"
+        )
+    return [*held.messages, *new]
 
-    def __init__(self, histories: HistoryStore) -> None:
+
+def continue_tokens(turn: Turn, new: Sequence[int], field_name: str) -> list[int]:
+    """The held token ids followed by `new` (the new text's or token ids' ids)."""
+    held = _held(turn)
+    if held.kind is not HistoryInput.TOKENS:
+        raise InvalidRequest(field_name, f"session {turn.key!r} holds a chat history: continue it with chat")
+    return [*held.token_ids, *new]
+
+
+def _held(turn: Turn) -> History:
+    if turn.held is None:
+        raise ValueError("the turn does not continue a history")
+    return turn.held
+
+
+class SessionPrompts:
+    """Builds each Generate call's prompt, through the session history store when the call names a session.
+
+    `max_tokens` is the per-session token cap (--max-session-tokens, else the model's context; None: none)."""
+
+    def __init__(self, histories: HistoryStore, max_tokens: int | None) -> None:
         self.histories = histories
+        self.max_tokens = max_tokens
+
+    def check_length(self, num_tokens: int) -> None:
+        """Refuse a continued prompt longer than the per-session token cap."""
+        if self.max_tokens is not None and num_tokens > self.max_tokens:
+            raise InvalidRequest(
+                "continue_session",
+                f"the conversation would be {num_tokens} tokens, over the server's --max-session-tokens "
+                f"({self.max_tokens}); start a new session with a shorter history",
+            )
 
     async def prompt(
         self, tokenizer: Any, request: pb.GenerateRequest, request_id: str, session_key: str | None
@@ -63,22 +103,24 @@ class SessionPrompts:
     async def _begin_turn(self, tokenizer: Any, request: pb.GenerateRequest, turn: Turn) -> None:
         """Tell the turn its prompt: the input as it is, or in append mode the held history and the new input."""
         kind = request.WhichOneof("input")
+        cap = self.max_tokens
         if not turn.continues:
             ids = await prompt_token_ids(tokenizer, request)
             if kind == "chat":
-                turn.begin(HistoryInput.CHAT, ids, [(m.role, m.content) for m in request.chat.messages])
+                messages = [(m.role, m.content) for m in request.chat.messages]
+                turn.begin(HistoryInput.CHAT, ids, messages, max_tokens=cap)
             else:
-                turn.begin(HistoryInput.TOKENS, ids)
+                turn.begin(HistoryInput.TOKENS, ids, max_tokens=cap)
             return
-        histories = self.histories
         if kind == "chat":
             new = [(m.role, m.content) for m in request.chat.messages]
             if not new:
                 raise InvalidRequest("chat.messages", "must not be empty")
-            messages = histories.continue_chat(turn, new)
+            conversation = continue_chat(turn, new)
             # The whole conversation is rendered again, as a caller resending it would have it rendered.
-            turns = [pb.ChatMessage(role=role, content=content) for role, content in messages]
-            turn.begin(HistoryInput.CHAT, await asyncio.to_thread(chat_token_ids, tokenizer, turns), messages)
+            turns = [pb.ChatMessage(role=role, content=content) for role, content in conversation]
+            ids = await asyncio.to_thread(chat_token_ids, tokenizer, turns)
+            turn.begin(HistoryInput.CHAT, ids, conversation, max_tokens=cap)
         elif kind == "text":
             if not request.text:
                 raise InvalidRequest("text", "must not be empty")
@@ -86,14 +128,14 @@ class SessionPrompts:
                 raise InvalidRequest("text", "the model has no tokenizer: send token_ids")
             # No special tokens: the new text goes on in the middle of a conversation.
             new_ids = await asyncio.to_thread(tokenizer.encode, request.text, add_special_tokens=False)
-            turn.begin(HistoryInput.TOKENS, histories.continue_tokens(turn, new_ids, "text"))
+            turn.begin(HistoryInput.TOKENS, continue_tokens(turn, new_ids, "text"), max_tokens=cap)
         elif kind == "token_ids":
             if not request.token_ids.ids:
                 raise InvalidRequest("token_ids.ids", "must not be empty")
-            turn.begin(HistoryInput.TOKENS, histories.continue_tokens(turn, request.token_ids.ids, "token_ids"))
+            turn.begin(HistoryInput.TOKENS, continue_tokens(turn, request.token_ids.ids, "token_ids"), max_tokens=cap)
         else:
             await prompt_token_ids(tokenizer, request)  # raises: no input
-        histories.check_length(len(turn.prompt_ids))
+        self.check_length(len(turn.prompt_ids))
 
 
 async def prompt_token_ids(tokenizer: Any, request: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:

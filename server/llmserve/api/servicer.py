@@ -15,7 +15,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -52,30 +53,54 @@ _ENDINGS = {
 }
 
 
+@dataclass(slots=True, eq=False)
+class Call:
+    """One Generate call as an edge sees it while `GenerateServicer.serve` runs it: its record, its admission key
+    and its engine request once they exist."""
+
+    request_id: str
+    record: CallRecord = field(init=False)
+    key: StreamKey | None = None
+    engine_request: GenerationRequest | None = None
+    has_session: bool = False
+    first: bool = True  # no delta sent yet
+
+    def __post_init__(self) -> None:
+        self.record = CallRecord(self.request_id or "-", time.monotonic())
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Serves llmserve.v1.GenerateService; answers UNAVAILABLE until `attach()` hands it a started engine."""
 
-    def __init__(self, config: ServerConfig, observers: Sequence[CallObserver] = ()) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        observers: Sequence[CallObserver] = (),
+        histories: HistoryStore | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        """`observers` are told about each Generate call once it ends (metrics, tracing); `histories` is the
+        session history store (default: the one config.history names), which the server connects at start and
+        closes at stop; `admission` counts the streams in flight (default: one with the config's caps)."""
         self._config = config
-        self._observers = list(observers)  # told about each Generate call once it ends (metrics, tracing)
+        self._observers = tuple(observers)
         self._engine: Engine | None = None
         self._limits = config.limits
         self._max_prompt_bytes = 0
-        self.admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
-        self.histories: HistoryStore = open_store(config.history)  # the server connects it at start, closes it
-        self._prompts = SessionPrompts(self.histories)
-
-    def add_observer(self, observer: CallObserver) -> None:
-        """Tell `observer` about each Generate call from now on, once the call ends."""
-        self._observers.append(observer)
+        if admission is None:
+            admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
+        self.admission = admission
+        self.histories: HistoryStore = histories if histories is not None else open_store(config.history)
+        self.prompts = SessionPrompts(self.histories, config.history.max_tokens)
 
     def attach(self, engine: Engine) -> None:
-        """Start serving with `engine` (already started and warmed up)."""
+        """Start serving with `engine` (already started and warmed up): the limits that depend on its model
+        (the prompt's bytes, the per-session token cap when --max-session-tokens is unset) from now on."""
         info = engine.model_info
         self._max_prompt_bytes = prompt_byte_limit(self._limits, info.context_length)
+        cap = self._config.history.max_tokens
+        self.prompts = SessionPrompts(self.histories, info.context_length if cap is None else cap)
         self._engine = engine
-        if self._config.history.max_tokens is None:
-            self.histories.max_tokens = info.context_length
 
     def begin_drain(self) -> None:
         """Refuse new Generate streams from now on; those in flight go on."""
@@ -90,7 +115,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Return once no Generate stream is in flight."""
         await self.admission.wait_idle()
 
-    def _ready_engine(self) -> Engine:
+    @property
+    def engine(self) -> Engine | None:
+        """The engine served, once attached."""
+        return self._engine
+
+    def ready_engine(self) -> Engine:
+        """The engine served; UNAVAILABLE until it is attached."""
         if self._engine is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return self._engine
@@ -98,21 +129,46 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
+        call = Call(request.request_id)
+        options = request.response
+        async with contextlib.aclosing(self.serve(call, lambda: request, context)) as deltas:
+            async for delta in deltas:
+                assert call.engine_request is not None  # built before the engine's first delta
+                prompt_ids = call.engine_request.prompt_token_ids if options.prompt_token_ids and call.first else ()
+                call.first = False
+                try:
+                    yield to_response(call.record.request_id, delta, options, prompt_ids)
+                except Exception as exc:  # thrown in at the yield (a stalled reader): the call's record must see it
+                    await deltas.athrow(exc)
+                    raise
+
+    async def serve(
+        self,
+        call: Call,
+        build: Callable[[], pb.GenerateRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncGenerator[Delta, None]:
+        """One Generate call of either edge, from the request `build` returns (called inside the call's record,
+        so that a request its edge refuses to translate is recorded too) to its deltas: admission, limits, the
+        prompt, the engine request, the stream and the call's one record. Raises what the interceptor maps."""
         identity = caller_identity()
-        record = CallRecord(request.request_id or "-", time.monotonic(), identity=identity)
+        record = call.record
+        record.identity = identity
         remaining = context.time_remaining()
         call_deadline = None if remaining is None else time.monotonic() + remaining
         key: StreamKey | None = None
         turn: Turn | None = None
         try:
-            engine = self._ready_engine()
+            engine = self.ready_engine()
+            request = build()
+            call.has_session = bool(request.session_id)
             check_generate(request, self._limits, self._max_prompt_bytes)
             request_id = record.request_id = request.request_id or uuid.uuid4().hex
-            key = await self.admission.admit(identity, request_id)
+            key = call.key = await self.admission.admit(identity, request_id)
             # The history store is keyed per identity too: the request id it names is the caller's own.
             session_key = scoped(identity, request.session_id) if request.session_id else None
-            prompt_ids, turn = await self._prompts.prompt(engine.tokenizer, request, request_id, session_key)
-            gen_request = self._engine_request(
+            prompt_ids, turn = await self.prompts.prompt(engine.tokenizer, request, request_id, session_key)
+            gen_request = call.engine_request = self._engine_request(
                 engine, request, request_id, prompt_ids, session_key, call_deadline, identity
             )
             record.prompt_tokens = len(gen_request.prompt_token_ids)
@@ -120,9 +176,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 record.prompt = input_text(request)
             record.queued = time.monotonic()
             # aclosing: however this call ends, the engine request is aborted before the log line is written.
-            async with contextlib.aclosing(self._stream(engine, gen_request, request, record, turn)) as responses:
-                async for response in responses:
-                    yield response
+            async with contextlib.aclosing(self._stream(engine, gen_request, record, turn)) as deltas:
+                async for delta in deltas:
+                    yield delta
             record.status = "OK"
         except (asyncio.CancelledError, GeneratorExit):
             # A caller that goes away cancels the handler, or, when gRPC notices it at a write, closes this
@@ -145,7 +201,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 await turn.release()
             if key is not None:
                 self.admission.release(key)
-            self._record_end(record, bool(request.session_id), context)
+            self._record_end(record, call.has_session, context)
 
     def _engine_request(
         self,
@@ -166,9 +222,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             default_max_new_tokens=self._config.default_max_new_tokens,
             session_key=session_key,
             deadline=None if call_deadline is None else call_deadline - DEADLINE_MARGIN_S,
-            # With authentication on, a caller's prompts share cached blocks only with its own (unless shared).
-            cache_salt=None if identity is None or self._config.shared_prefix_cache else identity,
+            cache_salt=self.cache_salt(identity),
         )
+
+    def cache_salt(self, identity: str | None) -> str | None:
+        """The prefix cache's salt for `identity`'s prompts: with authentication on, a caller's prompts share cached
+        blocks only with its own (unless --shared-prefix-cache)."""
+        return None if identity is None or self._config.shared_prefix_cache else identity
 
     def _record_end(self, record: CallRecord, has_session: bool, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Close the call's record once; the log line, the metrics and the trace are all made from it."""
@@ -181,24 +241,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 log.exception("call observer %r failed", observer)
 
     async def _stream(
-        self,
-        engine: Engine,
-        gen_request: GenerationRequest,
-        request: pb.GenerateRequest,
-        record: CallRecord,
-        turn: Turn | None = None,
-    ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """Yield one response per delta; raise for endings that are not a normal finish (after their message)."""
-        options = request.response
-        prompt_ids = gen_request.prompt_token_ids if options.prompt_token_ids else ()
+        self, engine: Engine, gen_request: GenerationRequest, record: CallRecord, turn: Turn | None = None
+    ) -> AsyncGenerator[Delta, None]:
+        """Yield the engine's deltas, each recorded; raise for endings that are not a normal finish (after their
+        delta was sent)."""
         # aclosing: a cancel while we wait on the client still closes (and so aborts) the engine request.
         async with contextlib.aclosing(cast(AsyncGenerator[Delta, None], engine.generate(gen_request))) as deltas:
             async for delta in deltas:
                 record.observe(delta)
                 if turn is not None and delta.finish_reason is not FinishReason.DEADLINE:
                     await turn.observe(delta)  # commits the history before the caller sees the last message
-                yield to_response(record.request_id, delta, options, prompt_ids)
-                prompt_ids = ()
+                yield delta
                 if delta.finish_reason is FinishReason.ERROR:
                     raise ServiceError(grpc.StatusCode.INTERNAL, f"generation failed: {delta.error}")
                 if delta.finish_reason in _ENDINGS:
@@ -207,7 +260,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.TokenizeResponse:
-        tokenizer = self._ready_engine().tokenizer
+        tokenizer = self.ready_engine().tokenizer
         check_input(request, self._limits, self._max_prompt_bytes)
         ids = await prompt_token_ids(tokenizer, request)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
@@ -215,7 +268,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetModelInfoResponse:
-        info = self._ready_engine().model_info
+        info = self.ready_engine().model_info
         return pb.GetModelInfoResponse(
             name=info.name,
             context_length=info.context_length,
@@ -231,7 +284,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetSessionResponse:
-        engine = self._ready_engine()
+        engine = self.ready_engine()
         if not request.session_id:
             raise InvalidRequest("session_id", "must not be empty")
         info = held = None
@@ -259,7 +312,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def DeleteSession(
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteSessionResponse:
-        engine = self._ready_engine()
+        engine = self.ready_engine()
         if not request.session_id:
             raise InvalidRequest("session_id", "must not be empty")
         if not is_valid_id(request.session_id, self._limits.max_session_id_length):

@@ -19,6 +19,7 @@ from llmserve.engine.constraints import Compiled, ConstraintCompiler
 from llmserve.engine.core import EngineCore
 from llmserve.engine.core_process import CoreClient
 from llmserve.engine.fanout import Merger, split
+from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
@@ -66,6 +67,7 @@ class AsyncEngine:
             vocab_size=self.loaded.vocab_size,
             backend=f"{facts.backend_name}: {facts.backend_description}",
             sliding_window=facts.sliding_window or 0,
+            eos_token_ids=self.loaded.eos_token_ids,
         )
 
     @property
@@ -111,6 +113,10 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's stored and removed blocks since the last call (kv_events.py), numbered."""
+        return self.core.take_kv_events()
 
     async def get_session(self, session_id: str) -> SessionInfo | None:
         """The cached session's state, asked of the step thread through its inbox (answered within a step)."""

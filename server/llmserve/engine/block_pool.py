@@ -28,6 +28,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from llmserve.engine.kv_events import UNKNOWN_SALT, KvEventLog
+
 BlockHash = bytes  # 16 bytes: see chain_hash
 _DIGEST_BYTES = 16
 
@@ -78,7 +80,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockPool:
     """A fixed set of `num_blocks` KV blocks of `block_size` token slots each."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, track_evictions: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, track_evictions: bool = False, events: KvEventLog | None = None
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
@@ -95,6 +99,9 @@ class BlockPool:
         self.track_evictions = track_evictions
         self._evicted: list[Evicted] = []
         self._loading: set[int] = set()
+        # With `events`: each hashed block's cache salt, so that its stored and removed events name it.
+        self.events = events
+        self._salt: list[str | None] = [None] * num_blocks
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -170,8 +177,16 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def register(self, block: int, block_hash: BlockHash, parent: BlockHash | None, tokens: Sequence[int]) -> None:
-        """Record that an owned, full block holds `tokens` after the prefix `parent`, with this hash.
+    def register(
+        self,
+        block: int,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        tokens: Sequence[int],
+        salt: str | None = UNKNOWN_SALT,
+    ) -> None:
+        """Record that an owned, full block holds `tokens` after the prefix `parent`, with this hash (its chain
+        hashed under `salt`, for the events).
 
         If another block already holds that prefix, the first one stays the canonical copy and this
         block stays anonymous (it is freed normally).
@@ -182,6 +197,13 @@ class BlockPool:
             return
         self.block_hash[block] = block_hash
         self._content[block] = (parent or _UNSALTED_ROOT, tuple(tokens))
+        if self.events is not None:
+            # A parent the pool holds is named; a chain's root (or a parent already evicted) is not a block.
+            held = None if parent is None else self._hash_to_block.get(parent)
+            if salt == UNKNOWN_SALT and held is not None:
+                salt = self._salt[held]  # a block reloaded from a tier: its chain's salt is its parent's
+            self._salt[block] = salt
+            self.events.stored(block_hash, None if held is None else parent, tuple(tokens), salt)
         self._hash_to_block[block_hash] = block
 
     def holds(self, block_hash: BlockHash) -> bool:
@@ -235,6 +257,8 @@ class BlockPool:
     def _forget_hash(self, block: int) -> None:
         block_hash = self.block_hash[block]
         if block_hash is not None:
+            if self.events is not None:
+                self.events.removed(block_hash, self._salt[block])
             del self._hash_to_block[block_hash]
             self.block_hash[block] = None
             self._content[block] = None

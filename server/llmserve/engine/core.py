@@ -27,6 +27,7 @@ from llmserve.engine.commands import Abort, Add, Command, Emit, SessionQuery
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import ConstraintState
 from llmserve.engine.facts import CoreFacts, validate
+from llmserve.engine.kv_events import KvEvent, KvEventLog
 from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.outputs import EngineOutput, RequestStart
 from llmserve.engine.plan import StepPlan
@@ -70,7 +71,9 @@ class EngineCore:
         self.backend = create_backend(loaded, config, self.max_model_len)
         # Lower KV tiers (--kv-offload-*): raises DiskTierError naming the flag when they cannot be had.
         self.tiers = build_tiers(config, loaded, BlockCopier(self.backend.kv))
-        self.pool = BlockPool(self.backend.num_blocks, config.block_size, track_evictions=self.tiers is not None)
+        self.pool = BlockPool(
+            self.backend.num_blocks, config.block_size, track_evictions=self.tiers is not None, events=KvEventLog()
+        )
         self.sessions = SessionStore(
             self.pool,
             ttl_s=config.session_ttl_s,
@@ -218,6 +221,11 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.write_back(self.pool)
             self.tiers.close()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's stored and removed blocks since the last call (any thread may take them)."""
+        assert self.pool.events is not None
+        return self.pool.events.take()
 
     def take_outputs(self) -> list[EngineOutput]:
         """The outputs collected since the last call (commands drained, steps taken), in order."""

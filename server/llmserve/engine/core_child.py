@@ -93,7 +93,7 @@ def _send_all(outbox: queue.Queue[object], events: Connection) -> None:
 
 def _outputs(core: EngineCore, outputs: list[EngineOutput]) -> Outputs:
     """A pass's outputs as they travel, with the core's state of that moment."""
-    return Outputs(encode(outputs), core.dead_reason, core.stats())
+    return Outputs(encode(outputs), core.dead_reason, core.stats(), core.take_kv_events())
 
 
 def _build(spec: ChildSpec) -> tuple[EngineCore, Any]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.facts import CoreFacts
+from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, SessionInfo
 
@@ -59,6 +60,7 @@ class Outputs:
     items: list[Item]
     dead_reason: str | None
     stats: EngineStats  # its running count is the client's num_running
+    kv_events: list[KvEvent]  # the prefix cache's since the last pass (kv_events.py)
 
 
 @dataclass(slots=True, frozen=True)

@@ -32,6 +32,7 @@ from llmserve.engine import core_messages as messages
 from llmserve.engine.commands import Abort, Add, Emit
 from llmserve.engine.core_messages import ChildSpec
 from llmserve.engine.facts import CoreFacts, validate
+from llmserve.engine.kv_events import KvEvent, KvEventLog
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import EngineDead, FinishReason, GenerationRequest
@@ -87,6 +88,7 @@ class CoreClient:
         self.facts: CoreFacts | None = None
         self._stats: EngineStats | None = None
         self.dead_reason: str | None = None
+        self._kv_events = KvEventLog()  # the child's, as they arrive with its passes, until taken
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -164,6 +166,10 @@ class CoreClient:
         assert self._stats is not None, "wait_ready() first"
         return self._stats
 
+    def take_kv_events(self) -> list[KvEvent]:
+        """The child's prefix-cache events that have arrived since the last call."""
+        return self._kv_events.take()
+
     def run(self, stop: threading.Event, emit: Emit) -> None:
         """On the front end's engine thread: hand the child's passes to `emit` until the child ends. Passes that
         arrived while the front end was busy go out as one (at most MAX_MERGED outputs): a front end slower than
@@ -185,6 +191,7 @@ class CoreClient:
                 return
             if isinstance(message, messages.Outputs):
                 self.dead_reason, self._stats = message.dead_reason, message.stats
+                self._kv_events.extend(message.kv_events)
                 merged.extend(self._decode(message.items))
                 continue
             if merged:  # what came before a reply or the end goes out first

@@ -1,8 +1,9 @@
 """The front end's output processor: the core's token outputs in, the caller's deltas out.
 
-It owns what the step thread no longer does: incremental detokenization, stop strings, and the accounts of a
-request that a stop string ended. It runs wherever the front end runs (the event loop, in the server), once
-per step for all of that step's outputs. A stop string found in a request's text ends that request's stream at
+It does a request's text work away from the step thread, so that the thread that feeds the device never
+waits on it: incremental detokenization, stop strings, and the accounts of a request that a stop string ended.
+It runs wherever the front end runs (the event loop, in the server), once per step for all of that step's
+outputs. A stop string found in a request's text ends that request's stream at
 once; `process` returns it so that the front end tells the core to stop it too (`EngineCore.abort` with the
 number of tokens the caller was sent), and any token the core produced meanwhile is dropped here.
 """
@@ -96,6 +97,7 @@ class OutputProcessor:
             pushed = detok.push(output.token_ids)
             delta.text = pushed.text
             if pushed.stop_sequence is not None and reason in (None, FinishReason.LENGTH):
+                delta.matched_stop = pushed.stop_sequence
                 if reason is None:
                     return self._final(stream, delta, FinishReason.STOP_SEQUENCE), True
                 reason = FinishReason.STOP_SEQUENCE
@@ -103,6 +105,7 @@ class OutputProcessor:
                 delta.text += detok.flush()
                 if detok.stopped_on is not None:  # the held-back tail completed a stop string
                     reason = FinishReason.STOP_SEQUENCE
+                    delta.matched_stop = detok.stopped_on
         if reason is not None:
             delta.finish_reason = reason
             delta.usage, delta.timing, delta.seed, delta.error = output.usage, output.timing, output.seed, output.error

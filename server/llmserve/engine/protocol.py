@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.request import Delta, GenerationRequest
 
 
@@ -23,6 +24,7 @@ class ModelInfo:
     vocab_size: int
     backend: str = ""  # which path serves, and how (the backend's name and one-line description)
     sliding_window: int = 0  # the model's attention window, 0 for none; the context is capped at it
+    eos_token_ids: tuple[int, ...] = ()  # the tokens that end a generation (unless a request ignores EOS)
 
 
 @dataclass(slots=True)
@@ -83,6 +85,8 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def take_kv_events(self) -> list[KvEvent]: ...  # the prefix cache's stored/removed blocks since the last call
 
     async def get_session(self, session_id: str) -> SessionInfo | None: ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # no tensor library here, not even for types (the edge and the config import this module)
@@ -274,6 +274,7 @@ class Delta:
     error: str | None = None
     index: int = 0  # the completion it belongs to (0 unless the request asked for n > 1)
     total_usage: Usage | None = None  # on an n > 1 request's very last delta: the prompt once, completions summed
+    matched_stop: str | None = None  # the stop sequence that ended it (finish STOP_SEQUENCE)
 
     @property
     def finished(self) -> bool:
@@ -284,19 +285,9 @@ class Delta:
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
-        return Delta(
-            self.request_id,
-            self.token_ids + later.token_ids,
-            self.text + later.text,
-            logprobs,
-            later.finish_reason,
-            later.usage,
-            later.timing,
-            later.seed,
-            later.error,
-            self.index,
-            later.total_usage,
-        )
+        # The later delta's finish facts; the token ids, text and logprobs of both.
+        tokens, text = self.token_ids + later.token_ids, self.text + later.text
+        return replace(later, token_ids=tokens, text=text, logprobs=logprobs, index=self.index)
 
 
 @dataclass(slots=True)

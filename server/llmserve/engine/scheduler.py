@@ -380,7 +380,7 @@ class Scheduler:
             if self.pool.block_hash[seq.block_table[i]] is None:
                 parent = seq.block_hashes[i - 1] if i else prefix_root(seq.request.cache_salt)
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]
-                self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens)
+                self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens, seq.request.cache_salt)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -13,24 +13,18 @@ TTL, `max_sessions`, the byte cap (least recently used first), deletion, or reac
 cap; the store remembers why for a while, so that a NOT_FOUND can say so.
 
 `--history-store` picks the store: `memory` (this process only), `sqlite:PATH` (survives restarts; shared by
-the processes of one machine), `redis://HOST:PORT/DB` (shared by replicas). base.py holds the contract.
+the processes of one machine), `redis://HOST:PORT/DB` (shared by replicas). By role: store.py holds the
+contract, records.py what it holds (History, Turn), config.py, errors.py, reasons.py (the NOT_FOUND reasons) and
+codec.py (the durable stores' token encoding); how a continuing call's prompt is composed is api/prompts.py's.
 """
 
 from __future__ import annotations
 
-from llmserve.history.base import (
-    NORMAL_FINISH,
-    History,
-    HistoryBusy,
-    HistoryConfig,
-    HistoryInput,
-    HistoryStore,
-    LeaseLost,
-    NoHistory,
-    StoreUnavailable,
-    Turn,
-)
+from llmserve.history.config import HistoryConfig
+from llmserve.history.errors import HistoryBusy, LeaseLost, NoHistory, StoreUnavailable
 from llmserve.history.memory import MemoryHistoryStore
+from llmserve.history.records import NORMAL_FINISH, History, HistoryInput, Message, Turn
+from llmserve.history.store import HistoryStore
 
 __all__ = [
     "NORMAL_FINISH",
@@ -41,6 +35,7 @@ __all__ = [
     "HistoryStore",
     "LeaseLost",
     "MemoryHistoryStore",
+    "Message",
     "NoHistory",
     "StoreUnavailable",
     "Turn",
@@ -63,15 +58,15 @@ def check_store_spec(text: str) -> str:
     raise ValueError(f"must be memory, sqlite:PATH or redis://HOST:PORT/DB, got {text!r}")
 
 
-def open_store(config: HistoryConfig, *, max_tokens: int | None = None) -> HistoryStore:
+def open_store(config: HistoryConfig) -> HistoryStore:
     """The store `config.store` names (None: memory), not yet connected (the server calls `connect()` at start)."""
     spec = check_store_spec(config.store or "memory")
     if spec == "memory":
-        return MemoryHistoryStore(config, max_tokens=max_tokens)
+        return MemoryHistoryStore(config)
     if spec.startswith("sqlite:"):
         from llmserve.history.sqlite_store import SqliteHistoryStore
 
-        return SqliteHistoryStore(config, spec[len("sqlite:") :], max_tokens=max_tokens)
+        return SqliteHistoryStore(config, spec[len("sqlite:") :])
     from llmserve.history.redis_store import RedisHistoryStore
 
-    return RedisHistoryStore(config, spec, max_tokens=max_tokens)
+    return RedisHistoryStore(config, spec)

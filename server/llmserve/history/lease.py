@@ -15,7 +15,10 @@ import uuid
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from llmserve.history.base import HistoryConfig, HistoryStore, StoreUnavailable, Turn, log
+from llmserve.history.config import HistoryConfig
+from llmserve.history.errors import StoreUnavailable
+from llmserve.history.records import Turn
+from llmserve.history.store import HistoryStore, log
 
 T = TypeVar("T")
 
@@ -23,8 +26,8 @@ T = TypeVar("T")
 class LeasedStore(HistoryStore):
     """A store shared by processes: continuing calls take an expiring lease, renewed while they run."""
 
-    def __init__(self, config: HistoryConfig, *, max_tokens: int | None = None) -> None:
-        super().__init__(config, max_tokens=max_tokens)
+    def __init__(self, config: HistoryConfig) -> None:
+        super().__init__(config)
         self._cleanups: set[asyncio.Future[None]] = set()
 
     @abc.abstractmethod

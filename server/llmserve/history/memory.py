@@ -12,19 +12,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from llmserve.history.base import (
-    MAX_TOMBSTONES,
-    History,
-    HistoryBusy,
-    HistoryConfig,
-    HistoryStore,
-    NoHistory,
-    Turn,
-    reason_bytes,
-    reason_count,
-    reason_deleted,
-    reason_ttl,
-)
+from llmserve.history.config import MAX_TOMBSTONES, HistoryConfig
+from llmserve.history.errors import HistoryBusy, NoHistory
+from llmserve.history.reasons import reason_bytes, reason_count, reason_deleted, reason_ttl
+from llmserve.history.records import History, Turn
+from llmserve.history.store import HistoryStore
 
 
 class MemoryHistoryStore(HistoryStore):
@@ -32,10 +24,8 @@ class MemoryHistoryStore(HistoryStore):
 
     kind = "memory"
 
-    def __init__(
-        self, config: HistoryConfig, *, max_tokens: int | None = None, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        super().__init__(config, max_tokens=max_tokens)
+    def __init__(self, config: HistoryConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(config)
         self._clock = clock
         self._histories: OrderedDict[str, History] = OrderedDict()
         self._ended: OrderedDict[str, str] = OrderedDict()
@@ -47,7 +37,7 @@ class MemoryHistoryStore(HistoryStore):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the held histories are charged (see base.footprint)."""
+        """Bytes the held histories are charged (see records.footprint)."""
         return self._nbytes
 
     async def get(self, key: str) -> History | None:
@@ -119,9 +109,8 @@ class MemoryHistoryStore(HistoryStore):
             return
         finished = turn.finished()
         self._remove(turn.key)
-        ended = self.ends_at_cap(finished)
-        if ended is not None:
-            self._end(turn.key, ended)
+        if finished.end_reason is not None:
+            self._end(turn.key, finished.end_reason)
             return
         history = History(
             finished.kind, finished.token_ids, finished.messages, finished.turns, self._clock(), time.time()

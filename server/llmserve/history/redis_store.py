@@ -23,25 +23,12 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from llmserve.history.base import (
-    Finished,
-    History,
-    HistoryBusy,
-    HistoryConfig,
-    HistoryInput,
-    LeaseLost,
-    NoHistory,
-    StoreUnavailable,
-    Turn,
-    footprint,
-    ids_from_bytes,
-    ids_to_bytes,
-    reason_bytes,
-    reason_count,
-    reason_deleted,
-    reason_ttl,
-)
+from llmserve.history.codec import ids_from_bytes, ids_to_bytes
+from llmserve.history.config import HistoryConfig
+from llmserve.history.errors import HistoryBusy, LeaseLost, NoHistory, StoreUnavailable
 from llmserve.history.lease import LeasedStore
+from llmserve.history.reasons import reason_bytes, reason_count, reason_deleted, reason_ttl
+from llmserve.history.records import Finished, History, HistoryInput, Turn, footprint
 
 PREFIX = "llmserve:"
 TOMBSTONE_S = 24 * 3600
@@ -188,8 +175,8 @@ class RedisHistoryStore(LeasedStore):
 
     kind = "redis"
 
-    def __init__(self, config: HistoryConfig, url: str, *, max_tokens: int | None = None) -> None:
-        super().__init__(config, max_tokens=max_tokens)
+    def __init__(self, config: HistoryConfig, url: str) -> None:
+        super().__init__(config)
         self.name = public_url(url)
         self._redis = aioredis.Redis.from_url(
             url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S, decode_responses=False
@@ -243,7 +230,7 @@ class RedisHistoryStore(LeasedStore):
             footprint(done.token_ids, done.messages),
             cfg.max_sessions,
             cfg.max_bytes,
-            self.ends_at_cap(done) or "",
+            done.end_reason or "",
             reason_count(cfg.max_sessions),
             reason_bytes(cfg.max_bytes),
         )

@@ -25,26 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from llmserve.history.base import (
-    MAX_TOMBSTONES,
-    Finished,
-    History,
-    HistoryBusy,
-    HistoryConfig,
-    HistoryInput,
-    LeaseLost,
-    NoHistory,
-    StoreUnavailable,
-    Turn,
-    footprint,
-    ids_from_bytes,
-    ids_to_bytes,
-    reason_bytes,
-    reason_count,
-    reason_deleted,
-    reason_ttl,
-)
+from llmserve.history.codec import ids_from_bytes, ids_to_bytes
+from llmserve.history.config import MAX_TOMBSTONES, HistoryConfig
+from llmserve.history.errors import HistoryBusy, LeaseLost, NoHistory, StoreUnavailable
 from llmserve.history.lease import LeasedStore
+from llmserve.history.reasons import reason_bytes, reason_count, reason_deleted, reason_ttl
+from llmserve.history.records import Finished, History, HistoryInput, Turn, footprint
 
 T = TypeVar("T")
 SCHEMA_VERSION = 1
@@ -84,11 +70,10 @@ class SqliteHistoryStore(LeasedStore):
         config: HistoryConfig,
         path: str | Path,
         *,
-        max_tokens: int | None = None,
         clock: Callable[[], float] = time.time,
         busy_timeout_s: float = BUSY_TIMEOUT_S,
     ) -> None:
-        super().__init__(config, max_tokens=max_tokens)
+        super().__init__(config)
         self.path = Path(path).expanduser()
         self.name = f"sqlite:{self.path}"
         self._clock = clock
@@ -221,9 +206,8 @@ class SqliteHistoryStore(LeasedStore):
                 return  # deleted since the turn began: write nothing
             self._expire(conn, now)
             self._drop(conn, key, None, now)
-            ended = self.ends_at_cap(done)
-            if ended is not None:
-                self._end(conn, key, ended, now)
+            if done.end_reason is not None:
+                self._end(conn, key, done.end_reason, now)
                 return
             messages = json.dumps(done.messages, ensure_ascii=False) if done.kind is HistoryInput.CHAT else None
             nbytes = footprint(done.token_ids, done.messages)

@@ -1,4 +1,5 @@
-"""Prometheus metrics on their own HTTP port (`--metrics-port`; 0: off), all named `llmserve_*`.
+"""Prometheus metrics on their own HTTP port (`--metrics-port`; 0: off), named `llmserve_*`, and the engine gauges
+again under the `vllm:` names the inference gateways read.
 
 Two sources. Each Generate call, when it ends, feeds the histograms and the per-call counters
 (`ServerMetrics.call_finished`). The engine's own book-keeping (queue lengths, KV blocks, sessions, and the
@@ -35,7 +36,7 @@ from llmserve.telemetry.call import CallRecord
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from llmserve.engine.protocol import Engine
+    from llmserve.engine.protocol import Engine, EngineStats
     from llmserve.history import HistoryStore
 
 log = logging.getLogger("llmserve")
@@ -204,6 +205,7 @@ class EngineCollector(Collector):
             f"{p}_kv_cache_cached_blocks", "Free KV blocks still holding a reusable prefix", s.kv_blocks_cached
         )
         yield _gauge(f"{p}_kv_cache_block_size_tokens", "Tokens per KV block", s.block_size)
+        yield from _vllm_gauges(info.name, s)
         yield _gauge(f"{p}_sessions_held", "Sessions whose KV is cached", s.sessions)
         yield _gauge(f"{p}_sessions_held_blocks", "KV blocks held by cached sessions", s.session_blocks)
         yield _counter(f"{p}_preemptions", "Running requests preempted (KV freed, recomputed later)", s.preemptions)
@@ -226,6 +228,25 @@ class EngineCollector(Collector):
         )
         if s.kv_tiers is not None:
             yield from _tier_metrics(s.kv_tiers)
+
+
+def _vllm_gauges(model: str, s: EngineStats) -> Iterator[Metric]:
+    """The same gauges under the names of the inference gateways' model-server protocol (gateway-api-inference-
+    extension, proposal 003: what their endpoint pickers scrape from vLLM), labelled by model as vLLM's are."""
+    usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
+    for name, doc, value in (
+        ("vllm:num_requests_running", "Requests in the running batch (llmserve_requests_running)", s.running),
+        ("vllm:num_requests_waiting", "Requests waiting for the engine (llmserve_requests_waiting)", s.waiting),
+        ("vllm:kv_cache_usage_perc", "Share of the KV cache's blocks in use, 0 to 1 (1 = 100%)", usage),
+    ):
+        gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+        gauge.add_metric([model], value)
+        yield gauge
+    config = GaugeMetricFamily(
+        "vllm:cache_config_info", "Always 1; the labels describe the KV cache", labels=["block_size", "num_gpu_blocks"]
+    )
+    config.add_metric([str(s.block_size), str(s.kv_blocks_total)], 1)
+    yield config
 
 
 def _resident_bytes(pid: int) -> int | None:
@@ -272,13 +293,11 @@ def _tier_metrics(t: Any) -> Iterator[Metric]:
         "Offloads dropped because the disk writes queued behind the step were full",
         t.dropped_writes,
     )
-    buckets = [(str(b), c) for b, c in zip(t.reload_buckets, t.reload_counts, strict=False)]
-    buckets.append(("+Inf", t.reload_counts[-1]))
     yield HistogramMetricFamily(
         f"{p}_kv_tier_reload_seconds",
         "Time from a block's reload request to its KV being ready for the step",
-        buckets=buckets,
-        sum_value=t.reload_sum,
+        buckets=t.reload.cumulative(),
+        sum_value=t.reload.total_s,
     )
 
 
@@ -290,8 +309,6 @@ class HistoryCollector(Collector):
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
-        from llmserve.history.base import LATENCY_BUCKETS
-
         store = self.store
         latency = HistogramMetricFamily(
             f"{PREFIX}_history_store_operation_seconds",
@@ -305,11 +322,7 @@ class HistoryCollector(Collector):
         )
         kind = store.kind if store is not None else ""
         for op, stats in sorted(store.stats.items()) if store is not None else ():
-            cumulative, buckets = 0, []
-            for bound, n in zip((*LATENCY_BUCKETS, float("inf")), stats.buckets, strict=True):
-                cumulative += n
-                buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
-            latency.add_metric([kind, op], buckets, stats.total_s)
+            latency.add_metric([kind, op], stats.latency.cumulative(), stats.latency.total_s)
             errors.add_metric([kind, op], stats.errors)
         yield latency
         yield errors

@@ -33,7 +33,8 @@ class HostTier:
         self.index.counters.stored_bytes += self.index.block_bytes
 
     def get(self, content: BlockContent) -> BlockData | None:
-        """The block's KV if this tier holds exactly that content (else None, and counted as a failed load)."""
+        """The block's KV if this tier holds exactly that content: its digest, parent and tokens (None otherwise:
+        the caller tries the next tier, or counts a failed load)."""
         with self._lock:
             data = self._data.get(content.block_hash)
             if data is None or self.index.get(content.block_hash) != content:

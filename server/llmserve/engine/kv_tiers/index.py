@@ -57,10 +57,6 @@ class TierIndex:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._entries
 
-    @property
-    def used_bytes(self) -> int:
-        return len(self._entries) * self.block_bytes
-
     def has(self, block_hash: BlockHash, parent: BlockHash, tokens: Sequence[int]) -> bool:
         """Whether this tier holds the block for exactly this parent and tokens (counted as a hit or a miss)."""
         with self._lock:

@@ -18,18 +18,23 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmserve.engine.backends.base import BlockCopier, BlockData
 from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, Evicted
+from llmserve.engine.config import EngineConfig
 from llmserve.engine.kv_tiers.disk import DiskTier, DiskTierError
 from llmserve.engine.kv_tiers.host import HostTier
 from llmserve.engine.kv_tiers.index import TierCounters
 from llmserve.engine.plan import StepPlan
+from llmserve.telemetry.histogram import LatencyHistogram
+
+if TYPE_CHECKING:
+    from llmserve.models import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -57,27 +62,24 @@ class TierStats:
     used_blocks: dict[str, int]
     capacity_blocks: dict[str, int]
     block_bytes: int
-    reload_buckets: tuple[float, ...]
-    reload_counts: list[int]  # cumulative per bucket, then +Inf
-    reload_sum: float
+    reload: LatencyHistogram  # from a block's reload request to its KV ready for the step
     dropped_writes: int
 
 
-@dataclass(slots=True)
-class _Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(RELOAD_BUCKETS) + 1))
-    total: float = 0.0
+@dataclass(slots=True, frozen=True)
+class _Load:
+    """A disk read for the worker: `content`'s KV into `block`, asked for at `started`."""
 
-    def observe(self, seconds: float) -> None:
-        self.total += seconds
-        for i, bound in enumerate(RELOAD_BUCKETS):
-            if seconds <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
+    block: int
+    content: BlockContent
+    started: float
 
 
-def model_fingerprint(loaded: Any, dtype: torch.dtype, block_size: int, block_shape: Sequence[int]) -> bytes:
+# The worker's jobs: a block to write to disk, a load, or None (stop).
+_Job = BlockContent | _Load | None
+
+
+def model_fingerprint(loaded: LoadedModel, dtype: torch.dtype, block_size: int, block_shape: Sequence[int]) -> bytes:
     """A digest of what a block's KV depends on: the model config, a sample of every weight, the cache's dtype
     and block layout. Two models that differ in any weight sampled, or in any of the rest, never share a file.
     Each tensor contributes its name, shape, dtype and up to 8,192 evenly spaced elements (hashing 14 GB of a
@@ -111,10 +113,10 @@ class KVTiers:
         self._lock = threading.Lock()
         self._done: list[LoadResult] = []
         self._done_event = threading.Event()
-        self._jobs: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._jobs: queue.PriorityQueue[tuple[int, int, _Job]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
-        self._reload = _Histogram()
+        self._reload = LatencyHistogram(RELOAD_BUCKETS)
         self.dropped_writes = 0
         self.in_flight = 0
 
@@ -164,10 +166,12 @@ class KVTiers:
         if pending is not None and pending[0] == content:
             self._finish(LoadResult(block, pending[1].tensor, "disk", started))
             return
-        if self.disk is None:
+        if self.disk is None:  # the host tier lost it since the lookup (evicted meanwhile): recomputed
+            if self.host is not None:
+                self.host.index.counters.failed_loads += 1
             self._finish(LoadResult(block, None, "host", started))
             return
-        self._jobs.put((_LOAD, next(self._order), (block, content, started)))
+        self._jobs.put((_LOAD, next(self._order), _Load(block, content, started)))
 
     def poll(self) -> list[LoadResult]:
         """The loads finished since the last call; the caller writes their KV in and reports them."""
@@ -227,18 +231,18 @@ class KVTiers:
 
     def _run(self) -> None:
         while True:
-            kind, _, job = self._jobs.get()
-            if kind == _STOP:
+            _, _, job = self._jobs.get()
+            if job is None:
                 return
             try:
-                if kind == _WRITE:
-                    self._write(job)
+                if isinstance(job, _Load):
+                    self._load_from_disk(job)
                 else:
-                    self._load_from_disk(*job)
+                    self._write(job)
             except Exception:  # a tier fault must not end the worker: the block is recomputed instead
                 log.exception("KV tier worker job failed")
-                if kind == _LOAD:
-                    self._finish(LoadResult(job[0], None, "disk", job[2]))
+                if isinstance(job, _Load):
+                    self._finish(LoadResult(job.block, None, "disk", job.started))
 
     def _write(self, content: BlockContent) -> None:
         assert self.disk is not None
@@ -252,16 +256,16 @@ class KVTiers:
         with self._lock:
             self._pending.pop(content.block_hash, None)
 
-    def _load_from_disk(self, block: int, content: BlockContent, started: float) -> None:
+    def _load_from_disk(self, job: _Load) -> None:
         assert self.disk is not None
-        payload = self.disk.get(content)
+        payload = self.disk.get(job.content)
         data = None
         if payload is not None:
             host = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.copier.kv.tensor.dtype)
             data = host.view(self.copier.block_shape)
             if self.copier.cuda:
                 data = data.pin_memory()
-        self._finish(LoadResult(block, data, "disk", started))
+        self._finish(LoadResult(job.block, data, "disk", job.started))
 
     def _finish(self, result: LoadResult) -> None:
         with self._lock:
@@ -272,15 +276,12 @@ class KVTiers:
 
     def stats(self) -> TierStats:
         tiers = [t for t in (self.host, self.disk) if t is not None]
-        cumulative = list(itertools.accumulate(self._reload.counts))
         return TierStats(
             tiers={t.name: t.index.counters for t in tiers},
             used_blocks={t.name: len(t.index) for t in tiers},
             capacity_blocks={t.name: t.index.capacity_blocks for t in tiers},
             block_bytes=self.copier.block_bytes,
-            reload_buckets=RELOAD_BUCKETS,
-            reload_counts=cumulative,
-            reload_sum=self._reload.total,
+            reload=self._reload.snapshot(),
             dropped_writes=self.dropped_writes,
         )
 
@@ -299,7 +300,7 @@ class KVTiers:
         return in_pool * pool.block_size, (in_tiers - in_pool) * pool.block_size
 
 
-def build_tiers(config: Any, loaded: Any, copier: BlockCopier) -> KVTiers | None:
+def build_tiers(config: EngineConfig, loaded: LoadedModel, copier: BlockCopier) -> KVTiers | None:
     """The tiers the engine config asks for (None: none); raises DiskTierError naming the flag at fault."""
     host_bytes = config.kv_offload_bytes
     disk_dir = config.kv_offload_dir

@@ -3,7 +3,7 @@
 Where the grammar allows only one continuation (the keys and punctuation of a JSON schema, a choice's rest once it
 is unambiguous), llguidance names the tokens that spell it (`compute_ff_tokens`): free drafts. The model may
 still prefer another spelling of the same bytes, so they are verified like any other draft; they are accepted
-whenever the model agrees (the probe benchmarks/probes/spec_proposers.py measures how often).
+whenever the model agrees (the phase-1 probe spec_proposers.py measured how often).
 
 Past the forced tokens a prompt-lookup draft may go on; `grammar_drafts` keeps only as much of it as the grammar
 allows (`validate_tokens` after the forced ones), so that no position is spent on a token the mask would refuse.

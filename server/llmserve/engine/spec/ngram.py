@@ -4,11 +4,11 @@ vLLM's `ngram` method (`prompt_lookup_min` / `prompt_lookup_max`): find the long
 the sequence's last n tokens (prompt and output) occurred earlier in it, and propose the up to k tokens that
 followed that occurrence. vLLM scans the whole context on every call (KMP over the reversed tokens); here each
 sequence keeps an index, one dict per n from n-gram to where it occurred, caught up with the tokens appended since
-the last call, so that a call costs a few dict look-ups however long the context is (the probe
-benchmarks/probes/spec_proposers.py measures it at 32 sequences).
+the last call, so that a call costs a few dict look-ups however long the context is (the phase-1
+probe spec_proposers.py measured it at 32 sequences, benchmarks/README.md).
 
 Which occurrence, when an n-gram occurred several times: the most recent one by default (`latest`), the earliest
-as vLLM does otherwise; the probe compares the two on SmolLM2's answers.
+as vLLM does otherwise; the phase-1 probe compared the two on SmolLM2's answers.
 
 Torch-free and model-free: the drafts are only guesses, every one is verified against the model's own pick.
 """

@@ -2,7 +2,7 @@
 
 Verifying k drafts makes a sequence's share of the forward k + 1 query tokens; it pays when the tokens it is expected
 to add outweigh the time they add. Both sides are measured: the step's time by batch size and drafts per sequence
-(`CostTable`, from benchmarks/probes/spec_verify_cost.py on the device, or timed by the engine at start-up), each
+(`CostTable`, from the phase-1 probe spec_verify_cost.py, or timed by the engine at start-up), each
 request's acceptance as it goes (`Acceptance`). On this project's CPU a step of 32 sequences with one draft each
 takes 3x the step without (the draft positions leave the compiled decode kernel for the chunk path), while a single
 sequence verifies 8 drafts for 1.26x: the rule speculates at low load and turns itself off as the batch grows.

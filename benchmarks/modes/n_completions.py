@@ -8,43 +8,28 @@ B A, ...), so that the machine's drift hits both alike. Per run: prompt tokens t
 scheduler's plans, and from usage as prompt minus cached), wall time until all four finished, generated tokens per
 second over that wall time, and the time to the last of the four first tokens.
 
-    python -m benchmarks.n_completions [--rounds 3] [--prompt-tokens 1000] [--max-new-tokens 32] [--quick]
-    python benchmarks/run.py --n-completions [--quick]        # the same, as a mode of `make bench`
+    python benchmarks/run.py --mode n [--rounds 3] [--prompt-tokens 1000] [--max-new-tokens 32] [--quick]
 
-Writes benchmarks/results/<date>-cpu-n-completions.{md,json}.
+Writes benchmarks/results/<date>-cpu-n-completions.{md,json} (`make bench-n`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
-import os
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import options, writer
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.fanout import derive_seed
+from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from llmserve.models import LoadedModel, load_model
 
-from benchmarks.paths import ROOT, make_importable  # noqa: E402
-
-make_importable()
-
-from llmserve.process import configure_process  # noqa: E402
-
-configure_process()
-
-from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.config import EngineConfig  # noqa: E402
-from llmserve.engine.fanout import derive_seed  # noqa: E402
-from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
-from llmserve.models import load_model  # noqa: E402
-
+TITLE = "n = 4 completions vs four separate calls (issue 22)"
 N = 4
 MODES = ("n=4", "4 calls")
 WORDS = "the a river stone city market light winter garden letter engine music harbor silver road".split()
@@ -67,8 +52,11 @@ class PromptCounter:
         scheduler.schedule = schedule  # type: ignore[method-assign]
 
 
-def fresh_prompt(tok: Any, length: int, rng: random.Random) -> tuple[int, ...]:
-    """A prompt of exactly `length` tokens that no earlier run sent (random words, cut to length)."""
+def fresh_prompt(tok: Any, vocab_size: int, length: int, rng: random.Random) -> tuple[int, ...]:
+    """A prompt of exactly `length` tokens that no earlier run sent (random words cut to length; random ids for a
+    model without a tokenizer)."""
+    if tok is None:
+        return tuple(rng.randrange(3, vocab_size) for _ in range(length))
     ids: list[int] = []
     while len(ids) < length:
         ids += tok.encode(" ".join(rng.choice(WORDS) for _ in range(200)), add_special_tokens=False)
@@ -115,8 +103,7 @@ async def one_run(
     }
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    loaded = load_model(None, device="cpu", dtype="float32")
+async def measure(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, Any]:
     engine = AsyncEngine(loaded, EngineConfig(kv_cache_tokens=32768, max_num_seqs=16, cuda_graphs=False))
     await engine.start()
     counter = PromptCounter(engine)
@@ -125,9 +112,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.rounds):
         order = MODES if r % 2 == 0 else MODES[::-1]
         for mode in order:
-            prompt = fresh_prompt(loaded.tokenizer, args.prompt_tokens, rng)
+            prompt = fresh_prompt(loaded.tokenizer, loaded.vocab_size, args.prompt_tokens, rng)
             runs[mode].append(await one_run(engine, counter, mode, prompt, 1000 + r, args))
-            print(json.dumps({"round": r, "mode": mode, **runs[mode][-1]}), flush=True)
+            print({"round": r, "mode": mode, **runs[mode][-1]}, flush=True)
     await engine.shutdown()
 
     def median(mode: str, key: str) -> float:
@@ -141,32 +128,31 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "median": {mode: {key: median(mode, key) for key in runs[mode][0]} for mode in MODES},
         "wall_ratio_median": round(median("4 calls", "wall_s") / median("n=4", "wall_s"), 3),
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
 
 
-def write(result: dict[str, Any], command: str) -> Path:
-    stamp = datetime.date.today().isoformat()
-    out = ROOT / "benchmarks" / "results" / f"{stamp}-cpu-n-completions"
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+def section(result: dict[str, Any]) -> list[str]:
+    """The page's section, from the JSON."""
     med = result["median"]
     lines = [
-        "# n = 4 completions vs four separate calls (benchmarks/n_completions.py)",
+        f"A fresh {result['prompt_tokens']}-token prompt per run, "
+        f"{result['max_new_tokens']} sampled tokens per completion, {result['rounds']} rounds in alternated order "
+        "(on a 2-core machine the times move with other work on it; the prompt token counts do not).",
         "",
-        f"`{command}`: SmolLM2-135M float32 on the CPU, a fresh {result['prompt_tokens']}-token prompt per run, "
-        f"{result['max_new_tokens']} sampled tokens per completion, {result['rounds']} rounds in alternated order. "
-        f"Load average after: {', '.join(f'{x:.1f}' for x in result['loadavg_after'])} (on a 2-core machine the "
-        "times move with other work on it; the prompt token counts do not).",
-        "",
-        "| mode (median of rounds) | prompt tokens computed | (from usage) | wall s | tok/s | last first token s |",
-        "|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        m = med[mode]
-        lines.append(
-            f"| {mode} | {m['prompt_tokens_computed']:.0f} | {m['prompt_tokens_computed_by_usage']:.0f} | "
-            f"{m['wall_s']:.2f} | {m['tokens_per_s']:.1f} | {m['last_first_token_s']:.2f} |"
-        )
+    header = ["mode (median of rounds)", "prompt tokens computed", "(from usage)", "wall s", "tok/s"]
+    rows = [
+        [
+            mode,
+            f"{med[mode]['prompt_tokens_computed']:.0f}",
+            f"{med[mode]['prompt_tokens_computed_by_usage']:.0f}",
+            f"{med[mode]['wall_s']:.2f}",
+            f"{med[mode]['tokens_per_s']:.1f}",
+            f"{med[mode]['last_first_token_s']:.2f}",
+        ]
+        for mode in MODES
+    ]
+    lines += writer.table([*header, "last first token s"], rows)
     lines += [
         "",
         f"Wall time ratio (4 calls / n=4, medians): {result['wall_ratio_median']}.",
@@ -179,41 +165,29 @@ def write(result: dict[str, Any], command: str) -> Path:
         f"compute {N} x {result['prompt_tokens']}; n = 4 shares the prompt whatever the timing, also with "
         "--no-prefix-caching (tests/engine/test_fanout.py).",
         "",
+        "Every run:",
+        "",
     ]
-    lines += ["Every run:", "", "| mode | prompt tokens computed | wall s | tok/s |", "|---|---|---|---|"]
-    for mode in MODES:
-        for run in result["runs"][mode]:
-            lines.append(f"| {mode} | {run['prompt_tokens_computed']} | {run['wall_s']} | {run['tokens_per_s']} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return out.with_suffix(".md")
+    every = [
+        [mode, run["prompt_tokens_computed"], run["wall_s"], run["tokens_per_s"]]
+        for mode in MODES
+        for run in result["runs"][mode]
+    ]
+    return lines + writer.table(["mode", "prompt tokens computed", "wall s", "tok/s"], every)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of one run per mode, order alternated")
-    parser.add_argument("--prompt-tokens", type=int, default=1000)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0, help="prompt seed")
-    parser.add_argument("--quick", action="store_true", help="one round, 8 new tokens: a smoke run")
-    args = parser.parse_args(argv)
-    if args.quick:
+def main(argv: list[str]) -> int:
+    p = options.parser("n", __doc__)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of one run per mode, order alternated")
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    args = p.parse_args(argv)
+    if args.quick:  # one round, 8 new tokens: a smoke run
         args.rounds, args.max_new_tokens = 1, 8
-    return args
-
-
-def rewrite(json_path: Path, command: str) -> None:
-    """Write the markdown again from a run's JSON (no new measurement)."""
-    write(json.loads(json_path.read_text()), command)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    command = "python -m benchmarks.n_completions " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = asyncio.run(main_async(args))
-    write(result, command.strip())
+    run = writer.Run(options.command("n", argv))
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    run.measured_on(loaded)
+    figures = asyncio.run(measure(args, loaded))
+    writer.publish(run, args.out_dir, options.result_name(args, "n-completions"), TITLE, figures, section)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

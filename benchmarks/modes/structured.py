@@ -9,49 +9,31 @@ library's tokenizer built too), for a new schema and cached; and the per-step ma
 (one batched bitmask fill plus the additive mask, what the step pays), over 64 steps of states advanced by
 random allowed tokens.
 
-    python -m benchmarks.structured [--windows 3] [--window-s 40] [--clients 32]
+    python benchmarks/run.py --mode structured [--windows 3] [--window-s 40] [--clients 32] [--quick]
 
-Writes benchmarks/results/<date>-<device>-structured.{md,json}.
+Writes benchmarks/results/<date>-<device>-structured.{md,json} (`make bench-structured`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import os
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
+from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-from benchmarks.paths import ROOT, make_importable  # noqa: E402
+from benchmarks import options, writer
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.constraints import Compiled, constraint_masks
+from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams
+from llmserve.models import LoadedModel, load_model
 
-make_importable()
-
-from llmserve.process import configure_process  # noqa: E402
-
-configure_process()
-
-import torch  # noqa: E402
-
-from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.config import EngineConfig  # noqa: E402
-from llmserve.engine.constraints import Compiled, constraint_masks  # noqa: E402
-from llmserve.engine.request import (  # noqa: E402
-    ConstraintKind,
-    ConstraintSpec,
-    GenerationRequest,
-    SamplingParams,
-    StoppingParams,
-)
-from llmserve.models import load_model  # noqa: E402
-
+TITLE = "Structured output: a JSON schema vs unconstrained (issue 22)"
 ITEM = {
     "type": "object",
     "properties": {
@@ -107,8 +89,7 @@ async def window(
     return tokens / args.window_s
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, object]:
-    loaded = load_model(None, device="cpu", dtype="float32")
+async def measure(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, Any]:
     tok = loaded.tokenizer
     prompts = []
     for q in QUESTIONS:
@@ -117,7 +98,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     engine = AsyncEngine(loaded, EngineConfig(kv_cache_tokens=32768, max_num_seqs=args.clients, cuda_graphs=False))
     await engine.start()
     compiler = engine.constraints
-    assert compiler is not None
+    if compiler is None:
+        raise SystemExit(f"{loaded.name} has no tokenizer: structured output needs one")
     spec = ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
     t = time.perf_counter()
     await compiler.compile(spec)
@@ -152,7 +134,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             "median": round(statistics.median(mask_ms), 3),
             "p90": round(sorted(mask_ms)[int(0.9 * len(mask_ms))], 3),
         },
-        "loadavg_after": os.getloadavg(),
     }
 
 
@@ -173,43 +154,39 @@ def mask_times(compiled: Compiled, rows: int, vocab_size: int, steps: int = 64) 
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--windows", type=int, default=3, help="pairs of windows (unconstrained, schema)")
-    parser.add_argument("--window-s", type=float, default=40.0)
-    parser.add_argument("--warmup-s", type=float, default=10.0)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    args = parser.parse_args()
-    result = asyncio.run(main_async(args))
-    stamp = datetime.date.today().isoformat()
-    out = ROOT / "benchmarks" / "results" / f"{stamp}-cpu-structured"
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+def section(result: dict[str, Any]) -> list[str]:
+    """The page's section, from the JSON."""
     rates = result["tokens_per_s"]
-    assert isinstance(rates, dict)
+    pairs = zip(rates["unconstrained"], rates["json_schema"], strict=True)
+    masks = result["mask_ms_per_step"]
     lines = [
-        "# Structured output: 32 clients, JSON schema vs unconstrained (benchmarks/structured.py)",
+        f"{result['clients']} closed-loop clients, {result['max_new_tokens']} new tokens each, windows of "
+        f"{result['window_s']:g} s alternated (U C, C U, ...).",
         "",
-        f"`python -m benchmarks.structured --windows {args.windows} --window-s {args.window_s:g}`, SmolLM2-135M "
-        f"float32 on the CPU, {args.clients} closed-loop clients, {args.max_new_tokens} new tokens each, "
-        "windows alternated.",
-        "",
-        "| window pair | unconstrained tok/s | json_schema tok/s | ratio |",
-        "|---|---|---|---|",
     ]
-    for i, (u, c) in enumerate(zip(rates["unconstrained"], rates["json_schema"], strict=True)):
-        lines.append(f"| {i + 1} | {u:.1f} | {c:.1f} | {c / u:.3f} |")
-    lines += [
+    rows = [[i + 1, f"{u:.1f}", f"{c:.1f}", f"{c / u:.3f}"] for i, (u, c) in enumerate(pairs)]
+    lines += writer.table(["window pair", "unconstrained tok/s", "json_schema tok/s", "ratio"], rows)
+    return lines + [
         "",
         f"Median ratio {result['ratio_median']}. Compile: cold {result['compile_cold_ms']} ms (with the library's "
         f"tokenizer), a new schema {result['compile_new_schema_ms']} ms, cached {result['compile_cached_ms']} ms. "
-        f"Masks of {args.clients} rows per step: median {result['mask_ms_per_step']['median']} ms, "  # type: ignore[index]
-        f"p90 {result['mask_ms_per_step']['p90']} ms. "
-        f"Load average after: {', '.join(f'{x:.1f}' for x in result['loadavg_after'])}.",  # type: ignore[union-attr]
+        f"Masks of {masks['rows']} rows per step: median {masks['median']} ms, p90 {masks['p90']} ms.",
     ]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str]) -> int:
+    p = options.parser("structured", __doc__)
+    p.add_argument("--windows", type=int, default=3, help="pairs of windows (unconstrained, schema)")
+    p.add_argument("--window-s", type=float, default=40.0)
+    p.add_argument("--warmup-s", type=float, default=10.0)
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    if args.quick:  # one pair of short windows, few clients and tokens: a smoke run
+        args.windows, args.window_s, args.warmup_s, args.clients, args.max_new_tokens = 1, 2.0, 1.0, 4, 16
+    run = writer.Run(options.command("structured", argv))
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    run.measured_on(loaded)
+    figures = asyncio.run(measure(args, loaded))
+    writer.publish(run, args.out_dir, options.result_name(args, "structured"), TITLE, figures, section)
+    return 0

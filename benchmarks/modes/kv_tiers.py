@@ -12,25 +12,23 @@
 
 On the CPU backend the disk tier is the tier that pays: host memory is where the pool itself lives.
 
-    python -m benchmarks.kv_tiers [--quick] [--sessions S] [--turns T] [--history H] [--rounds R] [--model SPEC]
+    python benchmarks/run.py --mode kv-tiers [--quick] [--sessions S] [--turns T] [--history H] [--rounds R]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
+from benchmarks import options, writer
+from benchmarks.chat import ChatBuilder, Turn, call
 from benchmarks.metrics import percentile
-from benchmarks.sessions import ChatBuilder, Turn, call
+from benchmarks.writer import seconds
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
 from llmserve.models import LoadedModel, load_model
@@ -148,11 +146,11 @@ async def run_all(loaded: LoadedModel, spec: TiersSpec, rounds: int = 2) -> dict
     return {"spec": asdict(spec), "modes": modes, "restart": again, "wall_s": time.perf_counter() - started}
 
 
-def _s(v: float | None) -> str:
-    return "–" if v is None else (f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s")
+TITLE = "KV tiers (issue 24): disk tier vs recompute"
 
 
-def to_markdown(result: dict) -> str:
+def section(result: dict[str, Any]) -> list[str]:
+    """The page's section, from the JSON."""
     spec, modes, r = result["spec"], result["modes"], result["restart"]
     disk = next(m for m in modes if m["mode"] == "disk tier")
     ratios = []
@@ -162,59 +160,55 @@ def to_markdown(result: dict) -> str:
             ratios.append(pair["recompute"]["ttft_p50_s"] / pair["disk tier"]["ttft_p50_s"])
     speedup = statistics.median(ratios) if ratios else float("nan")
     lines = [
-        "## KV tiers (issue 24): disk tier vs recompute",
-        "",
         f"{spec['sessions']} sessions x {spec['turns']} turns, histories of ~{spec['history_tokens']} tokens, "
         f"served round-robin one call at a time over a pool of about {spec['pool_conversations']} conversations; "
         f"{spec['answer']} new tokens per turn. Returning turns: {disk['returning_turns']} "
         f"(~{disk['mean_returning_prompt_tokens']:.0f} prompt tokens).",
         "",
-        "| round | mode | cached share | TTFT P50 | TTFT P99 | wall | output tok/s | disk written | disk read |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for m in modes:
-        written = f"{m['written_bytes'] / 2**20:.0f} MiB" if "written_bytes" in m else "–"
-        read = f"{m['read_bytes'] / 2**20:.0f} MiB" if "read_bytes" in m else "–"
-        lines.append(
-            f"| {m.get('round', 0)} | {m['mode']} | {m['cached_share']:.0%} | {_s(m['ttft_p50_s'])} "
-            f"| {_s(m['ttft_p99_s'])} | {m['wall_s']:.0f} s | {m['output_tokens_per_s']:.1f} | {written} | {read} |"
-        )
+    header = ["round", "mode", "cached share", "TTFT P50", "TTFT P99", "wall", "output tok/s"]
+    rows = [
+        [
+            m.get("round", 0),
+            m["mode"],
+            f"{m['cached_share']:.0%}",
+            seconds(m["ttft_p50_s"]),
+            seconds(m["ttft_p99_s"]),
+            f"{m['wall_s']:.0f} s",
+            f"{m['output_tokens_per_s']:.1f}",
+            writer.mib(m.get("written_bytes")),
+            writer.mib(m.get("read_bytes")),
+        ]
+        for m in modes
+    ]
+    lines += writer.table([*header, "disk written", "disk read"], rows)
     lines += [
         "",
         f"TTFT P50 of returning turns: **{speedup:.1f}x lower** with the disk tier (target >= 5x; median of the "
         f"rounds' ratios {', '.join(f'{x:.1f}' for x in ratios)}).",
         "",
         f"**Restart**: a {r['prompt_tokens']}-token returning turn on a new engine over the same folder: TTFT "
-        f"{_s(r['ttft_after_restart_s'])} ({r['cached_after_restart']} tokens reloaded from disk) vs "
-        f"{_s(r['ttft_recompute_s'])} recomputed.",
+        f"{seconds(r['ttft_after_restart_s'])} ({r['cached_after_restart']} tokens reloaded from disk) vs "
+        f"{seconds(r['ttft_recompute_s'])} recomputed.",
         "",
         f"Whole run: {result['wall_s']:.0f} s.",
     ]
-    return "\n".join(lines)
+    return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_tiers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--model", default=None)
+def main(argv: list[str]) -> int:
+    p = options.parser("kv-tiers", __doc__)
     p.add_argument("--sessions", type=int)
     p.add_argument("--turns", type=int)
-    p.add_argument("--history", type=int)
+    p.add_argument("--history", type=int, help="tokens of history each conversation opens with")
     p.add_argument("--rounds", type=int, default=2, help="alternated rounds of both modes (A B, B A, ...)")
     args = p.parse_args(argv)
+    run = writer.Run(options.command("kv-tiers", argv))
     spec = QUICK if args.quick else TiersSpec()
     overrides = {"sessions": args.sessions, "turns": args.turns, "history_tokens": args.history}
-    spec = TiersSpec(**{**asdict(spec), **{k: v for k, v in overrides.items() if v is not None}})
-    loaded = load_model(args.model, device="cpu", dtype="float32")
-    result = asyncio.run(run_all(loaded, spec, args.rounds))
-    out_dir = Path(__file__).resolve().parent / "results"
-    name = f"{datetime.date.today().isoformat()}-cpu-kv-tiers" + ("-quick" if args.quick else "")
-    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
-    (out_dir / f"{name}.md").write_text(to_markdown(result) + "\n")
-    print(to_markdown(result))
+    spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    run.measured_on(loaded)
+    figures = asyncio.run(run_all(loaded, spec, args.rounds))
+    writer.publish(run, args.out_dir, options.result_name(args, "kv-tiers"), TITLE, figures, section)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Part (c) of the session benchmark (issue 15): the multi-turn workload through gRPC, full resend vs append mode.
+"""Append mode (issue 15): the multi-turn workload through gRPC, full resend vs append mode.
 
 Both modes run the same N sessions × T turns (all sessions at once, each one's turns one after another) against
 an llmserve server started in this process on a loopback port, with session ids and prefix caching on:
@@ -7,7 +7,9 @@ an llmserve server started in this process on a loopback port, with session ids 
   server prepends the session's history.
 The prompts the model reads are the same in both modes, so the (greedy) outputs must be too; the run checks it.
 Measured per mode: request bytes per turn (the serialized GenerateRequest, what the caller sends), TTFT P50/P99
-seen by the client, hit rate and throughput.
+seen by the client, hit rate and throughput. Also part (c) of the sessions mode.
+
+    python benchmarks/run.py --mode append [--quick]
 """
 
 from __future__ import annotations
@@ -15,19 +17,22 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, replace
+from typing import Any
 
+from benchmarks import options, writer
+from benchmarks.chat import FULL, QUICK, ChatBuilder, SessionsSpec, engine_config, sized_engine
 from benchmarks.metrics import percentile
+from benchmarks.settings import BenchSettings
+from benchmarks.writer import seconds
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.models import LoadedModel
+from llmserve.models import LoadedModel, load_model
 from llmserve_client import AsyncClient, build_request
 
-if TYPE_CHECKING:
-    from benchmarks.sessions import ChatBuilder, SessionsSpec
+TITLE = "Append mode vs full resend, through gRPC (issue 15)"
 
 
 async def _serve(loaded: LoadedModel, config: EngineConfig, streams: int) -> LLMServer:
@@ -131,7 +136,8 @@ async def append_vs_resend(
     return {"modes": [resend, append], "same_outputs": resend_out == append_out}
 
 
-def to_markdown(result: dict[str, Any], spec: dict[str, Any], fmt: Callable[[float | None], str]) -> list[str]:
+def comparison(result: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """Both modes side by side, from the JSON (the sessions mode's part (c) too)."""
     resend, append = result["modes"]
     turns = range(1, spec["turns"] + 1)
     lines = [
@@ -139,25 +145,38 @@ def to_markdown(result: dict[str, Any], spec: dict[str, Any], fmt: Callable[[flo
         f"{spec['turns']} turns, session ids and prefix caching on in both; outputs identical token for token: "
         f"**{'yes' if result['same_outputs'] else 'NO'}**.",
         "",
-        "| mode | request bytes, all turns | TTFT P50 / P99 (all turns) | TTFT P50 / P99 (turns 2+) "
-        "| engine TTFT P50 | outside the engine P50 | hit rate | output tok/s | wall |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for m in (resend, append):
-        hit = "–" if m["hit_rate"] is None else f"{m['hit_rate']:.0%}"
-        lines.append(
-            f"| {m['mode']} | {m['bytes_total']:,} | {fmt(m['ttft_p50_s'])} / {fmt(m['ttft_p99_s'])} "
-            f"| {fmt(m['ttft_p50_later_turns_s'])} / {fmt(m['ttft_p99_later_turns_s'])} "
-            f"| {fmt(m['engine_ttft_p50_s'])} | {fmt(m['outside_engine_ttft_p50_s'])} | {hit} "
-            f"| {m['output_tokens_per_s']:.1f} | {m['wall_s']:.0f} s |"
-        )
-    lines += [
-        "",
-        "Mean request bytes per turn:",
-        "",
-        "| mode | " + " | ".join(f"turn {t}" for t in turns) + " |",
-        "|---|" + "---|" * len(turns),
+    header = ["mode", "request bytes, all turns", "TTFT P50 / P99 (all turns)", "TTFT P50 / P99 (turns 2+)"]
+    header += ["engine TTFT P50", "outside the engine P50", "hit rate", "output tok/s", "wall"]
+    rows = [
+        [
+            m["mode"],
+            f"{m['bytes_total']:,}",
+            f"{seconds(m['ttft_p50_s'])} / {seconds(m['ttft_p99_s'])}",
+            f"{seconds(m['ttft_p50_later_turns_s'])} / {seconds(m['ttft_p99_later_turns_s'])}",
+            seconds(m["engine_ttft_p50_s"]),
+            seconds(m["outside_engine_ttft_p50_s"]),
+            writer.pct(m["hit_rate"]),
+            f"{m['output_tokens_per_s']:.1f}",
+            f"{m['wall_s']:.0f} s",
+        ]
+        for m in (resend, append)
     ]
-    for m in (resend, append):
-        lines.append(f"| {m['mode']} | " + " | ".join(f"{b:,.0f}" for b in m["bytes_per_turn"]) + " |")
-    return lines
+    lines += writer.table(header, rows) + ["", "Mean request bytes per turn:", ""]
+    per_turn = [[m["mode"], *(f"{b:,.0f}" for b in m["bytes_per_turn"])] for m in (resend, append)]
+    return lines + writer.table(["mode", *(f"turn {t}" for t in turns)], per_turn)
+
+
+def main(argv: list[str]) -> int:
+    args = options.parser("append", __doc__).parse_args(argv)
+    run = writer.Run(options.command("append", argv))
+    spec = QUICK if args.quick else FULL
+    settings = BenchSettings(model=args.model, device=args.device, dtype=args.dtype)
+    config = engine_config(replace(settings, engine=sized_engine(settings.engine, spec)), reuse=True)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    run.measured_on(loaded)
+    chat = ChatBuilder(loaded.tokenizer, loaded.vocab_size, spec.seed)
+    figures = {"spec": asdict(spec), "append_mode": asyncio.run(append_vs_resend(loaded, config, spec, chat))}
+    name = options.result_name(args, "sessions-append")
+    writer.publish(run, args.out_dir, name, TITLE, figures, lambda d: comparison(d["append_mode"], d["spec"]))
+    return 0

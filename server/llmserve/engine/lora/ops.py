@@ -1,0 +1,142 @@
+"""The batched LoRA delta of one step: y += scale * (x A^T) B^T for every row, each with its own adapter.
+
+A step's rows (tokens: one per decode sequence, a run per prompt chunk) each name a device slot, or NO_ADAPTER
+for the base model. `LoraRows` is built once per step from those slots and serves every linear of every layer;
+`add_lora` adds one linear's deltas (weights.StackedProjection: every slot's factors stacked) two ways at once:
+- runs of at least SEGMENT_ROWS consecutive rows of one adapter (a prompt chunk) are *segments*: a contiguous
+  slice of rows times that slot's factors, two matmuls each (what Punica/vLLM call sgmv);
+- the other adapter rows (decodes, short chunks) are *grouped*: gathered by slot into one
+  [slots, rows of the largest group, in] batch, one bmm with the slots' A, one with their B, added back by index
+  (a batched gather-and-multiply, as vLLM's bgmv, but gathering the rows rather than every row's weights).
+Base rows take part in neither, so they cost nothing; a step without adapter rows has no `LoraRows` (`of` returns
+None) and its forward adds nothing; a linear that no adapter of the step targets is skipped.
+
+Chosen by measurement (benchmarks/probes/lora_ops.py; figures in benchmarks/README.md, Lab notebook: LoRA ops), at
+SmolLM2-135M's projections with 4 adapters of rank 16, against three other ways over the same rows: gathering each
+row's A and B and a bmm per row (vLLM's torch `bgmv_shrink/expand`), per-adapter segments over gathered rows
+(`sgmv` on an unsorted batch), and one masked matmul over every slot's stacked factors. Grouped rows were the
+fastest for 32 decode rows, contiguous segments for prompt chunks; a short group pads to the largest one, which a
+long chunk would make costly, hence the split.
+
+Padding rows of a group read and write a real row of their own group (or, for a slot without rows inside the
+span, the first grouped row) and are multiplied by zero: a non-finite row can spoil only its own output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve.engine.lora.weights import StackedProjection
+
+NO_ADAPTER = -1  # a base row's slot
+# Rows of one adapter in a row from which they form a segment (sliced, not gathered). A decode step's groups are
+# a few rows each; a prompt chunk is tens to hundreds.
+SEGMENT_ROWS = 32
+
+
+@dataclass(slots=True, frozen=True)
+class Grouped:
+    """The gathered rows: `index` [groups * longest] (row of each entry, padding included), `keep` [groups,
+    longest, 1] (1 for a real entry, 0 for padding), slots [lo, hi) as the groups."""
+
+    index: torch.Tensor
+    keep: torch.Tensor
+    lo: int
+    hi: int
+    longest: int
+
+
+@dataclass(slots=True)
+class LoraRows:
+    """One step's rows as the LoRA ops read them: who is grouped, which runs are segments, which slots appear."""
+
+    num_rows: int
+    present: frozenset[int]  # the slots some row uses
+    grouped: Grouped | None
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (first row, end row, slot)
+
+    @classmethod
+    def of(
+        cls,
+        slots: Sequence[int] | torch.Tensor,
+        num_slots: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        segment_rows: int = SEGMENT_ROWS,
+    ) -> LoraRows | None:
+        """The rows of a step from each row's slot (NO_ADAPTER: base), or None when no row has an adapter."""
+        row_slots = [int(s) for s in (slots.tolist() if isinstance(slots, torch.Tensor) else slots)]
+        present = frozenset(s for s in row_slots if s != NO_ADAPTER)
+        if not present:
+            return None
+        if min(present) < 0 or max(present) >= num_slots:
+            raise ValueError(f"row slots {sorted(present)} outside [0, {num_slots}) and {NO_ADAPTER}")
+        segments: list[tuple[int, int, int]] = []
+        groups: dict[int, list[int]] = {}
+        start = 0
+        for i in range(1, len(row_slots) + 1):
+            if i < len(row_slots) and row_slots[i] == row_slots[start]:
+                continue
+            slot = row_slots[start]
+            if slot != NO_ADAPTER:
+                if i - start >= segment_rows:
+                    segments.append((start, i, slot))
+                else:
+                    groups.setdefault(slot, []).extend(range(start, i))
+            start = i
+        grouped = _grouped(groups, dtype, device) if groups else None
+        return cls(len(row_slots), present, grouped, segments)
+
+
+def _grouped(groups: dict[int, list[int]], dtype: torch.dtype, device: torch.device | str) -> Grouped:
+    lo, hi = min(groups), max(groups) + 1
+    longest = max(len(rows) for rows in groups.values())
+    anyone = next(iter(groups.values()))[0]
+    index: list[int] = []
+    keep: list[float] = []
+    for slot in range(lo, hi):
+        rows = groups.get(slot, [])
+        pad = rows[0] if rows else anyone
+        index += rows + [pad] * (longest - len(rows))
+        keep += [1.0] * len(rows) + [0.0] * (longest - len(rows))
+    return Grouped(
+        torch.tensor(index, dtype=torch.long, device=device),
+        torch.tensor(keep, dtype=dtype, device=device).view(hi - lo, longest, 1),
+        lo,
+        hi,
+        longest,
+    )
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, projection: StackedProjection, rows: LoraRows) -> None:
+    """y [rows, out] += each row's delta of this linear, in place; x [rows, in] is the linear's input."""
+    if projection.targeted.isdisjoint(rows.present):
+        return
+    rank, columns = projection.rank, projection.columns
+    single = len(columns) == 1
+    grouped = rows.grouped
+    if grouped is not None:
+        span = slice(grouped.lo, grouped.hi)
+        gathered = x.index_select(0, grouped.index).view(grouped.hi - grouped.lo, grouped.longest, x.shape[1])
+        shrunk = torch.bmm(gathered, projection.at[span])
+        shrunk.mul_(grouped.keep)
+        if single:
+            out = torch.bmm(shrunk, projection.bts[0][span])
+        else:
+            # One index_add over the whole output: into column slices it took twice as long (gate/up, 32 rows; a
+            # one-off variant of the probe).
+            parts = [
+                torch.bmm(shrunk[:, :, i * rank : (i + 1) * rank], bt[span]) for i, bt in enumerate(projection.bts)
+            ]
+            out = torch.cat(parts, dim=2)
+        y.index_add_(0, grouped.index, out.view(-1, y.shape[1]))
+    for r0, r1, slot in rows.segments:
+        if slot not in projection.targeted:
+            continue
+        shrunk = torch.mm(x[r0:r1], projection.at[slot])
+        for i, (c0, c1) in enumerate(columns):  # into column slices: faster here than one add of the parts
+            part = shrunk if single else shrunk[:, i * rank : (i + 1) * rank]
+            y[r0:r1, c0:c1].addmm_(part, projection.bts[i][slot])

@@ -1,0 +1,76 @@
+"""benchmarks/run.py's modes: every registered one parses its options, the feature modes run smoke-sized on a tiny
+random model and write their page and JSON through the one writer, and a page is rebuilt from its JSON alone."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import run, writer
+from benchmarks.modes import MODES
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_every_mode_has_a_main_and_its_options_parse(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert callable(importlib.import_module(MODES[name].module).main)
+    with pytest.raises(SystemExit) as exit_:
+        run.main(["--mode", name, "--help"])
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_an_unknown_mode_is_refused_naming_the_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run.main(["--mode", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown mode 'nope'" in err and "kv-tiers" in err
+
+
+def smoke(mode: str, out: Path, *extra: str) -> tuple[dict, str]:
+    assert (
+        run.main(["--mode", mode, "--quick", "--model", "random:tiny", "--out-dir", str(out), "--name", mode, *extra])
+        == 0
+    )
+    data = json.loads((out / f"{mode}.json").read_text())
+    page = (out / f"{mode}.md").read_text()
+    assert data["run"]["command"].startswith(f"python benchmarks/run.py --mode {mode} --quick")
+    assert data["run"]["model"] == "random:tiny" and data["run"]["wall_s"] >= 0
+    assert page.startswith("# ") and data["run"]["command"] in page
+    return data, page
+
+
+def test_kv_tiers_mode_reloads_returning_turns_from_disk(tmp_path: Path) -> None:
+    data, page = smoke("kv-tiers", tmp_path, "--rounds", "1")
+    disk = next(m for m in data["modes"] if m["mode"] == "disk tier")
+    recompute = next(m for m in data["modes"] if m["mode"] == "recompute")
+    assert disk["cached_share"] > 0.5 and disk["read_blocks"] > 0 and recompute["cached_share"] == 0
+    assert data["restart"]["cached_after_restart"] > 0
+    assert "| disk tier |" in page
+
+
+def test_n_mode_computes_the_prompt_once_for_n_completions(tmp_path: Path) -> None:
+    data, _ = smoke("n", tmp_path, "--prompt-tokens", "64")
+    fanned, separate = data["median"]["n=4"], data["median"]["4 calls"]
+    assert fanned["generated"] == separate["generated"] == 4 * 8
+    assert fanned["prompt_tokens_computed"] < separate["prompt_tokens_computed"] <= 4 * 64
+
+
+def test_append_mode_sends_fewer_bytes_for_the_same_outputs(tmp_path: Path) -> None:
+    data, page = smoke("append", tmp_path)
+    resend, append = data["append_mode"]["modes"]
+    assert data["append_mode"]["same_outputs"]
+    assert append["bytes_total"] < resend["bytes_total"]
+    assert "outputs identical token for token: **yes**" in page
+
+
+def test_a_page_is_built_from_its_json_alone(tmp_path: Path) -> None:
+    def section(data: dict) -> list[str]:
+        return writer.table(["a", "b"], [[data["x"], writer.seconds(data["t"])]])
+
+    page = writer.publish(writer.Run("cmd --x"), tmp_path, "p", "Title", {"x": 1, "t": 0.25}, section)
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["x"] == 1 and data["run"]["command"] == "cmd --x"
+    assert page.read_text() == "\n".join(writer.header("Title", data["run"]) + section(data)) + "\n"
+    assert "| 1 | 250 ms |" in page.read_text()
