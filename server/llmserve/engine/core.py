@@ -30,7 +30,7 @@ from llmserve.engine.facts import CoreFacts, validate
 from llmserve.engine.kv_events import KvEvent, KvEventLog
 from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.outputs import EngineOutput, RequestStart
-from llmserve.engine.plan import StepPlan
+from llmserve.engine.plan import SeqStep, StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import (
     FinishReason,
@@ -44,6 +44,8 @@ from llmserve.engine.request import (
 from llmserve.engine.sampler import RowFailed, Sampled
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sessions import SessionStore
+from llmserve.engine.spec.drafter import Drafter
+from llmserve.engine.spec.verify import Verified
 from llmserve.models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class EngineCore:
         )
         if self.tiers is not None:
             self.tiers.start()
+        self.drafter = build_drafter(config, self.max_model_len)  # speculative decoding (engine/spec), or None
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._handles = itertools.count(1)  # also each sequence's arrival order (seq_no)
@@ -213,7 +216,11 @@ class EngineCore:
             self.drain_inbox()
             self.step()
             if any(out.handle == handle and out.finished for out in self.take_outputs()):
-                return
+                break
+        if self.drafter is not None and self.drafter.policy is None:
+            from llmserve.engine.spec.calibrate import calibrate
+
+            self.drafter.set_cost(calibrate(self))
 
     def close_tiers(self) -> None:
         """Write every hashed block still in the pool to the tiers and finish their writes (at shutdown, on the
@@ -238,7 +245,7 @@ class EngineCore:
         self._expire_deadlines(now)
         if self.tiers is not None:
             self.tiers.finish_loads(self.scheduler.load_done)
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._drafts())
         if self.tiers is not None:
             self.tiers.begin(plan)  # before the forward, which may overwrite the blocks evicted for it
         if not plan.seqs:
@@ -257,8 +264,13 @@ class EngineCore:
         self.steps += 1
         emit_time = time.monotonic()
         self.scheduler.update(plan)
+        if self.drafter is not None and any(entry.drafts for entry in plan.seqs):
+            self.drafter.step_verified()
         for entry, result in zip(plan.sampling, results, strict=True):
-            self._append(entry.seq, result, emit_time)
+            if entry.drafts:
+                self._verified(entry, result, emit_time)
+            else:
+                self._append(entry.seq, result, emit_time)
 
     def drain_inbox(self) -> None:
         """Apply every queued command (on the step thread, or the thread that steps by hand)."""
@@ -318,40 +330,93 @@ class EngineCore:
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.scheduler.add(seq)
 
-    def _append(self, seq: Sequence, result: Sampled | RowFailed, now: float) -> None:
-        """Hand a sampled token to its request; a failed row is that request's alone."""
+    def _drafts(self) -> dict[int, list[int]] | None:
+        """The drafts the running sequences verify this step (none without speculation): what the token budget
+        leaves after every running sequence's own tokens and the prompts waiting to be admitted."""
+        if self.drafter is None:
+            return None
+        running = self.scheduler.running
+        budget = self.config.max_num_batched_tokens - sum(seq.num_uncomputed for seq in running)
+        if len(running) < self.config.max_num_seqs:
+            budget -= self.scheduler.waiting_tokens(max(budget, 0))
+        return self.drafter.drafts(running, budget)
+
+    def _verified(self, entry: SeqStep, result: Sampled | RowFailed | Verified, now: float) -> None:
+        """A sequence's verification step: its emitted tokens one by one through `_append`'s checks, up to the first
+        that ends it; then its books (the accepted drafts it kept are computed, the rest of the KV dropped)."""
+        seq = entry.seq
+        if not isinstance(result, Verified):
+            self._append(seq, result, now, settle=entry)
+            return
+        assert self.drafter is not None
+        self._append(seq, result.samples, now, settle=entry)
+        kept = len(seq.token_ids) - entry.start - 1  # tokens appended (fewer after a stop)
+        self.drafter.observe(seq.seq_no, len(entry.drafts), result.accepted, kept)
+
+    def _append(
+        self,
+        seq: Sequence,
+        result: Sampled | RowFailed | list[Sampled],
+        now: float,
+        *,
+        settle: SeqStep | None = None,
+    ) -> None:
+        """Hand sampled tokens to their request, one by one, up to the first that ends it (`settle`: the step
+        verified drafts, whose books are kept before the request can finish); a failed row is that request's
+        alone."""
         if isinstance(result, RowFailed):
+            self._settle(settle, seq)
             self._finish(seq, FinishReason.ERROR, error=result.error)
             return
+        samples = result if isinstance(result, list) else [result]
+        output = EngineOutput(seq.seq_no, seq.request_id, [], None)
+        reason: FinishReason | None = None
+        for sampled in samples:
+            reason = self._take(seq, sampled, output, now)
+            if reason is not None:
+                break
+        self._settle(settle, seq)
+        if reason is FinishReason.ERROR:
+            return
+        if reason is None:
+            self._outputs.append(output)
+        else:
+            self._finish(seq, reason, output=output)
+
+    def _settle(self, entry: SeqStep | None, seq: Sequence) -> None:
+        if entry is not None and seq.status is not SeqStatus.FINISHED:  # finished: its blocks are gone already
+            self.scheduler.settle_drafts(entry, max(0, min(len(entry.drafts), len(seq.token_ids) - entry.start - 2)))
+
+    def _take(self, seq: Sequence, result: Sampled, output: EngineOutput, now: float) -> FinishReason | None:
+        """Append one token to the sequence and its output; the reason it ends the request, if it does (ERROR: it
+        has been finished already, as the constraint refused the token)."""
         token_id = result.token_id
         seq.token_ids.append(token_id)
-        output = EngineOutput(
-            seq.seq_no, seq.request_id, [token_id], [result.logprob] if result.logprob is not None else None
-        )
+        output.token_ids.append(token_id)
+        if result.logprob is not None:
+            if output.logprobs is None:
+                output.logprobs = []
+            output.logprobs.append(result.logprob)
         if seq.first_token is None:
             seq.first_token = now
             started = seq.first_scheduled if seq.first_scheduled is not None else now
             output.start = RequestStart(
                 seq.num_prompt, seq.num_cached_prompt, seq.seed, seq.arrival, started - seq.arrival, now - seq.arrival
             )
-        reason = None
         constraint = seq.constraint
         if constraint is not None and not constraint.accept(token_id):  # the mask let through what it forbids
             error = f"the constraint rejected token {token_id}: {constraint.error}"
             self._finish(seq, FinishReason.ERROR, error=error)
-            return
+            return FinishReason.ERROR
         if token_id in seq.stop_ids:
-            reason = FinishReason.STOP_TOKEN
-        elif token_id in seq.eos_ids:
-            reason = FinishReason.EOS
-        elif constraint is not None and constraint.done:  # complete: only the end could follow
-            reason = FinishReason.CONSTRAINT
-        elif seq.num_generated >= seq.request.stopping.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        if reason is None:
-            self._outputs.append(output)
-        else:
-            self._finish(seq, reason, output=output)
+            return FinishReason.STOP_TOKEN
+        if token_id in seq.eos_ids:
+            return FinishReason.EOS
+        if constraint is not None and constraint.done:  # complete: only the end could follow
+            return FinishReason.CONSTRAINT
+        if seq.num_generated >= seq.request.stopping.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
         """The shared forward raised: every request in it fails, and none of their KV may be reused."""
@@ -374,6 +439,8 @@ class EngineCore:
         """Retire a live request and collect its final output; its random stream goes with it."""
         self.scheduler.finish(seq, reason)
         self.backend.generators.release(seq.seq_no)
+        if self.drafter is not None:
+            self.drafter.release(seq)
         if output is None:
             output = EngineOutput(seq.seq_no, seq.request_id, [])
         now = time.monotonic()
@@ -397,3 +464,15 @@ class EngineCore:
         self.dead_reason = reason
         for seq in list(self.scheduler.live.values()):
             self._finish(seq, FinishReason.ERROR, error=reason)
+
+
+def build_drafter(config: EngineConfig, max_model_len: int) -> Drafter | None:
+    """The config's speculative decoding (None when off); its cost table is measured in warm_up."""
+    if config.speculative == "off":
+        return None
+    cost = None
+    if config.speculative_cost_table is not None:
+        from llmserve.engine.spec.calibrate import load_table
+
+        cost = load_table(config.speculative_cost_table)
+    return Drafter(config.speculative, config.speculative_max_k, max_model_len, cost)

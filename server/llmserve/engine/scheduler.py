@@ -17,11 +17,18 @@ With KV tiers (`tiers`), a waiting sequence whose prefix continues in a lower ti
 gets blocks that load that KV back (`StepPlan.loads`); it pins the blocks it will reuse and stays in the queue,
 skipped without holding up the others, until every load is reported (`load_done`). A failed load leaves its
 block anonymous: those tokens are recomputed.
+
+Speculative decoding (engine/spec): `schedule(drafts)` gives a decoding sequence its drafts as extra positions of
+its step when they fit in the token budget and in blocks that are free now (a guess never preempts, evicts a
+session or a cached prefix); `settle_drafts` keeps the books once the sampler has accepted some of them
+(spec/rollback.py's rule: the KV of rejected drafts is dropped, their blocks freed, never hashed).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, chain_hash, prefix_root
@@ -29,6 +36,7 @@ from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.plan import SeqStep, StepPlan
 from llmserve.engine.request import FinishReason, SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
+from llmserve.engine.spec.rollback import settle
 
 
 @dataclass(slots=True)
@@ -103,9 +111,10 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, drafts: Mapping[int, Seq[int]] | None = None) -> StepPlan:
         """The next step: running sequences first (oldest first), then waiting ones by priority and age.
 
+        `drafts`: by seq_no, tokens to verify after a decoding sequence's last one (dropped where they do not fit).
         The plan's block tables are the sequences' own lists: read them before the next schedule().
         """
         out = StepPlan()
@@ -116,10 +125,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            guess = drafts.get(seq.seq_no, ()) if drafts else ()
+            if guess and not self._room_for_drafts(seq, len(guess), budget - (len(self.running) - i - 1)):
+                guess = ()
+            n = 1 + len(guess) if guess else min(seq.num_uncomputed, budget)
             if not self._grow(seq, n, out):
                 break  # seq itself was preempted: nothing newer is left
-            out.seqs.append(_step(seq, n))
+            out.seqs.append(_step(seq, n, guess))
             budget -= n
             i += 1
 
@@ -164,7 +176,7 @@ class Scheduler:
         for step in plan.seqs:
             seq = step.seq
             before = seq.num_computed
-            seq.num_computed += len(step.token_ids)
+            seq.num_computed += len(step.token_ids) - len(step.drafts)  # drafts: settle_drafts
             if self.enable_prefix_caching and seq.num_computed // bs > before // bs:  # a block was filled
                 self._register_full_blocks(seq, before)
             if seq.num_computed == len(seq.token_ids):
@@ -172,6 +184,31 @@ class Scheduler:
         # The copies are done: drop the references that kept their sources alive.
         self.pool.release(src for src, _ in plan.copies)
         return ready
+
+    def settle_drafts(self, step: SeqStep, kept: int) -> None:
+        """After `update`: `kept` of the step's drafts were accepted and appended to the sequence's tokens. Counts
+        them computed, registers the blocks they filled and frees the blocks past what the sequence now needs."""
+        seq = step.seq
+        bs = self.pool.block_size
+        settled = settle(step.block_table, step.start, len(step.drafts), kept, bs)
+        before = seq.num_computed
+        seq.num_computed = settled.num_computed
+        if self.enable_prefix_caching and seq.num_computed // bs > before // bs:
+            self._register_full_blocks(seq, before)
+        if settled.freed:
+            self.pool.release(settled.freed)
+            del seq.block_table[settled.keep :]
+
+    def waiting_tokens(self, limit: int) -> int:
+        """The prompt tokens that waiting sequences would compute, counted up to `limit` (what admission may take
+        of the next step's budget)."""
+        total = 0
+        for _, _, seq in self._waiting:
+            if seq.status is SeqStatus.WAITING:
+                total += seq.num_uncomputed
+                if total >= limit:
+                    return limit
+        return total
 
     def abandon(self, out: StepPlan) -> None:
         """A step whose forward failed: nothing was computed, so no block is registered as holding a prefix
@@ -228,6 +265,13 @@ class Scheduler:
                 return False
         seq.block_table.extend(self.pool.allocate(need))
         return True
+
+    def _room_for_drafts(self, seq: Sequence, k: int, budget: int) -> bool:
+        """Whether a decoding seq can verify k drafts: within `budget` and blocks free now (no eviction)."""
+        if seq.num_uncomputed != 1 or 1 + k > budget:
+            return False
+        need = self.pool.blocks_for(seq.num_computed + 1 + k) - len(seq.block_table)
+        return need <= self.pool.num_free - self.pool.num_cached
 
     def _admit(self, seq: Sequence, budget: int, out: StepPlan) -> int:
         """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait, -1 if its
@@ -391,9 +435,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _step(seq: Sequence, n: int) -> SeqStep:
-    """Seq's share of the plan: its next n tokens; it samples when they reach its last token."""
+def _step(seq: Sequence, n: int, drafts: Seq[int] = ()) -> SeqStep:
+    """Seq's share of the plan: its next n tokens; it samples when they reach its last token. With drafts: its
+    last token and the drafts (n = 1 + len(drafts))."""
     start = seq.num_computed
+    if drafts:
+        return SeqStep(seq, start, [seq.token_ids[start], *drafts], seq.block_table, seq.sample_row(), drafts)
     end = start + n
     sample = seq.sample_row() if end == len(seq.token_ids) else None
     return SeqStep(seq, start, seq.token_ids[start:end], seq.block_table, sample)

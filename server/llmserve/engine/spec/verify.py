@@ -21,9 +21,9 @@ CDF), and on a rejection the pick is distributed as p_j with d_j removed and ren
 it missed d_j's share, is uniform over the rest); the output distribution is unchanged. tests/engine/spec checks
 both the replay (token for token, hypothesis over sampling parameters and drafts) and the distribution (chi-square).
 
-A constraint's mask at position j is the grammar's state after the first j drafts (spec/forced.py,
-`draft_bitmasks`), not the state the row holds: the rows here carry no constraint, and the caller adds each
-position's mask as the sampler adds a row's mask (see the integration plan).
+A constraint's mask at position j is the grammar's state after the first j drafts, not the state the row holds:
+`sample_entries` gives position j a copy of the grammar advanced over drafts[:j] (the sampler fills every row's
+mask in one batched call, as for any constrained row), and the request's own state is left as it was.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.engine.constraints import ConstraintState
 from llmserve.engine.generators import Generators
+from llmserve.engine.plan import SeqStep
 from llmserve.engine.request import SampleRow
+from llmserve.engine.sampler import RowFailed, Sampled, sample_each
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +48,77 @@ class Verdict:
 
     emitted: list[int]
     accepted: int
+
+
+@dataclass(slots=True, frozen=True)
+class Verified:
+    """A verifying entry's result: the tokens it emits (the accepted drafts, then the sampler's own pick), each
+    with its logprobs, and how many drafts were accepted."""
+
+    samples: list[Sampled]
+    accepted: int
+
+
+def sample_entries(
+    logits: torch.Tensor, entries: Sequence[SeqStep], generators: Generators
+) -> list[Sampled | RowFailed | Verified]:
+    """Sample a step's sampling entries from their logits rows (`entry.num_logits` each, in order): a plain entry
+    gives its Sampled (or RowFailed), an entry with drafts its Verified (or RowFailed when any position failed)."""
+    if not any(entry.drafts for entry in entries):
+        return sample_each(logits, [entry.sample for entry in entries if entry.sample is not None], generators)
+    rows: list[SampleRow] = []
+    marks: dict[int, StreamMark] = {}
+    for i, entry in enumerate(entries):
+        row = entry.sample
+        if row is None:
+            raise ValueError("sample_entries takes sampling entries only")
+        if not entry.drafts:
+            rows.append(row)
+            continue
+        if not row.params.greedy:
+            marks[i] = StreamMark(generators, row)
+        seq = entry.seq
+        blocked = seq.request.stopping.min_new_tokens - seq.num_generated
+        positions = position_rows(row, entry.drafts, blocked_positions=blocked)
+        if row.constraint is not None:
+            states = grammar_positions(row.constraint, entry.drafts)
+            positions = [dataclasses.replace(p, constraint=c) for p, c in zip(positions, states, strict=True)]
+        rows.extend(positions)
+    picked = sample_each(logits, rows, generators)
+    out: list[Sampled | RowFailed | Verified] = []
+    at = 0
+    for i, entry in enumerate(entries):
+        span = picked[at : at + entry.num_logits]
+        at += entry.num_logits
+        if not entry.drafts:
+            out.append(span[0])
+            continue
+        failed = next((r for r in span if isinstance(r, RowFailed)), None)
+        if failed is not None:
+            out.append(failed)
+            continue
+        samples = [r for r in span if isinstance(r, Sampled)]
+        verdict = accept([r.token_id for r in samples], entry.drafts)
+        if i in marks:
+            marks[i].settle(len(verdict.emitted))
+        out.append(Verified(samples[: verdict.accepted + 1], verdict.accepted))
+    return out
+
+
+def grammar_positions(state: ConstraintState, drafts: Sequence[int]) -> list[ConstraintState]:
+    """The grammar's state at each position of a verification: the request's own state at position 0, then copies
+    advanced over drafts[:j]. Past a draft the grammar refuses, the last good state repeats (those positions can
+    never be accepted, since the pick before them differs from the draft)."""
+    states = [state]
+    current = state.matcher
+    for token in drafts:
+        following = current.deep_copy()
+        if not following.consume_token(token):
+            states.extend([states[-1]] * (len(drafts) + 1 - len(states)))
+            break
+        current = following
+        states.append(ConstraintState(following))
+    return states
 
 
 def position_rows(row: SampleRow, drafts: Sequence[int], *, blocked_positions: int = 0) -> list[SampleRow]:
