@@ -177,6 +177,7 @@ class EngineCore:
             session_evictions=dict(sessions.evictions),
             prefix_cache_hits=scheduler.num_prefix_cache_hits,
             kv_tiers=self.tiers.stats() if self.tiers is not None else None,
+            speculation=self.drafter.snapshot() if self.drafter is not None else None,
         )
 
     @property
@@ -189,6 +190,7 @@ class EngineCore:
     def run(self, stop: threading.Event, emit: Emit) -> None:
         """Step until `stop` is set, handing each pass's outputs to `emit` in one call; then cancel whatever
         is left."""
+        self.calibrate_speculation()
         while not stop.is_set():
             self.drain_inbox()
             self._emit_pending(emit)  # the final outputs of aborted requests, at once (none: nothing to do)
@@ -217,10 +219,36 @@ class EngineCore:
             self.step()
             if any(out.handle == handle and out.finished for out in self.take_outputs()):
                 break
+        self.calibrate_speculation()
+
+    def calibrate_speculation(self) -> None:
+        """Measure the load rule's step-cost table on this core, once, unless it was given one (a few seconds on
+        a CPU; on the step thread, before it serves)."""
         if self.drafter is not None and self.drafter.policy is None:
             from llmserve.engine.spec.calibrate import calibrate
 
-            self.drafter.set_cost(calibrate(self))
+            start = time.monotonic()
+            try:
+                self.drafter.set_cost(calibrate(self))
+            except Exception:  # never a reason not to serve: serve without speculation
+                log.exception("speculative decoding: measuring the step cost failed; speculation is off")
+                self.drafter = None
+                return
+            took = time.monotonic() - start
+            log.info("speculative decoding: step-cost table measured in %.1f s: %s", took, self.drafter.cost)
+
+    def add_now(self, request: GenerationRequest) -> int:
+        """Start a request at once, past the inbox (the step thread only: the calibration's own requests, which
+        must not drain callers' commands); returns its handle."""
+        handle = next(self._handles)
+        self._add(Add(handle, request, time.monotonic(), None, None))
+        return handle
+
+    def cancel_now(self, handle: int) -> None:
+        """End a request started by add_now at once (the step thread only); its outputs are the caller's to drop."""
+        seq = self.scheduler.live.get(handle)
+        if seq is not None:
+            self._finish(seq, FinishReason.CANCELLED)
 
     def close_tiers(self) -> None:
         """Write every hashed block still in the pool to the tiers and finish their writes (at shutdown, on the
@@ -245,7 +273,8 @@ class EngineCore:
         self._expire_deadlines(now)
         if self.tiers is not None:
             self.tiers.finish_loads(self.scheduler.load_done)
-        plan = self.scheduler.schedule(self._drafts())
+        drafts = self._drafts()
+        plan = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
         if self.tiers is not None:
             self.tiers.begin(plan)  # before the forward, which may overwrite the blocks evicted for it
         if not plan.seqs:
@@ -470,6 +499,14 @@ def build_drafter(config: EngineConfig, max_model_len: int) -> Drafter | None:
     """The config's speculative decoding (None when off); its cost table is measured in warm_up."""
     if config.speculative == "off":
         return None
+    if config.speculative == "suffix":
+        from llmserve.engine.spec.suffix import available
+
+        if not available():
+            raise RuntimeError(
+                "--speculative suffix needs arctic-inference's suffix trees, which are not installed here "
+                "(`make install` builds them); or choose --speculative ngram|off"
+            )
     cost = None
     if config.speculative_cost_table is not None:
         from llmserve.engine.spec.calibrate import load_table

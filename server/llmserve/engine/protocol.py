@@ -53,6 +53,7 @@ class EngineStats:
     session_evictions: dict[str, int]
     prefix_cache_hits: int
     kv_tiers: Any = None  # kv_tiers.worker.TierStats when tiers are on
+    speculation: Any = None  # spec.drafter.SpecStats when --speculative is on
 
 
 class Engine(Protocol):

@@ -197,7 +197,9 @@ class Scheduler:
             self._register_full_blocks(seq, before)
         if settled.freed:
             self.pool.release(settled.freed)
-            del seq.block_table[settled.keep :]
+            # A new list, not one cut in place: a backend's input batch keeps each row's table by identity and
+            # rewrites it only when the list is another (a table cut in place and grown again would look unchanged).
+            seq.block_table = seq.block_table[: settled.keep]
 
     def waiting_tokens(self, limit: int) -> int:
         """The prompt tokens that waiting sequences would compute, counted up to `limit` (what admission may take

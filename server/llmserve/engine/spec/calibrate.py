@@ -26,7 +26,9 @@ KS = (0, 1, 2, 4, 8)
 PROMPT = 16
 
 
-def calibrate(core: EngineCore, batches: tuple[int, ...] = BATCHES, ks: tuple[int, ...] = KS, repeats: int = 2) -> CostTable:
+def calibrate(
+    core: EngineCore, batches: tuple[int, ...] = BATCHES, ks: tuple[int, ...] = KS, repeats: int = 2
+) -> CostTable:
     """Time the core's step at each (batch, k) that fits its limits; returns the table (ms)."""
     drafter = core.drafter
     if drafter is None:
@@ -39,14 +41,12 @@ def calibrate(core: EngineCore, batches: tuple[int, ...] = BATCHES, ks: tuple[in
         handles = [_start(core, f"calibrate-{b}-{i}", i) for i in range(b)]
         try:
             while any(seq.num_uncomputed != 1 for seq in core.scheduler.running) or len(core.scheduler.running) < b:
-                core.drain_inbox()
                 core.step()
             times = {k: _time(core, k, repeats) for k in fitting}
         finally:
             drafter.forced_k = None
             for handle in handles:
-                core.abort(handle)
-            core.drain_inbox()
+                core.cancel_now(handle)
             core.take_outputs()
         rows.append([_at(times, k) for k in ks])
     return CostTable(sizes, ks, tuple(tuple(row) for row in rows))
@@ -56,7 +56,7 @@ def _start(core: EngineCore, name: str, i: int) -> int:
     prompt = tuple((7 * i + j) % 97 + 3 for j in range(PROMPT))
     limit = max(8, core.max_model_len - PROMPT - 1)
     request = GenerationRequest(name, prompt, stopping=StoppingParams(max_new_tokens=limit, ignore_eos=True))
-    return core.submit(request)
+    return core.add_now(request)
 
 
 def _time(core: EngineCore, k: int, repeats: int) -> float:

@@ -14,6 +14,7 @@ accepted, and tokens emitted by the verifying sequences.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -80,6 +81,10 @@ class Drafter:
             self._suffix = None
             self._ngram = NgramProposer()
             self.proposer = self._ngram
+
+    def snapshot(self) -> SpecStats:
+        """A copy of the counters (any thread; the step thread goes on counting)."""
+        return dataclasses.replace(self.stats, k_counts=self.stats.k_counts.copy())
 
     def set_cost(self, cost: CostTable) -> None:
         self.cost = cost
