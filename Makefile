@@ -35,7 +35,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway gateway docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec gateway docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -142,6 +142,9 @@ bench-structured: $(STAMP_MODEL)
 # one python -m llmserve server. Results in benchmarks/results/<date>-cpu-gateway.{md,json}.
 bench-gateway: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --mode gateway
+
+bench-spec: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py --mode speculative
 
 # Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
 # machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).
