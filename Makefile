@@ -72,10 +72,10 @@ run: $(STAMP_MODEL)
 
 test: proto-check lint model nginx redis pytest
 
-# Two workers (pytest-xdist), a test file per worker at a time (module fixtures start servers once per file); the
-# slowest tests are listed at the end.
+# Two workers (pytest-xdist), a test file per worker at a time (module fixtures start servers once per file), the
+# slowest files first (tests/conftest.py's SLOW_FIRST, in collection order); the slowest tests are listed at the end.
 pytest: $(STAMP_KERNELS)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The long variants, on demand only (CI runs a 20-s soak and 3 failover turns): a 30-minute soak with cancels, six
 # failover turns per conversation, and the keepalive tests

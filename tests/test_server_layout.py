@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import llmserve
 from tests.engine.test_layout import MAX_LINES, assert_acyclic
 
@@ -44,7 +46,16 @@ TORCH_FREE = (
     "process",
     "__main__",
     "engine/request",
+    "engine/errors",
+    "engine/delta",
+    "engine/sequence",
+    "engine/outputs",
+    "engine/commands",
+    "engine/protocol",
     "engine/facts",
+    "engine/constraints",
+    "engine/compiling",
+    "engine/core_client",
     "engine/core_messages",
     "engine/core_process",
 )
@@ -109,16 +120,20 @@ def test_the_edge_and_the_flags_import_no_tensor_library() -> None:
     assert not offenders
 
 
-def test_the_request_types_import_no_tensor_library_at_all() -> None:
-    """engine/request.py names no tensor type, not even for type checking (the sampler keeps the random
-    streams, engine/generators.py), and importing it in a fresh interpreter loads no tensor library."""
+@pytest.mark.parametrize("module", ["request", "constraints", "core_process"])
+def test_the_request_types_the_constraints_and_the_core_client_import_no_tensor_library_at_all(module: str) -> None:
+    """engine/request.py names no tensor type, not even for type checking (the sampler keeps the random streams,
+    engine/generators.py); the constraint checker and compiler are torch-free (the masks are the sampler's); the
+    engine process's client loads none (the server starts it before torch). Importing each in a fresh interpreter
+    loads no tensor library."""
     import subprocess
     import sys
 
-    found = imports(PACKAGE / "engine" / "request.py")
-    assert not sorted(m for m in found if m.split(".")[0] in {"torch", "numpy", "transformers"})
+    if module == "request":
+        found = imports(PACKAGE / "engine" / "request.py")
+        assert not sorted(m for m in found if m.split(".")[0] in {"torch", "numpy", "transformers"})
     code = (
-        "import sys, llmserve.engine.request; "
+        f"import sys, llmserve.engine.{module}; "
         "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -62,7 +62,7 @@ def config(spec: TiersSpec, disk_dir: str | None) -> EngineConfig:
 
 
 def tier_bytes(engine: AsyncEngine) -> dict:
-    tiers = engine.core.tiers
+    tiers = engine.core.engine_core.tiers
     if tiers is None:
         return {}
     disk = tiers.stats().tiers["disk"]

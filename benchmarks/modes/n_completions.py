@@ -40,7 +40,7 @@ class PromptCounter:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.tokens = 0
-        scheduler = engine.core.scheduler
+        scheduler = engine.core.engine_core.scheduler
         real = scheduler.schedule
 
         def schedule() -> Any:

@@ -46,7 +46,7 @@ def stubbed_engine(streams: int, tokens: int) -> AsyncEngine:
         cuda_graphs=False,
     )
     engine = AsyncEngine(loaded, config)
-    stub_model_call(engine.core)
+    stub_model_call(engine.core.engine_core)  # type: ignore[attr-defined]
     return engine
 
 

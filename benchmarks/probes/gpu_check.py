@@ -50,8 +50,8 @@ async def run_engine(loaded: LoadedModel, config: EngineConfig, prompts: list[li
         wall = time.perf_counter() - t0
     finally:
         await engine.shutdown()
-    graphs = getattr(engine.core.backend, "graphs", None)  # the CUDA backend's decode graphs
-    return results, wall, engine.core.steps, (graphs.replays if graphs else 0)
+    graphs = getattr(engine.core.engine_core.backend, "graphs", None)  # the CUDA backend's decode graphs
+    return results, wall, engine.core.engine_core.steps, (graphs.replays if graphs else 0)
 
 
 def prompts_for(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:

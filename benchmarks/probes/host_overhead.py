@@ -36,7 +36,7 @@ from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.backends import create_backend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
-from llmserve.engine.core_process import ChildSpec, CoreClient
+from llmserve.engine.core_process import ChildSpec, ProcessCore
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import LoadedModel, from_config
@@ -81,7 +81,7 @@ def submit_through_front_end(
             ended.append(request.request_id)
 
     streams = [asyncio.run_coroutine_threadsafe(consume(request), loop) for request in requests]
-    while len(engine._outputs) < len(requests):  # every stream registered (and so submitted)
+    while len(engine._processor) < len(requests):  # every stream registered (and so submitted)
         time.sleep(0.01)
 
     def stop() -> None:
@@ -106,10 +106,23 @@ def probe_model(tokenizer: bool) -> LoadedModel:
     return loaded
 
 
-def prepare_child(backend: str, batch: int, steps: int, out: Path, core: EngineCore) -> None:
-    """In the engine process: the backend and the stub as `measure` sets them, and a timer on the step loop that
-    writes `steps` pass times (once all `batch` sequences decode) to `out`."""
+def timed_child_model(tokenizer: bool, backend: str, batch: int, steps: int, out: Path) -> LoadedModel:
+    """In the engine process (a ChildSpec's `load`): the probe's model, with the core about to be built over it set
+    up as `measure` sets it (the backend, the stubbed model call) and a timer on its step loop that writes `steps`
+    pass times (once all `batch` sequences decode) to `out`. The core is reached through its class, patched in this
+    process only: the probe's hook, kept out of the server's code."""
     torch.set_num_threads(1)
+    warm_up = EngineCore.warm_up
+
+    def prepare_then_warm_up(core: EngineCore) -> None:
+        prepare_child(core, backend, batch, steps, out)
+        warm_up(core)
+
+    EngineCore.warm_up = prepare_then_warm_up  # type: ignore[method-assign]
+    return probe_model(tokenizer)
+
+
+def prepare_child(core: EngineCore, backend: str, batch: int, steps: int, out: Path) -> None:
     if backend.startswith("cuda-path"):
         core.backend = create_backend(core.loaded, core.config, core.max_model_len, kind="cuda", capture=False)
     stub_model_call(core)
@@ -137,12 +150,8 @@ def measure_engine_process(
     """Pass times of the child's step loop with every request streamed through the front end in this process."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        spec = ChildSpec(
-            functools.partial(probe_model, tokenizer),
-            config,
-            prepare=functools.partial(prepare_child, backend, batch, steps, out),
-        )
-        client = CoreClient(spec)
+        spec = ChildSpec(functools.partial(timed_child_model, tokenizer, backend, batch, steps, out), config)
+        client = ProcessCore(spec)
         client.wait_ready()
         assert client.loaded is not None
         engine = AsyncEngine(client.loaded, config, core=client)
@@ -202,7 +211,7 @@ def measure(
     loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
     loaded.tokenizer = tokenizer
     engine = AsyncEngine(loaded, config) if front_end else None
-    core = engine.core if engine is not None else EngineCore(loaded, config)
+    core = engine.core.engine_core if engine is not None else EngineCore(loaded, config)  # type: ignore[attr-defined]
     if backend.startswith("cuda-path"):  # the CUDA backend's decode path (graph buffers, eager), on the CPU
         core.backend = create_backend(loaded, config, core.max_model_len, kind="cuda", capture=False)
     stub_model_call(core)

@@ -236,7 +236,7 @@ async def run(config: Config) -> int:
     """Serve until SIGTERM or SIGINT (return 0) or until the engine dies (return EXIT_ENGINE_DEAD),
     draining in-flight streams before returning."""
     # Imported here so that `--help` and config errors answer without loading torch (core_process loads none).
-    from llmserve.engine.core_process import ChildSpec, CoreClient, load_served_model
+    from llmserve.engine.core_process import ChildSpec, ProcessCore, load_served_model
 
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
@@ -265,11 +265,11 @@ async def run(config: Config) -> int:
     load = functools.partial(load_served_model, m.spec, device=m.device, dtype=m.dtype, cache_root=cache_root)
     # The engine process starts before this process imports torch, so that their imports and loads overlap.
     child = ChildSpec(load, config.engine, config.server.log_level, config.server.log_format)
-    client = CoreClient(child) if m.engine_process else None
+    core = ProcessCore(child) if m.engine_process else None
     # torch loads off the event loop (seconds), meanwhile health answers NOT_SERVING.
     engines = await asyncio.to_thread(importlib.import_module, "llmserve.engine.async_engine")
-    log.info("loading model %s on %s%s", m.spec or "(default)", m.device, " in the engine process" if client else "")
-    building = asyncio.ensure_future(engines.build_engine(load, config.engine, client))
+    log.info("loading model %s on %s%s", m.spec or "(default)", m.device, " in the engine process" if core else "")
+    building = asyncio.ensure_future(engines.build_engine(load, config.engine, core))
     stopping = asyncio.ensure_future(stop.wait())
     dying = asyncio.ensure_future(server.engine_died.wait())
     try:

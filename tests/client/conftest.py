@@ -17,6 +17,6 @@ from harness import ServerThread, tiny_engine  # noqa: E402
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     """A serving LLMServer over the real engine and the tiny model, shared by the tests of a module."""
-    srv = ServerThread(tiny_engine()).start()
+    srv = ServerThread(tiny_engine(in_process=True)).start()  # the client's tests: the engine's mode is not theirs
     yield srv
     srv.stop()

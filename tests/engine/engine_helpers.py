@@ -1,25 +1,70 @@
-"""Helpers shared by the engine tests: a tiny engine's config, requests, streaming a request to its end, and a
-core stepped by hand on the calling thread with an output processor as the front end would."""
+"""Helpers shared by the engine tests: a tiny engine's config, requests, streaming a request to its end, an engine
+over either core (on a thread, or in an engine process), and a core stepped by hand on the calling thread with an
+output processor as the front end would."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from collections.abc import Callable
 
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.async_engine import AsyncEngine, build_engine
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
+from llmserve.engine.core_client import ThreadCore
+from llmserve.engine.core_process import ChildSpec, ProcessCore
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import (
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.models import from_config
+from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
+# The two implementations of core_client.Core: the step loop on a thread, and in an engine process of its own.
+CORES = ("thread", "process")
+
+
+def tiny64(max_positions: int = 512) -> LoadedModel:
+    """The engine tests' model: the tiny Llama in float64 (module level: an engine process builds it too)."""
+    return from_config(tiny_config(max_positions=max_positions), dtype=torch.float64)
+
+
+async def start_engine(
+    kind: str, load: Callable[[], LoadedModel] = tiny64, config: EngineConfig = CONFIG
+) -> AsyncEngine:
+    """A started engine over the model `load` builds, its core on a thread (`kind` "thread") or in an engine
+    process ("process", as `python -m llmserve` runs it)."""
+    if kind == "thread":
+        engine = await build_engine(load, config)
+    else:
+        engine = await build_engine(load, config, ProcessCore(ChildSpec(load, config)))
+    await engine.start()
+    return engine
+
+
+def inner(engine: AsyncEngine) -> EngineCore:
+    """The EngineCore of an engine whose core runs on a thread here (for the tests that reach into its books)."""
+    assert isinstance(engine.core, ThreadCore)
+    return engine.core.engine_core
+
+
+def kill_core(engine: AsyncEngine) -> None:
+    """Make the core die under its requests: the engine process killed (SIGKILL), or on a thread, a fault in its
+    books (the next step raises, as a scheduler bug would)."""
+    if isinstance(engine.core, ProcessCore):
+        os.kill(engine.core.process.pid, signal.SIGKILL)
+        return
+
+    def broken() -> None:
+        raise RuntimeError("books out of balance")
+
+    inner(engine).scheduler.schedule = broken  # type: ignore[method-assign]
 
 
 # Every generation here takes well under a second: a stuck engine fails the test in seconds, not at pytest's timeout.

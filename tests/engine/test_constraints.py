@@ -1,6 +1,7 @@
-"""engine/constraints.py: compiling (refusals name the field and the library's reason, the cache, the time
-bound), and constrained generation checked by independent validators (jsonschema, re.fullmatch, membership)
-on a tiny random model that speaks SmolLM2's vocabulary, greedy and sampled, alone and batched."""
+"""engine/constraints.py: the front end's check (refusals name the field and the library's reason, the cache, the
+time bound) and the engine's compile (what the check lets through compiles), and constrained generation checked by
+independent validators (jsonschema, re.fullmatch, membership) on a tiny random model that speaks SmolLM2's
+vocabulary, greedy and sampled, alone and batched."""
 
 from __future__ import annotations
 
@@ -20,17 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 from harness import tiny_engine  # noqa: E402
 
 from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.constraints import ConstraintCompiler, fill_bitmask  # noqa: E402
-from llmserve.engine.request import (  # noqa: E402
-    ConstraintKind,
-    ConstraintSpec,
-    Delta,
-    FinishReason,
-    GenerationRequest,
-    InvalidRequest,
-    SamplingParams,
-    StoppingParams,
-)
+from llmserve.engine.constraints import ConstraintChecker, ConstraintCompiler, Vocabulary  # noqa: E402
+from llmserve.engine.delta import Delta, FinishReason  # noqa: E402
+from llmserve.engine.errors import InvalidRequest  # noqa: E402
+from llmserve.engine.masks import TokenMasks  # noqa: E402
+from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
 
 SCHEMA = ConstraintKind.JSON_SCHEMA
 COMPLETE = (FinishReason.CONSTRAINT, FinishReason.EOS)
@@ -46,7 +41,7 @@ def engine_loop() -> Any:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    engine = tiny_engine(max_num_seqs=32)
+    engine = tiny_engine(in_process=True, max_num_seqs=32)  # in the engine process: test_structured_output.py
     asyncio.run_coroutine_threadsafe(engine.start(), loop).result(120)
     yield engine, loop
     asyncio.run_coroutine_threadsafe(engine.shutdown(), loop).result(60)
@@ -84,12 +79,31 @@ def _all(engine_loop: Any, requests: list[GenerationRequest]) -> list[tuple[list
     return out
 
 
-# -- compiling ---------------------------------------------------------------------------------------------
+# -- checking and compiling ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def compiler(smollm_tokenizer: Any) -> ConstraintCompiler:
-    return ConstraintCompiler(smollm_tokenizer, 49152, (2,))
+def vocabulary(smollm_tokenizer: Any) -> Vocabulary:
+    return Vocabulary(smollm_tokenizer, 49152, (2,))
+
+
+@pytest.fixture(scope="module")
+def checker(vocabulary: Vocabulary) -> ConstraintChecker:
+    return ConstraintChecker(vocabulary)
+
+
+@pytest.fixture(scope="module")
+def compiler(vocabulary: Vocabulary) -> ConstraintCompiler:
+    return ConstraintCompiler(vocabulary)
+
+
+def check_now(checker: ConstraintChecker, spec: ConstraintSpec) -> None:
+    """The check of `spec`, waited for on this thread (the front end awaits `check`)."""
+    checker.cache.get(spec).result(60)
+
+
+def bitmask(states: list[Any]) -> list[list[int]]:
+    return TokenMasks.shared().bitmask(states, 49152).tolist()
 
 
 @pytest.mark.parametrize(
@@ -110,54 +124,57 @@ def compiler(smollm_tokenizer: Any) -> ConstraintCompiler:
     ],
 )
 def test_a_refused_constraint_names_its_field_and_the_librarys_reason(
-    compiler: ConstraintCompiler, spec: ConstraintSpec, reason: str
+    checker: ConstraintChecker, spec: ConstraintSpec, reason: str
 ) -> None:
     with pytest.raises(InvalidRequest) as err:
-        compiler.compile_now(spec)
+        check_now(checker, spec)
     assert err.value.field == spec.field
     assert reason.lower() in err.value.reason.lower(), err.value.reason
     assert "<state>" not in err.value.reason and len(err.value.reason) <= 300
 
 
-def test_compiles_are_cached_per_spec_and_least_recently_used_goes_first(smollm_tokenizer: Any) -> None:
-    compiler = ConstraintCompiler(smollm_tokenizer, 49152, (2,), cache_size=2)
+def test_checks_are_cached_per_spec_and_least_recently_used_goes_first(vocabulary: Vocabulary) -> None:
+    checker = ConstraintChecker(vocabulary, cache_size=2)
     a, b, c = (ConstraintSpec(ConstraintKind.CHOICE, choices=(x,)) for x in ("a", "b", "c"))
-    first = compiler.compile_now(a)
-    assert compiler.compile_now(a) is first and compiler.compiles == 1
-    compiler.compile_now(b)
-    compiler.compile_now(a)  # a is now the most recently used
-    compiler.compile_now(c)  # evicts b
-    assert compiler.compiles == 3
-    assert compiler.compile_now(a) is first and compiler.compiles == 3
-    compiler.compile_now(b)
-    assert compiler.compiles == 4
+    first = checker.cache.get(a)
+    assert checker.cache.get(a) is first and checker.cache.builds == 1
+    checker.cache.get(b)
+    checker.cache.get(a)  # a is now the most recently used
+    checker.cache.get(c)  # evicts b
+    assert checker.cache.builds == 3
+    assert checker.cache.get(a) is first and checker.cache.builds == 3
+    checker.cache.get(b)
+    assert checker.cache.builds == 4
     bad = ConstraintSpec(ConstraintKind.REGEX, "(")
     for _ in range(2):  # a refusal is cached too
         with pytest.raises(InvalidRequest):
-            compiler.compile_now(bad)
-    assert compiler.compiles == 5
+            check_now(checker, bad)
+    assert checker.cache.builds == 5
 
 
-async def test_concurrent_requests_for_one_spec_share_one_compile(smollm_tokenizer: Any) -> None:
-    compiler = ConstraintCompiler(smollm_tokenizer, 49152, (2,))
+def test_concurrent_requests_for_one_spec_share_one_compile_and_each_gets_its_own_state(
+    vocabulary: Vocabulary, smollm_tokenizer: Any
+) -> None:
+    compiler = ConstraintCompiler(vocabulary)
     spec = ConstraintSpec(SCHEMA, '{"type": "object", "properties": {"a": {"type": "integer"}}}')
-    results = await asyncio.gather(*(compiler.compile(spec) for _ in range(8)))
-    assert compiler.compiles == 1 and all(r is results[0] for r in results)
+    futures = [compiler.submit(spec) for _ in range(8)]
+    assert compiler.cache.builds == 1 and all(f is futures[0] for f in futures)
     # Each request gets its own state: advancing one leaves the others at the start.
-    one, two = results[0].start(), results[0].start()
+    one, two = futures[0].result(60).start(), futures[0].result().start()
     assert one.accept(smollm_tokenizer.encode("{", add_special_tokens=False)[0])
-    assert not two.done and fill_bitmask([one], 49152).tolist() != fill_bitmask([two], 49152).tolist()
+    assert not two.done and bitmask([one]) != bitmask([two])
 
 
-async def test_a_compile_past_the_time_bound_is_refused_and_still_lands_in_the_cache(smollm_tokenizer: Any) -> None:
-    # A fresh compiler's first compile also builds the library's tokenizer (~0.4 s): never within 1 ns.
-    compiler = ConstraintCompiler(smollm_tokenizer, 49152, (2,), timeout_s=1e-9)
-    spec = ConstraintSpec(ConstraintKind.REGEX, "[0-9]+")
+async def test_a_check_past_the_time_bound_is_refused_and_still_lands_in_the_cache(smollm_tokenizer: Any) -> None:
+    # A fresh vocabulary's first choice check builds the library's tokenizer (~0.4 s): never within 1 ns.
+    checker = ConstraintChecker(Vocabulary(smollm_tokenizer, 49152, (2,)), timeout_s=1e-9)
+    spec = ConstraintSpec(ConstraintKind.CHOICE, choices=("yes", "no"))
     with pytest.raises(InvalidRequest) as err:
-        await compiler.compile(spec)
-    assert err.value.field == "constraint.regex" and "--constraint-compile-timeout" in err.value.reason
-    compiler.timeout_s = 60.0
-    assert (await compiler.compile(spec)) is not None and compiler.compiles == 1
+        await checker.check(spec)
+    assert err.value.field == "constraint.choice.options" and "--constraint-compile-timeout" in err.value.reason
+    checker.timeout_s = 60.0
+    await checker.check(spec)
+    assert checker.cache.builds == 1
 
 
 # -- generation, checked by independent validators -----------------------------------------------------------
@@ -279,9 +296,9 @@ def test_choice_outputs_are_one_of_the_options(engine_loop: Any, options: list[s
         assert text in options, (options, text)
 
 
-def test_a_choice_the_vocabulary_cannot_spell_is_refused(compiler: ConstraintCompiler) -> None:
+def test_a_choice_the_vocabulary_cannot_spell_is_refused(checker: ConstraintChecker) -> None:
     with pytest.raises(InvalidRequest) as err:
-        compiler.compile_now(ConstraintSpec(ConstraintKind.CHOICE, choices=("ok", "\U00040000")))
+        check_now(checker, ConstraintSpec(ConstraintKind.CHOICE, choices=("ok", "\U00040000")))
     assert (
         err.value.field == "constraint.choice.options" and "option 1" in err.value.reason and "0xf1" in err.value.reason
     )
@@ -342,13 +359,13 @@ def test_the_sampler_picks_the_best_allowed_token_greedy_and_never_a_forbidden_o
     import torch
 
     from llmserve.engine.generators import Generators
-    from llmserve.engine.request import SampleRow
     from llmserve.engine.sampler import sample
+    from llmserve.engine.sequence import SampleRow
 
-    compiled = compiler.compile_now(ConstraintSpec(ConstraintKind.REGEX, "(cat|dog|[0-9]{2})"))
+    compiled = compiler.submit(ConstraintSpec(ConstraintKind.REGEX, "(cat|dog|[0-9]{2})")).result(60)
     logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(0))
     states = [compiled.start() for _ in range(6)]  # one each: the library borrows each matcher once per call
-    bits = fill_bitmask(states[:1], 49152)[0].tolist()
+    bits = bitmask(states[:1])[0]
     allowed = [t for t in range(49152) if (bits[t // 32] >> (t % 32)) & 1]  # decoded here, bit by bit
     assert 0 < len(allowed) < 1000
     rows = [
@@ -442,10 +459,14 @@ _NASTY = [
     kind=st.sampled_from([SCHEMA, ConstraintKind.REGEX, ConstraintKind.GRAMMAR]),
     text=st.one_of(st.sampled_from(_NASTY), st.text(max_size=60), st.text("[](){}|*+?\\^$.:\"'/ab01", max_size=40)),
 )
-def test_any_text_compiles_or_is_refused_naming_the_field(compiler: ConstraintCompiler, kind, text) -> None:  # noqa: ANN001
+def test_any_text_is_refused_naming_the_field_or_compiles(
+    checker: ConstraintChecker, compiler: ConstraintCompiler, kind, text
+) -> None:  # noqa: ANN001
+    """What the front end's check lets through, the engine compiles (the two never disagree)."""
+    spec = ConstraintSpec(kind, text)
     try:
-        compiled = compiler.compile_now(ConstraintSpec(kind, text))
+        check_now(checker, spec)
     except InvalidRequest as exc:
         assert exc.field == f"constraint.{kind.value}"
         return
-    compiled.start()  # a compiled one starts
+    compiler.submit(spec).result(60).start()  # a checked spec compiles, and starts

@@ -10,13 +10,11 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
-from llmserve.engine.request import (
-    FinishReason,
-    InvalidRequest,
-    SamplingParams,
-    StoppingParams,
-    Usage,
-)
+from llmserve.engine.core_client import ThreadCore
+from llmserve.engine.delta import FinishReason, Usage
+from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.facts import validate
+from llmserve.engine.request import SamplingParams, StoppingParams
 from llmserve.models import from_config
 from llmserve.testing import tiny_config
 from tests.engine.engine_helpers import RUN_TIMEOUT_S, PieceTokenizer, req, serve, stepped_core, with_text
@@ -40,7 +38,7 @@ def test_context_is_capped_at_a_sliding_window() -> None:
     core = EngineCore(from_config(config), EngineConfig(kv_cache_tokens=1024))
     assert core.max_model_len == 256
     with pytest.raises(InvalidRequest):
-        core.validate(req("long", [1] * 300, max_new=4))
+        validate(req("long", [1] * 300, max_new=4), core.facts)
 
 
 def test_stats_read_the_books() -> None:
@@ -57,18 +55,19 @@ def test_stats_read_the_books() -> None:
     assert (stats.session_hits, stats.session_misses, stats.prefix_cache_hits) == (0, 1, 1)
     assert stats.session_evictions == {"memory": 0, "limit": 0, "ttl": 0}
     assert stats.session_evictions is not core.sessions.evictions  # a snapshot, not the live dict
-    core.submit(req("w", [1, 2, 3]))
-    assert core.stats().waiting == 1 and core.num_waiting == 1  # still in the inbox
+    client = ThreadCore(core)  # counts what it added, the inbox too, as the front end sees it
+    client.add(req("w", [1, 2, 3]))
+    assert client.stats().waiting == 1 and client.num_waiting == 1 and core.stats().waiting == 0  # in the inbox
     core.drain_inbox()
-    assert core.stats().waiting == 1 and core.scheduler.num_waiting == 1  # now in the scheduler's queue
+    assert client.stats().waiting == 1 and core.stats().waiting == core.scheduler.num_waiting == 1  # queued
     core.step()
-    stats = core.stats()
-    assert (stats.running, stats.waiting, stats.preemptions) == (1, 0, 0) and core.num_running == 1
+    stats = client.stats()
+    assert (stats.running, stats.waiting, stats.preemptions) == (1, 0, 0) and client.num_running == 1
 
 
 def ask(core: EngineCore, session_id: str, *, delete: bool = False) -> object:
-    """A session query through the inbox, answered when this thread drains it (it is the step thread here)."""
-    reply = core.query_session(session_id, delete=delete)
+    """A session command through the inbox, answered when this thread drains it (it is the step thread here)."""
+    reply = core.delete_session(session_id) if delete else core.get_session(session_id)
     assert not reply.done()  # only the thread that owns the books answers
     core.drain_inbox()
     return reply.result(timeout=0)
@@ -112,7 +111,8 @@ def test_a_request_that_reaches_a_dead_engine_gets_its_error() -> None:
     assert len(deltas) == 1 and deltas[0].token_ids == [] and deltas[0].error == "device lost"
     assert deltas[0].request_id == "late"
     assert deltas[0].finish_reason is FinishReason.ERROR and deltas[0].usage == Usage(4, 0, 0)
-    assert core.num_waiting == 0 and not core.scheduler.has_work
+    assert deltas[0].timing is not None and deltas[0].timing.total_s >= 0
+    assert core.stats().waiting == 0 and not core.scheduler.has_work
 
 
 def test_an_engine_that_is_stopped_cancels_what_is_left() -> None:

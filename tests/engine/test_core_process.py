@@ -1,6 +1,7 @@
-"""The engine core in a process of its own (core_process.py, core_child.py, core_messages.py) behind AsyncEngine:
-the same tokens as the core on a thread, sessions, cancellation, stop strings and constraints across the pipe,
-the child's failures at start and when killed, and a clean shutdown."""
+"""The engine core in a process of its own (core_process.py, core_child.py, core_messages.py) behind AsyncEngine: the
+same tokens and books as the core on a thread, stop strings and constraints across the pipe, the child's failure at
+start, a clean exit, and a front end that falls behind. What both cores promise alike (death, stop, session
+queries, counts) is tested over both in test_async_engine.py."""
 
 from __future__ import annotations
 
@@ -8,37 +9,18 @@ import asyncio
 import functools
 import json
 import os
-import signal
-import threading
 import time
 
 import pytest
 
-from llmserve.engine.async_engine import AsyncEngine, build_engine
+from llmserve.engine.async_engine import build_engine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core_process import ChildSpec, CoreClient
-from llmserve.engine.request import (
-    ConstraintKind,
-    ConstraintSpec,
-    EngineDead,
-    FinishReason,
-    GenerationRequest,
-    SamplingParams,
-    StoppingParams,
-)
+from llmserve.engine.core_process import ChildSpec, ProcessCore
+from llmserve.engine.delta import FinishReason
+from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import load_model
 from llmserve.telemetry.metrics import EngineCollector
-from llmserve.testing import tiny_model
-from tests.engine.engine_helpers import RUN_TIMEOUT_S, req, run
-
-CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
-LOAD = functools.partial(tiny_model, max_positions=512)
-
-
-async def spawned(load=LOAD, config: EngineConfig = CONFIG) -> AsyncEngine:  # noqa: ANN001
-    engine = await build_engine(load, config, CoreClient(ChildSpec(load, config)))
-    await engine.start()
-    return engine
+from tests.engine.engine_helpers import CONFIG, RUN_TIMEOUT_S, req, run, start_engine, tiny64
 
 
 async def wait_for(predicate, timeout: float = RUN_TIMEOUT_S) -> None:  # noqa: ANN001
@@ -62,15 +44,14 @@ def requests() -> list[GenerationRequest]:
 
 
 async def test_the_engine_process_serves_what_the_thread_serves_and_keeps_its_books() -> None:
-    here = AsyncEngine(LOAD(), CONFIG)
-    await here.start()
+    here = await start_engine("thread")
     try:
         expected = await asyncio.gather(*(run(here, r) for r in requests()))
     finally:
         await here.shutdown()
-    engine = await spawned()
-    client = engine.core
-    assert isinstance(client, CoreClient)
+    engine = await start_engine("process")
+    core = engine.core
+    assert isinstance(core, ProcessCore)
     try:
         got = await asyncio.gather(*(run(engine, r) for r in requests()))
         assert [by_completion(d) for _, d in got] == [by_completion(d) for _, d in expected]
@@ -81,7 +62,7 @@ async def test_the_engine_process_serves_what_the_thread_serves_and_keeps_its_bo
         assert engine.model_info.context_length == 512 and engine.model_info.backend.startswith("cpu")
         # The scrape reports the engine process's memory (this process's own is process_resident_memory_bytes).
         gauges = {m.name: m.samples[0].value for m in EngineCollector(lambda: engine, lambda: 0).collect()}
-        assert engine.engine_pid == client.process.pid != os.getpid()
+        assert engine.engine_pid == core.process.pid != os.getpid()
         assert gauges["llmserve_engine_process_resident_memory_bytes"] > 10 * 2**20
 
         # Sessions: the child's books, asked through the pipe.
@@ -91,57 +72,31 @@ async def test_the_engine_process_serves_what_the_thread_serves_and_keeps_its_bo
         assert engine.stats().sessions == 1
         assert await engine.delete_session("conv") and await engine.get_session("conv") is None
 
-        # A caller that goes away mid-stream: the child frees what the request held.
-        stream = engine.generate(req("cancelled", [5] * 40, max_new=400))
-        async for _ in stream:
-            break
-        await stream.aclose()
-        await wait_for(lambda: engine.stats().kv_blocks_used == 0 and engine.num_running == 0)
-
-        # Shutdown: what still runs ends CANCELLED, and the child exits on its own.
+        # Shutdown: what still runs ends CANCELLED, with its usage, and the child exits on its own.
         long = asyncio.ensure_future(run(engine, req("long", [6] * 10, max_new=480)))
         await wait_for(lambda: engine.num_running == 1)
     finally:
         await engine.shutdown()
-    _, deltas = await long
+    tokens, deltas = await long
     assert deltas[-1].finish_reason is FinishReason.CANCELLED
-    assert client.process.wait(10) == 0
-
-
-async def test_a_killed_engine_process_fails_its_requests_and_the_engine_reports_dead() -> None:
-    engine = await spawned()
-    client = engine.core
-    assert isinstance(client, CoreClient)
-    try:
-        running = asyncio.ensure_future(run(engine, req("doomed", [4] * 10, max_new=480)))
-        await wait_for(lambda: engine.num_running == 1)
-        os.kill(client.process.pid, signal.SIGKILL)
-        _, deltas = await running
-        assert deltas[-1].finish_reason is FinishReason.ERROR
-        assert "exit code -9" in (deltas[-1].error or "")
-        assert engine.dead and "exit code -9" in (engine.dead_reason or "")
-        with pytest.raises(EngineDead):
-            await run(engine, req("after", [1, 2], max_new=2))
-        with pytest.raises(EngineDead):
-            await engine.get_session("any")
-    finally:
-        await engine.shutdown()
+    assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == len(tokens)
+    assert core.process.wait(10) == 0
 
 
 async def test_a_child_that_cannot_start_raises_its_own_error() -> None:
     load = functools.partial(load_model, "random:no-such-shape")
     with pytest.raises(ValueError, match="no-such-shape"):
-        await build_engine(load, CONFIG, CoreClient(ChildSpec(load, CONFIG)))
+        await build_engine(load, CONFIG, ProcessCore(ChildSpec(load, CONFIG)))
 
 
 @pytest.mark.real_model
 async def test_stop_strings_and_constraints_cross_the_process() -> None:
     """The front end finds the stop string and stops the child's request at what the caller was sent (the session
-    keeps exactly that); a constraint compiled here is compiled again there, and the answer keeps to it."""
+    keeps exactly that); a constraint checked here is compiled there, and the answer keeps to it."""
     config = EngineConfig(block_size=16, kv_cache_tokens=8192, max_num_seqs=8, max_num_batched_tokens=256)
     stopping = StoppingParams(max_new_tokens=40, stop_sequences=(" 6",))
 
-    engine = await spawned(load_model, config)
+    engine = await start_engine("process", load_model, config)
     try:
         ids = tuple(engine.tokenizer.encode("Count: 1, 2, 3,"))
         _, deltas = await run(engine, GenerationRequest("stop", ids, stopping=stopping, session_id="c"))
@@ -175,24 +130,20 @@ async def test_stop_strings_and_constraints_cross_the_process() -> None:
 async def test_a_front_end_that_falls_behind_gets_the_passes_merged() -> None:
     """An emit that takes longer than a step: the passes that queued meanwhile come as one batch, in order, and
     no token is lost."""
-    client = CoreClient(ChildSpec(LOAD, CONFIG))
-    await asyncio.to_thread(client.wait_ready)
+    core = ProcessCore(ChildSpec(tiny64, CONFIG))
+    await asyncio.to_thread(core.wait_ready)
     batches: list[list] = []
 
     def slow_emit(outputs: list) -> None:
         batches.append(outputs)
         time.sleep(0.05)
 
-    stop = threading.Event()
-    runner = threading.Thread(target=client.run, args=(stop, slow_emit))
-    runner.start()
+    core.start(slow_emit)
     try:
-        handles = [client.submit(req(f"r{i}", [3, 4, 5 + i], max_new=60)) for i in range(4)]
+        handles = [core.add(req(f"r{i}", [3, 4, 5 + i], max_new=60)) for i in range(4)]
         await wait_for(lambda: sum(o.finish_reason is not None for b in batches for o in b) == 4)
     finally:
-        stop.set()
-        client.wake()
-        await asyncio.to_thread(runner.join)
+        await asyncio.to_thread(core.stop)
     tokens = {h: [t for b in batches for o in b if o.handle == h for t in o.token_ids] for h in handles}
     assert all(len(t) == 60 for t in tokens.values())
     assert len(batches) < 60  # 60 passes at least, merged into fewer batches

@@ -14,7 +14,8 @@ import torch
 
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.request import FinishReason, GenerationRequest, StoppingParams
+from llmserve.engine.delta import FinishReason
+from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
 
@@ -84,14 +85,14 @@ async def test_greedy_equals_generate(concurrency: int, kv_tokens: int, native: 
         fused_layers=fused,
     )
     outputs, engine = await run_all(loaded, config, prompts, max_new, jitter_s=0.5)
-    assert (engine.core.backend.kernel is not None) == native
-    assert (engine.core.backend.fused is not None) == fused
+    assert (engine.core.engine_core.backend.kernel is not None) == native
+    assert (engine.core.engine_core.backend.fused is not None) == fused
     mismatched = [i for i in range(len(prompts)) if outputs[i] != expected[i]]
     assert not mismatched, f"{len(mismatched)} of {len(prompts)} differ, first: prompt of {len(prompts[mismatched[0]])}"
     if concurrency == 64:
-        assert engine.core.scheduler.num_preemptions > 0
-    engine.core.pool.clear_cache()
-    assert engine.core.pool.num_free == engine.core.pool.num_blocks
+        assert engine.core.engine_core.scheduler.num_preemptions > 0
+    engine.core.engine_core.pool.clear_cache()
+    assert engine.core.engine_core.pool.num_free == engine.core.engine_core.pool.num_blocks
 
 
 async def test_preemption_really_happens_and_stays_exact() -> None:
@@ -111,7 +112,7 @@ async def test_preemption_really_happens_and_stays_exact() -> None:
         )
     finally:
         await engine.shutdown()
-    assert engine.core.scheduler.num_preemptions > 0
+    assert engine.core.engine_core.scheduler.num_preemptions > 0
     assert outputs == expected
 
 
@@ -139,7 +140,7 @@ async def test_other_families_equal_generate(family: str, native: bool) -> None:
         fused_layers=native,
     )
     outputs, engine = await run_all(loaded, config, prompts, max_new, jitter_s=0.2)
-    assert (engine.core.backend.fused is not None) == (native and family != "gpt2")
+    assert (engine.core.engine_core.backend.fused is not None) == (native and family != "gpt2")
     assert outputs == expected
 
 
@@ -175,11 +176,11 @@ async def test_padded_decode_path_equals_generate() -> None:
     config = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=512)
     engine = AsyncEngine(loaded, config)
     # The CUDA backend's logic on the CPU: every bucket prepared at start, replayed eagerly.
-    backend = create_backend(loaded, config, engine.core.max_model_len, kind="cuda", capture=False)
+    backend = create_backend(loaded, config, engine.core.engine_core.max_model_len, kind="cuda", capture=False)
     assert isinstance(backend, CudaBackend)
-    assert backend.num_blocks == engine.core.pool.num_blocks
+    assert backend.num_blocks == engine.core.engine_core.pool.num_blocks
     assert len(backend.graphs) == 4 * 4  # batch buckets 1, 2, 4, 8 x contexts 256, 512, 1024, 2048
-    engine.core.backend = backend
+    engine.core.engine_core.backend = backend
     runner = backend
     await engine.start()
     try:

@@ -8,18 +8,14 @@ import asyncio
 
 import pytest
 
+from llmserve.engine.delta import Delta, FinishReason, Usage
+from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.facts import validate
 from llmserve.engine.fanout import SEED_MODULUS, Merger, derive_seed, split
 from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.request import (
-    Delta,
-    FinishReason,
-    GenerationRequest,
-    InvalidRequest,
-    SamplingParams,
-    SeqStatus,
-    Usage,
-)
+from llmserve.engine.request import GenerationRequest, SamplingParams
 from llmserve.engine.sampler import RowFailed
+from llmserve.engine.sequence import SeqStatus
 from tests.engine.engine_helpers import req, run, stepped_core
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)
@@ -84,14 +80,14 @@ def test_seeds_derive_from_the_request_seed() -> None:
 def test_n_is_validated() -> None:
     core = stepped_core(max_n=4)
     with pytest.raises(InvalidRequest) as err:
-        core.validate(req("a", [1, 2, 3], n=5))
+        validate(req("a", [1, 2, 3], n=5), core.facts)
     assert err.value.field == "n" and "--max-n" in err.value.reason
     with pytest.raises(InvalidRequest) as err:
-        core.validate(req("a", [1, 2, 3], n=2, session_id="s"))
+        validate(req("a", [1, 2, 3], n=2, session_id="s"), core.facts)
     assert err.value.field == "n"
     with pytest.raises(InvalidRequest):
-        core.validate(req("a", [1, 2, 3], n=0))
-    core.validate(req("a", [1, 2, 3], n=4))
+        validate(req("a", [1, 2, 3], n=0), core.facts)
+    validate(req("a", [1, 2, 3], n=4), core.facts)
 
 
 def test_the_merged_stream_keeps_each_completions_order_and_adds_the_total() -> None:
@@ -179,16 +175,16 @@ async def test_closing_the_stream_ends_all_n_and_leaks_no_block(engine) -> None:
             if len(seen) == 4:
                 break
         await stream.aclose()
-        while engine.core.scheduler.live:
+        while engine.core.engine_core.scheduler.live:
             await asyncio.sleep(0.01)
     assert engine.num_running == 0 and engine.num_waiting == 0
-    core = engine.core
+    core = engine.core.engine_core
     core.pool.check([])
     assert core.pool.num_free == core.pool.num_blocks
 
 
 async def test_a_failed_completion_ends_the_call_and_the_others_with_it(engine) -> None:  # noqa: ANN001
-    core = engine.core
+    core = engine.core.engine_core
     real_append = core._append
     failing: list[int] = []
 

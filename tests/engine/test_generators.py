@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from llmserve.engine.generators import Generators
-from llmserve.engine.request import SampleRow, SamplingParams
+from llmserve.engine.request import SamplingParams
 from llmserve.engine.sampler import sample
+from llmserve.engine.sequence import SampleRow
 
 
 def test_a_streams_draws_go_on_while_its_key_lives_and_start_afresh_once_released() -> None:

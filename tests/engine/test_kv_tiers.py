@@ -196,7 +196,7 @@ def test_one_identity_never_reads_another_identity_s_blocks(tmp_path: Path) -> N
 
 
 def session_info(core: EngineCore, session_id: str):  # noqa: ANN201
-    reply = core.query_session(session_id)
+    reply = core.get_session(session_id)
     core.drain_inbox()
     return reply.result(timeout=0)
 
@@ -311,7 +311,8 @@ def test_the_server_refuses_to_start_on_an_unwritable_tier_folder(tmp_path: Path
 
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("x")
-    flags = ["--address", "127.0.0.1:0", "--metrics-port", "0", "--kv-offload-dir", str(not_a_folder / "sub")]
+    flags = ["--address", "127.0.0.1:0", "--metrics-port", "0", "--model", "random:tiny"]
+    flags += ["--kv-offload-dir", str(not_a_folder / "sub")]  # refused before any model matters: the tiny one
     proc = subprocess.run([sys.executable, "-m", "llmserve", *flags], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2  # bad settings
     assert "--kv-offload-dir" in proc.stderr and "not a writable folder" in proc.stderr

@@ -18,8 +18,9 @@ from transformers.generation.logits_process import (
 )
 
 from llmserve.engine import sampler
+from llmserve.engine.delta import TokenLogprob
 from llmserve.engine.generators import Generators
-from llmserve.engine.request import SamplingParams, TokenLogprob
+from llmserve.engine.request import SamplingParams
 from llmserve.engine.sampler import (
     RowFailed,
     Sampled,

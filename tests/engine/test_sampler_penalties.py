@@ -10,9 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmserve.engine import sampler
+from llmserve.engine.delta import TokenLogprob
+from llmserve.engine.errors import InvalidRequest
 from llmserve.engine.generators import Generators
-from llmserve.engine.request import InvalidRequest, SampleRow, SamplingParams, TokenLogprob
+from llmserve.engine.request import SamplingParams
 from llmserve.engine.sampler import _apply_additive, _apply_repetition_penalty
+from llmserve.engine.sequence import SampleRow
 
 _keys = itertools.count()  # each row its own sequence, hence its own stream
 

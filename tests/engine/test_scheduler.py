@@ -18,10 +18,12 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llmserve.engine.block_pool import BlockContent, BlockPool, Evicted, chain_hash
+from llmserve.engine.delta import FinishReason
 from llmserve.engine.kv_tiers.index import TierIndex
 from llmserve.engine.plan import StepPlan
-from llmserve.engine.request import FinishReason, GenerationRequest, SeqStatus, Sequence, StoppingParams
+from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
 
 BLOCK_SIZE = 4

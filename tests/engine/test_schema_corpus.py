@@ -17,27 +17,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 from harness import tiny_engine  # noqa: E402
 
 from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.constraints import ConstraintCompiler  # noqa: E402
-from llmserve.engine.request import (  # noqa: E402
-    ConstraintKind,
-    ConstraintSpec,
-    FinishReason,
-    GenerationRequest,
-    InvalidRequest,
-    SamplingParams,
-    StoppingParams,
-)
+from llmserve.engine.constraints import ConstraintChecker, ConstraintCompiler, Vocabulary  # noqa: E402
+from llmserve.engine.delta import FinishReason  # noqa: E402
+from llmserve.engine.errors import InvalidRequest  # noqa: E402
+from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
 
 CORPUS: dict[str, Any] = json.loads((Path(__file__).resolve().parents[1] / "data" / "schema_corpus.json").read_text())
 REFUSED = {"unenforceable_unique_tags": "uniqueItems", "unenforceable_if_then": "if"}
 
 
-def _compile_all(compiler: ConstraintCompiler) -> tuple[dict[str, ConstraintSpec], dict[str, str]]:
+def _check_all(checker: ConstraintChecker) -> tuple[dict[str, ConstraintSpec], dict[str, str]]:
     served, refused = {}, {}
     for name, schema in CORPUS.items():
         spec = ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
         try:
-            compiler.compile_now(spec)
+            checker.cache.get(spec).result(60)
             served[name] = spec
         except InvalidRequest as exc:
             assert exc.field == "constraint.json_schema"
@@ -45,13 +39,18 @@ def _compile_all(compiler: ConstraintCompiler) -> tuple[dict[str, ConstraintSpec
     return served, refused
 
 
-def test_the_corpus_compiles_and_what_cannot_be_enforced_is_refused(smollm_tokenizer: Any) -> None:
+def test_the_corpus_is_served_and_what_cannot_be_enforced_is_refused(smollm_tokenizer: Any) -> None:
+    """The front end refuses what cannot be enforced; the engine compiles every schema it lets through."""
     assert len(CORPUS) >= 50
-    served, refused = _compile_all(ConstraintCompiler(smollm_tokenizer, 49152, (2,)))
+    vocabulary = Vocabulary(smollm_tokenizer, 49152, (2,))
+    served, refused = _check_all(ConstraintChecker(vocabulary))
     assert set(refused) == set(REFUSED), refused
     for name, keyword in REFUSED.items():
         assert keyword in refused[name], refused[name]
     assert len(served) == len(CORPUS) - len(REFUSED)
+    compiler = ConstraintCompiler(vocabulary)
+    for spec in served.values():
+        compiler.submit(spec).result(60)
 
 
 async def _answers(engine: AsyncEngine, requests: list[GenerationRequest]) -> list[tuple[str, FinishReason | None]]:
@@ -79,11 +78,11 @@ def _check(results: list[tuple[str, FinishReason | None]], names: list[str]) -> 
 
 def test_every_finished_answer_of_the_tiny_model_validates() -> None:
     async def go() -> tuple[list[str], list[tuple[str, FinishReason | None]]]:
-        engine = tiny_engine(max_num_seqs=64)
+        engine = tiny_engine(in_process=True, max_num_seqs=64)
         await engine.start()
         try:
-            assert engine.constraints is not None
-            served, _ = _compile_all(engine.constraints)
+            assert engine.checker is not None
+            served, _ = _check_all(engine.checker)
             names, requests = [], []
             for name, spec in served.items():
                 for seed in range(2):
@@ -113,8 +112,8 @@ def test_every_finished_answer_of_the_default_model_validates(real_model: Any) -
         engine = AsyncEngine(real_model, EngineConfig(kv_cache_tokens=32768, max_num_seqs=64, cuda_graphs=False))
         await engine.start()
         try:
-            assert engine.constraints is not None
-            served, _ = _compile_all(engine.constraints)
+            assert engine.checker is not None
+            served, _ = _check_all(engine.checker)
             names, requests = [], []
             for name, spec in served.items():
                 ask = f"Write one realistic example of a {name.replace('_', ' ')} as JSON."

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.request import Delta, FinishReason, GenerationRequest, StoppingParams
+from llmserve.engine.delta import Delta, FinishReason
+from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.engine.sessions import SessionStore
 from llmserve.models import from_config
 from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
@@ -126,9 +127,9 @@ async def test_sessions_are_evicted_lru_and_live_requests_never_suffer() -> None
         kept = [i for i in range(6) if await eng.get_session(f"s{i}") is not None]
         assert kept == list(range(6 - len(kept), 6))
         # A request needing nearly the whole pool: sessions make way, nothing is preempted.
-        before = eng.core.scheduler.num_preemptions
+        before = eng.core.engine_core.scheduler.num_preemptions
         tokens, _ = await run(eng, "big", list(range(1, 280)), 30)
-        assert len(tokens) == 30 and eng.core.scheduler.num_preemptions == before
+        assert len(tokens) == 30 and eng.core.engine_core.scheduler.num_preemptions == before
         cold, _ = await run(engines.cold, "big-cold", list(range(1, 280)), 30)
         assert tokens == cold
 
@@ -137,7 +138,7 @@ async def test_session_limits_ttl_and_delete() -> None:
     config = EngineConfig(**BASE, kv_cache_tokens=4096, session_ttl_s=0.3, max_sessions=2)
     async with Engines(config) as engines:
         eng = engines.warm
-        pool = eng.core.pool
+        pool = eng.core.engine_core.pool
         for i in range(3):
             await run(eng, f"m{i}", [i + 5] * 30, 3, session=f"m{i}")
         assert await eng.get_session("m0") is None and await eng.get_session("m2") is not None  # max_sessions=2

@@ -14,9 +14,11 @@ from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    """A serving LLMServer over the real engine and the tiny model, shared by the tests of a module."""
-    srv = ServerThread(tiny_engine()).start()
+def server(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
+    """A serving LLMServer over the real engine and the tiny model, shared by the tests of a module: its core in an
+    engine process, as `python -m llmserve` runs it, unless the module sets ENGINE_IN_PROCESS (what it tests is
+    the edge's alone, and a core on a thread starts in a tenth of the time)."""
+    srv = ServerThread(tiny_engine(in_process=getattr(request.module, "ENGINE_IN_PROCESS", False))).start()
     yield srv
     srv.stop()
 

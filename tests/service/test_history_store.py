@@ -42,8 +42,10 @@ def redis_server() -> Iterator[RedisServer]:
 def pair(redis_server: RedisServer) -> Iterator[tuple[ServerThread, ServerThread]]:
     """Two servers (two engines over one tiny model's weights) sharing one Redis, like two replicas."""
     history = HistoryConfig(store=redis_server.url, lease_s=5.0)
-    a = ServerThread(tiny_engine(), history=history, metrics_port=_free_port()).start()
-    b = ServerThread(tiny_engine(), history=history).start()
+    # Two replicas over one store: what they share is the store; their cores run on threads (starting in a tenth of
+    # an engine process's time).
+    a = ServerThread(tiny_engine(in_process=True), history=history, metrics_port=_free_port()).start()
+    b = ServerThread(tiny_engine(in_process=True), history=history).start()
     yield a, b
     a.stop()
     b.stop()

@@ -22,7 +22,8 @@ PROMPT = list(range(300, 400))  # 100 tokens: six full 16-token blocks to cache
 def _start(tmp_path: Path, **config: object) -> ServerThread:
     tokens = tmp_path / "tokens.csv"
     tokens.write_text(f"{ALICE},alice\n{BOB},bob\n")
-    return ServerThread(tiny_engine(), auth_token_file=str(tokens), **config).start()
+    # What is scoped per identity is the edge's and the books' (keys and salts): a core on a thread serves it alike.
+    return ServerThread(tiny_engine(in_process=True), auth_token_file=str(tokens), **config).start()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,10 @@ from harness import CONTEXT_LENGTH, ServerThread, bad_request_fields
 
 from llmserve_client import Client, build_request, pb
 
+# What this module tests is the edge's (the size limits, checked before the engine): the shared server's core runs
+# on a thread.
+ENGINE_IN_PROCESS = True
+
 MAX_PROMPT_BYTES = 16 * CONTEXT_LENGTH  # the default: 16 bytes per token of context
 
 

@@ -60,6 +60,15 @@ def server() -> Iterator[ServerThread]:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def inner() -> Iterator[tuple[ServerThread, generate_pb2_grpc.GenerateServiceStub]]:
+    """The same server with its core on a thread of this process, for the tests that look into the core's books."""
+    srv = ServerThread(tiny_engine(in_process=True, max_n=MAX_N)).start()
+    with grpc.insecure_channel(srv.address) as channel:
+        yield srv, generate_pb2_grpc.GenerateServiceStub(channel)
+    srv.stop()
+
+
 def _prompt(length: int, salt: int) -> list[int]:
     """A prompt no other test sends (so that its first computation is its own)."""
     return [(salt * 7919 + 31 * i) % 40000 + 100 for i in range(length)]
@@ -82,9 +91,10 @@ def _call(stub: generate_pb2_grpc.GenerateServiceStub, prompt: list[int], **opti
     return list(stub.Generate(build_request(token_ids=prompt, return_token_ids=True, **options), timeout=120))
 
 
-def test_n4_with_a_1000_token_prompt_computes_the_prompt_once(server: ServerThread, stub) -> None:
+def test_n4_with_a_1000_token_prompt_computes_the_prompt_once(inner) -> None:  # noqa: ANN001
+    server, stub = inner
     prompt = _prompt(990, 1)
-    work = PromptWork(server.engine.core)
+    work = PromptWork(server.engine.core.engine_core)
     try:
         responses = _call(stub, prompt, n=4, temperature=1.0, seed=5, max_new_tokens=8, request_id="once")
     finally:
@@ -103,7 +113,7 @@ def test_n4_with_a_1000_token_prompt_computes_the_prompt_once(server: ServerThre
     total = responses[-1].total_usage
     assert (total.prompt_tokens, total.cached_prompt_tokens, total.completion_tokens) == (990, 0, 32)
     assert not any(r.HasField("total_usage") for r in responses[:-1])
-    core = server.engine.core
+    core = server.engine.core.engine_core
     assert wait_until(lambda: not core.scheduler.live)
     assert core.pool.num_free == core.pool.num_blocks  # no block left held (the prompt's stay cached, reusable)
 
@@ -137,8 +147,9 @@ def test_without_a_seed_each_completion_reports_its_own_and_a_replay_with_the_fi
     assert [_tokens(again[i]) for i in range(3)] == [_tokens(first[i]) for i in range(3)]
 
 
-def test_cancelling_the_call_ends_all_n_and_leaks_no_block(server: ServerThread, stub) -> None:
-    core = server.engine.core
+def test_cancelling_the_call_ends_all_n_and_leaks_no_block(inner) -> None:  # noqa: ANN001
+    server, stub = inner
+    core = server.engine.core.engine_core
     call = stub.Generate(
         build_request(token_ids=_prompt(200, 5), n=4, temperature=1.0, max_new_tokens=800, ignore_eos=True),
         timeout=120,
@@ -155,8 +166,9 @@ def test_cancelling_the_call_ends_all_n_and_leaks_no_block(server: ServerThread,
     assert core.pool.num_free == core.pool.num_blocks
 
 
-def test_the_deadline_ends_all_n(server: ServerThread, stub) -> None:
-    core = server.engine.core
+def test_the_deadline_ends_all_n(inner) -> None:  # noqa: ANN001
+    server, stub = inner
+    core = server.engine.core.engine_core
     request = build_request(token_ids=_prompt(100, 6), n=4, temperature=1.0, max_new_tokens=800, ignore_eos=True)
     with StepSpy(core, step_delay_s=0.01):  # 800 steps take 8 s at least: the deadline comes first on any machine
         with pytest.raises(grpc.RpcError) as err:

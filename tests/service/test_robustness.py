@@ -35,12 +35,11 @@ PROMPTS = [
 
 
 def _engine_idle(srv: ServerThread) -> bool:
-    pool = srv.engine.core.pool
     return (
         srv.server.servicer.num_streams == 0
         and srv.engine.num_running == 0
         and srv.engine.num_waiting == 0
-        and pool.num_free == pool.num_blocks
+        and srv.engine.stats().kv_blocks_used == 0  # the whole pool allocatable again
     )
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import CONTEXT_LENGTH, ServerThread, smollm2_tokenizer, wait_until
+from harness import CONTEXT_LENGTH, ServerThread, smollm2_tokenizer, tiny_engine, wait_until
 
-from llmserve.engine.request import FinishReason, GenerationRequest, StoppingParams
+from llmserve.engine.delta import FinishReason
+from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve_client import build_request, pb
+from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from tests.stepspy import StepSpy
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
@@ -144,9 +147,19 @@ def test_generated_request_ids_are_unique(stub) -> None:
     assert len(ids) == 3 and all(ids)
 
 
-def test_cancel_mid_stream_frees_the_request(server: ServerThread, stub) -> None:
+@pytest.fixture(scope="module")
+def inner() -> Iterator[tuple[ServerThread, generate_pb2_grpc.GenerateServiceStub]]:
+    """A server with its core on a thread of this process, for the tests that look into the core's steps."""
+    srv = ServerThread(tiny_engine(in_process=True)).start()
+    with grpc.insecure_channel(srv.address) as channel:
+        yield srv, generate_pb2_grpc.GenerateServiceStub(channel)
+    srv.stop()
+
+
+def test_cancel_mid_stream_frees_the_request(inner) -> None:  # noqa: ANN001
+    server, stub = inner
     # 20 ms a step: the cancel reaches the engine within a step, and 900 tokens would take 18 s.
-    with StepSpy(server.engine.core, step_delay_s=0.02) as spy:
+    with StepSpy(server.engine.core.engine_core, step_delay_s=0.02) as spy:
         call = stub.Generate(build_request(PROMPT, max_new_tokens=900, ignore_eos=True, request_id="gone"), timeout=60)
         next(call)
         next(call)
@@ -201,7 +214,7 @@ def test_logprobs_and_the_logged_input_convert_exactly() -> None:
     """The edge's conversions on their own: every logprob value reaches the message; the log's input summary."""
     from llmserve.api.convert import input_text as _input_text
     from llmserve.api.convert import logprob_pb as _logprob_pb
-    from llmserve.engine.request import TokenLogprob
+    from llmserve.engine.delta import TokenLogprob
 
     message = _logprob_pb(TokenLogprob(7, -0.25, [(7, -0.25), (3, -1.5)]))
     assert (message.token_id, message.logprob) == (7, -0.25)

@@ -43,7 +43,7 @@ def exporter() -> InMemorySpanExporter:
 
 @pytest.fixture(scope="module")
 def traced(exporter: InMemorySpanExporter) -> Iterator[TracedServer]:
-    srv = TracedServer(tiny_engine(), exporter).start()
+    srv = TracedServer(tiny_engine(in_process=True), exporter).start()  # spans are the edge's: a core on a thread
     yield srv
     srv.stop()
 

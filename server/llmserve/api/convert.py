@@ -10,15 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llmserve.engine.request import (
-    ConstraintKind,
-    ConstraintSpec,
-    Delta,
-    GenerationRequest,
-    SamplingParams,
-    StoppingParams,
-    TokenLogprob,
-)
+from llmserve.engine.delta import Delta, TokenLogprob
+from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams
 from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS, clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 

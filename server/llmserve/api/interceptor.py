@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 from llmserve.api.errors import StreamStalled, status_for
 from llmserve.api.servicer import SERVICE_NAME
 from llmserve.api.vllm_servicer import VLLM_SERVICE_NAME
-from llmserve.engine.request import InvalidRequest
+from llmserve.engine.errors import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import generate_pb2
 
 _SERVICES = {  # whose errors the ErrorInterceptor maps: llmserve's own, and vLLM's engine protocol

@@ -28,7 +28,9 @@ from llmserve.api.limits import check_generate, check_input, is_valid_id, prompt
 from llmserve.api.prompts import SessionPrompts, prompt_token_ids
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
-from llmserve.engine.request import Delta, EngineDead, FinishReason, GenerationRequest, InvalidRequest, QueueFull
+from llmserve.engine.delta import Delta, FinishReason
+from llmserve.engine.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.request import GenerationRequest
 from llmserve.history import HistoryInput, HistoryStore, Turn, open_store
 from llmserve.telemetry.call import CallObserver, CallRecord
 from llmserve.telemetry.request_log import log_call
@@ -263,7 +265,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         tokenizer = self.ready_engine().tokenizer
         check_input(request, self._limits, self._max_prompt_bytes)
         ids = await prompt_token_ids(tokenizer, request)
-        return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+        tokens = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else []  # token_ids sent: no text
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]

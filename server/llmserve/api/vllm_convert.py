@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from llmserve.engine.request import Delta, FinishReason, InvalidRequest, TokenLogprob
+from llmserve.engine.delta import Delta, FinishReason, TokenLogprob
+from llmserve.engine.errors import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 # An unset temperature samples, as in vLLM and OpenAI.

@@ -1,63 +1,63 @@
 """The asyncio front end of the engine: `generate()` streams a request's deltas; the step loop runs elsewhere.
 
-The core runs on a thread of this process (`EngineCore`) or in an engine process of its own (`CoreClient`,
-core_process.py; what `python -m llmserve` does, see `build_engine`); this class drives either the same way. The
-step loop hands each pass's token outputs to the event loop in one call; there the output processor
-(output_processor.py) turns them into deltas (text, stop strings) and routes each to its stream. Detokenizing
-costs the event loop, not the thread that feeds the device, and with an engine process not even its GIL.
+The front end holds one `Core` (core_client.py): the core on a thread of this process (`ThreadCore`, the default
+here) or in an engine process of its own (core_process.ProcessCore, what `python -m llmserve` runs: see
+`build_engine`). It checks a request (its values against the core's facts, its constraint with the checker,
+constraints.py) before anything is queued, adds it, and turns the core's outputs into the caller's deltas: the core
+hands each pass's token outputs to the event loop in one call, where the output processor (output_processor.py)
+detokenizes, applies stop strings and routes each delta to its stream. Detokenizing costs the event loop, not the
+thread that feeds the device, and with an engine process not even its GIL.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.constraints import Compiled, ConstraintCompiler
-from llmserve.engine.core import EngineCore
-from llmserve.engine.core_process import CoreClient
+from llmserve.engine.constraints import ConstraintChecker, Vocabulary
+from llmserve.engine.core_client import Core, ThreadCore
+from llmserve.engine.core_process import ProcessCore
+from llmserve.engine.delta import Delta, FinishReason
+from llmserve.engine.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.facts import validate
 from llmserve.engine.fanout import Merger, split
 from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
-from llmserve.engine.request import (
-    ConstraintSpec,
-    Delta,
-    EngineDead,
-    FinishReason,
-    GenerationRequest,
-    InvalidRequest,
-    QueueFull,
-)
+from llmserve.engine.request import ConstraintSpec, GenerationRequest
 from llmserve.models import LoadedModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class AsyncEngine:
-    """Builds the engine (backend included: KV cache, packing, graphs) in its constructor, which can take
-    seconds: construct it off the event loop. `start()` warms up and starts the step thread."""
+    """The engine over `core`, or by default over a core on a thread of this process, built here (KV cache, packing,
+    graphs: seconds; construct it off the event loop). `start()` starts the core."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, core: CoreClient | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, core: Core | None = None) -> None:
         self.loaded = loaded
         self.config = config
-        # The core on a thread of this process, or in a child process (`core`: a CoreClient that is ready).
-        self.core: EngineCore | CoreClient = EngineCore(loaded, config) if core is None else core
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        vocabulary = Vocabulary.for_model(loaded)  # one per process: a core built here shares it
+        if core is None:
+            from llmserve.engine.core import EngineCore  # the torch side: only where the core runs here
+
+            core = ThreadCore(EngineCore(loaded, config, vocabulary))
+        self.core: Core = core
+        self.checker = None if vocabulary is None else ConstraintChecker.over(vocabulary, config)
+        self._processor = OutputProcessor(loaded.tokenizer)  # used on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outputs = OutputProcessor(loaded.tokenizer)  # used on the event loop only
-        self.constraints = ConstraintCompiler.for_model(loaded, config)
 
     @property
-    def tokenizer(self) -> Any:  # a transformers tokenizer, or None for random-weight models
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.loaded.tokenizer
 
     @property
     def model_info(self) -> ModelInfo:
         facts = self.core.facts
-        assert facts is not None
         return ModelInfo(
             name=self.loaded.name,
             context_length=facts.max_model_len,
@@ -80,8 +80,7 @@ class AsyncEngine:
 
     @property
     def engine_pid(self) -> int | None:
-        core = self.core
-        return core.process.pid if isinstance(core, CoreClient) else None
+        return self.core.pid
 
     @property
     def num_running(self) -> int:
@@ -92,24 +91,15 @@ class AsyncEngine:
         return self.core.num_waiting
 
     async def start(self) -> None:
-        """Warm up (one short generation, off the event loop), then start the step thread."""
+        """Start the core (a core on a thread warms up first), off the event loop."""
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self.core.warm_up)
-        self._thread = threading.Thread(
-            target=self.core.run, args=(self._stop, self._emit), name="llmserve-engine", daemon=True
-        )
-        self._thread.start()
+        await asyncio.to_thread(self.core.start, self._emit)
 
     async def shutdown(self) -> None:
-        """Stop the step thread; requests still running end with CANCELLED."""
-        self._stop.set()
-        self.core.wake()
-        if self.constraints is not None:
-            self.constraints.close()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-            self.core.drain_inbox()  # a session query that came as the thread ended: answered here
+        """Stop the core; requests still running end with CANCELLED, session queries are answered or fail."""
+        if self.checker is not None:
+            self.checker.close()
+        await asyncio.to_thread(self.core.stop)
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -119,18 +109,11 @@ class AsyncEngine:
         return self.core.take_kv_events()
 
     async def get_session(self, session_id: str) -> SessionInfo | None:
-        """The cached session's state, asked of the step thread through its inbox (answered within a step)."""
-        answer = await self._ask(session_id, delete=False)
-        return answer if isinstance(answer, SessionInfo) else None
+        """The cached session's state, asked of the core (answered within a step); EngineDead once it has ended."""
+        return await asyncio.wrap_future(self.core.get_session(session_id))
 
     async def delete_session(self, session_id: str) -> bool:
-        return bool(await self._ask(session_id, delete=True))
-
-    async def _ask(self, session_id: str, *, delete: bool) -> SessionInfo | bool | None:
-        reply = self.core.query_session(session_id, delete=delete)
-        if self._thread is None:  # no step thread: nothing else touches the books, answer here
-            self.core.drain_inbox()
-        return await asyncio.wrap_future(reply)
+        return await asyncio.wrap_future(self.core.delete_session(session_id))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         """Stream the request's deltas. Raises InvalidRequest, EngineDead or QueueFull before the first one.
@@ -146,23 +129,26 @@ class AsyncEngine:
         """
         if self.dead:
             raise EngineDead(self.dead_reason)
-        self.core.validate(request)
-        if self.core.num_waiting + request.n > self.config.max_waiting:
-            raise QueueFull(f"{self.core.num_waiting} requests waiting")
-        compiled = None
+        validate(request, self.core.facts)
+        waiting = self.core.num_waiting
+        if waiting + request.n > self.config.max_waiting:
+            raise QueueFull(f"{waiting} requests waiting")
         if request.constraint is not None:
-            # Before the request is queued, on a worker thread: a slow compile delays this caller only. Compiled
-            # once; each completion gets its own state.
-            compiled = await self._compile(request.constraint)
+            # Before the request is queued, on a worker thread: a slow check delays this caller only. The engine
+            # compiles it (once per distinct spec) and gives each completion its own grammar state.
+            await self._check(request.constraint)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         handles: list[int] = []
-        for index, single in enumerate(split(request)):
-            state = None if compiled is None else compiled.start()
-            handle = self.core.submit(single, state, after=handles[0] if handles else None)
-            self._outputs.add(handle, single, deltas.put_nowait, index)  # before any output can reach the loop
-            handles.append(handle)
+        try:
+            for index, single in enumerate(split(request)):
+                handle = self.core.add(single, after=handles[0] if handles else None)
+                self._processor.add(handle, single, deltas.put_nowait, index)  # before any output reaches the loop
+                handles.append(handle)
+        except EngineDead:  # the core stopped between two completions: the ones added go too
+            self._forget(handles)
+            raise
         merger = Merger(len(handles))
         try:
             while merger.open:
@@ -174,17 +160,21 @@ class AsyncEngine:
                     if delta.finish_reason is FinishReason.ERROR and len(handles) > 1:
                         return  # one completion failed: the call ends, and the others with it
         finally:
-            for index in merger.open:
-                self._outputs.discard(handles[index])
-                self.core.abort(handles[index])
+            self._forget([handles[index] for index in merger.open])
 
-    async def _compile(self, spec: ConstraintSpec) -> Compiled:
-        if self.constraints is None:
+    async def _check(self, spec: ConstraintSpec) -> None:
+        if self.checker is None:
             raise InvalidRequest(spec.field, "the model has no tokenizer: constraints need one")
-        return await self.constraints.compile(spec)
+        await self.checker.check(spec)
+
+    def _forget(self, handles: list[int]) -> None:
+        """The caller went away: its open completions are no longer routed, and the core stops them."""
+        for handle in handles:
+            self._processor.discard(handle)
+            self.core.abort(handle)
 
     def _emit(self, outputs: list[EngineOutput]) -> None:
-        """On the step thread: hand one pass's outputs to the event loop, in one call (a call_soon_threadsafe per
+        """On the core's thread: hand one pass's outputs to the event loop, in one call (a call_soon_threadsafe per
         delta cost the step thread ~1 ms at 256 sequences, one per step ~0.03 ms)."""
         if self._loop is None:
             return
@@ -195,23 +185,23 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         """On the event loop: deltas to their streams; requests a stop string ended are stopped in the core."""
-        for handle, keep_generated in self._outputs.process(outputs):
+        for handle, keep_generated in self._processor.process(outputs):
             self.core.abort(handle, keep_generated)
 
 
 async def build_engine(
-    load: Callable[[], LoadedModel], config: EngineConfig, client: CoreClient | None = None
+    load: Callable[[], LoadedModel], config: EngineConfig, core: ProcessCore | None = None
 ) -> AsyncEngine:
-    """The engine over the model `load` builds: with `client` (started already), the core in its engine process,
-    which loads the model itself (`load` is then not called here); else on a thread of this process. Building takes
-    seconds (loading, KV allocation, weight packing, graph capture): it runs off the event loop. Cancelling it
-    kills the engine process."""
-    if client is None:
+    """The engine over the model `load` builds: with `core` (an engine process started already,
+    core_process.ProcessCore), over that core once it is ready, which loads the model itself (`load` is then not
+    called here); else over a core on a thread of this process. Building takes seconds (loading, KV allocation,
+    weight packing, graph capture): it runs off the event loop. Cancelling it kills the engine process."""
+    if core is None:
         return await asyncio.to_thread(AsyncEngine, await asyncio.to_thread(load), config)
     try:
-        await asyncio.to_thread(client.wait_ready)
+        await asyncio.to_thread(core.wait_ready)
     except asyncio.CancelledError:
-        client.kill()
+        core.kill()
         raise
-    assert client.loaded is not None
-    return AsyncEngine(client.loaded, config, core=client)
+    assert core.loaded is not None
+    return AsyncEngine(core.loaded, config, core=core)

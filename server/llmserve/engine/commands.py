@@ -1,7 +1,8 @@
 """The step loop's inbox: the commands other threads send the engine core, and the callback it emits through.
 
 Everything a thread other than the step thread asks of the engine is one of these, queued and applied when the
-inbox is next drained, so the step thread alone touches the books (no lock).
+inbox is next drained, so the step thread alone touches the books (no lock). A session query carries the future
+its typed answer comes back through.
 """
 
 from __future__ import annotations
@@ -9,24 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import SessionInfo
 from llmserve.engine.request import GenerationRequest
 
-if TYPE_CHECKING:
-    from llmserve.engine.constraints import ConstraintState
-
 
 @dataclass(slots=True, frozen=True)
 class Add:
-    """Start serving `request` under `handle`."""
+    """Start serving `request` under `handle` (its constraint, if any, is compiled by the core)."""
 
     handle: int
     request: GenerationRequest
-    arrival: float  # time.monotonic()
-    constraint: ConstraintState | None = None  # the compiled constraint's fresh state, when the request has one
+    arrival: float  # time.monotonic() when the front end gave it to the core
     # The handle of completion 0 of the same n > 1 request: this one is admitted once that one's prompt is
     # computed, and reuses its KV blocks (engine/fanout.py).
     after: int | None = None
@@ -34,7 +30,7 @@ class Add:
 
 @dataclass(slots=True, frozen=True)
 class Abort:
-    """Stop the request `submit` returned `handle` for; its final output says CANCELLED.
+    """Stop the request `handle`; its final output says CANCELLED.
 
     With `keep_generated` the front end ended the request itself (a stop string in its text after that many
     generated tokens): tokens past those are dropped, so the session keeps exactly what the caller was sent,
@@ -45,14 +41,20 @@ class Abort:
 
 
 @dataclass(slots=True, frozen=True)
-class SessionQuery:
-    """Read (`delete` False: a SessionInfo or None) or delete (True: whether anything was held) a cached session;
-    the answer comes through `reply` from the thread that drains the inbox."""
+class GetSession:
+    """What the core holds for a session: its SessionInfo, or None when it holds nothing."""
 
     session_id: str
-    delete: bool
-    reply: Future[SessionInfo | bool | None]
+    reply: Future[SessionInfo | None]
 
 
-Command = Add | Abort | SessionQuery
+@dataclass(slots=True, frozen=True)
+class DeleteSession:
+    """Free what the core holds for a session; the reply says whether it held anything."""
+
+    session_id: str
+    reply: Future[bool]
+
+
+Command = Add | Abort | GetSession | DeleteSession
 Emit = Callable[[list[EngineOutput]], None]

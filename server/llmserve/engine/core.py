@@ -1,13 +1,12 @@
 """The engine's step loop: typed commands in, one step at a time, token outputs out.
 
-A step reads as its five parts: drain the inbox (`Add`, `Abort`), schedule (the scheduler's `StepPlan`),
-execute (the backend: one forward, the rows that sample), update the books, collect each request's
-`EngineOutput` (token ids, logprobs, finish facts; no text). `run()` hands each pass's outputs to the `emit`
-callback it is given, once per pass; the front end (async_engine.py with output_processor.py) owns text,
-stop strings and the caller's deltas. The step thread owns all engine state and takes no lock: other threads
-only put commands in the inbox, session queries too (`SessionQuery`, answered through a future when the
-inbox is next drained), and read `stats()`. The loop runs on a thread of the server's process, or in an engine
-process of its own (core_child.py, driven through core_process.py).
+A step reads as its five parts: drain the inbox (`Add`, `Abort`), schedule (the scheduler's `StepPlan`), execute
+(the backend: one forward, the rows that sample), update the books, collect each request's `EngineOutput` (token
+ids, logprobs, finish facts; no text). `run()` hands each pass's outputs to its `emit`; the front end
+(async_engine.py, output_processor.py) owns text, stop strings and deltas. The step thread owns all engine state
+and takes no lock: other threads only put commands in the inbox (session queries answered through a future) and
+read `stats()`. A request's grammar is compiled on the compiler's workers while it waits in `compiling`. The loop
+runs on a thread (core_client.ThreadCore) or in an engine process of its own (core_process.ProcessCore).
 """
 
 from __future__ import annotations
@@ -19,30 +18,27 @@ import random
 import threading
 import time
 from concurrent.futures import Future
+from typing import TypeVar
 
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.base import BlockCopier
 from llmserve.engine.block_pool import BlockPool
-from llmserve.engine.commands import Abort, Add, Command, Emit, SessionQuery
+from llmserve.engine.commands import Abort, Add, Command, DeleteSession, Emit, GetSession
+from llmserve.engine.compiling import Compiling
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.constraints import ConstraintState
-from llmserve.engine.facts import CoreFacts, validate
+from llmserve.engine.constraints import ConstraintCompiler, ConstraintState, Vocabulary
+from llmserve.engine.delta import FinishReason
+from llmserve.engine.errors import EngineDead
+from llmserve.engine.facts import CoreFacts, context_cap
 from llmserve.engine.kv_events import KvEvent, KvEventLog
 from llmserve.engine.kv_tiers.worker import build_tiers
-from llmserve.engine.outputs import EngineOutput, RequestStart
+from llmserve.engine.outputs import EngineOutput, RequestStart, ended, ended_unstarted
 from llmserve.engine.plan import SeqStep, StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
-from llmserve.engine.request import (
-    FinishReason,
-    GenerationRequest,
-    SeqStatus,
-    Sequence,
-    StoppingParams,
-    Timing,
-    Usage,
-)
+from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.engine.sampler import RowFailed, Sampled
 from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
 from llmserve.engine.spec.drafter import Drafter
 from llmserve.engine.spec.verify import Verified
@@ -51,25 +47,21 @@ from llmserve.models import LoadedModel
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_FAILURES = 3
+STOPPED = "the engine has stopped"
+Query = TypeVar("Query", GetSession, DeleteSession)
 
 
 class EngineCore:
-    """Owns scheduler, sessions, block pool and backend; `step()` is one iteration. Not thread-safe itself:
-    the step thread calls step(); others only use submit(), abort(), query_session() and stats()."""
+    """Owns scheduler, sessions, block pool, backend and constraint compiler; `step()` is one iteration. The step
+    thread alone calls step() and run(); other threads only submit, abort, ask about sessions, wake and read stats.
+    `vocabulary`: the grammar vocabulary to share with a front end in this process (built once per process); by
+    default the model's own (none without a tokenizer)."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, vocabulary: Vocabulary | None = None) -> None:
         self.loaded = loaded
         self.config = config
-        self.max_model_len = min(config.max_model_len or loaded.context_length, loaded.context_length)
         self.sliding_window = loaded.shape.sliding_window
-        if self.sliding_window is not None and self.sliding_window < self.max_model_len:
-            # The paged attention attends over the whole context: stay where that equals the window's.
-            log.warning(
-                "context capped at %d tokens by the model's sliding window (the paged attention attends to the "
-                "whole context, which equals the window's only up to there)",
-                self.sliding_window,
-            )
-            self.max_model_len = self.sliding_window
+        self.max_model_len = context_cap(config.max_model_len, loaded.context_length, self.sliding_window)
         self.backend = create_backend(loaded, config, self.max_model_len)
         # Lower KV tiers (--kv-offload-*): raises DiskTierError naming the flag when they cannot be had.
         self.tiers = build_tiers(config, loaded, BlockCopier(self.backend.kv))
@@ -93,12 +85,15 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.start()
         self.drafter = build_drafter(config, self.max_model_len)  # speculative decoding (engine/spec), or None
+        vocabulary = vocabulary if vocabulary is not None else Vocabulary.for_model(loaded)
+        compiler = None if vocabulary is None else ConstraintCompiler(vocabulary, config.constraint_cache_size)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._inbox_lock = threading.Lock()  # with _closed: nothing enters the inbox after its last drain
+        self._closed = False
         self._wake = threading.Event()
         self._handles = itertools.count(1)  # also each sequence's arrival order (seq_no)
-        self._outputs: list[EngineOutput] = []  # this pass's, until take_outputs()
-        self._submitted = 0
-        self._drained = 0
+        self._collected: list[EngineOutput] = []  # this pass's outputs, until take_outputs()
+        self.compiling = Compiling(compiler, self._wake.set)  # constrained requests until their matcher exists
         self._failures = 0
         self.dead_reason: str | None = None
         self.steps = 0
@@ -116,55 +111,42 @@ class EngineCore:
 
     # -- called from any thread ------------------------------------------------------------------
 
-    def validate(self, request: GenerationRequest) -> None:
-        validate(request, self.facts)
-
-    def submit(
-        self,
-        request: GenerationRequest,
-        constraint: ConstraintState | None = None,
-        *,
-        after: int | None = None,
-        handle: int | None = None,
-    ) -> int:
-        """Queue a request (checked by facts.validate); returns the handle its outputs carry and `abort` takes, or
-        uses `handle` (a client that numbers requests itself, in increasing order: core_process.py). A constrained
-        request comes with its compiled state, which the step thread alone advances. `after`: the handle of
-        completion 0 of the same n > 1 request, whose prompt KV this one waits for and shares."""
+    def submit(self, request: GenerationRequest, *, after: int | None = None, handle: int | None = None) -> int:
+        """Queue a request (checked by facts.validate) under `handle` (a client numbers its own, increasing) or the
+        next; returns it. `after`: the handle of completion 0 of the same n > 1 request, whose prompt KV this one
+        waits for and shares. Raises EngineDead once the step loop has ended."""
         if handle is None:
             handle = next(self._handles)
-        self._submitted += 1  # written by the submitting thread only; _drained by the step thread only
-        self._inbox.put(Add(handle, request, time.monotonic(), constraint, after))
-        self._wake.set()
+        if not self._put(Add(handle, request, time.monotonic(), after)):
+            raise EngineDead(STOPPED)
         return handle
 
     def abort(self, handle: int, keep_generated: int | None = None) -> None:
         """End a request (see `Abort`); a handle that already finished is ignored."""
-        self._inbox.put(Abort(handle, keep_generated))
-        self._wake.set()
+        self._put(Abort(handle, keep_generated))
+
+    def get_session(self, session_id: str) -> Future[SessionInfo | None]:
+        """What the core holds for a session, answered when the inbox is next drained (within a step)."""
+        return self._ask(GetSession(session_id, Future())).reply
+
+    def delete_session(self, session_id: str) -> Future[bool]:
+        """Free what the core holds for a session; the answer says whether it held anything."""
+        return self._ask(DeleteSession(session_id, Future())).reply
 
     def wake(self) -> None:
-        """Make an idle step loop look at its inbox and stop flag now."""
-        self._wake.set()
-
-    def query_session(self, session_id: str, *, delete: bool = False) -> Future[SessionInfo | bool | None]:
-        """Ask about (or delete) a cached session; answered when the inbox is next drained (within a step)."""
-        reply: Future[SessionInfo | bool | None] = Future()
-        self._inbox.put(SessionQuery(session_id, delete, reply))
-        self._wake.set()
-        return reply
+        self._wake.set()  # an idle step loop looks at its inbox and stop flag now
 
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
     def stats(self) -> EngineStats:
-        """Read without the lock (plain ints, each read atomically): a scrape never stalls a step."""
+        """Read without a lock: a scrape never stalls a step. Clients add what is on its way to `waiting` (InFlight)."""
         pool, sessions, scheduler = self.pool, self.sessions, self.scheduler
         free = pool.num_free
         return EngineStats(
             running=self.num_running,
-            waiting=self.num_waiting,
+            waiting=scheduler.num_waiting + len(self.compiling),
             kv_blocks_total=pool.num_blocks,
             kv_blocks_used=pool.num_blocks - free,
             kv_blocks_cached=pool.num_cached,
@@ -180,16 +162,12 @@ class EngineCore:
             speculation=self.drafter.snapshot() if self.drafter is not None else None,
         )
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests submitted and not yet running (still in the inbox or in the scheduler's queue)."""
-        return self.scheduler.num_waiting + self._submitted - self._drained
-
     # -- the step thread -------------------------------------------------------------------------
 
     def run(self, stop: threading.Event, emit: Emit) -> None:
-        """Step until `stop` is set, handing each pass's outputs to `emit` in one call; then cancel whatever
-        is left."""
+        """Step until `stop` is set (then `wake()`), handing each pass's outputs to `emit` in one call; then end
+        the rest: the inbox is closed and drained (every session query is answered), whatever is left ends
+        CANCELLED, and the tiers and the compiler close."""
         self.calibrate_speculation()
         while not stop.is_set():
             self.drain_inbox()
@@ -204,21 +182,21 @@ class EngineCore:
                 log.exception("engine step failed")
                 self._die(f"engine step failed: {type(exc).__name__}: {exc}")
             self._emit_pending(emit)
+        with self._inbox_lock:
+            self._closed = True
         self.drain_inbox()
-        for seq in list(self.scheduler.live.values()):
-            self._finish(seq, FinishReason.CANCELLED)
+        self._end_all(FinishReason.CANCELLED, None)
         self._emit_pending(emit)
         self.close_tiers()
+        self.compiling.close()
 
     def warm_up(self) -> None:
         """One short generation stepped on this thread, before the step loop starts (its outputs are dropped)."""
         request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
-        handle = self.submit(request)
-        while True:
+        self.submit(request, handle=0)  # 0: no client's (clients number from 1)
+        while not any(out.handle == 0 and out.finished for out in self.take_outputs()):
             self.drain_inbox()
             self.step()
-            if any(out.handle == handle and out.finished for out in self.take_outputs()):
-                break
         self.calibrate_speculation()
 
     def calibrate_speculation(self) -> None:
@@ -237,12 +215,10 @@ class EngineCore:
             took = time.monotonic() - start
             log.info("speculative decoding: step-cost table measured in %.1f s: %s", took, self.drafter.cost)
 
-    def add_now(self, request: GenerationRequest) -> int:
-        """Start a request at once, past the inbox (the step thread only: the calibration's own requests, which
-        must not drain callers' commands); returns its handle."""
-        handle = next(self._handles)
-        self._add(Add(handle, request, time.monotonic(), None, None))
-        return handle
+    def add_now(self, request: GenerationRequest, handle: int) -> None:
+        """Start an unconstrained request at once, past the inbox (the step thread only: the calibration's own
+        requests, which must not drain callers' commands; negative handles, which no client uses)."""
+        self._admit(Add(handle, request, time.monotonic()), None)
 
     def cancel_now(self, handle: int) -> None:
         """End a request started by add_now at once (the step thread only); its outputs are the caller's to drop."""
@@ -264,7 +240,7 @@ class EngineCore:
 
     def take_outputs(self) -> list[EngineOutput]:
         """The outputs collected since the last call (commands drained, steps taken), in order."""
-        outputs, self._outputs = self._outputs, []
+        outputs, self._collected = self._collected, []
         return outputs
 
     def step(self) -> None:
@@ -302,62 +278,88 @@ class EngineCore:
                 self._append(entry.seq, result, emit_time)
 
     def drain_inbox(self) -> None:
-        """Apply every queued command (on the step thread, or the thread that steps by hand)."""
+        """Apply every queued command, then admit the requests whose grammar has compiled meanwhile (on the step
+        thread, or the thread that steps by hand)."""
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(command, Add):
-                self._drained += 1
                 self._add(command)
-            elif isinstance(command, SessionQuery):
-                command.reply.set_result(self.sessions.answer(command.session_id, command.delete, self.tiers))
-            elif (seq := self.scheduler.live.get(command.handle)) is not None:
-                if command.keep_generated is None:
-                    self._finish(seq, FinishReason.CANCELLED)
+            elif self.dead_reason is not None and not isinstance(command, Abort):  # a dead core answers nothing
+                command.reply.set_exception(EngineDead(self.dead_reason))
+            elif isinstance(command, GetSession):
+                command.reply.set_result(self.sessions.info(command.session_id, self.tiers))
+            elif isinstance(command, DeleteSession):
+                command.reply.set_result(self.sessions.delete(command.session_id))
+            else:
+                self._abort(command)
+        if self.compiling:
+            for late in self.compiling.expired(time.monotonic()):
+                self._end_unstarted(late, FinishReason.DEADLINE)
+            for add, state in self.compiling.ready():
+                if isinstance(state, str):
+                    self._end_unstarted(add, FinishReason.ERROR, state)
                 else:
-                    del seq.token_ids[seq.num_prompt + command.keep_generated :]
-                    seq.num_computed = min(seq.num_computed, len(seq.token_ids))
-                    self._finish(seq, FinishReason.STOP_SEQUENCE)
+                    self._admit(add, state)
 
     # -- internals -------------------------------------------------------------------------------
 
     def _emit_pending(self, emit: Emit) -> None:
-        if self._outputs:
+        if self._collected:
             emit(self.take_outputs())
 
+    def _ask(self, query: Query) -> Query:
+        if not self._put(query):  # the loop ended: its last drain is done, nobody would answer
+            query.reply.set_exception(EngineDead(STOPPED))
+        return query
+
+    def _put(self, command: Command) -> bool:
+        """Queue a command for the step thread; False once the inbox has closed (the loop ended)."""
+        with self._inbox_lock:
+            if self._closed:
+                return False
+            self._inbox.put(command)
+        self._wake.set()
+        return True
+
     def _add(self, command: Add) -> None:
-        request = command.request
+        spec = command.request.constraint
         if self.dead_reason is not None:
-            n = len(request.prompt_token_ids)
-            self._outputs.append(
-                EngineOutput(
-                    command.handle,
-                    request.request_id,
-                    [],
-                    finish_reason=FinishReason.ERROR,
-                    usage=Usage(n, 0, 0),
-                    error=self.dead_reason,
-                )
-            )
-            return
-        stopping = request.stopping
-        seq = Sequence(
-            request,
-            list(request.prompt_token_ids),
-            command.arrival,
-            command.handle,
-            stop_ids=frozenset(stopping.stop_token_ids),
-            eos_ids=frozenset() if stopping.ignore_eos else frozenset(self.loaded.eos_token_ids),
-            constraint=command.constraint,
-        )
+            self._end_unstarted(command, FinishReason.ERROR, self.dead_reason)
+        elif spec is None:
+            self._admit(command, None)
+        else:
+            self.compiling.add(command, spec)
+
+    def _admit(self, command: Add, constraint: ConstraintState | None) -> None:
+        request = command.request
+        seq = Sequence.of(request, command.handle, command.arrival, self.loaded.eos_token_ids, constraint)
         if command.after is not None:  # None when it already finished: then there is nothing to wait for
             seq.after = self.scheduler.live.get(command.after)
         params = request.sampling
         if not params.greedy:  # the seed its random stream starts from at its first sample (backend.generators)
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.scheduler.add(seq)
+
+    def _abort(self, command: Abort) -> None:
+        seq = self.scheduler.live.get(command.handle)
+        if seq is None:
+            parked = self.compiling.pop(command.handle)
+            if parked is not None:
+                self._end_unstarted(parked, FinishReason.CANCELLED)
+        elif command.keep_generated is None:
+            self._finish(seq, FinishReason.CANCELLED)
+        else:
+            del seq.token_ids[seq.num_prompt + command.keep_generated :]
+            seq.num_computed = min(seq.num_computed, len(seq.token_ids))
+            self._finish(seq, FinishReason.STOP_SEQUENCE)
+
+    def _end_unstarted(self, command: Add, reason: FinishReason, error: str | None = None) -> None:
+        request = command.request
+        n = len(request.prompt_token_ids)
+        self._collected.append(ended_unstarted(command.handle, request.request_id, n, command.arrival, reason, error))
 
     def _drafts(self) -> dict[int, list[int]] | None:
         """The drafts the running sequences verify this step (none without speculation): what the token budget
@@ -408,7 +410,7 @@ class EngineCore:
         if reason is FinishReason.ERROR:
             return
         if reason is None:
-            self._outputs.append(output)
+            self._collected.append(output)
         else:
             self._finish(seq, reason, output=output)
 
@@ -470,29 +472,26 @@ class EngineCore:
         self.backend.generators.release(seq.seq_no)
         if self.drafter is not None:
             self.drafter.release(seq)
-        if output is None:
-            output = EngineOutput(seq.seq_no, seq.request_id, [])
-        now = time.monotonic()
-        output.finish_reason = reason
-        output.error = error
-        output.seed = seq.seed
-        output.usage = Usage(seq.num_prompt, seq.num_cached_prompt, seq.num_generated)
-        started = seq.first_scheduled if seq.first_scheduled is not None else now
-        first = seq.first_token if seq.first_token is not None else now
-        output.timing = Timing(started - seq.arrival, first - seq.arrival, now - seq.arrival)
-        self._outputs.append(output)
+        usage, timing = seq.ended(time.monotonic())
+        final = ended(seq.seq_no, seq.request_id, reason, usage, timing, seed=seq.seed, error=error, last=output)
+        self._collected.append(final)
 
     def _expire_deadlines(self, now: float) -> None:
-        for seq in [s for s in self.scheduler.live.values() if s.request.deadline is not None]:
-            deadline = seq.request.deadline
-            if deadline is not None and deadline <= now:
-                self._finish(seq, FinishReason.DEADLINE)
+        live = self.scheduler.live.values()
+        for seq in [s for s in live if s.request.deadline is not None and s.request.deadline <= now]:
+            self._finish(seq, FinishReason.DEADLINE)
 
     def _die(self, reason: str) -> None:
         log.error("engine is dead: %s", reason)
         self.dead_reason = reason
+        self._end_all(FinishReason.ERROR, reason)
+
+    def _end_all(self, reason: FinishReason, error: str | None) -> None:
+        """End every request the core holds: running, waiting, and waiting for its grammar."""
         for seq in list(self.scheduler.live.values()):
-            self._finish(seq, FinishReason.ERROR, error=reason)
+            self._finish(seq, reason, error=error)
+        for command in self.compiling.take_all():
+            self._end_unstarted(command, reason, error)
 
 
 def build_drafter(config: EngineConfig, max_model_len: int) -> Drafter | None:

@@ -2,9 +2,9 @@
 
 It reads its ChildSpec, builds the core (the model loads here), warms up, says Ready, then runs the core's step
 loop until the parent says Stop or goes away. Three threads: the step loop; the command thread, which puts each
-command from the parent into the core's inbox (compiling a request's constraint first, on the compiler's workers,
-so that a slow grammar delays only its own request); the sender, which pickles and writes the messages, so that
-the step loop does not wait for the front end to read (unless the front end is OUTBOX_PASSES behind).
+command from the parent into the core's inbox (the core compiles a request's constraint itself, off the step
+thread); the sender, which pickles and writes the messages, so that the step loop does not wait for the front end
+to read (unless the front end is OUTBOX_PASSES behind).
 """
 
 from __future__ import annotations
@@ -17,24 +17,38 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llmserve.engine.commands import Abort, Add
-from llmserve.engine.core_messages import Bye, ChildSpec, Failed, Outputs, Query, Ready, Reply, Stop, encode
+from llmserve.engine.core_messages import (
+    Bye,
+    ChildSpec,
+    Failed,
+    Outputs,
+    Ready,
+    SessionAnswer,
+    SessionDelete,
+    SessionDeleted,
+    SessionQuery,
+    Stop,
+    encode,
+)
+from llmserve.engine.errors import EngineDead
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import SessionInfo
-from llmserve.engine.request import FinishReason, Usage
 from llmserve.telemetry.request_log import configure_logging
+
+if TYPE_CHECKING:
+    from llmserve.engine.core import EngineCore
 
 # Messages the sender may hold before the step loop waits: a front end this far behind (seconds of passes) slows
 # the engine down to its own pace instead of buffering without end.
 OUTBOX_PASSES = 1024
 
-if TYPE_CHECKING:
-    from llmserve.engine.constraints import Compiled, ConstraintCompiler
-    from llmserve.engine.core import EngineCore
+Send = Callable[[object], None]
 
 
 def _child_main(commands: Connection, events: Connection) -> None:
@@ -53,9 +67,9 @@ def _child_main(commands: Connection, events: Connection) -> None:
     sender.start()
 
     try:
-        spec = commands.recv()
+        spec: ChildSpec = commands.recv()
         configure_logging(spec.log_level, spec.log_format)
-        core, compiler = _build(spec)
+        core = _build(spec)
     except Exception as exc:
         try:
             pickle.dumps(exc)
@@ -68,13 +82,11 @@ def _child_main(commands: Connection, events: Connection) -> None:
     send(Ready(dataclasses.replace(core.loaded, model=None), core.facts, core.stats()))
     stop = threading.Event()
     receiver = threading.Thread(
-        target=_Commands(core, compiler, send).run, args=(commands, stop), name="llmserve-commands", daemon=True
+        target=_receive, args=(commands, core, stop, send), name="llmserve-commands", daemon=True
     )
     receiver.start()
 
-    core.run(stop, lambda outputs: send(_outputs(core, outputs)))
-    if compiler is not None:
-        compiler.close()
+    core.run(stop, lambda outputs: send(_pass_message(core, outputs)))
     send(Bye())
     sender.join()
     events.close()
@@ -91,88 +103,54 @@ def _send_all(outbox: queue.Queue[object], events: Connection) -> None:
             return
 
 
-def _outputs(core: EngineCore, outputs: list[EngineOutput]) -> Outputs:
+def _pass_message(core: EngineCore, outputs: list[EngineOutput]) -> Outputs:
     """A pass's outputs as they travel, with the core's state of that moment."""
     return Outputs(encode(outputs), core.dead_reason, core.stats(), core.take_kv_events())
 
 
-def _build(spec: ChildSpec) -> tuple[EngineCore, Any]:
-    from llmserve.engine.constraints import ConstraintCompiler
+def _build(spec: ChildSpec) -> EngineCore:
     from llmserve.engine.core import EngineCore
 
-    loaded = spec.load()
-    core = EngineCore(loaded, spec.config)
-    if spec.prepare is not None:
-        spec.prepare(core)
-    compiler = ConstraintCompiler.for_model(loaded, spec.config)
+    core = EngineCore(spec.load(), spec.config)
     core.warm_up()
-    return core, compiler
+    return core
 
 
-class _Commands:
-    """The command thread's state: requests whose constraint is still compiling, and whether each was aborted
-    meanwhile (the core does not know them yet)."""
-
-    def __init__(self, core: EngineCore, compiler: ConstraintCompiler | None, send: Any) -> None:
-        self.core = core
-        self.compiler = compiler
-        self.send = send
-        self._compiling: dict[int, bool] = {}  # handle -> aborted
-        self._lock = threading.Lock()
-
-    def run(self, commands: Connection, stop: threading.Event) -> None:
-        core = self.core
-        while True:
-            try:
-                command = commands.recv()
-            except (EOFError, OSError):  # the parent is gone: stop
-                command = Stop()
-            if isinstance(command, Stop):
-                stop.set()
-                core.wake()
-                return
-            if isinstance(command, Add):
-                self._add(command)
-            elif isinstance(command, Abort):
-                with self._lock:
-                    if command.handle in self._compiling:
-                        self._compiling[command.handle] = True
-                        continue
-                core.abort(command.handle, command.keep_generated)
-            elif isinstance(command, Query):
-                future = core.query_session(command.session_id, delete=command.delete)
-                future.add_done_callback(functools.partial(self._reply, command.number))
-
-    def _reply(self, number: int, future: Future[SessionInfo | bool | None]) -> None:
-        self.send(Reply(number, future.result()))
-
-    def _add(self, command: Add) -> None:
-        spec = command.request.constraint
-        if spec is None or self.compiler is None:
-            self.core.submit(command.request, None, after=command.after, handle=command.handle)
+def _receive(commands: Connection, core: EngineCore, stop: threading.Event, send: Send) -> None:
+    """The command thread: each command from the parent into the core, until Stop or the parent goes away. A request
+    that comes after the core's last drain is not taken in (EngineDead): the parent ends it when the child says Bye
+    (so does a session command, whose refusal the sender drops once it has sent Bye)."""
+    while True:
+        try:
+            command = commands.recv()
+        except (EOFError, OSError):  # the parent is gone: stop
+            command = Stop()
+        if isinstance(command, Stop):
+            stop.set()
+            core.wake()
             return
-        with self._lock:
-            self._compiling[command.handle] = False
-        # Compiled (and refused) by the front end first: here it is usually in this process's cache already.
-        self.compiler.submit(spec).add_done_callback(functools.partial(self._compiled, command))
-
-    def _compiled(self, command: Add, future: Future[Compiled]) -> None:
-        """On the compiler's worker (or this thread, if it was done): queue the request, or end it."""
-        with self._lock:
-            aborted = self._compiling.pop(command.handle)
-        request = command.request
-        reason, error = FinishReason.CANCELLED, None
-        if not aborted:
+        if isinstance(command, Add):
             try:
-                state = future.result().start()
-            except Exception as exc:
-                reason, error = FinishReason.ERROR, f"its constraint did not compile in the engine process: {exc}"
-            else:
-                self.core.submit(request, state, after=command.after, handle=command.handle)
-                return
-        usage = Usage(len(request.prompt_token_ids), 0, 0)
-        ended = EngineOutput(command.handle, request.request_id, [], finish_reason=reason, usage=usage, error=error)
-        self.send(_outputs(self.core, [ended]))
+                core.submit(command.request, after=command.after, handle=command.handle)
+            except EngineDead:
+                pass
+        elif isinstance(command, Abort):
+            core.abort(command.handle, command.keep_generated)
+        elif isinstance(command, SessionQuery):
+            core.get_session(command.session_id).add_done_callback(functools.partial(_answer, send, command.number))
+        elif isinstance(command, SessionDelete):
+            reply = core.delete_session(command.session_id)
+            reply.add_done_callback(functools.partial(_deleted, send, command.number))
+
+
+def _answer(send: Send, number: int, future: Future[SessionInfo | None]) -> None:
+    error = future.exception()
+    send(SessionAnswer(number, None, str(error)) if error is not None else SessionAnswer(number, future.result()))
+
+
+def _deleted(send: Send, number: int, future: Future[bool]) -> None:
+    error = future.exception()
+    send(SessionDeleted(number, False, str(error)) if error is not None else SessionDeleted(number, future.result()))
 
 
 if __name__ == "__main__":

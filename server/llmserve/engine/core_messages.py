@@ -1,8 +1,9 @@
 """The messages between the front end and an engine core in a process of its own (core_process.py, core_child.py).
 
-Parent to child: the `ChildSpec` first, then `commands.Add`, `commands.Abort`, `Query` and `Stop`. Child to parent:
-`Ready` (or `Failed`), one `Outputs` per pass of the step loop, a `Reply` per query, `Bye` at the end. They travel
-pickled over two pipes. Nothing here imports torch.
+Parent to child: the `ChildSpec` first, then `commands.Add`, `commands.Abort`, `SessionQuery`, `SessionDelete`
+and `Stop`. Child to parent: `Ready` (or `Failed`), one `Outputs` per pass of the step loop, a `SessionAnswer` or
+`SessionDeleted` per session command, `Bye` at the end. They travel pickled over two pipes. Nothing here imports
+torch.
 """
 
 from __future__ import annotations
@@ -18,20 +19,28 @@ from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, SessionInfo
 
 if TYPE_CHECKING:
-    from llmserve.engine.core import EngineCore
     from llmserve.models import LoadedModel
 
 
 @dataclass(slots=True, frozen=True)
-class Query:
+class SessionQuery:
+    """commands.GetSession across the pipe: the answer comes back as SessionAnswer(number)."""
+
     number: int
     session_id: str
-    delete: bool
+
+
+@dataclass(slots=True, frozen=True)
+class SessionDelete:
+    """commands.DeleteSession across the pipe: the answer comes back as SessionDeleted(number)."""
+
+    number: int
+    session_id: str
 
 
 @dataclass(slots=True, frozen=True)
 class Stop:
-    pass
+    """End the step loop: what still runs ends CANCELLED, then the child says Bye and exits."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,27 +73,33 @@ class Outputs:
 
 
 @dataclass(slots=True, frozen=True)
-class Reply:
+class SessionAnswer:
     number: int
-    answer: SessionInfo | bool | None
+    info: SessionInfo | None
+    refused: str | None = None  # why the core did not answer (it is dead): EngineDead(refused) for the caller
+
+
+@dataclass(slots=True, frozen=True)
+class SessionDeleted:
+    number: int
+    deleted: bool
+    refused: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
 class Bye:
-    pass
+    """The step loop has ended and the child exits; everything it answered came before this."""
 
 
 @dataclass(slots=True, frozen=True)
 class ChildSpec:
     """What the child needs to build the core: `load` builds the model (picklable: a module-level function or a
-    functools.partial of one), `prepare` (optional, picklable) may adjust the core before it warms up (the
-    benchmarks stub the model call with it)."""
+    functools.partial of one)."""
 
     load: Callable[[], LoadedModel]
     config: EngineConfig
     log_level: str = "INFO"
     log_format: str = "text"  # as the server's --log-format
-    prepare: Callable[[EngineCore], None] | None = None
 
 
 def encode(outputs: list[EngineOutput]) -> list[Item]:

@@ -1,23 +1,22 @@
-"""The engine core in a process of its own, so that the step loop does not share an interpreter lock with the front end.
+"""The `Core` in an engine process of its own (`ProcessCore`), so that the step loop does not share an interpreter
+lock with the front end.
 
 In one process the event loop (gRPC, the output processor's detokenization, each stream's wake-up) and the step
 thread take turns on one GIL: each millisecond of front-end Python is a millisecond the step thread, and the
 device it feeds, waits (benchmarks/probes/host_overhead.py --front-end: at 256 streams a step's host work is
-2.7 ms alone and 7-10 ms beside the front end). `CoreClient` starts the core in a fresh interpreter (a fork would
-inherit the parent's threads and CUDA state) and stands in for `EngineCore` in `AsyncEngine`: the same
-submit / abort / query_session / stats / run, over two pipes.
+2.7 ms alone and 7-10 ms beside the front end). `ProcessCore` starts `EngineCore` in a fresh interpreter (a fork
+would inherit the parent's threads and CUDA state: core_child.py) and talks to it over two pipes
+(core_messages.py). A constrained request travels with its spec: the engine process compiles it (the front end
+only checked it).
 
-The messages are core_messages.py's, the child's side is core_child.py. Requests carry their constraint as a
-spec: the child compiles it again (its own cache), because a grammar's state cannot cross processes; the front
-end compiled it first, so refusals are answered here.
-
-The parent numbers the requests (the handles), so that `after` and `abort` need no round trip. When the child
-dies, every request it held ends with ERROR and the client reports the engine dead, as a dead core does.
+The client numbers the requests (core_client.InFlight) and keeps, for each, what it has seen of it (its first
+token's accounts, the tokens since): when the child dies, every request it held ends with ERROR and its usage, the
+pending session queries fail, and the core is dead. After `Bye` (a stop) the same happens with CANCELLED to what the
+child never took in. Nothing here imports torch: the server starts its engine process before it loads torch.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import subprocess
@@ -25,23 +24,26 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmserve.engine import core_messages as messages
 from llmserve.engine.commands import Abort, Add, Emit
+from llmserve.engine.core_client import InFlight
 from llmserve.engine.core_messages import ChildSpec
-from llmserve.engine.facts import CoreFacts, validate
+from llmserve.engine.delta import FinishReason
+from llmserve.engine.errors import EngineDead
+from llmserve.engine.facts import CoreFacts
 from llmserve.engine.kv_events import KvEvent, KvEventLog
-from llmserve.engine.outputs import EngineOutput
+from llmserve.engine.outputs import EngineOutput, RequestStart, ended, ended_unstarted
 from llmserve.engine.protocol import EngineStats, SessionInfo
-from llmserve.engine.request import EngineDead, FinishReason, GenerationRequest
+from llmserve.engine.request import GenerationRequest
 
 if TYPE_CHECKING:
-    from llmserve.engine.constraints import ConstraintState
     from llmserve.models import LoadedModel
 
-__all__ = ["ChildSpec", "CoreClient", "load_served_model"]
+__all__ = ["ChildSpec", "ProcessCore", "load_served_model"]
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +52,33 @@ START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 # The most outputs of passes that queued up handed to the front end as one batch.
 MAX_MERGED = 4096
+STOPPED = "the engine has stopped"
+T = TypeVar("T")
 
 
-class CoreClient:
-    """The front end's side of a core in a child process; `AsyncEngine(core=...)` drives it like an EngineCore.
+@dataclass(slots=True, eq=False)
+class _Seen:
+    """What the client has seen of one request: enough to end it with its usage if the child cannot."""
 
-    The constructor starts the child and returns at once; `wait_ready` (seconds: the child loads the model) raises
-    RuntimeError when the child failed or exited. Thread-safety as EngineCore's: any thread may submit, abort,
-    query and read stats; one thread runs `run`.
+    request_id: str
+    num_prompt: int
+    arrival: float  # time.monotonic() when it was sent (the clock is the machine's: the child's too)
+    start: RequestStart | None = None
+    num_generated: int = 0
+
+    def final(self, handle: int, reason: FinishReason, error: str) -> EngineOutput:
+        start = self.start
+        if start is None:
+            return ended_unstarted(handle, self.request_id, self.num_prompt, self.arrival, reason, error)
+        usage, timing = start.usage(self.num_generated), start.timing(time.monotonic())
+        return ended(handle, self.request_id, reason, usage, timing, seed=start.seed, error=error)
+
+
+class ProcessCore:
+    """The front end's side of a core in a child process (core_client.Core).
+
+    The constructor starts the child and returns at once; `wait_ready` (seconds: the child loads the model and warms
+    up) raises RuntimeError when the child failed or exited, or the child's own exception when it pickled.
     """
 
     def __init__(self, spec: ChildSpec) -> None:
@@ -73,19 +94,22 @@ class CoreClient:
         )
         os.close(commands_in)
         os.close(events_out)
-        self._commands_out = Connection(commands_out, readable=False)
+        self._commands = Connection(commands_out, readable=False)
         self._events = Connection(events_in, writable=False)
-        self._commands_out.send(spec)
+        self._commands.send(spec)
         self._send_lock = threading.Lock()
-        self._handles = itertools.count(1)
-        self._queries = itertools.count(1)
-        self._pending: dict[int, Future[SessionInfo | bool | None]] = {}
-        self._live: dict[int, str] = {}  # handle -> request id, of every request the child may still hold
-        self._live_lock = threading.Lock()
-        self._stop: threading.Event | None = None
+        self._requests: InFlight[_Seen] = InFlight()
+        # Under _lock: why the core ended (None while it serves), and the session commands awaiting their answer,
+        # so that none is registered after the core ended and left unanswered.
+        self._lock = threading.Lock()
+        self._ended: str | None = None
+        self._numbers = 0
+        self._queries: dict[int, Future[SessionInfo | None]] = {}
+        self._deletes: dict[int, Future[bool]] = {}
+        self._reader: threading.Thread | None = None
         self._stopping = False
-        self.loaded: LoadedModel | None = None
-        self.facts: CoreFacts | None = None
+        self.loaded: LoadedModel | None = None  # the model as the child describes it (no weights), once ready
+        self._facts: CoreFacts | None = None
         self._stats: EngineStats | None = None
         self.dead_reason: str | None = None
         self._kv_events = KvEventLog()  # the child's, as they arrive with its passes, until taken
@@ -109,74 +133,89 @@ class CoreClient:
                 raise message.exception from RuntimeError(message.error)
             raise RuntimeError(message.error)
         assert isinstance(message, messages.Ready)
-        self.loaded, self.facts, self._stats = message.loaded, message.facts, message.stats
+        self.loaded, self._facts, self._stats = message.loaded, message.facts, message.stats
 
-    # -- EngineCore's interface, as AsyncEngine uses it --------------------------------------------
+    # -- core_client.Core ------------------------------------------------------------------------
 
-    def validate(self, request: GenerationRequest) -> None:
-        validate(request, self._facts())
+    @property
+    def facts(self) -> CoreFacts:
+        assert self._facts is not None, "wait_ready() first"
+        return self._facts
 
-    def submit(
-        self, request: GenerationRequest, constraint: ConstraintState | None = None, *, after: int | None = None
-    ) -> int:
-        """Send a request; its constraint (if any) is compiled again in the child from `request.constraint`, so the
-        state compiled here is not sent."""
-        handle = next(self._handles)
-        with self._live_lock:
-            self._live[handle] = request.request_id
-        self._send(Add(handle, request, time.monotonic(), None, after))
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def num_running(self) -> int:
+        return 0 if self.dead_reason is not None else self._last_stats().running  # a dead core runs nothing
+
+    @property
+    def num_waiting(self) -> int:
+        return self._requests.waiting(self.num_running)
+
+    def stats(self) -> EngineStats:
+        """The child's stats as of its last pass, with the client's waiting count."""
+        return self._requests.stats(self._last_stats())
+
+    def start(self, emit: Emit) -> None:
+        """Start the thread that hands the child's passes to `emit` (the child warmed up before it was ready)."""
+        self._reader = threading.Thread(target=self._read, args=(emit,), name="llmserve-engine-events", daemon=True)
+        self._reader.start()
+
+    def add(self, request: GenerationRequest, *, after: int | None = None) -> int:
+        arrival = time.monotonic()
+        with self._lock:
+            if self._ended is not None:
+                raise EngineDead(self._ended)
+            handle = self._requests.add(_Seen(request.request_id, len(request.prompt_token_ids), arrival))
+        self._send(Add(handle, request, arrival, after))
         return handle
 
     def abort(self, handle: int, keep_generated: int | None = None) -> None:
         self._send(Abort(handle, keep_generated))
 
-    def wake(self) -> None:
-        """The front end sets the stop flag, then wakes the loop: here that is the moment to tell the child."""
-        if self._stop is not None and self._stop.is_set() and not self._stopping:
-            self._stopping = True
-            self._send(messages.Stop())
-
-    def drain_inbox(self) -> None:
-        """Nothing to do here: the child drains its own inbox."""
-
-    def warm_up(self) -> None:
-        """Nothing to do here: the child warmed up before it said it was ready."""
-
-    def query_session(self, session_id: str, *, delete: bool = False) -> Future[SessionInfo | bool | None]:
-        reply: Future[SessionInfo | bool | None] = Future()
-        if self.dead_reason is not None:
-            reply.set_exception(EngineDead(self.dead_reason))
-            return reply
-        number = next(self._queries)
-        self._pending[number] = reply
-        self._send(messages.Query(number, session_id, delete))
+    def get_session(self, session_id: str) -> Future[SessionInfo | None]:
+        reply: Future[SessionInfo | None] = Future()
+        number = self._register(self._queries, reply)
+        if number is not None:
+            self._send(messages.SessionQuery(number, session_id))
         return reply
 
-    @property
-    def num_running(self) -> int:
-        return 0 if self.dead_reason is not None else self.stats().running  # a dead core runs nothing
+    def delete_session(self, session_id: str) -> Future[bool]:
+        reply: Future[bool] = Future()
+        number = self._register(self._deletes, reply)
+        if number is not None:
+            self._send(messages.SessionDelete(number, session_id))
+        return reply
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests sent and not yet running, as of the child's last report (a pass late at most)."""
-        return max(0, len(self._live) - self.num_running)
+    def stop(self) -> None:
+        """Tell the child to stop and wait until it has said Bye and exited (or died)."""
+        with self._lock:
+            stopping, self._stopping = self._stopping, True
+        if not stopping:
+            self._send(messages.Stop())
+        if self._reader is None:  # never started: nobody listens to its outputs
+            self._read(self._requests.end)
+        else:
+            self._reader.join()
 
-    def stats(self) -> EngineStats:
-        """The child's stats as of its last pass (or reply)."""
-        assert self._stats is not None, "wait_ready() first"
-        return self._stats
+    def kill(self) -> None:
+        """End the child now (a start cut short, a child that does not stop)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self._join()
 
     def take_kv_events(self) -> list[KvEvent]:
-        """The child's prefix-cache events that have arrived since the last call."""
+        """The child's prefix-cache events that have arrived with its passes since the last call."""
         return self._kv_events.take()
 
-    def run(self, stop: threading.Event, emit: Emit) -> None:
-        """On the front end's engine thread: hand the child's passes to `emit` until the child ends. Passes that
-        arrived while the front end was busy go out as one (at most MAX_MERGED outputs): a front end slower than
-        the step loop catches up by handling fewer, fuller batches (and its streams fewer, fuller deltas)."""
-        self._stop = stop
-        if stop.is_set():
-            self.wake()
+    # -- the reader thread -----------------------------------------------------------------------
+
+    def _read(self, emit: Emit) -> None:
+        """Hand the child's passes to `emit` until the child ends. Passes that arrived while the front end was busy
+        go out as one (at most MAX_MERGED outputs): a front end slower than the step loop catches up by handling
+        fewer, fuller batches (and its streams fewer, fuller deltas)."""
         merged: list[EngineOutput] = []
         while True:
             if merged and (len(merged) >= MAX_MERGED or not self._events.poll(0)):
@@ -187,31 +226,93 @@ class CoreClient:
             except (EOFError, OSError):
                 if merged:
                     emit(merged)
-                self._lost(emit)
+                self._join()
+                reason = self.dead_reason or f"the engine process exited (exit code {self.process.returncode})"
+                self.dead_reason = reason
+                log.error("engine is dead: %s", reason)
+                self._end(emit, FinishReason.ERROR, reason)
                 return
             if isinstance(message, messages.Outputs):
                 self.dead_reason, self._stats = message.dead_reason, message.stats
                 self._kv_events.extend(message.kv_events)
                 merged.extend(self._decode(message.items))
                 continue
-            if merged:  # what came before a reply or the end goes out first
+            if merged:  # what came before an answer or the end goes out first
                 emit(merged)
                 merged = []
-            if isinstance(message, messages.Reply):
-                future = self._pending.pop(message.number, None)
-                if future is not None:
-                    future.set_result(message.answer)
+            if isinstance(message, messages.SessionAnswer):
+                self._answer(self._queries, message.number, message.info, message.refused)
+            elif isinstance(message, messages.SessionDeleted):
+                self._answer(self._deletes, message.number, message.deleted, message.refused)
             elif isinstance(message, messages.Bye):
                 self._join()
+                self._end(emit, FinishReason.CANCELLED, STOPPED)
                 return
 
-    def kill(self) -> None:
-        """End the child now (a start cut short, a child that does not stop)."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self._join()
+    def _decode(self, items: list[messages.Item]) -> list[EngineOutput]:
+        """A pass's items as outputs, counting what each request was sent (one loop: it runs for every token)."""
+        requests = self._requests
+        seen_of = requests.get
+        outputs: list[EngineOutput] = []
+        for item in items:
+            if isinstance(item, EngineOutput):
+                output = item
+                seen = seen_of(output.handle)
+                if seen is not None:
+                    if output.start is not None:
+                        seen.start = output.start
+                    seen.num_generated += len(output.token_ids)
+                    if output.finish_reason is not None:
+                        requests.discard(output.handle)
+            else:
+                handle, tokens = item
+                seen = seen_of(handle)
+                if seen is not None:
+                    seen.num_generated += len(tokens)
+                output = EngineOutput(handle, "" if seen is None else seen.request_id, tokens)
+            outputs.append(output)
+        return outputs
+
+    def _end(self, emit: Emit, reason: FinishReason, why: str) -> None:
+        """The child is gone: every request it did not end ends here, every session command fails."""
+        with self._lock:
+            self._ended = why
+            queries, self._queries = self._queries, {}
+            deletes, self._deletes = self._deletes, {}
+        finals = [seen.final(handle, reason, why) for handle, seen in self._requests.take_all().items()]
+        if finals:
+            emit(finals)
+        for query in queries.values():
+            query.set_exception(EngineDead(why))
+        for delete in deletes.values():
+            delete.set_exception(EngineDead(why))
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _register(self, pending: dict[int, Future[T]], reply: Future[T]) -> int | None:
+        """Number a session command and keep its future, or fail it when the core has ended (under the lock that
+        `_end` takes, so that no future is kept after the last answers were given)."""
+        with self._lock:
+            if self._ended is not None:
+                reply.set_exception(EngineDead(self._ended))
+                return None
+            self._numbers += 1
+            pending[self._numbers] = reply
+            return self._numbers
+
+    def _answer(self, pending: dict[int, Future[T]], number: int, answer: T, refused: str | None) -> None:
+        with self._lock:
+            future = pending.pop(number, None)
+        if future is None:
+            return
+        if refused is not None:
+            future.set_exception(EngineDead(refused))
+        else:
+            future.set_result(answer)
+
+    def _last_stats(self) -> EngineStats:
+        assert self._stats is not None, "wait_ready() first"
+        return self._stats
 
     def _exited_while_starting(self) -> RuntimeError:
         return RuntimeError(f"the engine process exited (exit code {self.process.returncode}) while starting")
@@ -224,46 +325,12 @@ class CoreClient:
             self.process.kill()
             self.process.wait()
 
-    def _facts(self) -> CoreFacts:
-        assert self.facts is not None, "wait_ready() first"
-        return self.facts
-
-    def _decode(self, items: list[messages.Item]) -> list[EngineOutput]:
-        live = self._live
-        outputs: list[EngineOutput] = []
-        finished: list[int] = []
-        for item in items:
-            if isinstance(item, EngineOutput):
-                outputs.append(item)
-                if item.finish_reason is not None:
-                    finished.append(item.handle)
-            else:
-                outputs.append(EngineOutput(item[0], live.get(item[0], ""), item[1]))
-        if finished:
-            with self._live_lock:
-                for handle in finished:
-                    live.pop(handle, None)
-        return outputs
-
     def _send(self, message: object) -> None:
         try:
             with self._send_lock:
-                self._commands_out.send(message)
+                self._commands.send(message)
         except (BrokenPipeError, OSError):
-            pass  # the child is gone: run() sees its pipe close and ends what it held
-
-    def _lost(self, emit: Emit) -> None:
-        """The child's pipe closed without a Bye: it died. Everything it held ends with ERROR."""
-        self._join()
-        reason = self.dead_reason or f"the engine process exited (exit code {self.process.returncode})"
-        self.dead_reason = reason
-        log.error("engine is dead: %s", reason)
-        with self._live_lock:
-            live, self._live = self._live, {}
-        emit([EngineOutput(h, rid, [], finish_reason=FinishReason.ERROR, error=reason) for h, rid in live.items()])
-        for future in list(self._pending.values()):
-            future.set_exception(EngineDead(reason))
-        self._pending.clear()
+            pass  # the child is gone: the reader sees its pipe close and ends what it held
 
 
 def load_served_model(*args: Any, **kwargs: Any) -> LoadedModel:

@@ -8,10 +8,14 @@ is queued. Nothing here imports torch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from llmserve.engine.block_pool import blocks_for
-from llmserve.engine.request import GenerationRequest, InvalidRequest
+from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.request import GenerationRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,3 +41,17 @@ def validate(request: GenerationRequest, facts: CoreFacts) -> None:
             f"prompt + max_new_tokens = {total} tokens never fits the KV pool "
             f"({facts.num_blocks * facts.block_size} tokens)",
         )
+
+
+def context_cap(flag: int | None, model: int, sliding_window: int | None) -> int:
+    """The context a core serves: the model's, capped by --max-model-len (`flag`) and by the sliding window."""
+    cap = min(flag or model, model)
+    if sliding_window is not None and sliding_window < cap:
+        # The paged attention attends over the whole context: stay where that equals the window's.
+        log.warning(
+            "context capped at %d tokens by the model's sliding window (the paged attention attends to the "
+            "whole context, which equals the window's only up to there)",
+            sliding_window,
+        )
+        return sliding_window
+    return cap

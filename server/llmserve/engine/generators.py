@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.engine.request import SampleRow
+from llmserve.engine.sequence import SampleRow
 
 
 class Generators:

@@ -4,8 +4,8 @@ It does a request's text work away from the step thread, so that the thread that
 waits on it: incremental detokenization, stop strings, and the accounts of a request that a stop string ended.
 It runs wherever the front end runs (the event loop, in the server), once per step for all of that step's
 outputs. A stop string found in a request's text ends that request's stream at
-once; `process` returns it so that the front end tells the core to stop it too (`EngineCore.abort` with the
-number of tokens the caller was sent), and any token the core produced meanwhile is dropped here.
+once; `process` returns it so that the front end tells the core to stop it too (`Core.abort` with the number
+of tokens the caller was sent), and any token the core produced meanwhile is dropped here.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llmserve.engine.delta import Delta, FinishReason
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.outputs import EngineOutput, RequestStart
-from llmserve.engine.request import Delta, FinishReason, GenerationRequest, Timing, Usage
+from llmserve.engine.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class OutputProcessor:
         return len(self._streams)
 
     def add(self, handle: int, request: GenerationRequest, deliver: Callable[[Delta], None], index: int = 0) -> None:
-        """Route the outputs of `handle` (EngineCore.submit's) as deltas to `deliver`, each tagged with `index`."""
+        """Route the outputs of `handle` (Core.add's) as deltas to `deliver`, each tagged with `index`."""
         detok = None
         if self.tokenizer is not None:
             stopping = request.stopping
@@ -62,7 +63,7 @@ class OutputProcessor:
 
     def process(self, outputs: list[EngineOutput]) -> list[tuple[int, int | None]]:
         """Deliver each output's delta; returns (handle, tokens kept or None) for every request the processor
-        ended itself, which the core must stop (EngineCore.abort)."""
+        ended itself, which the core must stop (Core.abort)."""
         stops: list[tuple[int, int | None]] = []
         for output in outputs:
             stream = self._streams.get(output.handle)
@@ -116,8 +117,6 @@ class OutputProcessor:
         start = stream.start
         delta.finish_reason = reason
         if start is not None:
-            now = time.monotonic()
-            delta.usage = Usage(start.num_prompt, start.num_cached_prompt, stream.num_generated)
-            delta.timing = Timing(start.queued_s, start.ttft_s, now - start.arrival)
+            delta.usage, delta.timing = start.usage(stream.num_generated), start.timing(time.monotonic())
             delta.seed = start.seed
         return delta

@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from llmserve.engine.block_pool import BlockContent, Evicted
-from llmserve.engine.request import SampleRow, Sequence
+from llmserve.engine.sequence import SampleRow, Sequence
 
 
 @dataclass(slots=True)

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from llmserve.engine.delta import Delta
 from llmserve.engine.kv_events import KvEvent
-from llmserve.engine.request import Delta, GenerationRequest
+from llmserve.engine.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from llmserve.engine.kv_tiers.worker import TierStats
+    from llmserve.engine.spec.drafter import SpecStats
 
 
 @dataclass(slots=True)
@@ -52,8 +57,20 @@ class EngineStats:
     session_misses: int
     session_evictions: dict[str, int]
     prefix_cache_hits: int
-    kv_tiers: Any = None  # kv_tiers.worker.TierStats when tiers are on
-    speculation: Any = None  # spec.drafter.SpecStats when --speculative is on
+    kv_tiers: TierStats | None = None  # when tiers are on
+    speculation: SpecStats | None = None  # when --speculative is on
+
+
+class Tokenizer(Protocol):
+    """What the gRPC edge uses of the model's tokenizer (a transformers tokenizer has it; the tests' fakes too)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], /, *, tokenize: bool, add_generation_prompt: bool
+    ) -> object: ...
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str] | str: ...
 
 
 class Engine(Protocol):
@@ -61,7 +78,7 @@ class Engine(Protocol):
     its first delta; closing the stream early aborts the request."""
 
     @property
-    def tokenizer(self) -> Any: ...  # a transformers tokenizer, or None for random-weight models
+    def tokenizer(self) -> Tokenizer | None: ...  # None for random-weight models
 
     @property
     def model_info(self) -> ModelInfo: ...

@@ -1,20 +1,17 @@
-"""One generation request: what the caller asks for, the engine's state for it, and what it hands back.
+"""A generation request as the caller asks for it: `GenerationRequest` with its `SamplingParams`,
+`StoppingParams` and `ConstraintSpec`, and the one check of their values (`validate`, errors named by field).
 
-The caller-facing types (`GenerationRequest`, `Delta`, ...) are immutable or plain records so that the
-servicer can convert them to and from protobuf at the edge; `Sequence` is the engine's own mutable state
-and never leaves the engine thread.
+Immutable and torch-free, so that the gRPC edge builds them from protobuf (api/convert.py) and they cross to an
+engine process as they are. What the engine keeps for a request is sequence.py's; what it hands back, delta.py's.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-if TYPE_CHECKING:  # no tensor library here, not even for types (the edge and the config import this module)
-    from llmserve.engine.constraints import ConstraintState
+from llmserve.engine.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
 # Sampling values past these act as the bound (see SamplingParams): beyond them float32 arithmetic would
@@ -25,30 +22,6 @@ PENALTY_RANGE = (1e-6, 1e6)  # repetition_penalty is applied clamped into this r
 # OpenAI's bounds for frequency_penalty/presence_penalty and for each logit_bias value.
 ADDITIVE_PENALTY_BOUND = 2.0
 LOGIT_BIAS_BOUND = 100.0
-
-
-class InvalidRequest(ValueError):
-    """A request that can never be served as asked; `field` names the offending request field."""
-
-    def __init__(self, field_name: str, reason: str) -> None:
-        super().__init__(f"{field_name}: {reason}")
-        self.field = field_name
-        self.reason = reason
-
-
-class EngineDead(RuntimeError):
-    """The step loop hit an error it could not recover from; no request will be served."""
-
-
-class FinishReason(enum.Enum):
-    LENGTH = "length"
-    EOS = "eos"
-    STOP_SEQUENCE = "stop_sequence"
-    STOP_TOKEN = "stop_token"
-    CANCELLED = "cancelled"
-    DEADLINE = "deadline"
-    ERROR = "error"
-    CONSTRAINT = "constraint"  # the request's constraint is complete and admits nothing more
 
 
 @dataclass(slots=True, frozen=True)
@@ -232,159 +205,3 @@ class GenerationRequest:
             raise InvalidRequest("n", f"must be in [1, {max_n}] (--max-n), got {self.n}")
         if self.n > 1 and self.session_id is not None:
             raise InvalidRequest("n", "must be 1 with session_id: a session continues one answer, not n")
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    """Log-probability of the chosen token under the model's raw distribution, and the top-n alternatives."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(slots=True)
-class Timing:
-    """Seconds: queued before the first forward, to the first token, and in all."""
-
-    queue_s: float
-    ttft_s: float
-    total_s: float
-
-
-@dataclass(slots=True)
-class Delta:
-    """What one engine iteration produced for one request. The last one has `finish_reason` set."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str = ""
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timing: Timing | None = None
-    seed: int | None = None
-    error: str | None = None
-    index: int = 0  # the completion it belongs to (0 unless the request asked for n > 1)
-    total_usage: Usage | None = None  # on an n > 1 request's very last delta: the prompt once, completions summed
-    matched_stop: str | None = None  # the stop sequence that ended it (finish STOP_SEQUENCE)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def then(self, later: Delta) -> Delta:
-        """This delta followed by a later one of the same completion, as one (for a reader that fell behind)."""
-        logprobs = None
-        if self.logprobs is not None or later.logprobs is not None:
-            logprobs = (self.logprobs or []) + (later.logprobs or [])
-        # The later delta's finish facts; the token ids, text and logprobs of both.
-        tokens, text = self.token_ids + later.token_ids, self.text + later.text
-        return replace(later, token_ids=tokens, text=text, logprobs=logprobs, index=self.index)
-
-
-@dataclass(slots=True)
-class SampleRow:
-    """What the sampler needs about one request for one step.
-
-    A sampled row (not `params.greedy`) names its random stream and never holds it, so this type is torch-free:
-    `key` identifies the sequence (its handle, unique in an engine), `seed` is where its stream starts; the
-    backend keeps the streams (engine/generators.py). `token_ids` (prompt + generated) is only read for the
-    penalties: the repetition penalty reads all of it, frequency and presence penalties only `token_ids[num_prompt:]`.
-    `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens. `constraint` (the
-    request's grammar state) allows only the tokens that keep the generated text within its language.
-    """
-
-    params: SamplingParams
-    seed: int | None
-    key: int
-    token_ids: Seq[int]
-    blocked_token_ids: Seq[int]
-    logprobs: bool
-    top_logprobs: int
-    num_prompt: int = 0
-    constraint: ConstraintState | None = None
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    """The engine's state for one request.
-
-    Prefill and decode are one mechanism: `num_computed` (tokens whose KV is in `block_table`) catches up
-    with `len(token_ids)` (prompt plus generated). Preemption drops the blocks and sets num_computed to 0.
-    """
-
-    request: GenerationRequest
-    token_ids: list[int]
-    arrival: float
-    seq_no: int
-    status: SeqStatus = SeqStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # chain_hash of each full block, in order
-    num_computed: int = 0
-    num_cached_prompt: int = 0
-    num_prompt: int = 0
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    seed: int | None = None  # where a sampled request's random stream starts (the backend keeps the stream)
-    finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
-    stop_ids: frozenset[int] = frozenset()  # the request's stop token ids
-    eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
-    constraint: ConstraintState | None = None  # the grammar state of a constrained request (generated tokens only)
-    after: Sequence | None = None  # completion 0 of this n > 1 request: wait for its prompt's KV, then share it
-    _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes
-
-    def __post_init__(self) -> None:
-        self.num_prompt = len(self.token_ids)
-
-    def sample_row(self) -> SampleRow:
-        """What the sampler needs for this sequence's next token (the same object from step to step once
-        min_new_tokens no longer blocks anything: its token_ids is the live list)."""
-        if self._row is not None:
-            return self._row
-        request = self.request
-        blocking = self.num_generated < request.stopping.min_new_tokens
-        row = SampleRow(
-            params=request.sampling,
-            seed=self.seed,
-            key=self.seq_no,
-            token_ids=self.token_ids,
-            blocked_token_ids=tuple(self.stop_ids | self.eos_ids) if blocking else (),
-            logprobs=request.logprobs,
-            top_logprobs=request.top_logprobs,
-            num_prompt=self.num_prompt,
-            constraint=self.constraint,
-        )
-        if not blocking:
-            self._row = row
-        return row
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt
-
-    @property
-    def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
-
-
-class QueueFull(RuntimeError):
-    """The engine's waiting queue is at its limit; the caller should retry later."""

@@ -28,9 +28,11 @@ from itertools import chain
 
 import torch
 
-from llmserve.engine.constraints import constraint_masks
+from llmserve.engine.delta import TokenLogprob
 from llmserve.engine.generators import Generators
-from llmserve.engine.request import MAX_TEMPERATURE, PENALTY_RANGE, SampleRow, SamplingParams, TokenLogprob
+from llmserve.engine.masks import constraint_masks
+from llmserve.engine.request import MAX_TEMPERATURE, PENALTY_RANGE, SamplingParams
+from llmserve.engine.sequence import SampleRow
 
 __all__ = ["RowFailed", "SampleRow", "Sampled", "sample", "sample_each", "warped_weights", "nucleus_floor"]
 

@@ -32,9 +32,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, chain_hash, prefix_root
+from llmserve.engine.delta import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.plan import SeqStep, StepPlan
-from llmserve.engine.request import FinishReason, SeqStatus, Sequence
+from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
 from llmserve.engine.spec.rollback import settle
 

@@ -72,11 +72,9 @@ class SessionStore:
         """The session without touching its LRU position."""
         return self._sessions.get(session_id)
 
-    def answer(self, session_id: str, delete: bool, tiers: KVTiers | None) -> SessionInfo | bool | None:
-        """A session query's answer (commands.SessionQuery): with `delete`, whether anything was held; else the
-        session's state, or for one the pool evicted, what is left of it in the pool and in the tiers."""
-        if delete:
-            return self.delete(session_id)
+    def info(self, session_id: str, tiers: KVTiers | None) -> SessionInfo | None:
+        """What is held for a session (commands.GetSession): its state, or for one the pool evicted, what is left
+        of it in the pool and in the tiers; None when nothing is."""
         self.expire()
         session = self.get(session_id)
         if session is not None:

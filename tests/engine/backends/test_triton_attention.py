@@ -144,13 +144,15 @@ async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> No
     )
     engine = AsyncEngine(loaded, config)
     if graphs:
-        backend = create_backend(loaded, config, engine.core.max_model_len, kind="cuda", capture=False)
+        backend = create_backend(loaded, config, engine.core.engine_core.max_model_len, kind="cuda", capture=False)
         assert isinstance(backend, CudaBackend)
-        assert backend.graphs.ctx_buckets == (engine.core.max_model_len,)  # the context is not part of the key
+        assert backend.graphs.ctx_buckets == (
+            engine.core.engine_core.max_model_len,
+        )  # the context is not part of the key
     else:
-        backend = create_backend(loaded, config, engine.core.max_model_len, kind="torch")
-    assert backend.varlen_kernel is not None and backend.num_blocks == engine.core.pool.num_blocks
-    engine.core.backend = backend
+        backend = create_backend(loaded, config, engine.core.engine_core.max_model_len, kind="torch")
+    assert backend.varlen_kernel is not None and backend.num_blocks == engine.core.engine_core.pool.num_blocks
+    engine.core.engine_core.backend = backend
     outputs = await _generate_all(engine, prompts, lengths)
     if graphs:
         assert backend.graphs.replays > 0

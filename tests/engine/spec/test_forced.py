@@ -7,10 +7,12 @@ import json
 import pytest
 import torch
 
-from llmserve.engine.constraints import ConstraintCompiler, additive_mask, fill_bitmask
+from llmserve.engine.constraints import ConstraintCompiler, Vocabulary
 from llmserve.engine.generators import Generators
-from llmserve.engine.request import ConstraintKind, ConstraintSpec, SampleRow, SamplingParams
+from llmserve.engine.masks import TokenMasks
+from llmserve.engine.request import ConstraintKind, ConstraintSpec, SamplingParams
 from llmserve.engine.sampler import sample
+from llmserve.engine.sequence import SampleRow
 from llmserve.engine.spec.forced import draft_bitmasks, forced_tokens, grammar_drafts
 from llmserve.engine.spec.verify import StreamMark, accept, position_rows
 
@@ -25,9 +27,17 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def compiled(smollm_tokenizer):
     vocab = len(smollm_tokenizer)
-    compiler = ConstraintCompiler(smollm_tokenizer, vocab, [smollm_tokenizer.eos_token_id])
-    yield compiler.compile_now(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))), vocab
+    compiler = ConstraintCompiler(Vocabulary(smollm_tokenizer, vocab, [smollm_tokenizer.eos_token_id]))
+    yield compiler.submit(ConstraintSpec(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))).result(), vocab
     compiler.close()
+
+
+def fill_bitmask(states, vocab):
+    return TokenMasks.shared().bitmask(states, vocab)
+
+
+def additive_mask(bitmask, vocab, device):
+    return TokenMasks.shared().additive(bitmask, vocab, device)
 
 
 def answer_ids(tokenizer, matcher) -> list[int]:

@@ -38,7 +38,7 @@ def calibrate(
     rows: list[list[float]] = []
     for b in sizes:
         fitting = [k for k in ks if b * (k + 1) <= config.max_num_batched_tokens]
-        handles = [_start(core, f"calibrate-{b}-{i}", i) for i in range(b)]
+        handles = [_start(core, f"calibrate-{b}-{i}", -1 - i) for i in range(b)]
         try:
             while any(seq.num_uncomputed != 1 for seq in core.scheduler.running) or len(core.scheduler.running) < b:
                 core.step()
@@ -52,11 +52,12 @@ def calibrate(
     return CostTable(sizes, ks, tuple(tuple(row) for row in rows))
 
 
-def _start(core: EngineCore, name: str, i: int) -> int:
-    prompt = tuple((7 * i + j) % 97 + 3 for j in range(PROMPT))
+def _start(core: EngineCore, name: str, handle: int) -> int:
+    prompt = tuple((7 * handle + j) % 97 + 3 for j in range(PROMPT))
     limit = max(8, core.max_model_len - PROMPT - 1)
     request = GenerationRequest(name, prompt, stopping=StoppingParams(max_new_tokens=limit, ignore_eos=True))
-    return core.add_now(request)
+    core.add_now(request, handle)
+    return handle
 
 
 def _time(core: EngineCore, k: int, repeats: int) -> float:

@@ -21,10 +21,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import llguidance.torch
+import llguidance
 import torch
 
-from llmserve.engine.constraints import _parallel
+_executor: llguidance.LLExecutor | None = None
+
+
+def _parallel() -> llguidance.LLExecutor:
+    """This module's executor for batched mask fills, built on first use."""
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    return _executor
 
 
 def forced_tokens(matcher: Any, k: int) -> list[int]:
@@ -63,5 +71,9 @@ def draft_bitmasks(rows: Sequence[tuple[Any, Sequence[int]]], vocab_size: int) -
     for matcher, drafts in rows:
         work.append((matcher, at, list(drafts)))
         at += len(drafts) + 1
+    # Imported here: llguidance.torch compiles a kernel with torch.compile at import (seconds), which the engine's
+    # own path (the drafter and the sampler) never needs.
+    import llguidance.torch
+
     llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(_parallel(), work, bitmask)
     return bitmask

@@ -37,8 +37,8 @@ import torch
 from llmserve.engine.constraints import ConstraintState
 from llmserve.engine.generators import Generators
 from llmserve.engine.plan import SeqStep
-from llmserve.engine.request import SampleRow
 from llmserve.engine.sampler import RowFailed, Sampled, sample_each
+from llmserve.engine.sequence import GrammarState, SampleRow
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,11 +105,11 @@ def sample_entries(
     return out
 
 
-def grammar_positions(state: ConstraintState, drafts: Sequence[int]) -> list[ConstraintState]:
+def grammar_positions(state: GrammarState, drafts: Sequence[int]) -> list[GrammarState]:
     """The grammar's state at each position of a verification: the request's own state at position 0, then copies
     advanced over drafts[:j]. Past a draft the grammar refuses, the last good state repeats (those positions can
     never be accepted, since the pick before them differs from the draft)."""
-    states = [state]
+    states: list[GrammarState] = [state]
     current = state.matcher
     for token in drafts:
         following = current.deep_copy()
