@@ -272,7 +272,7 @@ class EngineCore:
         if self.drafter is not None and any(entry.drafts for entry in plan.seqs):
             self.drafter.step_verified()
         for entry, result in zip(plan.sampling, results, strict=True):
-            if entry.drafts:
+            if entry.drafts or isinstance(result, Verified):
                 self._verified(entry, result, emit_time)
             else:
                 self._append(entry.seq, result, emit_time)

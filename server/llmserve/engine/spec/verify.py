@@ -65,7 +65,7 @@ def sample_entries(
     """Sample a step's sampling entries from their logits rows (`entry.num_logits` each, in order): a plain entry
     gives its Sampled (or RowFailed), an entry with drafts its Verified (or RowFailed when any position failed)."""
     if not any(entry.drafts for entry in entries):
-        return sample_each(logits, [entry.sample for entry in entries if entry.sample is not None], generators)
+        return list(sample_each(logits, [entry.sample for entry in entries if entry.sample is not None], generators))
     rows: list[SampleRow] = []
     marks: dict[int, StreamMark] = {}
     for i, entry in enumerate(entries):
