@@ -216,7 +216,7 @@ def main(argv: list[str]) -> int:
         for proc in procs:
             proc.terminate()
             proc.wait(60)
-    run.model = args.model or "SmolLM2-135M-Instruct"
+    run.model = {"model": args.model or "SmolLM2-135M-Instruct", "dtype": args.dtype, "device": args.device}
     writer.publish(run, args.out_dir, options.result_name(args, "speculative"), TITLE, figures, section)
     return 0
 
