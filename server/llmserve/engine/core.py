@@ -27,20 +27,19 @@ from llmserve.engine.commands import Abort, Add, Command, DeleteSession, Emit, G
 from llmserve.engine.compiling import Compiling
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import ConstraintCompiler, ConstraintState, Vocabulary
+from llmserve.engine.core_tokens import TokenSteps, build_drafter
 from llmserve.engine.delta import FinishReason
 from llmserve.engine.errors import EngineDead
 from llmserve.engine.facts import CoreFacts, context_cap
 from llmserve.engine.kv_events import KvEvent, KvEventLog
 from llmserve.engine.kv_tiers.worker import build_tiers
-from llmserve.engine.outputs import EngineOutput, RequestStart, ended, ended_unstarted
-from llmserve.engine.plan import SeqStep, StepPlan
+from llmserve.engine.outputs import EngineOutput, ended, ended_unstarted
+from llmserve.engine.plan import StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import GenerationRequest, StoppingParams
-from llmserve.engine.sampler import RowFailed, Sampled
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
-from llmserve.engine.spec.drafter import Drafter
 from llmserve.engine.spec.verify import Verified
 from llmserve.models import LoadedModel
 
@@ -51,7 +50,7 @@ STOPPED = "the engine has stopped"
 Query = TypeVar("Query", GetSession, DeleteSession)
 
 
-class EngineCore:
+class EngineCore(TokenSteps):
     """Owns scheduler, sessions, block pool, backend and constraint compiler; `step()` is one iteration. The step
     thread alone calls step() and run(); other threads only submit, abort, ask about sessions, wake and read stats.
     `vocabulary`: the grammar vocabulary to share with a front end in this process (built once per process); by
@@ -199,33 +198,6 @@ class EngineCore:
             self.step()
         self.calibrate_speculation()
 
-    def calibrate_speculation(self) -> None:
-        """Measure the load rule's step-cost table on this core, once, unless it was given one (a few seconds on
-        a CPU; on the step thread, before it serves)."""
-        if self.drafter is not None and self.drafter.policy is None:
-            from llmserve.engine.spec.calibrate import calibrate
-
-            start = time.monotonic()
-            try:
-                self.drafter.set_cost(calibrate(self))
-            except Exception:  # never a reason not to serve: serve without speculation
-                log.exception("speculative decoding: measuring the step cost failed; speculation is off")
-                self.drafter = None
-                return
-            took = time.monotonic() - start
-            log.info("speculative decoding: step-cost table measured in %.1f s: %s", took, self.drafter.cost)
-
-    def add_now(self, request: GenerationRequest, handle: int) -> None:
-        """Start an unconstrained request at once, past the inbox (the step thread only: the calibration's own
-        requests, which must not drain callers' commands; negative handles, which no client uses)."""
-        self._admit(Add(handle, request, time.monotonic()), None)
-
-    def cancel_now(self, handle: int) -> None:
-        """End a request started by add_now at once (the step thread only); its outputs are the caller's to drop."""
-        seq = self.scheduler.live.get(handle)
-        if seq is not None:
-            self._finish(seq, FinishReason.CANCELLED)
-
     def close_tiers(self) -> None:
         """Write every hashed block still in the pool to the tiers and finish their writes (at shutdown, on the
         thread that stepped: a restarted server finds the conversations on disk). Idempotent."""
@@ -361,94 +333,6 @@ class EngineCore:
         n = len(request.prompt_token_ids)
         self._collected.append(ended_unstarted(command.handle, request.request_id, n, command.arrival, reason, error))
 
-    def _drafts(self) -> dict[int, list[int]] | None:
-        """The drafts the running sequences verify this step (none without speculation): what the token budget
-        leaves after every running sequence's own tokens and the prompts waiting to be admitted."""
-        if self.drafter is None:
-            return None
-        running = self.scheduler.running
-        budget = self.config.max_num_batched_tokens - sum(seq.num_uncomputed for seq in running)
-        if len(running) < self.config.max_num_seqs:
-            budget -= self.scheduler.waiting_tokens(max(budget, 0))
-        return self.drafter.drafts(running, budget)
-
-    def _verified(self, entry: SeqStep, result: Sampled | RowFailed | Verified, now: float) -> None:
-        """A sequence's verification step: its emitted tokens one by one through `_append`'s checks, up to the first
-        that ends it; then its books (the accepted drafts it kept are computed, the rest of the KV dropped)."""
-        seq = entry.seq
-        if not isinstance(result, Verified):
-            self._append(seq, result, now, settle=entry)
-            return
-        assert self.drafter is not None
-        self._append(seq, result.samples, now, settle=entry)
-        kept = len(seq.token_ids) - entry.start - 1  # tokens appended (fewer after a stop)
-        self.drafter.observe(seq.seq_no, len(entry.drafts), result.accepted, kept)
-
-    def _append(
-        self,
-        seq: Sequence,
-        result: Sampled | RowFailed | list[Sampled],
-        now: float,
-        *,
-        settle: SeqStep | None = None,
-    ) -> None:
-        """Hand sampled tokens to their request, one by one, up to the first that ends it (`settle`: the step
-        verified drafts, whose books are kept before the request can finish); a failed row is that request's
-        alone."""
-        if isinstance(result, RowFailed):
-            self._settle(settle, seq)
-            self._finish(seq, FinishReason.ERROR, error=result.error)
-            return
-        samples = result if isinstance(result, list) else [result]
-        output = EngineOutput(seq.seq_no, seq.request_id, [], None)
-        reason: FinishReason | None = None
-        for sampled in samples:
-            reason = self._take(seq, sampled, output, now)
-            if reason is not None:
-                break
-        self._settle(settle, seq)
-        if reason is FinishReason.ERROR:
-            return
-        if reason is None:
-            self._collected.append(output)
-        else:
-            self._finish(seq, reason, output=output)
-
-    def _settle(self, entry: SeqStep | None, seq: Sequence) -> None:
-        if entry is not None and seq.status is not SeqStatus.FINISHED:  # finished: its blocks are gone already
-            self.scheduler.settle_drafts(entry, max(0, min(len(entry.drafts), len(seq.token_ids) - entry.start - 2)))
-
-    def _take(self, seq: Sequence, result: Sampled, output: EngineOutput, now: float) -> FinishReason | None:
-        """Append one token to the sequence and its output; the reason it ends the request, if it does (ERROR: it
-        has been finished already, as the constraint refused the token)."""
-        token_id = result.token_id
-        seq.token_ids.append(token_id)
-        output.token_ids.append(token_id)
-        if result.logprob is not None:
-            if output.logprobs is None:
-                output.logprobs = []
-            output.logprobs.append(result.logprob)
-        if seq.first_token is None:
-            seq.first_token = now
-            started = seq.first_scheduled if seq.first_scheduled is not None else now
-            output.start = RequestStart(
-                seq.num_prompt, seq.num_cached_prompt, seq.seed, seq.arrival, started - seq.arrival, now - seq.arrival
-            )
-        constraint = seq.constraint
-        if constraint is not None and not constraint.accept(token_id):  # the mask let through what it forbids
-            error = f"the constraint rejected token {token_id}: {constraint.error}"
-            self._finish(seq, FinishReason.ERROR, error=error)
-            return FinishReason.ERROR
-        if token_id in seq.stop_ids:
-            return FinishReason.STOP_TOKEN
-        if token_id in seq.eos_ids:
-            return FinishReason.EOS
-        if constraint is not None and constraint.done:  # complete: only the end could follow
-            return FinishReason.CONSTRAINT
-        if seq.num_generated >= seq.request.stopping.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
         """The shared forward raised: every request in it fails, and none of their KV may be reused."""
         log.error("forward failed for %d requests", len(plan.seqs), exc_info=exc)
@@ -492,23 +376,3 @@ class EngineCore:
             self._finish(seq, reason, error=error)
         for command in self.compiling.take_all():
             self._end_unstarted(command, reason, error)
-
-
-def build_drafter(config: EngineConfig, max_model_len: int) -> Drafter | None:
-    """The config's speculative decoding (None when off); its cost table is measured in warm_up."""
-    if config.speculative == "off":
-        return None
-    if config.speculative == "suffix":
-        from llmserve.engine.spec.suffix import available
-
-        if not available():
-            raise RuntimeError(
-                "--speculative suffix needs arctic-inference's suffix trees, which are not installed here "
-                "(`make install` builds them); or choose --speculative ngram|off"
-            )
-    cost = None
-    if config.speculative_cost_table is not None:
-        from llmserve.engine.spec.calibrate import load_table
-
-        cost = load_table(config.speculative_cost_table)
-    return Drafter(config.speculative, config.speculative_max_k, max_model_len, cost)

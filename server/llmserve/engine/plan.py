@@ -75,3 +75,14 @@ class StepPlan:
     def sampling(self) -> list[SeqStep]:
         """The entries that sample a token this step, in plan order (the order of a backend's results)."""
         return [s for s in self.seqs if s.sample is not None]
+
+
+def step_of(seq: Sequence, n: int, drafts: Seq[int] = ()) -> SeqStep:
+    """Seq's share of the plan: its next n tokens; it samples when they reach its last token. With drafts: its
+    last token and the drafts (n = 1 + len(drafts))."""
+    start = seq.num_computed
+    if drafts:
+        return SeqStep(seq, start, [seq.token_ids[start], *drafts], seq.block_table, seq.sample_row(), drafts)
+    end = start + n
+    sample = seq.sample_row() if end == len(seq.token_ids) else None
+    return SeqStep(seq, start, seq.token_ids[start:end], seq.block_table, sample)

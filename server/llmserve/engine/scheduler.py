@@ -17,27 +17,20 @@ With KV tiers (`tiers`), a waiting sequence whose prefix continues in a lower ti
 gets blocks that load that KV back (`StepPlan.loads`); it pins the blocks it will reuse and stays in the queue,
 skipped without holding up the others, until every load is reported (`load_done`). A failed load leaves its
 block anonymous: those tokens are recomputed.
-
-Speculative decoding (engine/spec): `schedule(drafts)` gives a decoding sequence its drafts as extra positions of
-its step when they fit in the token budget and in blocks that are free now (a guess never preempts, evicts a
-session or a cached prefix); `settle_drafts` keeps the books once the sampler has accepted some of them
-(spec/rollback.py's rule: the KV of rejected drafts is dropped, their blocks freed, never hashed).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, chain_hash, prefix_root
 from llmserve.engine.delta import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
-from llmserve.engine.plan import SeqStep, StepPlan
+from llmserve.engine.plan import StepPlan, step_of
+from llmserve.engine.scheduler_drafts import DraftBooks
 from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
-from llmserve.engine.spec.rollback import settle
 
 
 @dataclass(slots=True)
@@ -48,7 +41,7 @@ class _Pending:
     waiting_on: set[int] = field(default_factory=set)
 
 
-class Scheduler:
+class Scheduler(DraftBooks):
     """Owns the waiting heap and the running list; asks the block pool and the session store."""
 
     def __init__(
@@ -112,10 +105,10 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def schedule(self, drafts: Mapping[int, Seq[int]] | None = None) -> StepPlan:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> StepPlan:
         """The next step: running sequences first (oldest first), then waiting ones by priority and age.
 
-        `drafts`: by seq_no, tokens to verify after a decoding sequence's last one (dropped where they do not fit).
+        `drafts`: by seq_no, tokens to verify after a decoding sequence's last one (scheduler_drafts.py).
         The plan's block tables are the sequences' own lists: read them before the next schedule().
         """
         out = StepPlan()
@@ -132,7 +125,7 @@ class Scheduler:
             n = 1 + len(guess) if guess else min(seq.num_uncomputed, budget)
             if not self._grow(seq, n, out):
                 break  # seq itself was preempted: nothing newer is left
-            out.seqs.append(_step(seq, n, guess))
+            out.seqs.append(step_of(seq, n, guess))
             budget -= n
             i += 1
 
@@ -152,7 +145,7 @@ class Scheduler:
             self._num_waiting -= 1
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.seqs.append(_step(seq, n))
+            out.seqs.append(step_of(seq, n))
             budget -= n
         for entry in parked:
             heapq.heappush(self._waiting, entry)
@@ -185,33 +178,6 @@ class Scheduler:
         # The copies are done: drop the references that kept their sources alive.
         self.pool.release(src for src, _ in plan.copies)
         return ready
-
-    def settle_drafts(self, step: SeqStep, kept: int) -> None:
-        """After `update`: `kept` of the step's drafts were accepted and appended to the sequence's tokens. Counts
-        them computed, registers the blocks they filled and frees the blocks past what the sequence now needs."""
-        seq = step.seq
-        bs = self.pool.block_size
-        settled = settle(step.block_table, step.start, len(step.drafts), kept, bs)
-        before = seq.num_computed
-        seq.num_computed = settled.num_computed
-        if self.enable_prefix_caching and seq.num_computed // bs > before // bs:
-            self._register_full_blocks(seq, before)
-        if settled.freed:
-            self.pool.release(settled.freed)
-            # A new list, not one cut in place: a backend's input batch keeps each row's table by identity and
-            # rewrites it only when the list is another (a table cut in place and grown again would look unchanged).
-            seq.block_table = seq.block_table[: settled.keep]
-
-    def waiting_tokens(self, limit: int) -> int:
-        """The prompt tokens that waiting sequences would compute, counted up to `limit` (what admission may take
-        of the next step's budget)."""
-        total = 0
-        for _, _, seq in self._waiting:
-            if seq.status is SeqStatus.WAITING:
-                total += seq.num_uncomputed
-                if total >= limit:
-                    return limit
-        return total
 
     def abandon(self, out: StepPlan) -> None:
         """A step whose forward failed: nothing was computed, so no block is registered as holding a prefix
@@ -268,13 +234,6 @@ class Scheduler:
                 return False
         seq.block_table.extend(self.pool.allocate(need))
         return True
-
-    def _room_for_drafts(self, seq: Sequence, k: int, budget: int) -> bool:
-        """Whether a decoding seq can verify k drafts: within `budget` and blocks free now (no eviction)."""
-        if seq.num_uncomputed != 1 or 1 + k > budget:
-            return False
-        need = self.pool.blocks_for(seq.num_computed + 1 + k) - len(seq.block_table)
-        return need <= self.pool.num_free - self.pool.num_cached
 
     def _admit(self, seq: Sequence, budget: int, out: StepPlan) -> int:
         """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait, -1 if its
@@ -436,14 +395,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while n < limit and a[n] == b[n]:
         n += 1
     return n
-
-
-def _step(seq: Sequence, n: int, drafts: Seq[int] = ()) -> SeqStep:
-    """Seq's share of the plan: its next n tokens; it samples when they reach its last token. With drafts: its
-    last token and the drafts (n = 1 + len(drafts))."""
-    start = seq.num_computed
-    if drafts:
-        return SeqStep(seq, start, [seq.token_ids[start], *drafts], seq.block_table, seq.sample_row(), drafts)
-    end = start + n
-    sample = seq.sample_row() if end == len(seq.token_ids) else None
-    return SeqStep(seq, start, seq.token_ids[start:end], seq.block_table, sample)
