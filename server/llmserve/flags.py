@@ -311,6 +311,9 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--attention-kernel", "engine.attention_kernel", _one_of("auto", "triton", "torch"),
                   "CUDA attention: triton (one varlen paged kernel per layer), torch (gathered decode groups, SDPA "
                   "per prompt chunk), auto (triton where installed)"),
+            _flag("--mixed-steps", "engine.mixed_steps", _one_of("eager", "compile", "compile-graphs"),
+                  "CUDA steps mixing prompt chunks with decodes: eager, compile (torch.compile piecewise around "
+                  "attention), compile-graphs (those pieces in CUDA graphs); the first step of each shape compiles"),
             _switch("--no-native-attention", "engine.native_attention",
                     "CPU: decode attention through torch instead of the compiled kernel", invert=True),
             _switch("--no-packed-linear", "engine.packed_linear",

@@ -542,6 +542,38 @@ async def test_a_dead_core_ends_every_request_with_its_usage_and_answers_nothing
         await eng.shutdown()
 
 
+@pytest.mark.parametrize("kind", CORES)
+async def test_every_way_a_request_ends_carries_its_usage_and_timing(kind: str) -> None:
+    """One builder of the ended output, either core: a finished, a timed-out, a running request cut by the
+    shutdown and one still waiting at it each end with the usage of what it was sent and its timing."""
+    eng = await start_engine(kind, config=EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=1))
+    received: dict[str, list[int]] = {"run": [], "wait": []}
+    finals = {}
+
+    async def consume(rid: str, prompt: list[int]) -> None:
+        async for delta in eng.generate(req(rid, prompt, max_new=400)):
+            received[rid] += delta.token_ids
+            if delta.finished:
+                finals[rid] = delta
+
+    try:
+        _, done = await run(eng, req("done", [3, 4, 5], max_new=4))
+        tokens, late = await run(eng, req("late", [6, 7], max_new=400, deadline=time.monotonic() + 0.05))
+        tasks = [asyncio.create_task(consume("run", [8] * 9)), asyncio.create_task(consume("wait", [9] * 5))]
+        await wait_for(lambda: len(received["run"]) >= 2 and eng.num_waiting == 1)
+    finally:
+        await eng.shutdown()
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        await asyncio.gather(*tasks)
+    assert done[-1].finish_reason is FinishReason.LENGTH and done[-1].usage == Usage(3, 0, 4)
+    assert late[-1].finish_reason is FinishReason.DEADLINE and late[-1].usage == Usage(2, 0, len(tokens))
+    assert finals["run"].finish_reason is FinishReason.CANCELLED
+    assert finals["run"].usage == Usage(9, 0, len(received["run"])) and len(received["run"]) >= 2
+    assert finals["wait"].finish_reason is FinishReason.CANCELLED and finals["wait"].usage == Usage(5, 0, 0)
+    for final in (done[-1], late[-1], finals["run"], finals["wait"]):
+        assert final.timing is not None and 0 <= final.timing.queue_s <= final.timing.total_s, final
+
+
 async def test_a_request_is_counted_once_waiting_or_running_by_admission_and_scrape_alike(small: AsyncEngine) -> None:
     """From generate() on, a request counts as waiting until the core reports it running, in the scrape's stats as
     in the admission count: also while it is on its way to the core (in the pipe, or its prompt still computing

@@ -5,16 +5,20 @@ queries, counts) is tested over both in test_async_engine.py."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import functools
+import inspect
 import json
 import os
+import textwrap
 import time
 
 import pytest
 
 from llmserve.engine.async_engine import build_engine
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.core_client import Core, ThreadCore
 from llmserve.engine.core_process import ChildSpec, ProcessCore
 from llmserve.engine.delta import FinishReason
 from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams
@@ -148,3 +152,26 @@ async def test_a_front_end_that_falls_behind_gets_the_passes_merged() -> None:
     assert all(len(t) == 60 for t in tokens.values())
     assert len(batches) < 60  # 60 passes at least, merged into fewer batches
     assert any(len({o.handle for o in b}) < len(b) for b in batches)  # a batch held two passes of one request
+
+
+@pytest.mark.parametrize("implementation", [ThreadCore, ProcessCore])
+def test_each_core_implements_the_interface_with_no_no_op_method_and_no_ignored_argument(implementation: type) -> None:
+    """Both cores have the `Core` protocol's members with its signatures; no method of theirs is a no-op (a body
+    of only a docstring, `pass` or `return None`) or leaves one of its arguments unread."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(implementation)))
+    (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    attributes = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    for name in [name for name in vars(Core) if not name.startswith("_")]:
+        ours, theirs = getattr(Core, name), getattr(implementation, name, None)
+        if isinstance(ours, property):  # a property of theirs, or an attribute they set
+            assert isinstance(theirs, property) or (theirs is None and name in attributes), name
+        else:
+            assert inspect.signature(theirs) == inspect.signature(ours), name
+    for method in [node for node in cls.body if isinstance(node, ast.FunctionDef)]:
+        body = [n for n in method.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        no_op = all(isinstance(n, ast.Pass) or (isinstance(n, ast.Return) and n.value is None) for n in body)
+        assert not no_op, f"{implementation.__name__}.{method.name} does nothing"
+        read = {n.id for n in ast.walk(method) if isinstance(n, ast.Name)}
+        args = method.args
+        for arg in [*args.args[1:], *args.kwonlyargs]:
+            assert arg.arg in read, f"{implementation.__name__}.{method.name} ignores its argument {arg.arg}"

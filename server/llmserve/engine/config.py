@@ -31,6 +31,9 @@ class EngineConfig:
     # The torch and CUDA backends' attention: "triton" (one varlen paged kernel for the whole step), "torch"
     # (gathered decode groups and per-chunk SDPA), or "auto" (triton on CUDA where it is installed).
     attention_kernel: str = "auto"
+    # The CUDA backend's mixed steps (prompt chunks beside decodes): "eager", or the candidates "compile" and
+    # "compile-graphs" (backends/piecewise.py), left to the GPU's measurement.
+    mixed_steps: str = "eager"
     cpu_kernels: str = "auto"  # the CPU backend's compiled kernels: auto (use where installed), require, off
     native_attention: bool = True  # CPU: the compiled decode-attention kernel (backends/cpu/native.py)
     packed_linear: bool = (

@@ -2,7 +2,8 @@
 
 A backend is composed with one builder, chosen when it is built: `GatheredBuilder` (torch attention; on the
 CPU with decode groups by context length and long chunks in query blocks), `KernelDecodeBuilder` (the CPU's
-compiled decode kernel), `VarlenBuilder` (the Triton varlen kernel). Each reads the step as `input_batch.Staged`
+compiled decode kernel). The Triton varlen kernel's steps need no builder: their metadata are views of
+persistent device buffers (step_buffers.py). Each builder reads the step as `input_batch.Staged`
 (entries in packed order: one-token entries first, shortest context first, then prompt chunks) and the block
 tables of its rows, and returns the metadata type of its kernel (attention.py).
 """
@@ -23,8 +24,6 @@ from llmserve.engine.backends.attention import (
     GatheredAttention,
     KernelDecodeAttention,
     QueryBlock,
-    VarlenAttention,
-    VarlenKernel,
 )
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch, Staged
@@ -180,29 +179,6 @@ class KernelDecodeBuilder:
             max_len=int(lens.max()) if len(lens) else 0,
             block_size=self.kv.block_size,
             chunks=self._chunks.chunks(staged, num),
-        )
-
-
-class VarlenBuilder:
-    """Metadata for the varlen kernel: every entry's query range, length and block table."""
-
-    def __init__(self, inputs: InputBatch, kv: KVCache, kernel: VarlenKernel) -> None:
-        self.inputs = inputs
-        self.kv = kv
-        self.kernel = kernel
-
-    def build(self, staged: Staged, slot_mapping: torch.Tensor) -> VarlenAttention:
-        dev = self.kv.tensor.device
-        width = int(staged.widths.max())
-        return VarlenAttention(
-            kv=self.kv.tensor,
-            slot_mapping=slot_mapping,
-            kernel=self.kernel,
-            query_start=torch.from_numpy(staged.query_start).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(staged.lens).to(dev, non_blocking=True),
-            block_tables=self.inputs.tables_of(staged.rows, width).to(dev, non_blocking=True),
-            max_query_len=staged.max_query_len,
-            block_size=self.kv.block_size,
         )
 
 

@@ -2,10 +2,11 @@
 
 A backend is composed of parts it is given or picks once when it is built: the KV cache (sized and allocated
 before, `create_backend`), the persistent input batch (input_batch.py: a row per running sequence, updated
-incrementally), one attention-metadata builder for its kernel (metadata.py), and the model's forward. A step
-plan becomes one packed row of tokens: one-token (decode) entries first, shortest context first, then prompt
-chunks; the builder turns the staged rows into its kernel's metadata. The CPU and CUDA backends compose other
-parts (the compiled decode kernel and the fused forward; the decode graphs) around the same pieces.
+incrementally), the step's inputs for its kernel, and the model's forward. With the Triton varlen kernel a step's
+inputs live in device buffers allocated once (step_buffers.py: packed in row order, staged on the host and sent
+with three non-blocking copies); with the torch attention a metadata builder (metadata.py) packs one-token
+(decode) entries first, shortest context first, then prompt chunks. The CPU and CUDA backends compose other parts
+(the compiled decode kernel and the fused forward; the CUDA graphs) around the same pieces.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from llmserve.engine.backends.attention import ATTN_IMPLEMENTATION, AttentionMetadata, VarlenKernel, register_attention
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
-from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder, VarlenBuilder
+from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
+from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.generators import Generators
 from llmserve.engine.plan import SeqStep, StepPlan
@@ -50,11 +52,11 @@ class TorchPagedBackend:
             config.max_num_seqs, max_blocks, self.block_size, kv.scratch_block, kv.scratch_slot, pin=pin
         )
         self.varlen_kernel = varlen_kernel(config.attention_kernel, self.device)
-        self.attention: MetadataBuilder
+        # The varlen kernel's steps read persistent device buffers; the torch attention's, a builder's metadata.
+        self.steps: StepBuffers | None = None
+        self.attention: MetadataBuilder = GatheredBuilder(self.inputs, kv, self.dtype)
         if self.varlen_kernel is not None:
-            self.attention = VarlenBuilder(self.inputs, kv, self.varlen_kernel)
-        else:
-            self.attention = GatheredBuilder(self.inputs, kv, self.dtype)
+            self.steps = StepBuffers(self.inputs, kv, self.varlen_kernel, config.max_num_batched_tokens)
         attention = "one Triton varlen kernel" if self.varlen_kernel is not None else "torch"
         self.description = f"transformers layers, paged attention in {attention}"
 
@@ -74,6 +76,9 @@ class TorchPagedBackend:
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The packed row: input ids, positions, the rows to keep logits of, and the attention metadata."""
+        if self.steps is not None:
+            step = self.steps.stage(plan.seqs)
+            return step.input_ids, step.positions, step.keep, step.attention
         entries = plan.seqs
         # One-token entries first, shortest context first: the decode attention batches them by length; then the
         # entries that verify drafts (a decode kernel may take them as one query row per position), then chunks.
