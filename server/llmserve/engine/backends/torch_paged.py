@@ -76,7 +76,7 @@ class TorchPagedBackend:
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The packed row: input ids, positions, the rows to keep logits of, and the attention metadata."""
-        if self.steps is not None:
+        if self.steps is not None and not any(entry.drafts for entry in plan.seqs):  # drafts: every row's logits
             step = self.steps.stage(plan.seqs)
             return step.input_ids, step.positions, step.keep, step.attention
         entries = plan.seqs
