@@ -49,3 +49,10 @@ class EngineConfig:
     constraint_cache_size: int = 256
     max_top_logprobs: int = MAX_TOP_LOGPROBS  # the most alternatives a request may ask for per token
     max_n: int = 16  # the most completions one request may ask for (GenerationRequest.n; why 16: flags.py)
+    # Speculative decoding without a draft model (engine/spec): "ngram" (prompt lookup), "suffix" (suffix trees
+    # over the context and the identity's earlier answers) or "off"; at most `speculative_max_k` drafts per
+    # sequence per step, as the load rule chooses from a step-cost table measured at start-up (or read from
+    # `speculative_cost_table`, JSON from calibrate.dump).
+    speculative: str = "off"
+    speculative_max_k: int = 8
+    speculative_cost_table: str | None = None

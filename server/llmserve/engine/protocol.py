@@ -16,6 +16,7 @@ from llmserve.engine.request import GenerationRequest
 
 if TYPE_CHECKING:
     from llmserve.engine.kv_tiers.worker import TierStats
+    from llmserve.engine.spec.drafter import SpecStats
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class EngineStats:
     session_evictions: dict[str, int]
     prefix_cache_hits: int
     kv_tiers: TierStats | None = None  # when tiers are on
+    speculation: SpecStats | None = None  # when --speculative is on
 
 
 class Tokenizer(Protocol):

@@ -185,7 +185,7 @@ class CudaBackend(TorchPagedBackend):
         seqs = plan.seqs
         if self.graphs.covers(len(seqs)) and all(s.sample is not None and len(s.token_ids) == 1 for s in seqs):
             return self.graphs.run(plan)
-        if self.mixed is not None:
+        if self.mixed is not None and not any(s.drafts for s in seqs):  # drafts: eager, every position's logits
             return self.mixed.run(plan)
         return super().logits(plan)
 

@@ -54,6 +54,7 @@ class Staged:
     max_query_len: int
     widths: np.ndarray  # [seqs] int64: blocks each entry's context spans
     num_decode: int  # the entries at the front that compute one token each
+    num_verify: int = 0  # the entries after those that verify drafts (their last token and the drafts)
 
 
 class InputBatch:
@@ -182,4 +183,5 @@ class InputBatch:
             max_query_len=max_query_len,
             widths=(lens - 1) // bs + 1,
             num_decode=self.counts.count(1),
+            num_verify=sum(1 for e in entries if e.drafts),
         )

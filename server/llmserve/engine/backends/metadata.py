@@ -168,14 +168,26 @@ class KernelDecodeBuilder:
             return self.build_every_token(staged, slot_mapping)
         num = decode_count(staged)
         width = int(staged.widths[:num].max()) if num else 0
+        rows, lens = staged.rows[:num], staged.lens[:num]
+        if staged.num_verify:
+            # An entry verifying drafts is one query row per position for the kernel, each with its own length
+            # (its context up to that position, whose K/V the layer writes before attending): causal attention
+            # by the same kernel and in the same order as decoding those tokens one by one.
+            num += staged.num_verify
+            width = int(staged.widths[:num].max())
+            counts = np.diff(staged.query_start[: num + 1]).astype(np.int64)
+            rows = np.repeat(staged.rows[:num], counts)
+            first = np.repeat(staged.lens[:num].astype(np.int64) - counts, counts)
+            offset = np.arange(int(counts.sum())) - np.repeat(staged.query_start[:num].astype(np.int64), counts)
+            lens = (first + offset + 1).astype(np.int32)
         return KernelDecodeAttention(
             kv=self.kv.tensor,
             slot_mapping=slot_mapping,
             kernel=self.kernel,
-            num=num,
-            tables=self.inputs.tables_of(staged.rows[:num], width),
-            lens=torch.from_numpy(staged.lens[:num]),
-            max_len=int(staged.lens[:num].max()) if num else 0,
+            num=len(rows),
+            tables=self.inputs.tables_of(rows, width),
+            lens=torch.from_numpy(lens),
+            max_len=int(lens.max()) if len(lens) else 0,
             block_size=self.kv.block_size,
             chunks=self._chunks.chunks(staged, num),
         )

@@ -21,8 +21,9 @@ from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
 from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.generators import Generators
-from llmserve.engine.plan import StepPlan
-from llmserve.engine.sampler import RowFailed, Sampled, sample_each
+from llmserve.engine.plan import SeqStep, StepPlan
+from llmserve.engine.sampler import RowFailed, Sampled
+from llmserve.engine.spec.verify import Verified, sample_entries
 from llmserve.models import LoadedModel
 
 
@@ -62,32 +63,39 @@ class TorchPagedBackend:
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]:
+    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Verified]:
         self.kv.copy_blocks(plan.copies)
         logits = self.logits(plan)
-        return sample_each(logits, [s.sample for s in plan.sampling if s.sample is not None], self.generators)
+        return sample_entries(logits, plan.sampling, self.generators)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        """One forward over the plan; logits [len(plan.sampling), vocab] as float32, in plan.sampling order."""
+        """One forward over the plan; logits [sum of num_logits, vocab] as float32, in plan.sampling order (every
+        position of an entry with drafts, the last one of the others)."""
         input_ids, positions, keep, batch = self.prepare(plan)
         return self.forward(input_ids, positions, keep, batch)
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The packed row: input ids, positions, the rows to keep logits of, and the attention metadata."""
-        if self.steps is not None:
+        if self.steps is not None and not any(entry.drafts for entry in plan.seqs):  # drafts: every row's logits
             step = self.steps.stage(plan.seqs)
             return step.input_ids, step.positions, step.keep, step.attention
         entries = plan.seqs
-        # One-token entries first, shortest context first: the decode attention batches them by length.
-        order = sorted(range(len(entries)), key=lambda i: (len(entries[i].token_ids) != 1, entries[i].start))
+        # One-token entries first, shortest context first: the decode attention batches them by length; then the
+        # entries that verify drafts (a decode kernel may take them as one query row per position), then chunks.
+        order = sorted(range(len(entries)), key=lambda i: (_kind(entries[i]), entries[i].start))
         staged = self.inputs.stage([entries[i] for i in order])
         dev = self.device
         batch = self.attention.build(staged, staged.slots.to(dev))
-        # Each entry's last token's row in the packed row, in plan order; kept for the entries that sample.
+        # Each entry's last token's row in the packed row, in plan order; kept for the entries that sample (every
+        # position's row for those with drafts).
         last = np.empty(len(entries), dtype=np.int64)
         last[order] = staged.query_start[1:] - 1
         sampling = [i for i, entry in enumerate(entries) if entry.sample is not None]
-        keep = torch.from_numpy(last[sampling]).to(dev)
+        if any(entries[i].drafts for i in sampling):
+            rows = [np.arange(last[i] - len(entries[i].drafts), last[i] + 1) for i in sampling]
+            keep = torch.from_numpy(np.concatenate(rows)).to(dev)
+        else:
+            keep = torch.from_numpy(last[sampling]).to(dev)
         return staged.ids[None].to(dev), staged.positions[None].to(dev), keep, batch
 
     def forward(
@@ -103,6 +111,11 @@ class TorchPagedBackend:
         )
         logits: torch.Tensor = out.logits[0].float()
         return logits
+
+
+def _kind(entry: SeqStep) -> int:
+    """Packing order: one-token entries, then entries that verify drafts, then prompt chunks."""
+    return 0 if len(entry.token_ids) == 1 else 1 if entry.drafts else 2
 
 
 def varlen_kernel(choice: str, device: torch.device) -> VarlenKernel | None:
