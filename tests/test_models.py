@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
+from llmserve import cpu_features
 from llmserve.models import (
     from_config,
     load_model,
@@ -112,11 +113,15 @@ def test_bad_spec_raises(spec: str, tmp_path: Path, monkeypatch) -> None:
 
 
 def test_dtype_and_device_resolution() -> None:
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    amx = cpu_features.at_least(cpu_features.cpu_level(), "avx512_core_amx")
+    assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if amx else torch.float32)
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
-    with pytest.raises(ValueError):
-        resolve_dtype("int8", torch.device("cpu"))
+    # int8: a bfloat16 model whose linears the CPU backend quantizes; CPU only (and AVX512-VNNI or AMX).
+    with pytest.raises(ValueError, match="int8 runs on CPUs"):
+        resolve_dtype("int8", torch.device("cuda"))
+    with pytest.raises(ValueError, match="unknown dtype 'int4'"):
+        resolve_dtype("int4", torch.device("cpu"))
     with pytest.raises(ValueError):
         load_model("random:smollm2-135m", device="cpu", dtype="fp8")
 

@@ -1,7 +1,13 @@
-"""The smg gateway's cost (issue 30): 32 closed-loop clients through smg's OpenAI-compatible HTTP (the openai SDK,
-streamed chat completions) against the same clients on llmserve's own gRPC (llmserve_client, chat input), both on
-the one server `python -m llmserve` starts (the default model, its engine process), in windows that alternate
-(G L, L G, ...) in one run so that the machine's drift hits both alike.
+"""The smg gateway's cost (issue 30): 32 closed-loop clients through smg's OpenAI-compatible HTTP (streamed chat
+completions) against the same clients on llmserve's own gRPC (llmserve_client, chat input), both on the one server
+`python -m llmserve` starts (the default model, its engine process), in windows that alternate in one run so that
+the machine's drift hits all alike.
+
+Through smg two clients are measured: httpx reading the server-sent events as JSON (what the ratio is quoted for: the
+gateway's cost, as a load generator like vLLM's benchmark_serving sees it) and the openai SDK on the same httpx
+transport (its objects per chunk cost the client ~4x the CPU of llmserve_client's, and the load generator shares the
+server's two cores here, so the SDK's ratio carries the SDK's cost too). Each window records the CPU seconds of the
+clients, the server's API and engine processes and smg.
 
 Every request asks for the same number of new tokens with EOS ignored; a window's throughput is the completion tokens
 that arrived inside it over its length (a request's tokens spread evenly over its messages: smg's chunks do not say
@@ -26,10 +32,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+import httpx2 as httpx
 import openai
+import psutil
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from benchmarks import options, writer
 from benchmarks.paths import ROOT, child_env
@@ -44,6 +55,9 @@ QUESTIONS = [
     "Describe the water cycle to a ten-year-old.",
     "Give me ideas for a birthday party in the garden.",
 ]
+# The window order alternates: smg, smg-sdk, grpc, then grpc, smg-sdk, smg, ...: smg (httpx) and gRPC, the pair
+# the ratio compares, sit symmetrically around the SDK's window.
+MODES = ("smg", "smg-sdk", "grpc")
 SMG_BINARY = Path(sys.executable).parent / "smg"
 
 
@@ -67,15 +81,70 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise TimeoutError(url)
 
 
+class CpuMeter:
+    """CPU seconds (user + system, all threads) spent by each side of the run: the load generator's clients (this
+    process), the server's API process (`python -m llmserve`: gRPC, both edges, detokenization) and its engine process
+    (the step loop, the forward), smg; and the machine's idle seconds. On two cores the clients and smg compete with
+    the server, so a gap between the modes is read from these."""
+
+    def __init__(self, server: subprocess.Popen[bytes], smg: subprocess.Popen[bytes]) -> None:
+        root = psutil.Process(server.pid)
+        self._roles = {
+            "clients": [psutil.Process()],
+            "server API": [root],
+            "engine": root.children(recursive=True),
+            "smg": [psutil.Process(smg.pid)],  # launch.sh execs smg: its pid is smg's
+        }
+
+    def read(self) -> dict[str, float]:
+        seconds = {role: sum(_cpu_s(p) for p in procs) for role, procs in self._roles.items()}
+        seconds["idle"] = psutil.cpu_times().idle
+        return seconds
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
 class Window:
     def __init__(self, start: float, warmup_s: float, window_s: float) -> None:
         self.counted_from = start + warmup_s
         self.end = self.counted_from + window_s
         self.tokens = 0.0
         self.ttfts: list[float] = []
+        self.cpu_s: dict[str, float] = {}
+        self.open = 0  # the clients' requests in flight
+        # Samples every 0.1 s inside the window: the clients' requests in flight, the engine's running and waiting.
+        self.occupancy: list[tuple[int, int, int]] = []
+
+    def begin(self) -> float:
+        self.open += 1
+        return time.monotonic()
+
+    async def sample_occupancy(self, address: str) -> None:
+        """Where the clients' requests are: the engine's running and waiting counts (the vLLM edge's GetLoads, what
+        smg polls) beside the requests the clients have open; a request open but in neither is in a client, smg or
+        the edge."""
+        await asyncio.sleep(max(0.0, self.counted_from - time.monotonic()))
+        async with grpc.aio.insecure_channel(address) as channel:
+            loads = vllm_engine_pb2_grpc.VllmEngineStub(channel).GetLoads
+            while time.monotonic() < self.end:
+                load = (await loads(vllm_engine_pb2.GetLoadsRequest())).loads[0]
+                self.occupancy.append((self.open, load.num_running_reqs, load.num_waiting_reqs))
+                await asyncio.sleep(0.1)
+
+    async def meter(self, cpu: CpuMeter) -> None:
+        """The CPU seconds each side spends inside the window (after its warm-up)."""
+        await asyncio.sleep(max(0.0, self.counted_from - time.monotonic()))
+        before = cpu.read()
+        await asyncio.sleep(max(0.0, self.end - time.monotonic()))
+        after = cpu.read()
+        self.cpu_s = {role: after[role] - before[role] for role in after}
 
     def done(self, began: float, arrivals: list[float], tokens: int) -> None:
         """A finished request: its messages' arrival times and its completion tokens (spread evenly over them)."""
+        self.open -= 1
         inside = sum(self.counted_from <= t < self.end for t in arrivals)
         if arrivals:
             self.tokens += tokens * inside / len(arrivals)
@@ -89,7 +158,7 @@ async def grpc_client(c: int, window: Window, address: str, args: argparse.Names
         while time.monotonic() < window.end:
             question = QUESTIONS[(c + k) % len(QUESTIONS)]
             k += 1
-            began, arrivals, tokens = time.monotonic(), [], 0
+            began, arrivals, tokens = window.begin(), [], 0
             async for response in client.generate(
                 messages=[{"role": "user", "content": question}],
                 max_new_tokens=args.max_new_tokens,
@@ -104,12 +173,13 @@ async def grpc_client(c: int, window: Window, address: str, args: argparse.Names
             window.done(began, arrivals, tokens)
 
 
-async def smg_client(c: int, window: Window, sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> None:
+async def sdk_client(c: int, window: Window, sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> None:
+    """Through smg with the openai SDK (its pydantic objects per chunk)."""
     k = 0
     while time.monotonic() < window.end:
         question = QUESTIONS[(c + k) % len(QUESTIONS)]
         k += 1
-        began, arrivals, tokens = time.monotonic(), [], 0
+        began, arrivals, tokens = window.begin(), [], 0
         stream = await sdk.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": question}],
@@ -128,12 +198,56 @@ async def smg_client(c: int, window: Window, sdk: openai.AsyncOpenAI, model: str
         window.done(began, arrivals, tokens)
 
 
-async def run_window(mode: str, address: str, sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> Window:
+async def http_client(c: int, window: Window, http: httpx.AsyncClient, model: str, args: argparse.Namespace) -> None:
+    """Through smg on the same HTTP transport as the SDK (httpx), reading the server-sent events as JSON: the
+    request a load generator such as vLLM's benchmark_serving sends, without the SDK's object layer."""
+    k = 0
+    while time.monotonic() < window.end:
+        question = QUESTIONS[(c + k) % len(QUESTIONS)]
+        k += 1
+        began, arrivals, tokens = window.begin(), [], 0
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": args.max_new_tokens,
+            "temperature": 0.7,
+            "seed": c * 1000 + k,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if any(choice["delta"].get("content") for choice in event["choices"]):
+                    arrivals.append(time.monotonic())
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+        window.done(began, arrivals, tokens)
+
+
+@dataclass(slots=True)
+class Clients:
+    """What the three kinds of client talk through: smg's HTTP (the SDK, or httpx alone) and llmserve's gRPC."""
+
+    address: str
+    model: str
+    sdk: openai.AsyncOpenAI
+    http: httpx.AsyncClient
+
+
+async def run_window(mode: str, clients: Clients, cpu: CpuMeter, args: argparse.Namespace) -> Window:
     window = Window(time.monotonic(), args.warmup_s, args.window_s)
     if mode == "smg":
-        await asyncio.gather(*(smg_client(c, window, sdk, model, args) for c in range(args.clients)))
+        loops = [http_client(c, window, clients.http, clients.model, args) for c in range(args.clients)]
+    elif mode == "smg-sdk":
+        loops = [sdk_client(c, window, clients.sdk, clients.model, args) for c in range(args.clients)]
     else:
-        await asyncio.gather(*(grpc_client(c, window, address, args) for c in range(args.clients)))
+        loops = [grpc_client(c, window, clients.address, args) for c in range(args.clients)]
+    await asyncio.gather(window.meter(cpu), window.sample_occupancy(clients.address), *loops)
     return window
 
 
@@ -142,44 +256,82 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def measure(address: str, smg_url: str, args: argparse.Namespace) -> dict[str, object]:
+async def measure(address: str, smg_url: str, cpu: CpuMeter, args: argparse.Namespace) -> dict[str, object]:
     sdk = openai.AsyncOpenAI(base_url=smg_url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = (await sdk.models.list()).data[0].id
     async with AsyncClient(address, timeout=30) as client:
         info = await client.model_info()
-    rates: dict[str, list[float]] = {"smg": [], "grpc": []}
-    ttfts: dict[str, list[float]] = {"smg": [], "grpc": []}
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    http = httpx.AsyncClient(base_url=smg_url, timeout=600, limits=limits)
+    clients = Clients(address, model, sdk, http)
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+    ttfts: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu_s: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    occupancy: dict[str, list[tuple[int, int, int]]] = {mode: [] for mode in MODES}
     for i in range(args.windows):
-        for mode in ("smg", "grpc") if i % 2 == 0 else ("grpc", "smg"):
-            window = await run_window(mode, address, sdk, model, args)
+        for mode in MODES if i % 2 == 0 else MODES[::-1]:
+            window = await run_window(mode, clients, cpu, args)
             rates[mode].append(window.tokens / args.window_s)
             ttfts[mode] += window.ttfts
+            cpu_s[mode].append(window.cpu_s)
+            occupancy[mode] += window.occupancy
         print(json.dumps({k: [round(r, 1) for r in v] for k, v in rates.items()}), flush=True)
+    await http.aclose()
+    await sdk.close()
     ratios = [via / direct for via, direct in zip(rates["smg"], rates["grpc"], strict=True)]
+    sdk_ratios = [via / direct for via, direct in zip(rates["smg-sdk"], rates["grpc"], strict=True)]
     return {
         "served": {"model": info.name, "dtype": info.dtype, "device": info.device},
         "clients": args.clients,
         "max_new_tokens": args.max_new_tokens,
         "window_s": args.window_s,
         "tokens_per_s": rates,
-        "ratio_per_window_pair": [round(r, 3) for r in ratios],
+        "ratio_per_window_set": [round(r, 3) for r in ratios],
         "ratio_median": round(statistics.median(ratios), 3),
+        "sdk_ratio_per_window_set": [round(r, 3) for r in sdk_ratios],
+        "sdk_ratio_median": round(statistics.median(sdk_ratios), 3),
         "ttft_s": {
             mode: {"p50": round(percentile(v, 0.5), 3), "p99": round(percentile(v, 0.99), 3), "n": len(v)}
             for mode, v in ttfts.items()
         },
+        # Means over the samples: requests the clients had open, the engine ran, the engine queued.
+        "occupancy": {mode: _means(samples) for mode, samples in occupancy.items()},
+        "cpu_s_per_window": {mode: [{k: round(v, 2) for k, v in w.items()} for w in ws] for mode, ws in cpu_s.items()},
+        # Median over the mode's windows: the cores each side kept busy (idle: the cores nobody used), and the CPU
+        # milliseconds each side spent per completion token.
+        "cpu_cores": {mode: _median_per_role(ws, [args.window_s] * len(ws)) for mode, ws in cpu_s.items()},
+        "cpu_ms_per_token": {
+            mode: _median_per_role(ws, [r * args.window_s / 1000 for r in rates[mode]], skip=("idle",))
+            for mode, ws in cpu_s.items()
+        },
+    }
+
+
+def _means(samples: list[tuple[int, int, int]]) -> dict[str, float]:
+    columns = zip(*samples, strict=True) if samples else ((), (), ())
+    return {
+        k: round(statistics.fmean(c), 2) if c else float("nan")
+        for k, c in zip(("open", "running", "waiting"), columns, strict=True)
+    }
+
+
+def _median_per_role(windows: list[dict[str, float]], per: list[float], skip: tuple[str, ...] = ()) -> dict[str, float]:
+    """Each role's median over the windows of its CPU seconds divided by the window's `per`."""
+    roles = [role for role in windows[0] if role not in skip] if windows else []
+    return {
+        role: round(statistics.median(w[role] / d for w, d in zip(windows, per, strict=True) if d), 3) for role in roles
     }
 
 
 def main(argv: list[str]) -> int:
     p = options.parser("gateway", __doc__)
-    p.add_argument("--windows", type=int, default=3, help="pairs of windows (smg, gRPC)")
+    p.add_argument("--windows", type=int, default=3, help="sets of windows (smg with httpx, smg with the SDK, gRPC)")
     p.add_argument("--window-s", type=float, default=30.0)
     p.add_argument("--warmup-s", type=float, default=8.0)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
     args = p.parse_args(argv)
-    if args.quick:  # one pair of short windows, few clients and tokens: a smoke run
+    if args.quick:  # one set of short windows, few clients and tokens: a smoke run
         args.windows, args.window_s, args.warmup_s, args.clients, args.max_new_tokens = 1, 3.0, 1.0, 4, 8
     run = writer.Run(options.command("gateway", argv))
     port, smg_port, smg_metrics = free_port(), free_port(), free_port()
@@ -196,7 +348,8 @@ def main(argv: list[str]) -> int:
         launch = ["bash", str(ROOT / "deploy" / "smg" / "launch.sh"), address, "--log-level", "warn"]
         smg = subprocess.Popen(launch, env=smg_env, stdout=subprocess.DEVNULL)
         wait_ready(f"http://127.0.0.1:{smg_port}", 60)
-        figures = asyncio.run(measure(address, f"http://127.0.0.1:{smg_port}", args))
+        cpu = CpuMeter(server, smg)
+        figures = asyncio.run(measure(address, f"http://127.0.0.1:{smg_port}", cpu, args))
         run.model = figures.pop("served")  # type: ignore[assignment]
     finally:
         for proc in (smg, server):
@@ -226,16 +379,39 @@ def section(result: dict[str, Any]) -> list[str]:
     lines = [
         f"Served by `python -m llmserve` (engine process), smg 1.13.0 by deploy/smg/launch.sh on the same machine; "
         f"{result['clients']} closed-loop clients, {result['max_new_tokens']} new tokens each (EOS ignored, sampled), "
-        f"windows of {result['window_s']:g} s alternated (G L, L G, ...).",
+        f"windows of {result['window_s']:g} s in sets alternated (H S G, G S H, ...): H through smg's OpenAI HTTP "
+        "with httpx reading the events as JSON, S the same through the openai SDK, G llmserve_client on gRPC. "
+        "The load generator runs on the server's cores.",
         "",
     ]
-    pairs = zip(rates["smg"], rates["grpc"], strict=True)
-    rows = [[i + 1, f"{via:.1f}", f"{direct:.1f}", f"{via / direct:.3f}"] for i, (via, direct) in enumerate(pairs)]
-    lines += writer.table(["window pair", "smg (OpenAI HTTP) tok/s", "llmserve gRPC tok/s", "ratio"], rows)
-    smg, grpc = ttft["smg"], ttft["grpc"]
-    return lines + [
-        "",
-        f"Median ratio {result['ratio_median']} (target >= 0.9). Time to first token P50 / P99: through smg "
-        f"{smg['p50']} s / {smg['p99']} s ({smg['n']} requests), on gRPC {grpc['p50']} s / {grpc['p99']} s "
-        f"({grpc['n']} requests).",
+    sets = zip(rates["smg"], rates["smg-sdk"], rates["grpc"], strict=True)
+    rows = [
+        [i + 1, f"{http:.1f}", f"{sdk:.1f}", f"{direct:.1f}", f"{http / direct:.3f}", f"{sdk / direct:.3f}"]
+        for i, (http, sdk, direct) in enumerate(sets)
     ]
+    header = ["window set", "smg, httpx tok/s", "smg, openai SDK tok/s", "gRPC tok/s", "ratio httpx", "ratio SDK"]
+    lines += writer.table(header, rows)
+    lines += [
+        "",
+        f"Median ratio {result['ratio_median']} through smg with httpx (target >= 0.9), {result['sdk_ratio_median']} "
+        "with the openai SDK as the client. Time to first token P50 / P99: "
+        + "; ".join(f"{mode} {t['p50']} s / {t['p99']} s ({t['n']} requests)" for mode, t in ttft.items())
+        + ".",
+        "",
+        "Where the requests were (means of samples every 0.1 s): open at the clients, running in the engine, "
+        "waiting in the engine: "
+        + "; ".join(f"{mode} {o['open']} / {o['running']} / {o['waiting']}" for mode, o in result["occupancy"].items())
+        + ".",
+        "",
+        "Where the CPU went (medians over each mode's windows): cores kept busy, and CPU ms per completion token.",
+        "",
+    ]
+    cores, per_token = result["cpu_cores"], result["cpu_ms_per_token"]
+    rows = [
+        [role]
+        + [f"{cores[mode][role]:.2f}" for mode in MODES]
+        + [f"{per_token[mode][role]:.3f}" if role in per_token[mode] else "–" for mode in MODES]
+        for role in cores["grpc"]
+    ]
+    header = ["process"] + [f"cores, {mode}" for mode in MODES] + [f"ms/token, {mode}" for mode in MODES]
+    return lines + writer.table(header, rows)

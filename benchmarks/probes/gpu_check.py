@@ -60,6 +60,7 @@ def prompts_for(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list
 
 
 DEVICE = "cuda"
+SMOKE = False  # --smoke: a few short prompts and the tiny shape (the CPU dry run of gpu.sh)
 MODELS: dict[str, LoadedModel] = {}
 
 
@@ -74,7 +75,7 @@ def shaped(shape: str) -> LoadedModel:
 def exactness_fp64() -> dict:
     config = tiny_config("llama")
     loaded = from_config(config, dtype=torch.float64, device=DEVICE)
-    prompts = prompts_for(24, (1, 700), 512, seed=1)
+    prompts = prompts_for(4, (1, 40), 512, seed=1) if SMOKE else prompts_for(24, (1, 700), 512, seed=1)
     loaded.model.set_attn_implementation("sdpa")
     expected = [greedy_reference(loaded.model, p, 20) for p in prompts]
     engine_config = EngineConfig(block_size=16, kv_cache_tokens=20000, max_num_seqs=32, max_num_batched_tokens=512)
@@ -84,8 +85,8 @@ def exactness_fp64() -> dict:
 
 
 def agreement_bf16() -> dict:
-    loaded = shaped("smollm2-135m")
-    prompts = prompts_for(8, (16, 300), loaded.vocab_size, seed=2)
+    loaded = shaped("tiny" if SMOKE else "smollm2-135m")
+    prompts = prompts_for(2 if SMOKE else 8, (16, 300), loaded.vocab_size, seed=2)
     loaded.model.set_attn_implementation("sdpa")
     expected = [greedy_reference(loaded.model, p, 16) for p in prompts]
     config = EngineConfig(block_size=16, kv_cache_tokens=20000, max_num_seqs=16, max_num_batched_tokens=1024)
@@ -136,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
-    parser.add_argument("--shapes", default="smollm2-135m,llama-1b")
+    parser.add_argument("--shapes", default="smollm2-135m,llama-1b", help="throughput's shapes; none: skip it")
     parser.add_argument("--concurrency", default="1,32,64")
+    parser.add_argument("--smoke", action="store_true", help="a few short prompts, tiny shapes: checks the script")
     args = parser.parse_args(argv)
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, SMOKE
+    DEVICE, SMOKE = args.device, args.smoke
     args.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
     report: dict = {"torch": torch.__version__, "device": name}
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         ("exactness_fp64", exactness_fp64),
         ("agreement_bf16", agreement_bf16),
     ]
-    for shape in args.shapes.split(","):
+    for shape in [s for s in args.shapes.split(",") if s and s != "none"]:  # none: the checks alone
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             for graphs in (False, True):
                 key = f"throughput_{shape}_c{concurrency}_{'graphs' if graphs else 'eager'}"

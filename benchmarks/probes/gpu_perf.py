@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import json
 import random
 import subprocess
@@ -35,9 +36,12 @@ import torch
 from benchmarks.paths import child_env
 from benchmarks.systems.grpc_e2e import free_port, server_command
 from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.backends.piecewise import MixedSteps
+from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.model_shape import RANDOM_SHAPES
 from llmserve.models import LoadedModel, random_model
 from llmserve_client import AsyncClient, pb
 
@@ -63,32 +67,61 @@ def engine_config(n: int, lengths: tuple[int, int], smoke: bool) -> EngineConfig
     )
 
 
-async def run_inprocess(loaded: LoadedModel, config: EngineConfig, work: list[tuple[list[int], int]]) -> float:
+class Tally:
+    """Output tokens streamed so far; a run stops at `cap_s` (its streams cancelled) and reports the rate so far."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+
+async def _timed(streams: list[Any], tally: Tally, cap_s: float) -> dict[str, Any]:
+    """Run the streams (coroutines that add to `tally`) until all end or `cap_s` passes: output tokens/s."""
+    started = time.perf_counter()
+    tasks = [asyncio.ensure_future(s) for s in streams]
+    done, pending = await asyncio.wait(tasks, timeout=cap_s)
+    elapsed = time.perf_counter() - started
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task in done:
+        task.result()  # a stream that failed fails the run
+    return {"tok_s": round(tally.tokens / elapsed, 1), "capped": bool(pending), "s": round(elapsed, 1)}
+
+
+async def run_inprocess(
+    loaded: LoadedModel, config: EngineConfig, work: list[tuple[list[int], int]], cap_s: float
+) -> dict[str, Any]:
     engine = AsyncEngine(loaded, config)
     await engine.start()
+    tally = Tally()
     try:
 
-        async def one(i: int) -> int:
+        async def one(i: int) -> None:
             prompt, new = work[i]
             request = GenerationRequest(f"n{i}", tuple(prompt), stopping=StoppingParams(new, ignore_eos=True))
-            count = 0
             async for delta in engine.generate(request):
-                count += len(delta.token_ids)
-            return count
+                tally.tokens += len(delta.token_ids)
 
-        started = time.perf_counter()
-        counts = await asyncio.gather(*(one(i) for i in range(len(work))))
-        return sum(counts) / (time.perf_counter() - started)
+        return await _timed([one(i) for i in range(len(work))], tally, cap_s)
     finally:
         await engine.shutdown()
 
 
 async def run_grpc(
-    shape: str, device: str, dtype: str, config: EngineConfig, work: list[tuple[list[int], int]]
-) -> float:
+    shape: str,
+    device: str,
+    dtype: str,
+    config: EngineConfig,
+    work: list[tuple[list[int], int]],
+    cap_s: float,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The workload over gRPC against `python -m llmserve` (the engine process; `extra` flags such as
+    --engine-in-process); its start-up time is reported beside the rate."""
     port = free_port()
     cmd = server_command(f"random:{shape}", torch.device(device), dtype, port, config, max_streams=4 * len(work))
-    cmd += ["--max-model-len", str(config.max_model_len)]
+    cmd += ["--max-model-len", str(config.max_model_len), *extra]
+    started = time.perf_counter()
     server = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         async with AsyncClient(f"127.0.0.1:{port}") as client:
@@ -97,20 +130,19 @@ async def run_grpc(
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the server did not start: {server.stderr.read() if server.stderr else ''}")
                 await asyncio.sleep(0.5)
+            start_s = round(time.perf_counter() - started, 1)
+            tally = Tally()
 
-            async def one(i: int) -> int:
+            async def one(i: int) -> None:
                 prompt, new = work[i]
-                count = 0
                 stream = client.generate(token_ids=prompt, max_new_tokens=new, ignore_eos=True, return_token_ids=True)
                 async for response in stream:
-                    count += len(response.token_ids)
+                    tally.tokens += len(response.token_ids)
                     if response.finish_reason not in (pb.FINISH_REASON_UNSPECIFIED, pb.FINISH_REASON_LENGTH):
                         raise RuntimeError(f"stream {i} ended {response.finish_reason}")
-                return count
 
-            started = time.perf_counter()
-            counts = await asyncio.gather(*(one(i) for i in range(len(work))))
-            return sum(counts) / (time.perf_counter() - started)
+            result = await _timed([one(i) for i in range(len(work))], tally, cap_s)
+            return {**result, "server_start_s": start_s}
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -171,49 +203,183 @@ def decode_step(loaded: LoadedModel, batch: int, steps: int, context: int) -> di
     return {"ms": round(wall_ms / steps, 3), "gpu_idle_share": round(max(0.0, 1 - busy_ms / wall_ms), 3)}
 
 
-def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
+def start_timing(shape: str, device: str, dtype: str, max_seqs: int = 256) -> dict[str, Any]:
+    """What a CUDA start costs, part by part: the weights, the graphs' memory estimate (one eager forward of the
+    largest bucket: the Triton kernel's first compile happens here), then the backend with every bucket's graph
+    captured (the Triton kernel's compile for the other shapes, and the captures)."""
+    from llmserve.engine.backends import create_backend
+    from llmserve.engine.backends import cuda as cuda_backend
+
+    times: dict[str, float] = {}
+    real_reserve, real_build = cuda_backend.graph_reserve, cuda_backend.DecodeGraphs.build_all
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[name] = round(time.perf_counter() - t0, 2)
+
+        return run
+
+    t0 = time.perf_counter()
+    loaded = random_model(shape, dtype=dtype, device=device)
+    times["load_s"] = round(time.perf_counter() - t0, 2)
+    config = EngineConfig(
+        block_size=16,
+        kv_cache_memory_fraction=0.5,
+        cpu_kv_cache_bytes=1 << 24,  # the dry run's cache (on CUDA the memory fraction sizes it)
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=8192,
+        attention_kernel="triton",
+    )
+    cuda_backend.graph_reserve = timed("graph_reserve_s", real_reserve)  # type: ignore[assignment]
+    cuda_backend.DecodeGraphs.build_all = timed("capture_s", real_build)  # type: ignore[method-assign]
+    try:
+        t0 = time.perf_counter()
+        backend: Any = create_backend(loaded, config, 2048, kind="cuda", capture=device == "cuda")
+        times["backend_s"] = round(time.perf_counter() - t0, 2)
+    finally:
+        cuda_backend.graph_reserve, cuda_backend.DecodeGraphs.build_all = real_reserve, real_build  # type: ignore[method-assign]
+    mib = 2**20
+    return {
+        **times,
+        "graphs": len(backend.graphs),
+        "captured": backend.graphs.captures,
+        "reserved_mib": round(backend.reserved_bytes / mib, 1),
+        "taken_mib": None if backend.graph_bytes is None else round(backend.graph_bytes / mib, 1),
+        "description": backend.description,
+    }
+
+
+def mixed_step(loaded: LoadedModel, mode: str, smoke: bool) -> dict[str, Any]:
+    """Steps that mix a prompt chunk with decodes under `--mixed-steps mode`: 32 sequences decoding while one long
+    prompt is computed in chunks of 512 (2 and 16 in a smoke run); ms per mixed step after the first (which compiles,
+    under the compile modes: its time is reported apart), and the first's."""
+    batch, chunk = (2, 16) if smoke else (32, 512)
+    config = EngineConfig(
+        block_size=16,
+        kv_cache_tokens=(batch + 1) * 4096 + 1024,
+        max_num_seqs=batch + 1,
+        max_num_batched_tokens=batch + chunk,
+        mixed_steps=mode,
+        attention_kernel="triton",
+    )
+    core = EngineCore(loaded, config)
+    if loaded.device.type != "cuda":  # the dry run: the CUDA backend's logic, eagerly, on the CPU
+        from llmserve.engine.backends import create_backend
+
+        core.backend = backend = create_backend(loaded, config, core.max_model_len, kind="cuda", capture=False)
+        if mode != "eager":  # aot_eager: the same graph breaks, without inductor's minute of compiling on a CPU
+            forward = functools.partial(TorchPagedBackend.forward, backend)
+            backend.mixed = MixedSteps(forward, backend.graphs.steps, mode, compiler="aot_eager")  # type: ignore[attr-defined]
+    vocab = loaded.vocab_size
+    stopping = StoppingParams(max_new_tokens=1024, ignore_eos=True)
+    for i in range(batch):
+        core.submit(
+            GenerationRequest(f"m{i}", tuple((i * 7 + j) % (vocab - 3) + 3 for j in range(chunk)), stopping=stopping)
+        )
+    core.drain_inbox()
+    while len(core.scheduler.running) < batch or any(s.num_uncomputed > 1 for s in core.scheduler.running):
+        if core.dead_reason is not None:
+            raise RuntimeError(core.dead_reason)
+        core.step()
+    long = tuple((j * 11) % (vocab - 3) + 3 for j in range(chunk * (2 if smoke else 9)))
+    core.submit(GenerationRequest("long", long, stopping=StoppingParams(max_new_tokens=1, ignore_eos=True)))
+    core.drain_inbox()
+    times = []
+    while any(s.num_uncomputed > 1 for s in core.scheduler.running) or core.scheduler.num_waiting:
+        if core.dead_reason is not None or len(times) > 64:
+            raise RuntimeError(f"the mixed steps did not end: {core.dead_reason or f'{len(times)} steps'}")
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        core.step()
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    rest = sorted(times[1:]) or [float("nan")]
+    return {"first_ms": round(times[0], 1), "ms": round(rest[len(rest) // 2], 3), "steps": len(times)}
+
+
+PARTS = ("start", "inprocess", "decode", "grpc", "mixed")
+
+
+def measure_shape(shape: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The parts `args.parts` names for one shape, into `result` (written after each part by the caller)."""
     smoke = args.smoke
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     n, lengths = (8, (8, 24)) if smoke else (256, (100, 1024))
-    loaded = random_model("tiny" if smoke else shape, dtype=dtype, device=args.device)
-    work = workload(n, lengths, loaded.vocab_size)
+    model = "tiny" if smoke else shape
     config = engine_config(n, lengths, smoke)
-    result: dict[str, Any] = {"nanovllm": {}, "decode_step_ms": {}, "gpu_idle_share": {}}
-    result["nanovllm"]["llmserve"] = round(asyncio.run(run_inprocess(loaded, config, work)), 1)
-    print(f"{shape}: in-process {result['nanovllm']['llmserve']} tok/s", flush=True)
-    for batch in (1, 32, 256) if not smoke else (1, 4):
-        r = decode_step(loaded, batch, 5 if smoke else 50, 16 if smoke else 300)
-        result["decode_step_ms"][str(batch)] = r["ms"]
-        result["gpu_idle_share"][str(batch)] = r["gpu_idle_share"]
-        print(f"{shape}: decode step at {batch}: {r['ms']} ms, GPU idle {r['gpu_idle_share']:.1%}", flush=True)
-    del loaded
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    grpc_shape = "tiny" if smoke else shape
-    result["nanovllm"]["llmserve_grpc"] = round(asyncio.run(run_grpc(grpc_shape, args.device, dtype, config, work)), 1)
-    print(f"{shape}: over gRPC {result['nanovllm']['llmserve_grpc']} tok/s", flush=True)
-    return result
+    work = workload(n, lengths, RANDOM_SHAPES[model]().vocab_size)
+    for part in args.parts.split(","):
+        t0 = time.perf_counter()
+        try:
+            if part == "start":
+                result["start"] = start_timing(model, args.device, dtype, 8 if smoke else 256)
+            elif part == "inprocess":
+                loaded = random_model(model, dtype=dtype, device=args.device)
+                result.setdefault("nanovllm", {})["llmserve"] = asyncio.run(
+                    run_inprocess(loaded, config, work, args.cap_s)
+                )
+            elif part == "decode":
+                loaded = random_model(model, dtype=dtype, device=args.device)
+                for batch in (1, 4) if smoke else (1, 32, 256):
+                    r = decode_step(loaded, batch, 5 if smoke else 50, 16 if smoke else 300)
+                    result.setdefault("decode_step_ms", {})[str(batch)] = r["ms"]
+                    result.setdefault("gpu_idle_share", {})[str(batch)] = r["gpu_idle_share"]
+            elif part == "grpc":
+                nano = result.setdefault("nanovllm", {})
+                for key, extra in (
+                    ("llmserve_grpc", ()),
+                    ("llmserve_grpc_engine_in_process", ("--engine-in-process",)),
+                ):
+                    nano[key] = asyncio.run(run_grpc(model, args.device, dtype, config, work, args.cap_s, extra))
+            elif part == "mixed":
+                loaded = random_model(model, dtype=dtype, device=args.device)
+                for m in ("eager", "compile", "compile-graphs"):  # each written as it ends: a compile may run long
+                    result.setdefault("mixed_step_ms", {})[m] = mixed_step(loaded, m, smoke)
+                    args.write()
+            else:
+                raise ValueError(f"unknown part {part!r}: {', '.join(PARTS)}")
+        except Exception as exc:  # record and go on: one shot at the device
+            result.setdefault("errors", {})[part] = f"{type(exc).__name__}: {exc}"
+        print(f"{shape} {part} ({time.perf_counter() - t0:.0f} s): {json.dumps({k: result.get(k) for k in result})}")
+        args.write()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/run.py --mode gpu-perf", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--cap-s", type=float, default=60.0, help="a nano-vllm run stops here and reports its rate so far")
     p.add_argument("--smoke", action="store_true", help="tiny model and workload: checks the script, measures nothing")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
-    summary: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-        "command": " ".join(
-            ["python", "benchmarks/run.py", "--mode", "gpu-perf", *(argv if argv is not None else sys.argv[1:])]
-        ),
-    }
-    for shape in args.shapes.split(","):
-        summary[shape] = measure_shape(shape, args)
-        summary[shape]["ladder32"] = None
+    if args.device == "cpu":  # the dry run: the varlen kernel through Triton's interpreter, mended for NumPy 2.4
+        from llmserve.testing import mend_triton_interpreter
+
+        mend_triton_interpreter()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("latest-gpu.json" if not args.smoke else "gpu-perf-smoke.json")
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    # Several runs (one per part, each under its own time limit in gpu.sh) add to one summary.
+    summary: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    summary.update(
+        date=datetime.date.today().isoformat(),
+        device=torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+    )
+    command = " ".join(
+        ["python", "benchmarks/run.py", "--mode", "gpu-perf", *(argv if argv is not None else sys.argv[1:])]
+    )
+    summary.setdefault("commands", []).append(command)
+    args.write = lambda: path.write_text(json.dumps(summary, indent=2) + "\n")
+    for shape in args.shapes.split(","):
+        result = summary.setdefault(shape, {"ladder32": None})
+        measure_shape(shape, args, result)
     print(f"wrote {path}")
     return 0

@@ -6,7 +6,7 @@ idle between steps, so it must stay small as the batch grows. This script builds
 2-layer tiny Llama, keeps `batch` sequences decoding, replaces only the model call (`backend.forward`, or the
 fused forward on the CPU) with one that returns ready logits, and times `EngineCore.step()`.
 
-    python benchmarks/run.py --mode host-overhead             # CPU backend and the CUDA backend's paths, on the CPU
+    python benchmarks/run.py --mode host-overhead             # CPU backend, the CUDA and torch backends' paths
     python benchmarks/run.py --mode host-overhead --batches 32 64 256 --steps 300
     python benchmarks/run.py --mode host-overhead --front-end   # deltas through AsyncEngine to an event loop
     python benchmarks/run.py --mode host-overhead --front-end --engine-process   # the core in a process of its own
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from llmserve.engine.async_engine import AsyncEngine
-from llmserve.engine.backends import create_backend
+from llmserve.engine.backends import Backend, Kind, create_backend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.engine.core_process import ChildSpec, ProcessCore
@@ -95,6 +95,16 @@ def submit_through_front_end(
     return stop
 
 
+def probe_backend(core: EngineCore, name: str) -> Backend:
+    """The backend a probe measures: `cpu` (the core's own), `cuda-path-triton` (the CUDA backend: its step buffers
+    and decode graphs' padded forwards, run eagerly on the CPU), `torch-path` (the torch backend's gathered
+    attention, which CUDA without Triton serves)."""
+    if name == "cpu":
+        return core.backend
+    kind: Kind = "cuda" if name == "cuda-path-triton" else "torch"
+    return create_backend(core.loaded, core.config, core.max_model_len, kind=kind, capture=False)
+
+
 def probe_model(tokenizer: bool) -> LoadedModel:
     """The probe's model: the tiny Llama, with SmolLM2's tokenizer when `tokenizer` (module level: an engine
     process builds it with this too)."""
@@ -123,8 +133,7 @@ def timed_child_model(tokenizer: bool, backend: str, batch: int, steps: int, out
 
 
 def prepare_child(core: EngineCore, backend: str, batch: int, steps: int, out: Path) -> None:
-    if backend.startswith("cuda-path"):
-        core.backend = create_backend(core.loaded, core.config, core.max_model_len, kind="cuda", capture=False)
+    core.backend = probe_backend(core, backend)
     stub_model_call(core)
     step = core.step
     times: list[float] = []
@@ -186,17 +195,21 @@ def measure(
 ) -> dict[str, float]:
     """Median and P90 host milliseconds per decode step with `batch` sequences running (detokenized with
     `tokenizer` where the engine does that, when one is given)."""
+    # Room to generate well past the timed steps: with the engine process the child steps while the front end is
+    # still submitting (a stubbed step at 32 sequences takes 0.1 ms), and a request that ended before the last one
+    # arrived left the batch short of `batch` for good (the timer never started: a hang until the deadline).
+    new_tokens = steps + 64 + 1024
     config = EngineConfig(
         block_size=16,
-        kv_cache_tokens=batch * (prompt + steps + 64) + 1024,
+        kv_cache_tokens=batch * (prompt + new_tokens) + 1024,
         max_num_seqs=batch,
         max_num_batched_tokens=max(512, batch),
         cuda_graphs=False,
         # cuda-path-triton: the GPU's default, the varlen kernel (its graphs take block tables as wide as the
-        # context limit, 4,096 tokens here); cuda-path: the torch attention's gathered decode.
-        attention_kernel="triton" if backend == "cuda-path-triton" else "auto",
+        # context limit, 4,096 tokens here); torch-path: the torch attention's gathered decode (CUDA without Triton).
+        attention_kernel="triton" if backend == "cuda-path-triton" else "torch",
     )
-    stopping = StoppingParams(max_new_tokens=steps + 64, ignore_eos=True)
+    stopping = StoppingParams(max_new_tokens=new_tokens, ignore_eos=True)
     # --sampled: every request samples (temperature, top-p, its own seed) instead of taking the argmax.
     sampling = [
         SamplingParams(temperature=0.8, top_p=0.95, seed=i) if sampled else SamplingParams() for i in range(batch)
@@ -212,8 +225,7 @@ def measure(
     loaded.tokenizer = tokenizer
     engine = AsyncEngine(loaded, config) if front_end else None
     core = engine.core.engine_core if engine is not None else EngineCore(loaded, config)  # type: ignore[attr-defined]
-    if backend.startswith("cuda-path"):  # the CUDA backend's decode path (graph buffers, eager), on the CPU
-        core.backend = create_backend(loaded, config, core.max_model_len, kind="cuda", capture=False)
+    core.backend = probe_backend(core, backend)
     stub_model_call(core)
     stop = None
     if engine is not None:
@@ -243,7 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/run.py --mode host-overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64, 256])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--backends", nargs="+", default=["cpu", "cuda-path", "cuda-path-triton"])
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["cpu", "torch-path", "cuda-path-triton"],
+        choices=["cpu", "torch-path", "cuda-path-triton"],
+    )
     p.add_argument("--front-end", action="store_true", help="stream every request through AsyncEngine.generate")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--tokenizer", action="store_true", help="detokenize with the default model's tokenizer")

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from llmserve.config import from_args
+from llmserve.cpu_features import IsaError
 from llmserve.process import configure_process
 from llmserve.telemetry.request_log import configure_logging
 
@@ -15,7 +16,11 @@ from llmserve.telemetry.request_log import configure_logging
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve; the exit status is 0 after a signal, 2 for bad settings, 3 when the engine died (restart me)."""
     # Before torch and transformers are imported anywhere (see llmserve.process).
-    configure_process()
+    try:
+        configure_process()
+    except IsaError as exc:
+        print(f"llmserve: {exc}", file=sys.stderr)
+        return 2
     config = from_args(argv)
     configure_logging(config.server.log_level, config.server.log_format)
     from llmserve.app import run

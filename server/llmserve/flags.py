@@ -295,6 +295,14 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             # cannot crowd out the others, and best-of-n uses rarely go past 8-16.
             _flag("--max-n", "engine.max_n", _positive_int,
                   "most completions one Generate call may ask for (n); beyond it INVALID_ARGUMENT"),
+            _flag("--speculative", "engine.speculative", _one_of("ngram", "suffix", "off"),
+                  "speculative decoding without a draft model: ngram (prompt lookup), suffix (suffix trees over the "
+                  "context and the identity's earlier answers), off; the load rule turns it off where it does not pay"),
+            _flag("--speculative-max-k", "engine.speculative_max_k", _positive_int,
+                  "most drafts a sequence verifies in one step"),
+            _flag("--speculative-cost-table", "engine.speculative_cost_table", str,
+                  "JSON step-cost table for the load rule (rows of batch, k, forward_ms) instead of measuring it at "
+                  "start-up"),
             _flag("--kv-offload-gib", "engine.kv_offload_bytes", _non_negative_float,
                   "host memory for KV blocks the pool evicts (reloaded on a later prefix or session match); 0: off",
                   to_field=_gib_to_bytes, from_field=_bytes_to_gib),
@@ -358,6 +366,9 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--attention-kernel", "engine.attention_kernel", _one_of("auto", "triton", "torch"),
                   "CUDA attention: triton (one varlen paged kernel per layer), torch (gathered decode groups, SDPA "
                   "per prompt chunk), auto (triton where installed)"),
+            _flag("--mixed-steps", "engine.mixed_steps", _one_of("eager", "compile", "compile-graphs"),
+                  "CUDA steps mixing prompt chunks with decodes: eager, compile (torch.compile piecewise around "
+                  "attention), compile-graphs (those pieces in CUDA graphs); the first step of each shape compiles"),
             _switch("--no-native-attention", "engine.native_attention",
                     "CPU: decode attention through torch instead of the compiled kernel", invert=True),
             _switch("--no-packed-linear", "engine.packed_linear",

@@ -8,6 +8,7 @@ A GGUF is converted once into a safetensors folder (gguf.py); a model's dimensio
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from llmserve import cpu_features
 from llmserve.gguf import (
     MARKER,
     convert_gguf,
@@ -23,6 +25,8 @@ from llmserve.gguf import (
     model_name,
 )
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "MARKER",
@@ -40,6 +44,7 @@ __all__ = [
 
 RANDOM_PREFIX = "random:"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+INT8 = "int8"  # --dtype int8: a bfloat16 model whose linears the CPU backend quantizes
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -53,7 +58,8 @@ class LoadedModel:
     """A causal LM ready for inference: eval mode, on `device`, gradients off.
 
     `shape` is the model's dimensions, read from its config once (model_shape.py). `eos_token_ids` is the union
-    of the tokenizer's and the generation config's EOS ids, in that order.
+    of the tokenizer's and the generation config's EOS ids, in that order. `weights`: "int8" when the CPU backend is
+    to quantize the linears (`--dtype int8`: the model itself is bfloat16), else None.
     """
 
     model: Any  # a transformers causal LM (PreTrainedModel); its attributes are dynamic
@@ -63,6 +69,7 @@ class LoadedModel:
     device: torch.device
     shape: ModelShape
     eos_token_ids: tuple[int, ...]
+    weights: str | None = None
 
     @property
     def context_length(self) -> int:
@@ -86,13 +93,17 @@ def load_model(
 
     `spec`: None for the default GGUF; a `.gguf` file (converted and cached on first use); a folder with a
     config.json (loaded as is); or `random:<shape>` (see `random_model`). Anything else raises ValueError.
-    `device`: "auto" is cuda when available, else cpu. `dtype`: "auto" is bfloat16 on CUDA, float32 elsewhere.
+    `device`: "auto" is cuda when available, else cpu. `dtype`: see `resolve_dtype`; "int8" (CPU only) loads the
+    model in bfloat16 for the CPU backend to quantize its linears.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    weights = "int8" if dtype == INT8 else None
     spec = os.fspath(spec) if spec is not None else None
     if spec is not None and spec.startswith(RANDOM_PREFIX):
-        return random_model(spec[len(RANDOM_PREFIX) :], dtype=dt, device=dev)
+        loaded = random_model(spec[len(RANDOM_PREFIX) :], dtype=dt, device=dev)
+        loaded.weights = weights
+        return loaded
     if spec is None:
         folder = convert_gguf(default_gguf_path(), cache_root)
     else:
@@ -106,7 +117,9 @@ def load_model(
                 f"model spec {spec!r} is neither a .gguf file, a folder with a config.json, "
                 f"nor {RANDOM_PREFIX}<shape> (shapes: {', '.join(sorted(RANDOM_SHAPES))})"
             )
-    return _load_folder(folder, dt, dev)
+    loaded = _load_folder(folder, dt, dev)
+    loaded.weights = weights
+    return loaded
 
 
 def from_config(
@@ -158,11 +171,28 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """Map "auto" to bfloat16 on CUDA and float32 elsewhere; else one of float32/float16/bfloat16/float64."""
+    """The model's dtype: "auto" is bfloat16 on CUDA, and on the CPU what cpu_features.auto_dtype picks for its
+    instruction set (bfloat16 with AMX, else float32); "int8" (CPU only) is bfloat16, its linears
+    quantized by the CPU backend, and needs AVX512-VNNI or AMX; else one of float32/float16/bfloat16/float64."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        if device.type != "cpu":
+            return torch.float32
+        level = cpu_features.cpu_level()
+        picked = cpu_features.auto_dtype(level)
+        if picked != "bfloat16":
+            log.info("dtype auto: %s on a CPU of level %s (bfloat16 is picked with AMX only)", picked, level)
+        return _DTYPES[picked]
+    if dtype == INT8:
+        level = cpu_features.cpu_level()
+        if device.type != "cpu" or not cpu_features.at_least(level, cpu_features.INT8_FROM):
+            raise ValueError(
+                f"dtype int8 runs on CPUs with AVX512-VNNI or AMX (this one: {level}, device {device.type})"
+            )
+        return torch.bfloat16
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(_DTYPES)}")
+        raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(_DTYPES)}, {INT8}")
     return _DTYPES[dtype]
 
 

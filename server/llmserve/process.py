@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+from llmserve import cpu_features
+
 
 def configure_process(environ: MutableMapping[str, str] = os.environ, *, shared_cores: bool = False) -> None:
-    """Never reach a model hub; bounded oneDNN primitive caches; with `shared_cores`, a short OpenMP spin.
+    """Never reach a model hub; bounded oneDNN primitive caches; a LLMSERVE_CPU_ISA cap handed to oneDNN
+    (cpu_features.cap_onednn; raises cpu_features.IsaError for an unknown level); with `shared_cores`, a short
+    OpenMP spin.
 
     How long idle OpenMP threads spin before they sleep: a model forward is hundreds of short parallel regions;
     threads that sleep at once (OMP_WAIT_POLICY=PASSIVE) pay a wake-up in each, threads that spin long collapse
@@ -23,6 +27,7 @@ def configure_process(environ: MutableMapping[str, str] = os.environ, *, shared_
     machine).
     """
     environ["HF_HUB_OFFLINE"] = "1"
+    cpu_features.cap_onednn(environ)
     if shared_cores and "OMP_WAIT_POLICY" not in environ:
         environ.setdefault("GOMP_SPINCOUNT", "3000")
     # The packed CPU linears build a oneDNN primitive per row count, kept by ideep's cache and oneDNN's, 1,024

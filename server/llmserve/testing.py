@@ -116,3 +116,20 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)
         self.loop.close()
+
+
+def mend_triton_interpreter() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int(array), which NumPy 2.4 refuses for the
+    one-element arrays its scalars are; a loop bound read from memory (a sequence's length) needs it. For the CPU
+    runs of the varlen kernel through the interpreter (TRITON_INTERPRET=1): the engine tests, gpu.sh --dry-run."""
+    try:
+        import triton.runtime.interpreter as interpreter
+    except ImportError:
+        return
+    patch = interpreter._patch_lang_tensor
+
+    def patch_with_scalar_index(tensor: Any, scope: Any) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_with_scalar_index

@@ -74,3 +74,16 @@ def test_a_page_is_built_from_its_json_alone(tmp_path: Path) -> None:
     assert data["x"] == 1 and data["run"]["command"] == "cmd --x"
     assert page.read_text() == "\n".join(writer.header("Title", data["run"]) + section(data)) + "\n"
     assert "| 1 | 250 ms |" in page.read_text()
+
+
+def test_dtypes_mode_serves_each_dtype_over_grpc_and_skips_an_absent_llama_cpp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no llama-server on it
+    data, page = smoke("dtypes", tmp_path, "--dtypes", "int8")
+    point = data["points"]["llmserve int8"]["1"]
+    assert point["median_output_tokens_per_s"] > 0 and point["errors"] == 0 and point["peak_memory_bytes"] > 0
+    assert "--dtype int8" in " ".join(data["systems"]["llmserve int8"]["command"])
+    assert set(data["peaks"]) == {"float32", "bfloat16", "int8"}
+    assert "llama.cpp skipped: no llama-server" in page and "| llmserve int8 | 1 |" in page

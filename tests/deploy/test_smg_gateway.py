@@ -235,62 +235,62 @@ def client_of(smg: Smg) -> openai.OpenAI:
     return openai.OpenAI(base_url=smg.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_the_next_turn_goes_where_its_prefix_is_cached(
-    replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory
-) -> None:
+@pytest.fixture(scope="module")
+def cache_aware(replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Smg, str]]:
+    """smg with cache_aware in front of both replicas, for the two routing tests that use that policy."""
     smg = Smg([r.address for r in replicas], tmp_path_factory.mktemp("smg") / "smg.log", policy="cache_aware")
     try:
-        model, client = smg.wait_ready(), client_of(smg)
-        for conversation in range(3):
-            messages = [
-                {"role": "system", "content": f"{conversation}: {SYSTEM}"},
-                {"role": "user", "content": "Say something."},
-            ]
-            before = [served(r) for r in replicas]
-            first = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8)
-            after = [served(r) for r in replicas]
-            (holder,) = [i for i in range(2) if after[i] > before[i]]
-            messages += [
-                {"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "And more."},
-            ]
-            second = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8)
-            later = [served(r) for r in replicas]
-            assert later[holder] == after[holder] + 1 and later[1 - holder] == after[1 - holder]
-            usage = second.usage
-            assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
+        yield smg, smg.wait_ready()
     finally:
         smg.stop()
 
 
-def test_cache_aware_routes_on_the_replicas_kv_events(
-    replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory
-) -> None:
+def test_the_next_turn_goes_where_its_prefix_is_cached(replicas: list[Replica], cache_aware: tuple[Smg, str]) -> None:
+    smg, model = cache_aware
+    client = client_of(smg)
+    for conversation in range(3):
+        messages = [
+            {"role": "system", "content": f"{conversation}: {SYSTEM}"},
+            {"role": "user", "content": "Say something."},
+        ]
+        before = [served(r) for r in replicas]
+        first = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8)
+        after = [served(r) for r in replicas]
+        (holder,) = [i for i in range(2) if after[i] > before[i]]
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And more."},
+        ]
+        second = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8)
+        later = [served(r) for r in replicas]
+        assert later[holder] == after[holder] + 1 and later[1 - holder] == after[1 - holder]
+        usage = second.usage
+        assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
+
+
+def test_cache_aware_routes_on_the_replicas_kv_events(replicas: list[Replica], cache_aware: tuple[Smg, str]) -> None:
     """A prefix computed on a replica behind smg's back (llmserve's own Generate, not through smg) is known to smg
     only from that replica's KV events: a chat through smg that extends it still goes there, each time."""
-    smg = Smg([r.address for r in replicas], tmp_path_factory.mktemp("smg") / "smg.log", policy="cache_aware")
-    try:
-        model, client = smg.wait_ready(), client_of(smg)
-        for conversation in range(4):  # by chance alone: 1 in 16
-            holder = conversation % 2
-            messages = [
-                {"role": "system", "content": f"warm {conversation}: {SYSTEM}"},
-                {"role": "user", "content": "Say something."},
-            ]
-            with Client(replicas[holder].address, timeout=60) as own:
-                own.generate_text(messages=messages, max_new_tokens=1)
-            time.sleep(0.3)  # the events' poll (50 ms) and smg's stream
-            before = [served(r) for r in replicas]
-            response = client.chat.completions.create(
-                model=model, messages=[*messages, {"role": "user", "content": "More."}], temperature=0, max_tokens=2
-            )
-            after = [served(r) for r in replicas]
-            assert after[holder] == before[holder] + 1, (conversation, before, after)
-            usage = response.usage
-            assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
-        assert "KV event stream connected" in smg.log_path.read_text()
-    finally:
-        smg.stop()
+    smg, model = cache_aware
+    client = client_of(smg)
+    for conversation in range(4):  # by chance alone: 1 in 16
+        holder = conversation % 2
+        messages = [
+            {"role": "system", "content": f"warm {conversation}: {SYSTEM}"},
+            {"role": "user", "content": "Say something."},
+        ]
+        with Client(replicas[holder].address, timeout=60) as own:
+            own.generate_text(messages=messages, max_new_tokens=1)
+        time.sleep(0.3)  # the events' poll (50 ms) and smg's stream
+        before = [served(r) for r in replicas]
+        response = client.chat.completions.create(
+            model=model, messages=[*messages, {"role": "user", "content": "More."}], temperature=0, max_tokens=2
+        )
+        after = [served(r) for r in replicas]
+        assert after[holder] == before[holder] + 1, (conversation, before, after)
+        usage = response.usage
+        assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
+    assert "KV event stream connected" in smg.log_path.read_text()
 
 
 def test_consistent_hashing_keeps_a_sessions_turns_on_one_replica(

@@ -7,8 +7,10 @@ import torch
 
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.models import from_config
-from llmserve.testing import tiny_config
+from llmserve.testing import mend_triton_interpreter, tiny_config
 from tests.engine.engine_helpers import CONFIG
+
+mend_triton_interpreter()  # every engine test that runs the varlen kernel on the CPU runs it through the interpreter
 
 
 @pytest.fixture

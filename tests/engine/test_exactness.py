@@ -164,22 +164,25 @@ async def test_real_model_greedy_equals_generate(real_model: LoadedModel) -> Non
 
 
 async def test_padded_decode_path_equals_generate() -> None:
-    """The bucketed, padded decode forward that CUDA graphs capture, run eagerly here on the CPU. The requests
-    end at different steps, so rows leave from the middle of the batch and the last rows move into the gaps."""
+    """The bucketed, padded decode forward that CUDA graphs capture, run eagerly here on the CPU (the varlen kernel
+    through Triton's interpreter). The requests end at different steps, so rows leave from the middle of the batch
+    and the last rows move into the gaps."""
     from llmserve.engine.backends import create_backend
     from llmserve.engine.backends.cuda import CudaBackend
 
     loaded = tiny()
-    prompts = random_prompts(5, 300, seed=11)
+    prompts = random_prompts(5, 70, seed=11)  # a few blocks each: Triton's interpreter is slow
     lengths = [10, 3, 7, 5, 12]
     expected = [greedy_reference(loaded.model, p, n) for p, n in zip(prompts, lengths, strict=True)]
-    config = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=512)
+    config = EngineConfig(
+        block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=512, attention_kernel="triton"
+    )
     engine = AsyncEngine(loaded, config)
     # The CUDA backend's logic on the CPU: every bucket prepared at start, replayed eagerly.
     backend = create_backend(loaded, config, engine.core.engine_core.max_model_len, kind="cuda", capture=False)
     assert isinstance(backend, CudaBackend)
     assert backend.num_blocks == engine.core.engine_core.pool.num_blocks
-    assert len(backend.graphs) == 4 * 4  # batch buckets 1, 2, 4, 8 x contexts 256, 512, 1024, 2048
+    assert len(backend.graphs) == 4  # batch buckets 1, 2, 4, 8: the varlen kernel reads any context
     engine.core.engine_core.backend = backend
     runner = backend
     await engine.start()

@@ -210,6 +210,45 @@ class EngineBooks(RuleBasedStateMachine):
                 self.live.remove(seq)
                 self.past = (self.past + [(list(seq.token_ids), seq.request.session_id)])[-6:]
 
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def verify_step(self, data: st.DataObject, token: int) -> None:
+        """A step in which decoding sequences verify drafts (speculative decoding): each gets a random guess, the
+        sampler accepts a random prefix of it and adds its own token; the KV of the rejected drafts must be
+        dropped (computed_kv_holds_its_tokens: no position counted as computed holds a draft's KV)."""
+        decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed == 1]
+        guesses = st.lists(st.integers(0, 3), min_size=1, max_size=2 * BLOCK_SIZE)
+        drafts = {seq.seq_no: data.draw(guesses) for seq in decoding}
+        out = self.scheduler.schedule(drafts)
+        for entry in out.seqs:
+            seq = entry.seq
+            if entry.drafts:
+                assert list(entry.drafts) == drafts[seq.seq_no] and entry.sample is not None
+                assert list(entry.token_ids) == [seq.token_ids[entry.start], *entry.drafts]
+                assert len(seq.block_table) >= self.pool.blocks_for(entry.end)
+        for src, dst in out.copies:
+            self.kv[dst] = list(self.kv[src])
+        for entry in out.seqs:
+            seq = entry.seq
+            for p in range(entry.start, entry.end):  # with drafts: the KV of the guessed context
+                context = (seq.token_ids[: entry.start] + list(entry.token_ids))[: p + 1]
+                self.kv[seq.block_table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = tuple(context)
+        ready = self.scheduler.update(out)
+        verified = {entry.seq.seq_no: entry for entry in out.seqs if entry.drafts}
+        for seq in ready:
+            entry = verified.get(seq.seq_no)
+            accepted = data.draw(st.integers(0, len(entry.drafts))) if entry is not None else 0
+            emitted = (list(entry.drafts[:accepted]) if entry is not None else []) + [token]
+            left = seq.request.stopping.max_new_tokens - seq.num_generated
+            seq.token_ids.extend(emitted[:left])
+            if entry is not None:
+                self.scheduler.settle_drafts(entry, min(accepted, left - 1))
+                assert seq.num_computed == len(seq.token_ids) - 1
+                assert len(seq.block_table) == self.pool.blocks_for(seq.num_computed)
+            if seq.num_generated >= seq.request.stopping.max_new_tokens:
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+                self.live.remove(seq)
+                self.past = (self.past + [(list(seq.token_ids), seq.request.session_id)])[-6:]
+
     @rule(copied=st.booleans())
     def fail_step(self, copied: bool) -> None:
         """The shared forward raises: the copies may or may not have happened, the slots it was writing hold

@@ -31,6 +31,9 @@ class EngineConfig:
     # The torch and CUDA backends' attention: "triton" (one varlen paged kernel for the whole step), "torch"
     # (gathered decode groups and per-chunk SDPA), or "auto" (triton on CUDA where it is installed).
     attention_kernel: str = "auto"
+    # The CUDA backend's mixed steps (prompt chunks beside decodes): "eager", or the candidates "compile" and
+    # "compile-graphs" (backends/piecewise.py), left to the GPU's measurement.
+    mixed_steps: str = "eager"
     cpu_kernels: str = "auto"  # the CPU backend's compiled kernels: auto (use where installed), require, off
     native_attention: bool = True  # CPU: the compiled decode-attention kernel (backends/cpu/native.py)
     packed_linear: bool = (
@@ -53,6 +56,13 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     loras: tuple[tuple[str, str], ...] = ()  # (name, folder) read at start, before the server reports SERVING
+    # Speculative decoding without a draft model (engine/spec): "ngram" (prompt lookup), "suffix" (suffix trees
+    # over the context and the identity's earlier answers) or "off"; at most `speculative_max_k` drafts per
+    # sequence per step, as the load rule chooses from a step-cost table measured at start-up (or read from
+    # `speculative_cost_table`, JSON from calibrate.dump).
+    speculative: str = "off"
+    speculative_max_k: int = 8
+    speculative_cost_table: str | None = None
 
     @property
     def lora_enabled(self) -> bool:

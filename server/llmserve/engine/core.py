@@ -28,6 +28,7 @@ from llmserve.engine.compiling import Compiling
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import ConstraintCompiler, ConstraintState, Vocabulary
 from llmserve.engine.core_stats import core_stats
+from llmserve.engine.core_tokens import TokenSteps, build_drafter
 from llmserve.engine.delta import FinishReason
 from llmserve.engine.errors import EngineDead
 from llmserve.engine.facts import CoreFacts, context_cap
@@ -35,14 +36,14 @@ from llmserve.engine.kv_events import KvEvent, KvEventLog
 from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters
 from llmserve.engine.lora.serving import LoraServing, answer, manage, unbind
-from llmserve.engine.outputs import EngineOutput, RequestStart, ended, ended_unstarted
+from llmserve.engine.outputs import EngineOutput, ended, ended_unstarted
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import GenerationRequest, StoppingParams
-from llmserve.engine.sampler import RowFailed, Sampled
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
+from llmserve.engine.spec.verify import Verified
 from llmserve.models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ STOPPED = "the engine has stopped"
 Query = TypeVar("Query", GetSession, DeleteSession, ManageAdapters)
 
 
-class EngineCore:
+class EngineCore(TokenSteps):
     """Owns scheduler, sessions, block pool, backend and constraint compiler; `step()` is one iteration. The step
     thread alone calls step() and run(); other threads only submit, abort, ask about sessions, wake and read stats.
     `vocabulary`: the grammar vocabulary to share with a front end in this process (built once per process); by
@@ -87,6 +88,7 @@ class EngineCore:
         self.lora = LoraServing.of(config, loaded.shape)  # the adapters' books; None unless LoRA is on
         if self.tiers is not None:
             self.tiers.start()
+        self.drafter = build_drafter(config, self.max_model_len)  # speculative decoding (engine/spec), or None
         vocabulary = vocabulary if vocabulary is not None else Vocabulary.for_model(loaded)
         compiler = None if vocabulary is None else ConstraintCompiler(vocabulary, config.constraint_cache_size)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -155,6 +157,7 @@ class EngineCore:
         """Step until `stop` is set (then `wake()`), handing each pass's outputs to `emit` in one call; then end
         the rest: the inbox is closed and drained (every session query is answered), whatever is left ends
         CANCELLED, and the tiers and the compiler close."""
+        self.calibrate_speculation()
         while not stop.is_set():
             self.drain_inbox()
             self._emit_pending(emit)  # the final outputs of aborted requests, at once (none: nothing to do)
@@ -183,6 +186,7 @@ class EngineCore:
         while not any(out.handle == 0 and out.finished for out in self.take_outputs()):
             self.drain_inbox()
             self.step()
+        self.calibrate_speculation()
 
     def close_tiers(self) -> None:
         """Write every hashed block still in the pool to the tiers and finish their writes (at shutdown, on the
@@ -207,8 +211,9 @@ class EngineCore:
         self._expire_deadlines(now)
         if self.tiers is not None:
             self.tiers.finish_loads(self.scheduler.load_done)
-        plan = self.scheduler.schedule()
-        if self.lora is not None:  # each entry's adapter slot, and the adapters to copy into their slots
+        drafts = self._drafts()
+        plan = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
+        if self.lora is not None:  # each entry's adapter slot (drafts included), and the adapters to copy in
             self.lora.assign(plan, [entry.seq.lora for entry in plan.seqs])
         if self.tiers is not None:
             self.tiers.begin(plan)  # before the forward, which may overwrite the blocks evicted for it
@@ -228,8 +233,13 @@ class EngineCore:
         self.steps += 1
         emit_time = time.monotonic()
         self.scheduler.update(plan)
+        if self.drafter is not None and any(entry.drafts for entry in plan.seqs):
+            self.drafter.step_verified()
         for entry, result in zip(plan.sampling, results, strict=True):
-            self._append(entry.seq, result, emit_time)
+            if entry.drafts or isinstance(result, Verified):
+                self._verified(entry, result, emit_time)
+            else:
+                self._append(entry.seq, result, emit_time)
 
     def drain_inbox(self) -> None:
         """Apply every queued command, then admit the requests whose grammar has compiled meanwhile (on the step
@@ -321,41 +331,6 @@ class EngineCore:
         n = len(request.prompt_token_ids)
         self._collected.append(ended_unstarted(command.handle, request.request_id, n, command.arrival, reason, error))
 
-    def _append(self, seq: Sequence, result: Sampled | RowFailed, now: float) -> None:
-        """Hand a sampled token to its request; a failed row is that request's alone."""
-        if isinstance(result, RowFailed):
-            self._finish(seq, FinishReason.ERROR, error=result.error)
-            return
-        token_id = result.token_id
-        seq.token_ids.append(token_id)
-        output = EngineOutput(
-            seq.seq_no, seq.request_id, [token_id], [result.logprob] if result.logprob is not None else None
-        )
-        if seq.first_token is None:
-            seq.first_token = now
-            started = seq.first_scheduled if seq.first_scheduled is not None else now
-            output.start = RequestStart(
-                seq.num_prompt, seq.num_cached_prompt, seq.seed, seq.arrival, started - seq.arrival, now - seq.arrival
-            )
-        reason = None
-        constraint = seq.constraint
-        if constraint is not None and not constraint.accept(token_id):  # the mask let through what it forbids
-            error = f"the constraint rejected token {token_id}: {constraint.error}"
-            self._finish(seq, FinishReason.ERROR, error=error)
-            return
-        if token_id in seq.stop_ids:
-            reason = FinishReason.STOP_TOKEN
-        elif token_id in seq.eos_ids:
-            reason = FinishReason.EOS
-        elif constraint is not None and constraint.done:  # complete: only the end could follow
-            reason = FinishReason.CONSTRAINT
-        elif seq.num_generated >= seq.request.stopping.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        if reason is None:
-            self._collected.append(output)
-        else:
-            self._finish(seq, reason, output=output)
-
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
         """The shared forward raised: every request in it fails, and none of their KV may be reused."""
         log.error("forward failed for %d requests", len(plan.seqs), exc_info=exc)
@@ -378,6 +353,8 @@ class EngineCore:
         self.scheduler.finish(seq, reason)
         unbind(self.lora, seq)
         self.backend.generators.release(seq.seq_no)
+        if self.drafter is not None:
+            self.drafter.release(seq)
         usage, timing = seq.ended(time.monotonic())
         final = ended(seq.seq_no, seq.request_id, reason, usage, timing, seed=seq.seed, error=error, last=output)
         self._collected.append(final)

@@ -31,4 +31,5 @@ def core_stats(core: EngineCore) -> EngineStats:
         prefix_cache_hits=scheduler.num_prefix_cache_hits,
         kv_tiers=core.tiers.stats() if core.tiers is not None else None,
         lora=None if core.lora is None else core.lora.stats_of(scheduler),
+        speculation=core.drafter.snapshot() if core.drafter is not None else None,
     )

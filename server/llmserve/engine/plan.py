@@ -27,7 +27,11 @@ class SeqStep:
     `block_table` covers every position up to the last computed one; position p's K/V lives in slot
     `block_table[p // block_size] * block_size + p % block_size`. `sample` is set when the step computes the
     sequence's last token, whose logits pick the next one. `lora_slot` is the LoRA device slot whose adapter
-    computes it (NO_ADAPTER: the base model).
+    computes every one of its positions, drafts included (NO_ADAPTER: the base model).
+
+    `drafts` (speculative decoding, engine/spec): guesses at the tokens after the last one, computed in the same
+    step (`token_ids` is then [last token, *drafts]); every one of its positions is sampled, and the longest prefix
+    of drafts the sampler agrees with is accepted (`Scheduler.settle_drafts` keeps the books).
     """
 
     seq: Sequence  # the engine's state, for the book-keeping after the step; backends read the fields below
@@ -35,7 +39,13 @@ class SeqStep:
     token_ids: Seq[int]
     block_table: Seq[int]
     sample: SampleRow | None
+    drafts: Seq[int] = ()
     lora_slot: int = NO_ADAPTER
+
+    @property
+    def num_logits(self) -> int:
+        """The rows of logits this entry needs: one per position verified, one for a plain sampling entry."""
+        return 0 if self.sample is None else len(self.drafts) + 1
 
     @property
     def num_tokens(self) -> int:
@@ -77,3 +87,14 @@ class StepPlan:
     def sampling(self) -> list[SeqStep]:
         """The entries that sample a token this step, in plan order (the order of a backend's results)."""
         return [s for s in self.seqs if s.sample is not None]
+
+
+def step_of(seq: Sequence, n: int, drafts: Seq[int] = ()) -> SeqStep:
+    """Seq's share of the plan: its next n tokens; it samples when they reach its last token. With drafts: its
+    last token and the drafts (n = 1 + len(drafts))."""
+    start = seq.num_computed
+    if drafts:
+        return SeqStep(seq, start, [seq.token_ids[start], *drafts], seq.block_table, seq.sample_row(), drafts)
+    end = start + n
+    sample = seq.sample_row() if end == len(seq.token_ids) else None
+    return SeqStep(seq, start, seq.token_ids[start:end], seq.block_table, sample)

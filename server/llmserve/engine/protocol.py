@@ -17,6 +17,7 @@ from llmserve.engine.request import GenerationRequest
 
 if TYPE_CHECKING:
     from llmserve.engine.kv_tiers.worker import TierStats
+    from llmserve.engine.spec.drafter import SpecStats
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class EngineStats:
     prefix_cache_hits: int
     kv_tiers: TierStats | None = None  # when tiers are on
     lora: LoraStats | None = None  # when the server serves LoRA adapters
+    speculation: SpecStats | None = None  # when --speculative is on
 
 
 class Tokenizer(Protocol):

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, chain_hash
 from llmserve.engine.delta import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
-from llmserve.engine.plan import SeqStep, StepPlan
+from llmserve.engine.plan import StepPlan, step_of
+from llmserve.engine.scheduler_drafts import DraftBooks
 from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
 
@@ -40,7 +41,7 @@ class _Pending:
     waiting_on: set[int] = field(default_factory=set)
 
 
-class Scheduler:
+class Scheduler(DraftBooks):
     """Owns the waiting heap and the running list; asks the block pool and the session store."""
 
     def __init__(
@@ -106,9 +107,10 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> StepPlan:
         """The next step: running sequences first (oldest first), then waiting ones by priority and age.
 
+        `drafts`: by seq_no, tokens to verify after a decoding sequence's last one (scheduler_drafts.py).
         The plan's block tables are the sequences' own lists: read them before the next schedule().
         """
         out = StepPlan()
@@ -119,10 +121,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            guess = drafts.get(seq.seq_no, ()) if drafts else ()
+            if guess and not self._room_for_drafts(seq, len(guess), budget - (len(self.running) - i - 1)):
+                guess = ()
+            n = 1 + len(guess) if guess else min(seq.num_uncomputed, budget)
             if not self._grow(seq, n, out):
                 break  # seq itself was preempted: nothing newer is left
-            out.seqs.append(_step(seq, n))
+            out.seqs.append(step_of(seq, n, guess))
             budget -= n
             i += 1
 
@@ -147,7 +152,7 @@ class Scheduler:
             self._num_waiting -= 1
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.seqs.append(_step(seq, n))
+            out.seqs.append(step_of(seq, n))
             budget -= n
             if adapter is not None:
                 adapters.add(adapter)
@@ -174,7 +179,7 @@ class Scheduler:
         for step in plan.seqs:
             seq = step.seq
             before = seq.num_computed
-            seq.num_computed += len(step.token_ids)
+            seq.num_computed += len(step.token_ids) - len(step.drafts)  # drafts: settle_drafts
             if self.enable_prefix_caching and seq.num_computed // bs > before // bs:  # a block was filled
                 self._register_full_blocks(seq, before)
             if seq.num_computed == len(seq.token_ids):
@@ -390,10 +395,3 @@ class Scheduler:
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]
                 self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens, seq.request.cache_salt)
 
-
-def _step(seq: Sequence, n: int) -> SeqStep:
-    """Seq's share of the plan: its next n tokens; it samples when they reach its last token."""
-    start = seq.num_computed
-    end = start + n
-    sample = seq.sample_row() if end == len(seq.token_ids) else None
-    return SeqStep(seq, start, seq.token_ids[start:end], seq.block_table, sample)

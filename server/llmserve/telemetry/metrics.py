@@ -231,6 +231,8 @@ class EngineCollector(Collector):
             yield from _tier_metrics(s.kv_tiers)
         if s.lora is not None:
             yield from _lora_metrics(s.lora)
+        if s.speculation is not None:
+            yield from _spec_metrics(s.speculation)
 
 
 def _vllm_gauges(model: str, s: EngineStats) -> Iterator[Metric]:
@@ -361,6 +363,29 @@ class HistoryCollector(Collector):
             errors.add_metric([kind, op], stats.errors)
         yield latency
         yield errors
+
+
+def _spec_metrics(t: Any) -> Iterator[Metric]:
+    """engine.spec.drafter.SpecStats as metric families (speculative decoding, --speculative)."""
+    p = PREFIX
+    yield _counter(f"{p}_spec_steps", "Engine steps in which some sequence verified drafts", t.steps)
+    yield _counter(f"{p}_spec_proposed_tokens", "Draft tokens verified", t.proposed)
+    yield _counter(f"{p}_spec_accepted_tokens", "Draft tokens accepted", t.accepted)
+    yield _counter(
+        f"{p}_spec_emitted_tokens", "Tokens emitted by sequences that verified drafts (accepted + one each)", t.emitted
+    )
+    yield _counter(f"{p}_spec_verifying_sequences", "Sequence-steps that verified drafts", t.verifying)
+    yield _counter(f"{p}_spec_off_steps", "Decoding steps in which the load rule left speculation off", t.off_steps)
+    yield _gauge(f"{p}_spec_acceptance_rate", "Accepted over proposed draft tokens since start", t.acceptance_rate)
+    yield _gauge(
+        f"{p}_spec_accepted_length", "Accepted drafts per verifying sequence-step since start", t.mean_accepted
+    )
+    chosen = CounterMetricFamily(
+        f"{p}_spec_drafts_chosen", "Sequence-steps by the number of drafts the load rule gave them", labels=["k"]
+    )
+    for k, n in sorted(t.k_counts.items()):
+        chosen.add_metric([str(k)], n)
+    yield chosen
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

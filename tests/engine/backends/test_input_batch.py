@@ -1,6 +1,6 @@
-"""The persistent input batch (backends/input_batch.py): each step's inputs, for the decode graphs and for the
-eager forward alike, equal those built from scratch from the plan, whatever joins, leaves, grows, or has its
-table replaced; and a steady decode rewrites almost nothing."""
+"""The persistent input batch (backends/input_batch.py): the eager forward's inputs (the gathered and compiled-kernel
+paths) equal those built from scratch from the plan, whatever joins, leaves, grows, or has its table replaced; and a
+steady decode rewrites almost nothing. The varlen path's staging over the same rows: test_step_buffers.py."""
 
 from __future__ import annotations
 
@@ -24,80 +24,6 @@ class _Seq:
 
 def _step(seq: _Seq) -> SeqStep:
     return SeqStep(seq, seq.start, [1000 + seq.seq_no * 7 + seq.start], seq.table, None)  # type: ignore[arg-type]
-
-
-def _check(rows: InputBatch, steps: list[SeqStep], padded: int) -> None:
-    n = len(steps)
-    perm = rows.perm[:padded].tolist()
-    assert sorted(perm[:n]) == list(range(n)) and perm[n:] == list(range(n, padded))
-    for i, step in enumerate(steps):
-        row = perm[i]
-        need = step.start // BS + 1
-        assert rows.tables[row, :need].tolist() == list(step.block_table[:need]), (i, row)
-        assert rows.ids[row] == step.token_ids[0] and rows.positions[row] == step.start
-        assert rows.slots[row] == step.block_table[step.start // BS] * BS + step.start % BS
-        assert rows.lens[row] == step.start + 1
-    for row in range(n, padded):
-        assert rows.lens[row] == 1 and rows.slots[row] == PAD_SLOT and rows.tables[row, 0] == PAD_BLOCK
-        assert rows.ids[row] == 0 and rows.positions[row] == 0
-
-
-def test_rows_equal_a_fresh_build_through_joins_leaves_growth_and_replaced_tables() -> None:
-    rng = random.Random(3)
-    rows = InputBatch(16, MAX_BLOCKS, BS, PAD_BLOCK, PAD_SLOT, pin=False)
-    next_block = iter(range(10**6))
-    running: list[_Seq] = []
-    seq_nos = iter(range(1, 10**6))
-    for _ in range(400):
-        # Leave (finished or preempted), join, grow by one token, and now and then a replaced table (preemption
-        # and re-admission, or a copy-on-write at admission: a new list, maybe the same length).
-        for seq in [s for s in running if rng.random() < 0.1]:
-            running.remove(seq)
-        while len(running) < 16 and rng.random() < 0.5:
-            start = rng.randrange(0, 60)
-            running.insert(rng.randrange(len(running) + 1), _Seq(next(seq_nos), start))
-        for seq in running:
-            if rng.random() < 0.05:
-                seq.table = [next(next_block) % 90 for _ in seq.table]
-            while len(seq.table) <= seq.start // BS:
-                seq.table.append(next(next_block) % 90)
-        if not running:
-            continue
-        if rng.random() < 0.1:
-            rng.shuffle(running)  # the plan's order is the scheduler's; rows need not follow it
-        steps = [_step(s) for s in running]
-        padded = next(b for b in (1, 2, 4, 8, 16) if b >= len(steps))
-        rows.stage_decode(steps, padded)
-        _check(rows, steps, padded)
-        for seq in running:
-            seq.start += 1
-
-
-def test_a_steady_decode_writes_only_new_blocks() -> None:
-    """64 sequences decoding 32 steps: one table entry per block a sequence grows into, not the whole tables
-    every step (a fresh build would write 64 x 32 x their width)."""
-    rows = InputBatch(64, MAX_BLOCKS, BS, PAD_BLOCK, PAD_SLOT, pin=False)
-    running = [_Seq(i, 40 + i % BS, list(range(i * 20, i * 20 + 11))) for i in range(64)]
-    rows.stage_decode([_step(s) for s in running], 64)
-    first = rows.entries_written
-    assert first == sum(s.start // BS + 1 for s in running)
-    for _ in range(32):
-        for seq in running:
-            seq.start += 1
-            while len(seq.table) <= seq.start // BS:
-                seq.table.append(len(seq.table))
-        steps = [_step(s) for s in running]
-        rows.stage_decode(steps, 64)
-        _check(rows, steps, 64)
-    assert rows.entries_written - first == 64 * 32 // BS
-    # One leaves from the front: the last row moves into its gap, the others stay where they are.
-    before = rows.perm[:64].tolist()
-    running.pop(0)
-    steps = [_step(s) for s in running]
-    rows.stage_decode(steps, 64)
-    _check(rows, steps, 64)
-    after = rows.perm[:63].tolist()
-    assert after[:62] == before[1:63] and after[62] == before[0]
 
 
 # -- the eager forward's inputs (stage): mixed chunks and decodes --------------------------------------------

@@ -11,25 +11,12 @@ import random
 import pytest
 import torch
 
-# Through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET before anything imports Triton).
+# Through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET before anything imports Triton; tests/engine/
+# conftest.py mends the interpreter for NumPy 2.4).
 triton = pytest.importorskip("triton", reason="Triton is not installed (the dev extra installs it)")
 assert os.environ.get("TRITON_INTERPRET") == "1", "these tests run Triton's interpreter on CPU tensors"
 
-import triton.runtime.interpreter as _interpreter  # noqa: E402
-
 from llmserve.engine.backends.triton_attention import varlen_paged_attention  # noqa: E402
-
-# Triton 3.6's interpreter turns a scalar into a Python int with int(array), which NumPy 2.4 refuses for the
-# one-element arrays its scalars are; a loop bound read from memory (a sequence's length) needs it.
-_patch_tensor = _interpreter._patch_lang_tensor
-
-
-def _patch_tensor_with_scalar_index(tensor, scope):  # noqa: ANN001, ANN202
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-_interpreter._patch_lang_tensor = _patch_tensor_with_scalar_index
 
 
 def reference(q, k_cache, v_cache, query_start, seq_lens, tables, block_size, scale):  # noqa: ANN001, ANN201
@@ -146,9 +133,7 @@ async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> No
     if graphs:
         backend = create_backend(loaded, config, engine.core.engine_core.max_model_len, kind="cuda", capture=False)
         assert isinstance(backend, CudaBackend)
-        assert backend.graphs.ctx_buckets == (
-            engine.core.engine_core.max_model_len,
-        )  # the context is not part of the key
+        assert backend.graphs.buckets == (1, 2, 4)  # the batch size alone: the context is not part of the key
     else:
         backend = create_backend(loaded, config, engine.core.engine_core.max_model_len, kind="torch")
     assert backend.varlen_kernel is not None and backend.num_blocks == engine.core.engine_core.pool.num_blocks

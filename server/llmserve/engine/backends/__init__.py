@@ -3,7 +3,8 @@
 - `cpu` (backends/cpu): the paged forward with the compiled decode kernel, blocked chunk attention, packed
   oneDNN linears and the fused Llama-family forward;
 - `torch` (torch_paged.py): any transformers causal LM through the paged attention function, CPU or CUDA;
-- `cuda` (cuda.py): the torch backend with decode steps replayed from CUDA graphs captured at start-up.
+- `cuda` (cuda.py): the torch backend with the Triton varlen kernel, decode steps replayed from CUDA graphs
+  captured at start-up.
 
 Each is composed of the same parts: the KV cache (base.py), sized and allocated once here before the backend is
 built; the persistent input batch (input_batch.py); one attention-metadata builder per kernel (metadata.py, the
@@ -14,24 +15,32 @@ types in attention.py); the slot formula (slots.py); the model's shape (`LoadedM
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from llmserve.engine.backends.base import Backend, KVCache, kv_blocks
 from llmserve.engine.config import EngineConfig
 from llmserve.models import LoadedModel
 
-__all__ = ["Backend", "create_backend"]
+__all__ = ["Backend", "Kind", "create_backend"]
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["cpu", "torch", "cuda"]
 
 
 def backend_kind(loaded: LoadedModel, config: EngineConfig) -> Kind:
-    """The backend the model's device calls for: cpu on the CPU, cuda (graphs) on CUDA unless switched off."""
+    """The backend the model's device calls for: cpu on the CPU, cuda (graphs) on CUDA unless switched off or
+    without the varlen kernel the graphs are built on (`--attention-kernel torch`, or no Triton)."""
     device = loaded.device.type
     if device == "cpu":
         return "cpu"
     if device == "cuda" and config.cuda_graphs:
-        return "cuda"
+        from llmserve.engine.backends.torch_paged import varlen_kernel
+
+        if varlen_kernel(config.attention_kernel, loaded.device) is not None:
+            return "cuda"
+        log.warning("CUDA graphs need the Triton varlen kernel: serving without them")
     return "torch"
 
 
@@ -44,8 +53,8 @@ def create_backend(
     capture: bool = True,
 ) -> Backend:
     """The backend for the model's device (or `kind`), built whole: KV cache sized and allocated once, weights
-    packed, graphs captured (`capture=False`: the CUDA backend's padded decode path runs eagerly, as the CPU
-    tests use it). `max_model_len` bounds the sequences it serves (default: the model's context).
+    packed, graphs captured once (`capture=False`: the CUDA backend's padded paths run eagerly, as the CPU tests
+    use it). `max_model_len` bounds the sequences it serves (default: the model's context).
 
     Raises when a part the config requires cannot be had (`--cpu-kernels require` without the compiled
     kernels, a CUDA graph that cannot be captured).
@@ -53,10 +62,10 @@ def create_backend(
     kind = kind or backend_kind(loaded, config)
     max_len = max_model_len or loaded.context_length
     reserved = 0
-    if kind == "cuda" and capture and config.kv_cache_tokens is None:
-        from llmserve.engine.backends.cuda import graph_bytes
+    if kind == "cuda" and config.kv_cache_tokens is None:  # what the graphs will take, before the cache is sized
+        from llmserve.engine.backends.cuda import graph_reserve
 
-        reserved = graph_bytes(loaded, config, max_len)
+        reserved = graph_reserve(loaded, config, max_len)
     num_blocks = kv_blocks(config, loaded.shape, loaded.dtype, loaded.device, reserved)
     kv = KVCache(loaded.shape, num_blocks, config.block_size, loaded.dtype, loaded.device)
     if kind == "cpu":

@@ -202,7 +202,25 @@ def paged_attention(
     llmserve_batch: AttentionMetadata | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function over the paged cache. query [1, H, T, D], key/value [1, KVH, T, D]."""
+    """transformers attention function over the paged cache. query [1, H, T, D], key/value [1, KVH, T, D].
+
+    Under torch.compile (piecewise.py) it is opaque: the graph breaks here, the pieces between the layers'
+    attention calls are compiled, and the cache write and the kernel run as they do eagerly (traced, the cache
+    write would become a copy of the whole cache)."""
+    if torch.compiler.is_compiling():
+        opaque: tuple[torch.Tensor, None] = _opaque_attention(module, query, key, value, scaling, llmserve_batch)
+        return opaque
+    return _paged_attention(module, query, key, value, scaling, llmserve_batch)
+
+
+def _paged_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    llmserve_batch: AttentionMetadata | None,
+) -> tuple[torch.Tensor, None]:
     meta = llmserve_batch
     if meta is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the llmserve_batch argument")
@@ -212,6 +230,9 @@ def paged_attention(
     k_cache.index_copy_(1, meta.slot_mapping, key[0])
     v_cache.index_copy_(1, meta.slot_mapping, value[0])
     return meta.attend(query, key, value, layer, scale)[None], None
+
+
+_opaque_attention = torch.compiler.disable(_paged_attention)  # type: ignore[no-untyped-call]
 
 
 def _gathered_decode(

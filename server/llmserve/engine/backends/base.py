@@ -16,6 +16,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.generators import Generators
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.sampler import RowFailed, Sampled
+from llmserve.engine.spec.verify import Verified
 from llmserve.model_shape import ModelShape
 
 
@@ -37,7 +38,7 @@ class Backend(Protocol):
     kv: KVCache  # the paged cache; the KV tiers copy whole blocks out of it and back (read_block, write_block)
     generators: Generators  # the sampled sequences' random streams, on `device`; the core releases ended ones
 
-    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]: ...
+    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Verified]: ...
 
 
 class KVCache:

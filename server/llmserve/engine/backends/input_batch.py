@@ -8,16 +8,13 @@ when the sequence is new to its row or its table was replaced, as on preemption 
 that leaves frees its row, and the last rows move into the gaps, so that the live rows are always rows 0..n-1.
 
 Every backend path reads the same batch:
-- `stage` (the eager forward of any step, prompt chunks and decodes mixed): the packed row's tokens, positions
-  and slots in the order the backend packs the entries, each entry's row, context length and query range;
-  the attention metadata takes the block tables of those rows (`tables_of`).
-- `stage_decode` (the CUDA graphs' decode-only steps): one token per row written by row into fixed buffers,
-  padding rows up to the batch bucket, and `perm` (the row of the plan's i-th sequence), through which the
-  graph returns its logits in plan order.
-
-On CUDA the buffers are pinned, so the copies to the graph's device buffers are asynchronous. Each step reads
-its sampled tokens back before the next step stages, so no buffer is rewritten under a copy still in flight
-(an overlapped loop would need two sets).
+- `place` gives each of a step's entries its row and brings the row's block table up to date; `starts` and
+  `counts` are then each entry's first position and token count. The varlen path (step_buffers.py: the torch and
+  CUDA backends with the Triton kernel, eager steps and CUDA graphs alike) stages everything else from these,
+  in row order, and sends the live rows of `tables` (pinned on CUDA) to the device as they are.
+- `stage` (the gathered and compiled-kernel paths, the CPU's): the packed row's tokens, positions and slots in the
+  order the backend packs the entries, each entry's row, context length and query range; the attention metadata
+  takes the block tables of those rows (`tables_of`).
 """
 
 from __future__ import annotations
@@ -57,6 +54,7 @@ class Staged:
     max_query_len: int
     widths: np.ndarray  # [seqs] int64: blocks each entry's context spans
     num_decode: int  # the entries at the front that compute one token each
+    num_verify: int = 0  # the entries after those that verify drafts (their last token and the drafts)
 
 
 class InputBatch:
@@ -70,21 +68,13 @@ class InputBatch:
         self.pad_block = pad_block
         self.pad_slot = pad_slot
         self.tables = buffer(max_seqs, max_blocks, dtype=torch.int32, fill=pad_block)
-        # The decode graphs' inputs, by row.
-        self.ids = buffer(max_seqs, dtype=torch.long)
-        self.positions = buffer(max_seqs, dtype=torch.long)
-        self.slots = buffer(max_seqs, dtype=torch.long, fill=pad_slot)
-        self.perm = torch.arange(max_seqs, dtype=torch.long).pin_memory() if pin else torch.arange(max_seqs)
-        self.lens = buffer(max_seqs, dtype=torch.int32, fill=1)
-        # NumPy views of the same memory: element and slice writes without a torch call each.
-        self._ids, self._positions, self._slots = self.ids.numpy(), self.positions.numpy(), self.slots.numpy()
-        self._perm, self._lens, self._tables = self.perm.numpy(), self.lens.numpy(), self.tables.numpy()
+        self._tables = self.tables.numpy()  # a NumPy view of the same memory: slice writes without a torch call
         self._rows: list[_Row | None] = [None] * max_seqs
         self._row_of: dict[int, int] = {}  # seq_no -> its row
         self._used = 0  # rows [0, _used) may hold a sequence
         self.entries_written = 0  # block-table entries written, all steps (the tests read it)
-        self._starts: list[int] = []  # the last place()'s entries' starts and token counts
-        self._counts: list[int] = []
+        self.starts: list[int] = []  # the last place()'s entries' first positions and token counts, in its order
+        self.counts: list[int] = []
 
     # -- the rows ------------------------------------------------------------------------------
 
@@ -111,7 +101,7 @@ class InputBatch:
         bs = self.block_size
         tables = self._tables
         order: list[int] = []
-        starts, counts = self._starts, self._counts
+        starts, counts = self.starts, self.counts
         starts.clear()
         counts.clear()
         for step in entries:
@@ -154,8 +144,8 @@ class InputBatch:
         rows = np.asarray(self.place(entries), dtype=np.int64)
         n = len(entries)
         bs = self.block_size
-        starts = np.array(self._starts, dtype=np.int64)
-        counts = np.array(self._counts, dtype=np.int64)
+        starts = np.array(self.starts, dtype=np.int64)
+        counts = np.array(self.counts, dtype=np.int64)
         lens = starts + counts
         query_start = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
@@ -192,25 +182,6 @@ class InputBatch:
             query_start=query_start,
             max_query_len=max_query_len,
             widths=(lens - 1) // bs + 1,
-            num_decode=self._counts.count(1),
+            num_decode=self.counts.count(1),
+            num_verify=sum(1 for e in entries if e.drafts),
         )
-
-    def stage_decode(self, seqs: Sequence[SeqStep], padded: int) -> None:
-        """Write a decode step's inputs (one token per sequence) by row: live rows 0..n-1, padding rows
-        n..padded-1 (one token at the pad slot, attending to itself), perm[i] = the row of seqs[i]."""
-        n = len(seqs)
-        order = np.array(self.place(seqs), dtype=np.int64)
-        bs = self.block_size
-        starts = np.array(self._starts, dtype=np.int64)
-        self._ids[order] = [s.token_ids[0] for s in seqs]
-        self._positions[order] = starts
-        self._slots[order] = slot(self._tables[order, starts // bs].astype(np.int64), starts % bs, bs)
-        self._lens[order] = starts + 1
-        self._perm[:n] = order
-        pad = slice(n, padded)
-        self._ids[pad] = 0
-        self._positions[pad] = 0
-        self._slots[pad] = self.pad_slot
-        self._lens[pad] = 1
-        self._perm[pad] = range(n, padded)
-        self._tables[pad, 0] = self.pad_block

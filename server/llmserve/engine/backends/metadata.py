@@ -2,7 +2,8 @@
 
 A backend is composed with one builder, chosen when it is built: `GatheredBuilder` (torch attention; on the
 CPU with decode groups by context length and long chunks in query blocks), `KernelDecodeBuilder` (the CPU's
-compiled decode kernel), `VarlenBuilder` (the Triton varlen kernel). Each reads the step as `input_batch.Staged`
+compiled decode kernel). The Triton varlen kernel's steps need no builder: their metadata are views of
+persistent device buffers (step_buffers.py). Each builder reads the step as `input_batch.Staged`
 (entries in packed order: one-token entries first, shortest context first, then prompt chunks) and the block
 tables of its rows, and returns the metadata type of its kernel (attention.py).
 """
@@ -23,8 +24,6 @@ from llmserve.engine.backends.attention import (
     GatheredAttention,
     KernelDecodeAttention,
     QueryBlock,
-    VarlenAttention,
-    VarlenKernel,
 )
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch, Staged
@@ -147,50 +146,71 @@ class GatheredBuilder:
 
 class KernelDecodeBuilder:
     """Metadata for the CPU's compiled decode kernel: the decode rows' block tables and lengths as the kernel
-    reads them; chunks as `chunks` (a GatheredBuilder) makes them."""
+    reads them; chunks as `chunks` (a GatheredBuilder) makes them.
 
-    def __init__(self, inputs: InputBatch, kv: KVCache, kernel: DecodeKernel, chunks: GatheredBuilder) -> None:
+    `every_token`: prompt chunks' tokens go through the kernel too, each as a query of its own over the context up
+    to itself (the chunk's keys are in the cache before any layer attends). A token then gets bit for bit the
+    attention it would get in a decode step, whatever chunk it was computed in, or whether a preempted or
+    continued sequence computes it again: the batch invariance of the bfloat16 and int8 forwards, where SDPA's
+    blocked softmax and the kernel round differently."""
+
+    def __init__(
+        self, inputs: InputBatch, kv: KVCache, kernel: DecodeKernel, chunks: GatheredBuilder, every_token: bool = False
+    ) -> None:
         self.inputs = inputs
         self.kv = kv
         self.kernel = kernel
         self._chunks = chunks
+        self.every_token = every_token
 
     def build(self, staged: Staged, slot_mapping: torch.Tensor) -> KernelDecodeAttention:
+        if self.every_token:
+            return self.build_every_token(staged, slot_mapping)
         num = decode_count(staged)
         width = int(staged.widths[:num].max()) if num else 0
+        rows, lens = staged.rows[:num], staged.lens[:num]
+        if staged.num_verify:
+            # An entry verifying drafts is one query row per position for the kernel, each with its own length
+            # (its context up to that position, whose K/V the layer writes before attending): causal attention
+            # by the same kernel and in the same order as decoding those tokens one by one.
+            num += staged.num_verify
+            width = int(staged.widths[:num].max())
+            counts = np.diff(staged.query_start[: num + 1]).astype(np.int64)
+            rows = np.repeat(staged.rows[:num], counts)
+            first = np.repeat(staged.lens[:num].astype(np.int64) - counts, counts)
+            offset = np.arange(int(counts.sum())) - np.repeat(staged.query_start[:num].astype(np.int64), counts)
+            lens = (first + offset + 1).astype(np.int32)
         return KernelDecodeAttention(
             kv=self.kv.tensor,
             slot_mapping=slot_mapping,
             kernel=self.kernel,
-            num=num,
-            tables=self.inputs.tables_of(staged.rows[:num], width),
-            lens=torch.from_numpy(staged.lens[:num]),
-            max_len=int(staged.lens[:num].max()) if num else 0,
+            num=len(rows),
+            tables=self.inputs.tables_of(rows, width),
+            lens=torch.from_numpy(lens),
+            max_len=int(lens.max()) if len(lens) else 0,
             block_size=self.kv.block_size,
             chunks=self._chunks.chunks(staged, num),
         )
 
-
-class VarlenBuilder:
-    """Metadata for the varlen kernel: every entry's query range, length and block table."""
-
-    def __init__(self, inputs: InputBatch, kv: KVCache, kernel: VarlenKernel) -> None:
-        self.inputs = inputs
-        self.kv = kv
-        self.kernel = kernel
-
-    def build(self, staged: Staged, slot_mapping: torch.Tensor) -> VarlenAttention:
-        dev = self.kv.tensor.device
+    def build_every_token(self, staged: Staged, slot_mapping: torch.Tensor) -> KernelDecodeAttention:
+        """Every token of the step as a kernel query: its sequence's block table and its own context length."""
+        counts = np.diff(staged.query_start).astype(np.int64)
+        rows = np.repeat(staged.rows, counts)
+        # The token at offset j of an entry with c queries and final context L sees L - c + 1 + j positions.
+        ends = np.repeat(staged.lens.astype(np.int64), counts)
+        offsets = np.arange(len(rows), dtype=np.int64) - np.repeat(staged.query_start[:-1].astype(np.int64), counts)
+        lens = (ends - np.repeat(counts, counts) + 1 + offsets).astype(np.int32)
         width = int(staged.widths.max())
-        return VarlenAttention(
+        return KernelDecodeAttention(
             kv=self.kv.tensor,
             slot_mapping=slot_mapping,
             kernel=self.kernel,
-            query_start=torch.from_numpy(staged.query_start).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(staged.lens).to(dev, non_blocking=True),
-            block_tables=self.inputs.tables_of(staged.rows, width).to(dev, non_blocking=True),
-            max_query_len=staged.max_query_len,
+            num=len(rows),
+            tables=self.inputs.tables_of(rows, width),
+            lens=torch.from_numpy(lens),
+            max_len=int(lens.max()),
             block_size=self.kv.block_size,
+            chunks=[],
         )
 
 

@@ -2,10 +2,11 @@
 
 A backend is composed of parts it is given or picks once when it is built: the KV cache (sized and allocated
 before, `create_backend`), the persistent input batch (input_batch.py: a row per running sequence, updated
-incrementally), one attention-metadata builder for its kernel (metadata.py), and the model's forward. A step
-plan becomes one packed row of tokens: one-token (decode) entries first, shortest context first, then prompt
-chunks; the builder turns the staged rows into its kernel's metadata. The CPU and CUDA backends compose other
-parts (the compiled decode kernel and the fused forward; the decode graphs) around the same pieces.
+incrementally), the step's inputs for its kernel, and the model's forward. With the Triton varlen kernel a step's
+inputs live in device buffers allocated once (step_buffers.py: packed in row order, staged on the host and sent
+with three non-blocking copies); with the torch attention a metadata builder (metadata.py) packs one-token
+(decode) entries first, shortest context first, then prompt chunks. The CPU and CUDA backends compose other parts
+(the compiled decode kernel and the fused forward; the CUDA graphs) around the same pieces.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from llmserve.engine.backends.attention import ATTN_IMPLEMENTATION, AttentionMet
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.lora_slots import BackendLora
-from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder, VarlenBuilder
+from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
+from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.generators import Generators
 from llmserve.engine.lora.ops import LoraRows
-from llmserve.engine.plan import StepPlan
-from llmserve.engine.sampler import RowFailed, Sampled, sample_each
+from llmserve.engine.plan import SeqStep, StepPlan
+from llmserve.engine.sampler import RowFailed, Sampled
+from llmserve.engine.spec.verify import Verified, sample_entries
 from llmserve.models import LoadedModel
 
 
@@ -64,11 +67,11 @@ class TorchPagedBackend:
             config.max_num_seqs, max_blocks, self.block_size, kv.scratch_block, kv.scratch_slot, pin=pin
         )
         self.varlen_kernel = varlen_kernel(config.attention_kernel, self.device)
-        self.attention: MetadataBuilder
+        # The varlen kernel's steps read persistent device buffers; the torch attention's, a builder's metadata.
+        self.steps: StepBuffers | None = None
+        self.attention: MetadataBuilder = GatheredBuilder(self.inputs, kv, self.dtype)
         if self.varlen_kernel is not None:
-            self.attention = VarlenBuilder(self.inputs, kv, self.varlen_kernel)
-        else:
-            self.attention = GatheredBuilder(self.inputs, kv, self.dtype)
+            self.steps = StepBuffers(self.inputs, kv, self.varlen_kernel, config.max_num_batched_tokens)
         attention = "one Triton varlen kernel" if self.varlen_kernel is not None else "torch"
         self.description = f"transformers layers, paged attention in {attention}"
         # LoRA slots (None unless the config serves adapters), applied by hooks on the model's projections.
@@ -77,31 +80,46 @@ class TorchPagedBackend:
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]:
+    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Verified]:
         self.kv.copy_blocks(plan.copies)
         if plan.lora_writes:
             assert self.lora is not None, "a plan with LoRA writes for a backend without LoRA slots"
             self.lora.write(plan.lora_writes)
         logits = self.logits(plan)
-        return sample_each(logits, [s.sample for s in plan.sampling if s.sample is not None], self.generators)
+        return sample_entries(logits, plan.sampling, self.generators)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        """One forward over the plan; logits [len(plan.sampling), vocab] as float32, in plan.sampling order."""
+        """One forward over the plan; logits [sum of num_logits, vocab] as float32, in plan.sampling order (every
+        position of an entry with drafts, the last one of the others)."""
         return self.forward(*self.prepare(plan))
 
     def prepare(self, plan: StepPlan) -> Packed:
-        """The packed row: input ids, positions, the rows to keep logits of, the attention metadata, LoRA rows."""
+        """The packed row: input ids, positions, the rows to keep logits of, the attention metadata, LoRA rows
+        (each token's slot: a sequence's drafts compute with its adapter like its last token)."""
+        if self.steps is not None and not any(entry.drafts for entry in plan.seqs):  # drafts: every row's logits
+            step = self.steps.stage(plan.seqs)
+            lora = None
+            if self.lora is not None:  # the step buffers pack the entries by their input-batch row
+                rows = self.steps.rows
+                lora = self.lora.rows([plan.seqs[i] for i in sorted(range(len(rows)), key=rows.__getitem__)])
+            return Packed(step.input_ids, step.positions, step.keep, step.attention, lora)
         entries = plan.seqs
-        # One-token entries first, shortest context first: the decode attention batches them by length.
-        order = sorted(range(len(entries)), key=lambda i: (len(entries[i].token_ids) != 1, entries[i].start))
+        # One-token entries first, shortest context first: the decode attention batches them by length; then the
+        # entries that verify drafts (a decode kernel may take them as one query row per position), then chunks.
+        order = sorted(range(len(entries)), key=lambda i: (_kind(entries[i]), entries[i].start))
         staged = self.inputs.stage([entries[i] for i in order])
         dev = self.device
         batch = self.attention.build(staged, staged.slots.to(dev))
-        # Each entry's last token's row in the packed row, in plan order; kept for the entries that sample.
+        # Each entry's last token's row in the packed row, in plan order; kept for the entries that sample (every
+        # position's row for those with drafts).
         last = np.empty(len(entries), dtype=np.int64)
         last[order] = staged.query_start[1:] - 1
         sampling = [i for i, entry in enumerate(entries) if entry.sample is not None]
-        keep = torch.from_numpy(last[sampling]).to(dev)
+        if any(entries[i].drafts for i in sampling):
+            rows = [np.arange(last[i] - len(entries[i].drafts), last[i] + 1) for i in sampling]
+            keep = torch.from_numpy(np.concatenate(rows)).to(dev)
+        else:
+            keep = torch.from_numpy(last[sampling]).to(dev)
         lora = None if self.lora is None else self.lora.rows(staged.entries)
         return Packed(staged.ids[None].to(dev), staged.positions[None].to(dev), keep, batch, lora)
 
@@ -128,6 +146,11 @@ class TorchPagedBackend:
         )
         logits: torch.Tensor = out.logits[0].float()
         return logits
+
+
+def _kind(entry: SeqStep) -> int:
+    """Packing order: one-token entries, then entries that verify drafts, then prompt chunks."""
+    return 0 if len(entry.token_ids) == 1 else 1 if entry.drafts else 2
 
 
 def varlen_kernel(choice: str, device: torch.device) -> VarlenKernel | None:

@@ -1,6 +1,9 @@
-"""The fused CPU forward (fused_layers.py, csrc/fused_ops.c) computes what transformers' layers compute."""
+"""The fused CPU forward (fused_layers.py, csrc/fused_ops.c, csrc/mixed_ops.c) computes what transformers'
+layers compute: float32 and float64 to their rounding, bfloat16 and int8 within theirs, every linear packed."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -8,10 +11,11 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from llmserve.engine.backends import create_backend
-from llmserve.engine.backends.attention import Chunk, GatheredAttention, paged_attention
+from llmserve.engine.backends.attention import Chunk, GatheredAttention, KernelDecodeAttention, paged_attention
 from llmserve.engine.backends.cpu import native
 from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
+from llmserve.engine.backends.cpu.packed_linear import Int8Linear, PackedBF16, RefinedHead
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
@@ -100,6 +104,56 @@ def test_fused_forward_gives_the_models_logits(family: str, dtype: torch.dtype) 
     assert fused.shape == plain.shape == (101, TINY_VOCAB)
     # float64 differs only where transformers' RMSNorm rounds through float32.
     assert close(fused, plain.float(), dtype, 1.0 if dtype == torch.float32 else 1e6)
+
+
+def kernel_prefill_logits(runner: CpuBackend, ids: torch.Tensor) -> torch.Tensor:
+    """One sequence's prompt through the fused forward as the bfloat16 and int8 backends attend: every token a
+    query of the decode kernel over the context up to itself."""
+    tokens = ids.shape[1]
+    assert runner.kernel is not None and runner.fused is not None
+    blocks = -(-tokens // runner.block_size)
+    batch = KernelDecodeAttention(
+        kv=runner.kv.tensor,
+        slot_mapping=torch.arange(tokens),
+        kernel=runner.kernel,
+        num=tokens,
+        tables=torch.arange(blocks, dtype=torch.int32).repeat(tokens, 1),
+        lens=torch.arange(1, tokens + 1, dtype=torch.int32),
+        max_len=tokens,
+        block_size=runner.block_size,
+        chunks=[],
+    )
+    with torch.inference_mode():
+        return runner.fused(ids, torch.arange(tokens)[None], None, batch)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_bfloat16_and_int8_forwards_give_the_models_logits_within_their_rounding(family: str, dtype: str) -> None:
+    """Against the model's own forward in float32 on the same (bfloat16) weights. Every linear is packed (a layer
+    left on plain or dense weights, or a weight packed transposed, fails here), the KV cache is bfloat16, and the
+    residual stream float32."""
+    config = tiny_config(family)
+    config.intermediate_size = 1536  # a down projection whose reduction bfloat16 splits (packed_linear)
+    loaded = from_config(config, dtype=torch.bfloat16)
+    loaded.weights = "int8" if dtype == "int8" else None
+    reference = copy.deepcopy(loaded.model).float()
+    runner = create_backend(loaded, EngineConfig(block_size=16, kv_cache_tokens=256))
+    assert isinstance(runner, CpuBackend) and runner.fused is not None
+    kind = PackedBF16 if dtype == "bfloat16" else Int8Linear
+    head = runner.fused.lm_head
+    assert isinstance(head, RefinedHead)  # its best candidates recomputed in float32
+    linears = [head.head] + [getattr(ly, n) for ly in runner.fused.layers for n in ("qkv", "o", "gate_up", "down")]
+    # In oneDNN's blocked layout: a dense weight computes the same logits, only slower.
+    assert all(type(linear) is kind and linear.packed for linear in linears), linears
+    assert runner.fused.num_packed == len(linears)
+    assert runner.kv.tensor.dtype == torch.bfloat16
+    ids = torch.randint(TINY_VOCAB, (1, 101), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = reference(input_ids=ids).logits[0]
+    fused = kernel_prefill_logits(runner, ids)
+    error = (fused - expected).abs().mean() / expected.abs().mean()
+    assert error < {"bfloat16": 0.01, "int8": 0.03}[dtype], error
 
 
 def test_fused_forward_applies_only_where_it_can() -> None:

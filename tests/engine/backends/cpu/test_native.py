@@ -55,6 +55,29 @@ def test_kernel_equals_gathered_attention(dtype: torch.dtype, heads: int, kv_hea
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 32)])
+def test_bfloat16_cache_gives_the_float32_kernels_result_rounded(heads: int, kv_heads: int, dim: int) -> None:
+    """A bfloat16 cache: each value widened exactly, float32 arithmetic, one rounding at the end. Many query rows
+    over one sequence's blocks at growing lengths, as a prompt chunk's tokens go through it. The two functions are
+    compiled apart, and a reduction's order may differ: within a bfloat16 step, nearly every value equal."""
+    kernel = native.load(dim, heads // kv_heads)
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(dim)
+    bs, num_blocks, tokens = 16, 64, 45
+    k = torch.randn(kv_heads, num_blocks * bs, dim, generator=gen).bfloat16()
+    v = torch.randn(kv_heads, num_blocks * bs, dim, generator=gen).bfloat16()
+    lens = torch.arange(1, tokens + 1, dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=gen)[:3].to(torch.int32).repeat(tokens, 1).contiguous()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)  # the fused forward's view of the q/k/v linear's rows
+    out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
+    wide = torch.empty(tokens, heads, dim)
+    kernel(q, k, v, tables, lens, tokens, bs, dim**-0.5, out)
+    kernel(q.float(), k.float(), v.float(), tables, lens, tokens, bs, dim**-0.5, wide)
+    assert ((out.float() - wide).abs() <= wide.abs() / 2**8 + 1e-30).all()
+    assert (out != wide.bfloat16()).sum() <= out.numel() // 5000
+
+
 def test_kernel_rejects_a_shape_it_was_not_built_for() -> None:
     kernel = native.load(16, 2)
     assert kernel is not None

@@ -1,11 +1,12 @@
-"""float32 CPU linears through packed oneDNN weights compute what the plain layers compute."""
+"""CPU linears through packed oneDNN weights compute what the plain layers compute: float32 as the model does,
+bfloat16 and int8 within their rounding, each row the same whatever rows share its call."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from llmserve.engine.backends.cpu import packed_linear
+from llmserve.engine.backends.cpu import native, packed_linear
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.models import from_config
@@ -46,3 +47,64 @@ def test_engine_packs_float32_only_and_can_be_told_not_to() -> None:
     f64 = from_config(tiny_config(), dtype=torch.float64)
     assert EngineCore(f64, on).backend.num_packed_linears == 0
     assert packed_linear.pack_linears(f64.model) == 0
+
+
+def quantized(x: torch.Tensor) -> native.Rows:
+    ops = native.load_mixed()
+    assert ops is not None
+    return ops.convert(x, torch.uint8)
+
+
+def rows_of(rows: native.Rows, start: int, end: int) -> native.Rows:
+    if isinstance(rows, native.QuantizedRows):
+        return native.QuantizedRows(rows.values[start:end].contiguous(), rows.scales[start:end].contiguous())
+    return rows[start:end]
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+@pytest.mark.parametrize("k", [576, 1536])  # SmolLM2's hidden size, and its MLP's (down's reduction, > 1,024)
+def test_a_row_gives_the_same_alone_and_among_any_number_of_rows(kind: str, k: int) -> None:
+    """Batch invariance of the bfloat16 and int8 linears: every row count from 1 to 70, and longer ones, at varied
+    offsets, bit for bit against each row alone. Unsplit, oneDNN's bfloat16 kernel fails this at K = 1,536."""
+    g = torch.Generator().manual_seed(k)
+    weight, bias = torch.randn(96, k, generator=g) * 0.05, torch.randn(96, generator=g)
+    linear = packed_linear.make_linear(weight, bias, kind, True, native.load_mixed(), torch.float32)
+    x = torch.randn(600, k, generator=g).bfloat16()
+    rows = x if kind == "bfloat16" else quantized(x.float())
+    alone = torch.cat([linear(rows_of(rows, i, i + 1)) for i in range(600)])
+    for m in [*range(1, 71), 129, 256, 333, 512, 600]:
+        start = (m * 37) % (601 - m)
+        assert torch.equal(linear(rows_of(rows, start, start + m)), alone[start : start + m]), m
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+def test_bfloat16_and_int8_linears_within_their_rounding(kind: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(200, 1536, generator=g) * 0.05, torch.randn(200, generator=g)
+    x = torch.randn(33, 1536, generator=g)
+    expected = x @ weight.t() + bias
+    linear = packed_linear.make_linear(weight, bias, kind, True, native.load_mixed(), torch.float32)
+    assert linear.packed and linear.takes == (torch.bfloat16 if kind == "bfloat16" else torch.uint8)
+    out = linear(x.bfloat16() if kind == "bfloat16" else quantized(x))
+    error = (out.float() - expected).abs().mean() / expected.abs().mean()
+    assert error < {"bfloat16": 0.01, "int8": 0.02}[kind], error
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+def test_the_refined_head_picks_what_a_float32_head_picks(kind: str) -> None:
+    """The cheap head's best candidates recomputed in float32: the argmax and those logits of a float32 head on
+    the same (bfloat16) weights, each row alike alone or in a batch."""
+    g = torch.Generator().manual_seed(6)
+    weight = (torch.randn(4096, 576, generator=g) * 0.05).bfloat16()
+    ops = native.load_mixed()
+    assert ops is not None
+    head = packed_linear.RefinedHead(
+        packed_linear.make_linear(weight, None, kind, True, ops, torch.float32), weight, ops
+    )
+    exact = packed_linear.make_linear(weight.float(), None, "float32", True, ops, torch.float32)
+    x = torch.randn(64, 576, generator=g)
+    refined, expected = head(x), exact(x)
+    assert torch.equal(refined.argmax(-1), expected.argmax(-1))
+    top = expected.topk(3, dim=-1).indices
+    torch.testing.assert_close(refined.gather(1, top), expected.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([head(x[i : i + 1]) for i in range(64)]), refined)

@@ -6,9 +6,13 @@
 - Long prompt chunks attend in blocks of QUERY_BLOCK query rows, each to the keys up to its last query.
 - float32 linears run on weights packed once for oneDNN (packed_linear).
 - Llama-family models run the fused forward (fused_layers): q/k/v and gate/up as one linear each, norms,
-  rotary and SiLU-and-multiply as single C passes.
+  rotary and SiLU-and-multiply as single C passes; in float32, bfloat16 (a bfloat16 model) or int8 (`--dtype
+  int8`). In bfloat16 and int8 every token's attention goes through the decode kernel, so that a token's result
+  does not depend on the chunk or step that computed it (batch invariance; metadata.KernelDecodeBuilder).
 
-The compiled parts are built at install time; `--cpu-kernels` says what happens without them.
+The compiled parts are built at install time; `--cpu-kernels` says what happens without them. The description
+(start-up log, GetModelInfo) names the precision, the kernel oneDNN runs for the linears (its instruction set)
+and the CPU's level as cpu_features reads it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 
 import torch
 
+from llmserve import cpu_features
 from llmserve.engine.backends.attention import AttentionMetadata, paged_attention
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.cpu import native, packed_linear
@@ -54,9 +59,23 @@ class CpuBackend(TorchPagedBackend):
             self.attention = KernelDecodeBuilder(self.inputs, kv, self.kernel, self.chunks)
         self.fused: FusedForward | None = None
         if kernels and config.fused_layers:
-            self.fused = FusedForward.build(model, native.load_fused(), pack, paged_attention, s)
+            self.fused = FusedForward.build(
+                model, native.load_fused(), pack, paged_attention, s, mixed=native.load_mixed(), weights=loaded.weights
+            )
+        if loaded.weights is not None and self.fused is None:
+            raise ValueError(
+                f"--dtype {loaded.weights} needs the fused CPU forward (a Llama/Mistral/Qwen2/Qwen3 model, the CPU "
+                "kernels installed, --no-fused-layers off)"
+            )
+        if self.fused is not None and not self.fused.precision.exact and self.kernel is not None:
+            self.attention = KernelDecodeBuilder(self.inputs, kv, self.kernel, self.chunks, every_token=True)
         if self.fused is not None and self.lora is not None:  # the fused forward applies the slots itself
             self.lora.close()
+            if not self.fused.precision.exact:
+                raise ValueError(
+                    f"--dtype {self.fused.precision.linears} with LoRA adapters (--lora/--enable-lora): the fused CPU "
+                    "forward adds adapter deltas in float32 only; serve adapters with --dtype float32"
+                )
             self.lora = BackendLora(config, s, model, self.dtype, self.device, fused=True)
         if self.fused is not None:
             self.num_packed_linears = self.fused.num_packed
@@ -64,12 +83,30 @@ class CpuBackend(TorchPagedBackend):
             self.num_packed_linears = packed_linear.pack_linears(model)
         else:
             self.num_packed_linears = 0
-        parts = [
-            "fused Llama-family forward" if self.fused is not None else "transformers layers",
-            "compiled decode kernel" if self.kernel is not None else "decode attention in torch",
-            f"{self.num_packed_linears} packed oneDNN linears" if self.num_packed_linears else "plain linears",
-        ]
-        self.description = ", ".join(parts)
+        self.description = ", ".join(self._describe())
+
+    def _describe(self) -> list[str]:
+        fused, kernel = self.fused, self.kernel
+        parts = ["transformers layers"]
+        if fused is not None:
+            p = fused.precision
+            kinds = p.linears if p.head == p.linears else f"{p.linears} linears, {p.head} LM head"
+            parts = [f"fused Llama-family forward ({kinds}, {str(p.residual).removeprefix('torch.')} residual)"]
+        if kernel is None:
+            parts.append("decode attention in torch")
+        else:
+            every = isinstance(self.attention, KernelDecodeBuilder) and self.attention.every_token
+            cache = str(self.kv.tensor.dtype).removeprefix("torch.")
+            parts.append(f"compiled decode kernel over a {cache} KV cache{' for every token' if every else ''}")
+        if self.num_packed_linears:
+            implementation = fused.onednn_kernel() if fused is not None else None
+            parts.append(
+                f"{self.num_packed_linears} packed oneDNN linears" + (f" ({implementation})" if implementation else "")
+            )
+        else:
+            parts.append("plain linears")
+        parts.append(f"CPU {cpu_features.cpu_level()}")
+        return parts
 
     def forward(
         self,

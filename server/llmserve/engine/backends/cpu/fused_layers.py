@@ -9,12 +9,24 @@ computes the same layer with
 - RMSNorm, the residual add folded into the next RMSNorm, rotary embedding and SiLU-and-multiply as single
   passes (csrc/fused_ops.c through native.FusedOps);
 - the backend's paged attention, called directly;
-- with LoRA rows, each linear's batched adapter deltas (lora/ops.add_lora) added to its output in place.
+- with LoRA rows, each linear's batched adapter deltas (lora/ops.add_lora) added to its output in place (the
+  float32/float64 precision only: the CPU backend refuses LoRA beside bfloat16 or int8, cpu/backend.py).
 
 It serves Llama, Mistral, Qwen2 and Qwen3 checkpoints (SiLU MLP, RMSNorm, rotary embedding computed by the
-model's own rotary module, so every rope scaling type works), float32 or float64, on the CPU. `build`
-returns None for anything else and the backend calls the model's own forward. The model itself is left as
-it is: `generate` on it still runs transformers' code.
+model's own rotary module, so every rope scaling type works) on the CPU, in one of three precisions (`Precision`):
+- float32 (and float64): every row in the model's dtype, the linears packed (float32) or plain; the exact path;
+- bfloat16 (a bfloat16 model): the linears in bfloat16 with float32 accumulation (packed_linear.PackedBF16);
+  q/k/v, the attention and the MLP's rows in bfloat16 (the KV cache too), while the residual stream, the norms'
+  arithmetic, rotary, SiLU and the logits stay float32 (csrc/mixed_ops.c through native.MixedOps);
+- int8 (a bfloat16 model, `weights="int8"`): as bfloat16, with int8 weights and each input row quantized to int8
+  with its own scale (packed_linear.Int8Linear); the norms and SiLU write the quantized rows directly.
+`build` returns None for anything else and the backend calls the model's own forward. The model itself is left
+as it is: `generate` on it still runs transformers' code.
+
+Every operation here computes a row from that row alone, with the same code at any row count (the bfloat16
+linears split long reductions for this, packed_linear.py), and the backend's attention gives a token the same
+result in a prompt chunk as in a decode step (metadata.KernelDecodeBuilder, `every_token`): a request's tokens
+do not depend on what else is batched with it.
 """
 
 from __future__ import annotations
@@ -24,11 +36,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from llmserve.engine.backends.cpu import native, packed_linear
+from llmserve.engine.backends.cpu import native
+from llmserve.engine.backends.cpu.packed_linear import (
+    Linear,
+    RefinedHead,
+    bf16_available,
+    make_linear,
+    onednn_implementation,
+    sample_input,
+)
 from llmserve.engine.lora.ops import LoraRows, add_lora
 from llmserve.engine.lora.weights import LoraWeights
 from llmserve.model_shape import ModelShape
@@ -37,51 +56,115 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # attention.paged_attention: (module, query [1, H, T, D], key, value [1, KVH, T, D], mask, scaling=, llmserve_batch=)
 Attention = Callable[..., tuple[torch.Tensor, None]]
 SILU_TYPES = (nn.SiLU, SiLUActivation)
+WEIGHTS = ("float32", "bfloat16", "int8")
 
 
-@dataclass(slots=True)
-class FusedLinear:
-    """One linear over concatenated weights: packed for oneDNN, or plain for F.linear."""
+@dataclass(slots=True, frozen=True)
+class Precision:
+    """How the fused forward computes (see the module docstring): `linears` and `head` are packed_linear KINDS;
+    `rows` is the dtype of q/k/v, the attention and the KV cache (the model's); `residual` the residual stream's."""
 
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    packed: bool
+    linears: str
+    head: str
+    rows: torch.dtype
+    residual: torch.dtype
 
     @classmethod
-    def of(cls, linears: list[nn.Linear], pack: bool) -> FusedLinear:
-        weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
-        bias = None
-        if any(m.bias is not None for m in linears):
-            parts = [m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in linears]
-            bias = torch.cat(parts)
-        if pack:
-            return cls(packed_linear.pack_weight(weight, 64), bias, True)
-        return cls(weight, bias, False)
+    def of(cls, dtype: torch.dtype, weights: str | None = None) -> Precision | None:
+        """The precision of a model of `dtype` (`weights`: "int8" for int8 linears on a bfloat16 model); None
+        where the fused forward has none."""
+        if dtype in (torch.float32, torch.float64) and weights in (None, "float32"):
+            return cls("float32", "float32", dtype, dtype)
+        if dtype == torch.bfloat16 and weights in (None, "bfloat16"):
+            return cls("bfloat16", "bfloat16", dtype, torch.float32)
+        if dtype == torch.bfloat16 and weights == "int8":
+            return cls("int8", "int8", dtype, torch.float32)
+        return None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return packed_linear.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+    @property
+    def exact(self) -> bool:
+        """float32/float64: every row in the model's dtype, through csrc/fused_ops.c."""
+        return self.linears == "float32"
 
 
 @dataclass(slots=True)
 class FusedLayer:
     attn: Any  # the model's attention module: paged_attention reads its layer_idx
-    input_norm: torch.Tensor
-    input_eps: float
-    post_norm: torch.Tensor
-    post_eps: float
-    qkv: FusedLinear
-    o: FusedLinear
-    gate_up: FusedLinear
-    down: FusedLinear
+    input_norm: tuple[torch.Tensor, float]
+    post_norm: tuple[torch.Tensor, float]
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
     q_norm: tuple[torch.Tensor, float] | None  # Qwen3's per-head norms, before rotary
     k_norm: tuple[torch.Tensor, float] | None
     scaling: float
 
 
-def _norm(module: Any) -> tuple[torch.Tensor, float]:
-    return module.weight.detach().contiguous(), float(module.variance_epsilon)
+class ExactRows:
+    """The layer's elementwise passes for float32/float64 rows (csrc/fused_ops.c): every row in one dtype."""
+
+    def __init__(self, ops: native.FusedOps) -> None:
+        self.ops = ops
+
+    def norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float], out: torch.dtype) -> native.Rows:
+        return self.ops.rms_norm(x, *norm)
+
+    def add_norm(
+        self, residual: torch.Tensor, x: torch.Tensor, norm: tuple[torch.Tensor, float], out: torch.dtype
+    ) -> native.Rows:
+        return self.ops.add_rms_norm(residual, x, *norm)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.ops.rotary(x, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.dtype) -> native.Rows:
+        return self.ops.silu_mul(gate_up)
+
+    def convert(self, x: torch.Tensor, out: torch.dtype) -> native.Rows:
+        return x
+
+
+class MixedRows:
+    """The same passes over bfloat16 rows and a float32 residual (csrc/mixed_ops.c), each writing the format the
+    next linear reads."""
+
+    def __init__(self, ops: native.MixedOps) -> None:
+        self.ops = ops
+
+    def norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float], out: torch.dtype) -> native.Rows:
+        return self.ops.rms_norm(x, norm[0], norm[1], out)
+
+    def add_norm(
+        self, residual: torch.Tensor, x: torch.Tensor, norm: tuple[torch.Tensor, float], out: torch.dtype
+    ) -> native.Rows:
+        return self.ops.add_rms_norm(residual, x, norm[0], norm[1], out)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.ops.rotary(x, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.dtype) -> native.Rows:
+        return self.ops.silu_mul(gate_up, out)
+
+    def convert(self, x: torch.Tensor, out: torch.dtype) -> native.Rows:
+        return x if x.dtype == out else self.ops.convert(x, out)
+
+
+RowOps = ExactRows | MixedRows
+
+
+def _norm(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    return module.weight.detach().to(dtype).contiguous(), float(module.variance_epsilon)
+
+
+def _linear(linears: list[nn.Linear], kind: str, pack: bool, ops: native.MixedOps | None, gives: torch.dtype) -> Linear:
+    """One linear over the concatenated weights (and biases) of `linears`."""
+    weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+    bias = None
+    if any(m.bias is not None for m in linears):
+        parts = [m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in linears]
+        bias = torch.cat(parts)
+    return make_linear(weight, bias, kind, pack, ops, gives)
 
 
 def _fits(layer: Any) -> bool:
@@ -102,31 +185,60 @@ def _fits(layer: Any) -> bool:
 class FusedForward:
     """The model's forward over one packed row of tokens, fused; see the module docstring."""
 
-    def __init__(self, model: Any, shape: ModelShape, ops: native.FusedOps, pack: bool, attention: Attention) -> None:
+    def __init__(
+        self,
+        model: Any,
+        shape: ModelShape,
+        precision: Precision,
+        rows: RowOps,
+        mixed: native.MixedOps | None,
+        pack: bool,
+        attention: Attention,
+    ) -> None:
         base = model.model
-        self.ops = ops
+        self.precision = precision
+        self.ops = rows
         self.attention = attention
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
-        self.final_norm = _norm(base.norm)
-        self.lm_head = FusedLinear.of([model.get_output_embeddings()], pack)
+        p = precision
+        norm_dtype = p.residual
+        self.final_norm = _norm(base.norm, norm_dtype)
+        head = model.get_output_embeddings()
+        self.lm_head: Linear = _linear([head], p.head, pack, mixed, torch.float32)
+        if not p.exact and mixed is not None:
+            self.lm_head = RefinedHead(self.lm_head, head.weight.detach(), mixed)
         self.num_heads = shape.num_heads
         self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim
-        self.layers = [self._layer(layer, pack) for layer in base.layers[: shape.num_layers]]
-        self.num_packed = (4 * len(self.layers) + 1) if pack else 0
+        self.layers = [self._layer(layer, pack, mixed) for layer in base.layers[: shape.num_layers]]
+        linears = [self.lm_head, *(lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))]
+        self.num_packed = sum(lin.packed for lin in linears)
 
     @classmethod
     def build(
-        cls, model: Any, ops: native.FusedOps | None, pack: bool, attention: Attention, shape: ModelShape | None = None
+        cls,
+        model: Any,
+        ops: native.FusedOps | None,
+        pack: bool,
+        attention: Attention,
+        shape: ModelShape | None = None,
+        *,
+        mixed: native.MixedOps | None = None,
+        weights: str | None = None,
     ) -> FusedForward | None:
         """The fused forward of `model`, or None where it does not apply (another architecture, a device other
-        than the CPU, a dtype the kernels lack, or no compiled kernels). `pack`: run the linears on packed oneDNN
-        weights (float32 only); `attention`: the backend's paged attention function; `shape`: the model's
-        (LoadedModel.shape), read from its config when not given."""
+        than the CPU, a dtype without a Precision, no compiled kernels, or bfloat16 rows oneDNN cannot run on this
+        CPU: below AVX-512, a bfloat16 model runs transformers' layers). `pack`: run float32 linears on packed
+        oneDNN weights; `attention`: the backend's paged attention function; `shape`: the model's
+        (LoadedModel.shape), read from its config when not given; `mixed`: the row operations a bfloat16 or int8
+        precision needs; `weights`: "int8" for int8 linears on a bfloat16 model."""
         param = next(model.parameters())
         config = model.config
-        if ops is None or param.device.type != "cpu" or param.dtype not in ops.dtypes:
+        precision = Precision.of(param.dtype, weights)
+        if ops is None or param.device.type != "cpu" or precision is None:
+            return None
+        if not precision.exact and (mixed is None or not bf16_available()):
             return None
         if (
             getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES
@@ -138,21 +250,25 @@ class FusedForward:
             return None
         if not all(_fits(layer) for layer in base.layers):
             return None
-        return cls(model, shape or ModelShape.of(config), ops, pack, attention)
+        rows: RowOps = ExactRows(ops) if precision.exact or mixed is None else MixedRows(mixed)
+        return cls(model, shape or ModelShape.of(config), precision, rows, mixed, pack, attention)
 
-    def _layer(self, layer: Any, pack: bool) -> FusedLayer:
+    def _layer(self, layer: Any, pack: bool, mixed: native.MixedOps | None) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        p = self.precision
+        kind, norms = p.linears, p.residual
         return FusedLayer(
             attn,
-            *_norm(layer.input_layernorm),
-            *_norm(layer.post_attention_layernorm),
-            qkv=FusedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], pack),
-            o=FusedLinear.of([attn.o_proj], pack),
-            gate_up=FusedLinear.of([mlp.gate_proj, mlp.up_proj], pack),
-            down=FusedLinear.of([mlp.down_proj], pack),
-            q_norm=None if q_norm is None else _norm(q_norm),
-            k_norm=None if k_norm is None else _norm(k_norm),
+            _norm(layer.input_layernorm, norms),
+            _norm(layer.post_attention_layernorm, norms),
+            # int8: q/k/v come out in the rows' dtype (rotary, the cache), o and down float32 (the residual's).
+            qkv=_linear([attn.q_proj, attn.k_proj, attn.v_proj], kind, pack, mixed, p.rows),
+            o=_linear([attn.o_proj], kind, pack, mixed, torch.float32),
+            gate_up=_linear([mlp.gate_proj, mlp.up_proj], kind, pack, mixed, torch.float32),
+            down=_linear([mlp.down_proj], kind, pack, mixed, torch.float32),
+            q_norm=None if q_norm is None else _norm(q_norm, norms),
+            k_norm=None if k_norm is None else _norm(k_norm, norms),
             scaling=float(attn.scaling),
         )
 
@@ -173,14 +289,16 @@ class FusedForward:
         tokens = input_ids.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_width, kv_width = heads * dim, kv_heads * dim
-        residual = self.embed(input_ids[0])  # a fresh tensor: the residual stream is added to in place
+        # A fresh tensor (the embedding's rows, or their float32 copy): the residual stream is added to in place.
+        residual = self.embed(input_ids[0]).to(self.precision.residual)
         cos, sin = self.rotary(residual[None], position_ids)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        x = ops.rms_norm(residual, self.layers[0].input_norm, self.layers[0].input_eps)
+        first = self.layers[0]
+        x = ops.norm(residual, first.input_norm, first.qkv.takes)
         delta: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             if delta is not None:
-                x = ops.add_rms_norm(residual, delta, layer.input_norm, layer.input_eps)
+                x = ops.add_norm(residual, delta, layer.input_norm, layer.qkv.takes)
             qkv = layer.qkv(x)
             if slots is not None:
                 add_lora(x, qkv, slots[i]["qkv"], lora)  # type: ignore[arg-type]
@@ -188,9 +306,9 @@ class FusedForward:
             k = qkv[:, q_width : q_width + kv_width].view(tokens, kv_heads, dim)
             v = qkv[:, q_width + kv_width :].view(tokens, kv_heads, dim)
             if layer.q_norm is not None:
-                q = ops.rms_norm(q.reshape(-1, dim), *layer.q_norm).view(tokens, heads, dim)
+                q = self._head_norm(q, layer.q_norm)
             if layer.k_norm is not None:
-                k = ops.rms_norm(k.reshape(-1, dim), *layer.k_norm).view(tokens, kv_heads, dim)
+                k = self._head_norm(k, layer.k_norm)
             ops.rotary(q, cos, sin)
             ops.rotary(k, cos, sin)
             attended, _ = self.attention(
@@ -202,20 +320,33 @@ class FusedForward:
                 scaling=layer.scaling,
                 llmserve_batch=batch,
             )
-            attended = attended.view(tokens, q_width)
-            out = layer.o(attended)
+            attended = ops.convert(attended.view(tokens, q_width), layer.o.takes)
+            o = layer.o(attended)
             if slots is not None:
-                add_lora(attended, out, slots[i]["o"], lora)  # type: ignore[arg-type]
-            x = ops.add_rms_norm(residual, out, layer.post_norm, layer.post_eps)
+                add_lora(attended, o, slots[i]["o"], lora)  # type: ignore[arg-type]
+            x = ops.add_norm(residual, o, layer.post_norm, layer.gate_up.takes)
             gate_up = layer.gate_up(x)
             if slots is not None:
                 add_lora(x, gate_up, slots[i]["gate_up"], lora)  # type: ignore[arg-type]
-            inner = ops.silu_mul(gate_up)
+            inner = ops.silu_mul(gate_up, layer.down.takes)
             delta = layer.down(inner)
             if slots is not None:
                 add_lora(inner, delta, slots[i]["down"], lora)  # type: ignore[arg-type]
         assert delta is not None  # a model has at least one layer
         rows = residual if keep is None else residual.index_select(0, keep)
         last = delta if keep is None else delta.index_select(0, keep)
-        x = ops.add_rms_norm(rows.contiguous(), last, *self.final_norm)
+        x = ops.add_norm(rows.contiguous(), last, self.final_norm, self.lm_head.takes)
         return self.lm_head(x).float()
+
+    def onednn_kernel(self) -> str | None:
+        """The oneDNN kernel the MLP's gate/up linear runs (its instruction set included), or None where none does."""
+        layer = self.layers[0]
+        x = sample_input(layer.gate_up, layer.input_norm[0].shape[0])
+        with torch.inference_mode():
+            return onednn_implementation(lambda: layer.gate_up(x))
+
+    def _head_norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+        tokens, heads, dim = x.shape
+        out = self.ops.norm(x.reshape(-1, dim), norm, x.dtype)
+        assert isinstance(out, torch.Tensor)
+        return out.view(tokens, heads, dim)

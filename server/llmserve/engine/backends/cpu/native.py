@@ -5,6 +5,8 @@
   its inner loops vectorize fully.
 - `FusedOps` (csrc/fused_ops.c, library `_fused_ops`): the elementwise parts of a Llama-family layer (RMSNorm,
   residual add plus RMSNorm, rotary embedding, SiLU-and-multiply), used by fused_layers.py.
+- `MixedOps` (csrc/mixed_ops.c, the same library): those operations over bfloat16 and int8-quantized rows, for
+  the bfloat16 and int8 linears (QuantizedRows).
 
 A start never compiles anything. Where a library is missing (no compiler at install time), `usable` decides by
 the `--cpu-kernels` policy: `auto` runs the torch paths, which compute the same things, after one warning;
@@ -17,6 +19,7 @@ import ctypes
 import logging
 import sysconfig
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +29,7 @@ log = logging.getLogger(__name__)
 LIBRARY_DIR = Path(__file__).parent
 LIBRARIES = ("_paged_decode", "_fused_ops")
 POLICIES = ("auto", "require", "off")
-_FUNCTIONS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64"}
+_FUNCTIONS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64", torch.bfloat16: "paged_decode_bf16"}
 
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL | None] = {}
@@ -137,7 +140,7 @@ class FusedOps:
     """ctypes binding of csrc/fused_ops.c. Tensors are CPU float32 or float64, rows dim-contiguous; each
     method checks what the C side relies on."""
 
-    dtypes = frozenset(_FUNCTIONS)
+    dtypes = frozenset((torch.float32, torch.float64))
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fns = {}
@@ -194,6 +197,145 @@ class FusedOps:
         return out
 
 
+@dataclass(slots=True)
+class QuantizedRows:
+    """Rows quantized to int8 for oneDNN's u8 x s8 kernels: row r holds (values[r] - 128) * scales[r]."""
+
+    values: torch.Tensor  # uint8 [rows, n], contiguous
+    scales: torch.Tensor  # float32 [rows]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
+# Row formats of csrc/mixed_ops.c, by the dtype that names them here (uint8: QuantizedRows).
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+Rows = torch.Tensor | QuantizedRows
+_MIXED_SIGNATURES = {
+    "mixed_rms_norm": [_P, _I, _L, _P, _P, _I, _L, _P, _L, _I, _D, _I],  # x, fmt, stride, w, out, fmt, stride, scales..
+    "mixed_add_rms_norm": [_P, _P, _I, _L, _P, _P, _I, _P, _L, _I, _D, _I],  # residual, x, fmt, stride, w, out, fmt..
+    "mixed_rotary_bf16": [_P, _L, _L, _I, _L, _P, _P, _L, _I, _I],  # as rotary
+    "mixed_silu_mul": [_P, _I, _P, _I, _P, _L, _I, _I],  # gate_up, fmt, out, fmt, scales, rows, inter
+    "mixed_convert_rows": [_P, _I, _L, _P, _P, _P, _I, _P, _L, _I, _I],  # x, fmt, stride, row scale, bias, out..
+}  # each ends with the thread count
+
+
+class MixedOps:
+    """ctypes binding of csrc/mixed_ops.c: the fused layer operations over float32 and bfloat16 rows, each
+    writing its result in the format the next linear reads (`out`: float32, bfloat16, or uint8 for
+    QuantizedRows), with float32 arithmetic and a float32 residual stream."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fns = {}
+        for name, argtypes in _MIXED_SIGNATURES.items():
+            fn = getattr(library, name)
+            fn.restype = ctypes.c_int if name != "mixed_rotary_bf16" else None
+            fn.argtypes = argtypes
+            self._fns[name] = fn
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype) -> Rows:
+        """w * x / sqrt(mean(x^2) + eps) over x [rows, dim] (float32 or bfloat16, dim-contiguous), as `out`."""
+        rows, dim = x.shape
+        _check_mixed(x, weight)
+        result, values, scales = _output(rows, dim, out)
+        _ok(self._fns["mixed_rms_norm"](
+            x.data_ptr(), _FORMATS[x.dtype], x.stride(0), weight.data_ptr(), values.data_ptr(), _FORMATS[out], dim,
+            _ptr(scales), rows, dim, eps, torch.get_num_threads(),
+        ))  # fmt: skip
+        return result
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype
+    ) -> Rows:
+        """residual (float32, contiguous) += x in place, then rms_norm(residual) as `out`."""
+        rows, dim = residual.shape
+        _check_mixed(x, weight)
+        if residual.dtype != torch.float32 or not residual.is_contiguous() or x.shape != residual.shape:
+            raise ValueError("add_rms_norm needs a contiguous float32 residual of the shape of x")
+        result, values, scales = _output(rows, dim, out)
+        _ok(self._fns["mixed_add_rms_norm"](
+            residual.data_ptr(), x.data_ptr(), _FORMATS[x.dtype], x.stride(0), weight.data_ptr(), values.data_ptr(),
+            _FORMATS[out], _ptr(scales), rows, dim, eps, torch.get_num_threads(),
+        ))  # fmt: skip
+        return result
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate bfloat16 x [tokens, heads, dim] in place by float32 cos/sin [tokens, dim] (contiguous)."""
+        tokens, heads, dim = x.shape
+        if x.dtype != torch.bfloat16 or x.stride(2) != 1 or dim % 2 or cos.shape != (tokens, dim):
+            raise ValueError(
+                f"rotary: bfloat16 x {tuple(x.shape)} with a contiguous even dim, cos/sin [{tokens}, {dim}]"
+            )
+        if cos.dtype != torch.float32 or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rotary needs contiguous float32 cos/sin")
+        self._fns["mixed_rotary_bf16"](
+            x.data_ptr(), x.stride(0), x.stride(1), heads, tokens, cos.data_ptr(), sin.data_ptr(), dim, dim,
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.dtype) -> Rows:
+        """silu(gate_up[:, :I]) * gate_up[:, I:] for a contiguous float32/bfloat16 gate_up [rows, 2I], as `out`."""
+        rows, width = gate_up.shape
+        if not gate_up.is_contiguous() or width % 2 or gate_up.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("silu_mul needs a contiguous [rows, 2 * inter] tensor of float32 or bfloat16")
+        result, values, scales = _output(rows, width // 2, out)
+        _ok(self._fns["mixed_silu_mul"](
+            gate_up.data_ptr(), _FORMATS[gate_up.dtype], values.data_ptr(), _FORMATS[out], _ptr(scales), rows,
+            width // 2, torch.get_num_threads(),
+        ))  # fmt: skip
+        return result
+
+    def convert(
+        self,
+        x: torch.Tensor,
+        out: torch.dtype,
+        row_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> Rows:
+        """x [rows, n] (float32/bfloat16, n contiguous) times `row_scale` [rows] plus `bias` [n] (float32 each;
+        None: 1 and 0), as `out`."""
+        rows, n = x.shape
+        if x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("convert needs float32 or bfloat16 rows with a contiguous last dim")
+        if row_scale is not None and (row_scale.dtype != torch.float32 or row_scale.shape != (rows,)):
+            raise ValueError(f"row_scale must be float32 [{rows}]")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous float32 [{n}]")
+        result, values, scales = _output(rows, n, out)
+        _ok(self._fns["mixed_convert_rows"](
+            x.data_ptr(), _FORMATS[x.dtype], x.stride(0), _ptr(row_scale), _ptr(bias), values.data_ptr(),
+            _FORMATS[out], _ptr(scales), rows, n, torch.get_num_threads(),
+        ))  # fmt: skip
+        return result
+
+
+def _output(rows: int, n: int, fmt: torch.dtype) -> tuple[Rows, torch.Tensor, torch.Tensor | None]:
+    if fmt not in _FORMATS:
+        raise ValueError(f"no row format {fmt}")
+    values = torch.empty(rows, n, dtype=fmt)
+    if fmt != torch.uint8:
+        return values, values, None
+    scales = torch.empty(rows, dtype=torch.float32)
+    return QuantizedRows(values, scales), values, scales
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _ok(failed: int) -> None:
+    if failed:
+        raise MemoryError("a fused row operation could not allocate its scratch row")
+
+
+def _check_mixed(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("mixed ops need CPU float32/bfloat16 rows [rows, dim] with a contiguous dim")
+    if weight.shape != (x.shape[1],) or not weight.is_contiguous() or weight.dtype != torch.float32:
+        raise ValueError(f"weight must be contiguous float32 [{x.shape[1]}]")
+
+
 def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu" or x.dtype not in FusedOps.dtypes:
         raise ValueError("fused ops need CPU float32/float64 rows [rows, dim] with a contiguous dim")
@@ -217,3 +359,9 @@ def load_fused() -> FusedOps | None:
     """The fused layer operations; None where the library is missing."""
     lib = library("_fused_ops")
     return None if lib is None else FusedOps(lib)
+
+
+def load_mixed() -> MixedOps | None:
+    """The fused layer operations over bfloat16 and int8 rows; None where the library is missing."""
+    lib = library("_fused_ops")
+    return None if lib is None else MixedOps(lib)

@@ -1,0 +1,101 @@
+"""The load rule's step-cost table, measured where the engine serves: at start-up, on the engine's own step.
+
+A decode step's time by batch size and drafts per sequence is what decides whether speculation pays (policy.py),
+and it depends on the device, the model, the kernels and the machine's load: phase 1 measured it twice on the same
+CPU and the cells moved by more than they differ (benchmarks/README.md). So the engine measures it itself, once,
+before serving: for each batch size, that many throwaway requests decode while every one verifies k drafts, for each
+k, and the step's wall time (schedule, forward, sampling, books) is the cell. The requests are aborted after.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.spec.policy import CostTable
+
+if TYPE_CHECKING:
+    from llmserve.engine.core import EngineCore
+
+BATCHES = (1, 4, 16, 32)
+KS = (0, 1, 2, 4, 8)
+PROMPT = 16
+
+
+def calibrate(
+    core: EngineCore, batches: tuple[int, ...] = BATCHES, ks: tuple[int, ...] = KS, repeats: int = 2
+) -> CostTable:
+    """Time the core's step at each (batch, k) that fits its limits; returns the table (ms)."""
+    drafter = core.drafter
+    if drafter is None:
+        raise ValueError("calibrate needs a core with speculation on")
+    config = core.config
+    sizes = tuple(b for b in batches if b <= config.max_num_seqs) or (1,)
+    rows: list[list[float]] = []
+    for b in sizes:
+        fitting = [k for k in ks if b * (k + 1) <= config.max_num_batched_tokens]
+        handles = [_start(core, f"calibrate-{b}-{i}", -1 - i) for i in range(b)]
+        try:
+            while any(seq.num_uncomputed != 1 for seq in core.scheduler.running) or len(core.scheduler.running) < b:
+                core.step()
+            times = {k: _time(core, k, repeats) for k in fitting}
+        finally:
+            drafter.forced_k = None
+            for handle in handles:
+                core.cancel_now(handle)
+            core.take_outputs()
+        rows.append([_at(times, k) for k in ks])
+    return CostTable(sizes, ks, tuple(tuple(row) for row in rows))
+
+
+def _start(core: EngineCore, name: str, handle: int) -> int:
+    prompt = tuple((7 * handle + j) % 97 + 3 for j in range(PROMPT))
+    limit = max(8, core.max_model_len - PROMPT - 1)
+    request = GenerationRequest(name, prompt, stopping=StoppingParams(max_new_tokens=limit, ignore_eos=True))
+    core.add_now(request, handle)
+    return handle
+
+
+def _time(core: EngineCore, k: int, repeats: int) -> float:
+    assert core.drafter is not None
+    core.drafter.forced_k = k
+    core.step()  # untimed: the first step at a new shape
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        core.step()
+        samples.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(samples)
+
+
+def _at(times: dict[int, float], k: int) -> float:
+    """A cell, or for a k that did not fit the token budget, the line through the two largest measured ks."""
+    if k in times:
+        return times[k]
+    known = sorted(times)
+    if len(known) < 2:
+        return times[known[-1]] * (k + 1) if known else 0.0
+    a, b = known[-2], known[-1]
+    return times[b] + (times[b] - times[a]) / (b - a) * (k - b)
+
+
+def load_table(path: str) -> CostTable:
+    """A table written by `dump_table` (or measured elsewhere): {"rows": [{"batch", "k", "forward_ms"}, ...]}."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return CostTable.from_rows(data["rows"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--speculative-cost-table {path}: {exc}") from exc
+
+
+def table_rows(table: CostTable) -> list[dict[str, float]]:
+    """The table as rows (what load_table reads under "rows")."""
+    return [
+        {"batch": b, "k": k, "forward_ms": table.ms[i][j]}
+        for i, b in enumerate(table.batches)
+        for j, k in enumerate(table.ks)
+    ]

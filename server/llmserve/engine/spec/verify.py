@@ -1,0 +1,188 @@
+"""Verifying drafts: which of a sequence's k drafts the sampler accepts, from the logits of its k + 1 positions.
+
+The rule is the sampler's own pick at every position. Position j of a sequence with drafts d_0..d_{k-1} is sampled
+as the next token would be without speculation after d_0..d_{j-1}: `position_rows` gives each position a sample row
+whose penalties read the tokens before it (the repetition penalty all of them, frequency and presence penalties
+the generated ones, drafts included), whose blocked ids are those of that position (min_new_tokens counts the
+drafts before it), and the same random stream. `sampler.sample` over those rows then picks t_j at each position,
+and the longest prefix of drafts with d_j == t_j is accepted; the pick after it is emitted too (the correction, or
+the bonus token after all k were accepted). So a sequence emits `accepted + 1` tokens, each the token the sampler
+would have picked at that point without speculation.
+
+Greedy rows pick the argmax: greedy output with speculation is greedy output without it (given the same logits).
+
+Sampled rows pick by inverse CDF with one uniform draw per row from the sequence's stream, drawn in row order, so
+position j gets the stream's j-th next number, which is the number the sampler without speculation would have drawn
+for that token. Only the positions emitted may consume their draws: `StreamMark` notes the stream before the
+sampler runs and `settle` rewinds it to just after the emitted positions' draws. So a seeded request gives the same
+tokens with speculation as without, whatever was drafted. For a draft-model-free (point-mass) draft this is the
+standard rejection rule: d_j is accepted with probability p_j(d_j) (the uniform falls in d_j's share of the
+CDF), and on a rejection the pick is distributed as p_j with d_j removed and renormalised (the uniform, given that
+it missed d_j's share, is uniform over the rest); the output distribution is unchanged. tests/engine/spec checks
+both the replay (token for token, hypothesis over sampling parameters and drafts) and the distribution (chi-square).
+
+A constraint's mask at position j is the grammar's state after the first j drafts, not the state the row holds:
+`sample_entries` gives position j a copy of the grammar advanced over drafts[:j] (the sampler fills every row's
+mask in one batched call, as for any constrained row), and the request's own state is left as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.engine.constraints import ConstraintState
+from llmserve.engine.generators import Generators
+from llmserve.engine.plan import SeqStep
+from llmserve.engine.sampler import RowFailed, Sampled, sample_each
+from llmserve.engine.sequence import GrammarState, SampleRow
+
+
+@dataclass(slots=True, frozen=True)
+class Verdict:
+    """One sequence's outcome: `emitted` (the accepted drafts, then the sampler's own token) and how many drafts
+    were accepted (`len(emitted) - 1`)."""
+
+    emitted: list[int]
+    accepted: int
+
+
+@dataclass(slots=True, frozen=True)
+class Verified:
+    """A verifying entry's result: the tokens it emits (the accepted drafts, then the sampler's own pick), each
+    with its logprobs, and how many drafts were accepted."""
+
+    samples: list[Sampled]
+    accepted: int
+
+
+def sample_entries(
+    logits: torch.Tensor, entries: Sequence[SeqStep], generators: Generators
+) -> list[Sampled | RowFailed | Verified]:
+    """Sample a step's sampling entries from their logits rows (`entry.num_logits` each, in order): a plain entry
+    gives its Sampled (or RowFailed), an entry with drafts its Verified (or RowFailed when any position failed)."""
+    if not any(entry.drafts for entry in entries):
+        return list(sample_each(logits, [entry.sample for entry in entries if entry.sample is not None], generators))
+    rows: list[SampleRow] = []
+    marks: dict[int, StreamMark] = {}
+    for i, entry in enumerate(entries):
+        row = entry.sample
+        if row is None:
+            raise ValueError("sample_entries takes sampling entries only")
+        if not entry.drafts:
+            rows.append(row)
+            continue
+        if not row.params.greedy:
+            marks[i] = StreamMark(generators, row)
+        seq = entry.seq
+        blocked = seq.request.stopping.min_new_tokens - seq.num_generated
+        positions = position_rows(row, entry.drafts, blocked_positions=blocked)
+        if row.constraint is not None:
+            states = grammar_positions(row.constraint, entry.drafts)
+            positions = [dataclasses.replace(p, constraint=c) for p, c in zip(positions, states, strict=True)]
+        rows.extend(positions)
+    picked = sample_each(logits, rows, generators)
+    out: list[Sampled | RowFailed | Verified] = []
+    at = 0
+    for i, entry in enumerate(entries):
+        span = picked[at : at + entry.num_logits]
+        at += entry.num_logits
+        if not entry.drafts:
+            out.append(span[0])
+            continue
+        failed = next((r for r in span if isinstance(r, RowFailed)), None)
+        if failed is not None:
+            out.append(failed)
+            continue
+        samples = [r for r in span if isinstance(r, Sampled)]
+        verdict = accept([r.token_id for r in samples], entry.drafts)
+        if i in marks:
+            marks[i].settle(len(verdict.emitted))
+        out.append(Verified(samples[: verdict.accepted + 1], verdict.accepted))
+    return out
+
+
+def grammar_positions(state: GrammarState, drafts: Sequence[int]) -> list[GrammarState]:
+    """The grammar's state at each position of a verification: the request's own state at position 0, then copies
+    advanced over drafts[:j]. Past a draft the grammar refuses, the last good state repeats (those positions can
+    never be accepted, since the pick before them differs from the draft)."""
+    states: list[GrammarState] = [state]
+    current = state.matcher
+    for token in drafts:
+        following = current.deep_copy()
+        if not following.consume_token(token):
+            states.extend([states[-1]] * (len(drafts) + 1 - len(states)))
+            break
+        current = following
+        states.append(ConstraintState(following))
+    return states
+
+
+def position_rows(row: SampleRow, drafts: Sequence[int], *, blocked_positions: int = 0) -> list[SampleRow]:
+    """The sample rows of positions 0..len(drafts) of a sequence whose next-token row is `row`.
+
+    Row j reads `row.token_ids` followed by drafts[:j] (a new list only where a penalty reads the tokens); the first
+    `blocked_positions` rows keep `row.blocked_token_ids` (min_new_tokens - tokens generated: the drafts before a
+    position count as generated), later ones block nothing. Every row names the same random stream. The rows carry
+    no constraint: position masks come from the grammar advanced over the drafts (forced.draft_bitmasks)."""
+    params = row.params
+    reads_tokens = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+    rows = []
+    for j in range(len(drafts) + 1):
+        token_ids = list(row.token_ids) + list(drafts[:j]) if reads_tokens and j else row.token_ids
+        blocked = row.blocked_token_ids if j < blocked_positions else ()
+        rows.append(dataclasses.replace(row, token_ids=token_ids, blocked_token_ids=blocked, constraint=None))
+    return rows
+
+
+def accept(picks: Sequence[int], drafts: Sequence[int]) -> Verdict:
+    """The longest prefix of `drafts` that equals the sampler's `picks` (len(drafts) + 1 of them), and the pick
+    after it."""
+    if len(picks) != len(drafts) + 1:
+        raise ValueError(f"need {len(drafts) + 1} picks for {len(drafts)} drafts, got {len(picks)}")
+    m = 0
+    while m < len(drafts) and picks[m] == drafts[m]:
+        m += 1
+    return Verdict(list(picks[: m + 1]), m)
+
+
+def accept_batch(picks: torch.Tensor, drafts: Sequence[Sequence[int]]) -> list[Verdict]:
+    """`accept` for a step's sequences at once: `picks` [sum(len(d) + 1)] holds each sequence's positions in turn."""
+    counts = [len(d) + 1 for d in drafts]
+    if picks.shape != (sum(counts),):
+        raise ValueError(f"picks must be [{sum(counts)}], got {list(picks.shape)}")
+    width = max(counts, default=1)
+    n = len(drafts)
+    padded = torch.full((n, width), -1, dtype=torch.long)
+    proposed = torch.full((n, width), -2, dtype=torch.long)  # never equal to a pick, nor to the padding
+    lengths = torch.tensor(counts, dtype=torch.long)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    padded[mask] = picks.to(torch.long).cpu()
+    for i, d in enumerate(drafts):
+        if d:
+            proposed[i, : len(d)] = torch.tensor(list(d), dtype=torch.long)
+    # Accepted: the run of matches from position 0 (cumprod stops at the first mismatch).
+    accepted = (padded == proposed).to(torch.long).cumprod(dim=1).sum(dim=1).tolist()
+    rows = padded.tolist()
+    return [Verdict(rows[i][: a + 1], a) for i, a in enumerate(accepted)]
+
+
+class StreamMark:
+    """A sampled sequence's random stream as it was before the sampler drew for its positions; `settle` leaves
+    it as if only the emitted positions had drawn."""
+
+    __slots__ = ("generator", "state")
+
+    def __init__(self, generators: Generators, row: SampleRow) -> None:
+        self.generator = generators.stream(row)  # started from the row's seed if it has no stream yet
+        self.state = self.generator.get_state()
+
+    def settle(self, emitted: int) -> None:
+        """Rewind the stream and draw again for the `emitted` positions, as sampler.sample draws (one uniform
+        float32 number per row, on the stream's device)."""
+        self.generator.set_state(self.state)
+        for _ in range(emitted):
+            torch.rand((), generator=self.generator, device=self.generator.device)

@@ -1,0 +1,89 @@
+"""The CPU backend says what serves, and on a CPU without AMX (or without AVX512-BF16) it falls back for real.
+
+A machine without AMX is simulated with LLMSERVE_CPU_ISA, which `configure_process` hands to oneDNN before torch
+loads. Each case runs in a process of its own, as a server starts: the backend's description names the kernel
+oneDNN ran for the packed linears (its instruction set read from oneDNN's own verbose record), so a fallback that
+kept AMX code, or AVX512-BF16 code on a CPU without it, fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmserve import cpu_features
+from llmserve.engine.backends.cpu.backend import CpuBackend
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.models import from_config
+from llmserve.testing import tiny_config
+
+START = """
+import json, sys
+from llmserve.process import configure_process
+configure_process()
+import torch
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core import EngineCore
+from llmserve.models import load_model, resolve_dtype
+auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+try:
+    loaded = load_model("random:tiny", device="cpu", dtype=sys.argv[1])
+except ValueError as exc:
+    print(json.dumps({"auto": auto, "error": str(exc)}))
+    raise SystemExit(0)
+backend = EngineCore(loaded, EngineConfig(kv_cache_tokens=256)).backend
+print(json.dumps({"auto": auto, "description": backend.description}))
+"""
+LEVEL = cpu_features.cpu_level()
+
+
+def start(cap: str | None, dtype: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (cpu_features.ENV, cpu_features.ONEDNN_ENV)}
+    if cap is not None:
+        env[cpu_features.ENV] = cap
+    out = subprocess.run(
+        [sys.executable, "-c", START, dtype], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    result: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.skipif(not cpu_features.at_least(LEVEL, "avx512_core"), reason="needs AVX-512")
+@pytest.mark.parametrize("cap", ["avx512_core_bf16", "avx512_core"])
+def test_a_cpu_without_amx_or_bf16_falls_back_for_real(cap: str) -> None:
+    """bfloat16 asked for on a CPU capped to `cap`: the kernels oneDNN runs are of that level; `--dtype auto`
+    picks what cpu_features.auto_dtype says for it; the description names the capped level; int8 is refused
+    below AVX512-VNNI."""
+    if not cpu_features.at_least(LEVEL, cap):
+        pytest.skip(f"this CPU is below {cap}")
+    served = start(cap, "bfloat16")
+    description = served["description"]
+    assert description.endswith(f"CPU {cap}") and "amx" not in description
+    assert served["auto"] == cpu_features.auto_dtype(cap)
+    kernel = description.split("packed oneDNN linears (")[1].split(")")[0]
+    if cap == "avx512_core":  # no AVX512-BF16 instructions either (oneDNN converts through float32: gemm:jit)
+        assert "bf16" not in kernel, kernel
+        assert "int8 runs on CPUs with AVX512-VNNI or AMX (this one: avx512_core" in start(cap, "int8")["error"]
+    else:
+        assert kernel.endswith("avx512_core_bf16"), kernel
+
+
+def test_the_description_names_precision_cache_and_kernel() -> None:
+    loaded = from_config(tiny_config("llama"), dtype=torch.bfloat16)
+    backend = EngineCore(loaded, EngineConfig(kv_cache_tokens=256)).backend
+    assert isinstance(backend, CpuBackend)
+    description = backend.description
+    assert description.startswith("fused Llama-family forward (bfloat16, float32 residual)")
+    assert "compiled decode kernel over a bfloat16 KV cache for every token" in description
+    assert "9 packed oneDNN linears (brg_matmul:" in description and description.endswith(f"CPU {LEVEL}")
+    if cpu_features.at_least(LEVEL, "avx512_core_bf16") and cpu_features.ENV not in os.environ:
+        # Uncapped, oneDNN uses what the CPU has: AMX tiles, else AVX512-BF16 dot products.
+        assert ("amx" if LEVEL == "avx512_core_amx" else "avx512_core_bf16") in description, description
+    f32 = EngineCore(from_config(tiny_config("llama"), dtype=torch.float32), EngineConfig(kv_cache_tokens=256))
+    assert "(float32, float32 residual)" in f32.backend.description and "for every token" not in f32.backend.description
