@@ -2,8 +2,8 @@
 books (lora/serving.py): three adapters of different ranks and base requests in one batch, each request's greedy
 output equal to `generate` on PEFT's merge_and_unload of its adapter run alone (float32), base requests equal to
 the base model alone. The CPU's fused forward, the CPU through transformers' layers (hooks), the torch backend and
-the CUDA backend's padded decode path run eagerly on the CPU. A planted mix-up (rows given another row's slot)
-fails."""
+the CUDA backend (its step buffers and padded decode path, the varlen kernel in Triton's interpreter) run eagerly
+on the CPU. A planted mix-up (rows given another row's slot) fails."""
 
 from __future__ import annotations
 
@@ -130,7 +130,8 @@ BACKENDS = {
     "cpu-fused": dict(kind="cpu"),
     "cpu-hooks": dict(kind="cpu", fused_layers=False),
     "torch": dict(kind="torch"),
-    "cuda-eager": dict(kind="cuda", capture=False),
+    # The varlen kernel through Triton's interpreter: the step buffers pack the rows in input-batch row order.
+    "cuda-eager": dict(kind="cuda", capture=False, attention_kernel="triton"),
 }
 
 
