@@ -193,6 +193,27 @@ def test_a_server_without_lora_refuses_the_adapter_service(made: Adapters) -> No
         srv.stop()
 
 
+def test_python_m_llmserve_refuses_lora_beside_bfloat16_on_the_fused_cpu_forward(
+    made: Adapters, tiny_model_dir: Path
+) -> None:
+    """The fused CPU forward adds adapter deltas in float32 only: --lora with --dtype bfloat16 stops the start with
+    status 2 and a message naming both (not a traceback)."""
+    from server_process import ServerProcess
+
+    from llmserve.engine.backends.cpu.packed_linear import bf16_available
+
+    if not bf16_available():
+        pytest.skip("below AVX512-BF16 a bfloat16 model runs transformers' layers, whose hooks serve LoRA")
+    args = ("--model", str(tiny_model_dir), "--dtype", "bfloat16", "--lora", f"sql={made.sql.folder}")
+    bad = ServerProcess(*args, "--history-store", "memory")
+    try:
+        assert bad.proc.wait(120) == 2
+    finally:
+        bad.kill()
+    log = "".join(bad.log)
+    assert "--dtype bfloat16 with LoRA adapters" in log and "Traceback" not in log, log[-2000:]
+
+
 def test_python_m_llmserve_with_lora(made: Adapters, tiny_model_dir: Path) -> None:
     """What a user runs: --lora at start serves the adapter (the client's adapter=); one that cannot be served stops
     the start with status 2, naming the file."""

@@ -394,4 +394,3 @@ class Scheduler(DraftBooks):
                 parent = seq.block_hashes[i - 1] if i else seq.prefix_root
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]
                 self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens, seq.request.cache_salt)
-

@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from llmserve.engine.backends import create_backend
+from llmserve.engine.backends.cpu.packed_linear import bf16_available
 from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.delta import FinishReason
+from llmserve.engine.lora.catalog import LoraUnsupported
 from llmserve.engine.lora.serving import Held, LoraServing
 from llmserve.engine.plan import NO_ADAPTER, StepPlan
 from llmserve.engine.request import GenerationRequest, StoppingParams
@@ -26,7 +28,7 @@ from llmserve.engine.sampler import Sampled
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import Sequence
 from llmserve.engine.sessions import SessionStore
-from llmserve.models import LoadedModel
+from llmserve.models import LoadedModel, load_model
 from llmserve.testing import greedy_reference, tiny_model
 from tests.engine.lora.peft_adapters import make_adapter
 
@@ -158,6 +160,22 @@ def test_rows_given_another_rows_slot_are_caught(made: Made) -> None:
     backend = create_backend(made.loaded, CONFIG, 512, kind="cpu")
     outputs, _ = run_jobs(backend, serving_for(made), made, planted=True)
     assert outputs != made.expected
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_lora_beside_bfloat16_or_int8_on_the_fused_forward_is_refused(dtype: str) -> None:
+    """The fused CPU forward adds adapter deltas in float32 only: LoRA beside --dtype bfloat16 or int8 stops the
+    start with a message naming both (python -m llmserve exits 2: tests/service/test_adapter_servicer.py)."""
+    try:
+        loaded = load_model("random:tiny", device="cpu", dtype=dtype)
+    except ValueError as exc:  # int8 below AVX512-VNNI
+        pytest.skip(str(exc))
+    if not bf16_available():
+        pytest.skip("below AVX512-BF16 a bfloat16 model runs transformers' layers, whose hooks serve LoRA")
+    with pytest.raises(LoraUnsupported, match=f"--dtype {dtype} with LoRA adapters"):
+        create_backend(loaded, EngineConfig(kv_cache_tokens=256, enable_lora=True), 512, kind="cpu")
+    backend = create_backend(loaded, EngineConfig(kv_cache_tokens=256), 512, kind="cpu")  # without LoRA: served
+    assert backend.fused is not None  # type: ignore[attr-defined]
 
 
 def test_no_lora_config_allocates_nothing(made: Made) -> None:

@@ -2,12 +2,15 @@
 llmserve` runs it): three adapters of different ranks and base requests in one batch, under chunked prefill,
 preemption and the --max-loras bound (2 slots for 3 adapters), with the prefix cache on and prompts shared across
 adapters, each request's greedy output equal to `generate` on PEFT's merge_and_unload of its adapter alone
-(float32); sessions that switch adapter recompute; the AdapterService calls and their refusals."""
+(float32); with speculative decoding, every draft row verified under its sequence's adapter; sessions that switch
+adapter recompute; the AdapterService calls and their refusals."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,8 @@ from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused, ListAdapters, LoadAdapter, UnloadAdapter
 from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
+from llmserve.engine.spec.calibrate import table_rows
+from llmserve.engine.spec.policy import CostTable
 from llmserve.testing import greedy_reference, tiny_model
 from tests.engine.engine_helpers import CORES, req, run, start_engine
 from tests.engine.lora.peft_adapters import make_adapter
@@ -91,6 +96,38 @@ async def test_mixed_adapters_in_one_batch_equal_each_merged_adapter_alone(made:
     assert stats.preemptions > 0, "the pool was meant to be small enough to preempt"
     assert stats.lora is not None and stats.lora.slot_writes > 2, "two slots for three adapters: slots are reused"
     assert dict(stats.lora.requests) == {"all-r2": 2, "qvd-r4": 2, "kogu-r8": 2}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-fused", "cpu-hooks"])
+async def test_draft_rows_verify_under_their_sequences_adapter(made: Made, fused: bool, tmp_path: Path) -> None:
+    """Speculative decoding beside LoRA: a sequence with k drafts computes k + 1 rows in one step (its last token and
+    the drafts), each under its own sequence's adapter, beside base rows and other adapters' rows; every output is
+    still its merged adapter's greedy answer. Prompt lookup over repeated phrases (and the loops a random model falls
+    into) drafts at most steps; the cost table makes verification free, so the load rule drafts whatever is offered."""
+    free = CostTable((1, 64), (0, 8), ((10.0, 10.0), (10.0, 10.0)))
+    table = tmp_path / "free.json"
+    table.write_text(json.dumps({"rows": table_rows(free)}))
+    rng = random.Random(7)
+    jobs = []
+    for name in ["all-r2", BASE, "qvd-r4", "kogu-r8", "all-r2", BASE]:
+        phrase = [rng.randrange(3, 250) for _ in range(rng.randint(3, 6))]
+        jobs.append((name, phrase * rng.randint(3, 5), 24))
+    expected = [made.expected(name, prompt, new) for name, prompt, new in jobs]
+    config = made.config(
+        kv_cache_tokens=4096, max_num_batched_tokens=256, max_loras=3, fused_layers=fused,
+        speculative="ngram", speculative_cost_table=str(table),
+    )  # fmt: skip
+    engine = await start_engine("thread", tiny_model, config)
+    try:
+        requests = [req(f"d{i}", p, max_new=new, adapter=name) for i, (name, p, new) in enumerate(jobs)]
+        outputs = await asyncio.gather(*(run(engine, r) for r in requests))
+        stats = engine.stats()
+    finally:
+        await engine.shutdown()
+    for job, (tokens, _), want in zip(jobs, outputs, expected, strict=True):
+        assert tokens == want, job[0]
+    spec = stats.speculation
+    assert spec is not None and spec.proposed > 0 and spec.accepted > 0, spec  # drafts were verified, some accepted
 
 
 @pytest.mark.parametrize("kind", CORES)

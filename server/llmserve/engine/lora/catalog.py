@@ -42,6 +42,10 @@ class AdapterRefused(ValueError):
         return type(self), (self.path, self.reason)
 
 
+class LoraUnsupported(ValueError):
+    """A setting LoRA adapters are not served with (the fused CPU forward in bfloat16 or int8): stops the start."""
+
+
 class AdapterNotFound(AdapterRefused):
     """The adapter's folder, or a file it must hold, does not exist."""
 

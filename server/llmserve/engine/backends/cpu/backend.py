@@ -30,6 +30,7 @@ from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.lora.catalog import LoraUnsupported
 from llmserve.engine.lora.ops import LoraRows
 from llmserve.models import LoadedModel
 
@@ -72,7 +73,7 @@ class CpuBackend(TorchPagedBackend):
         if self.fused is not None and self.lora is not None:  # the fused forward applies the slots itself
             self.lora.close()
             if not self.fused.precision.exact:
-                raise ValueError(
+                raise LoraUnsupported(
                     f"--dtype {self.fused.precision.linears} with LoRA adapters (--lora/--enable-lora): the fused CPU "
                     "forward adds adapter deltas in float32 only; serve adapters with --dtype float32"
                 )
