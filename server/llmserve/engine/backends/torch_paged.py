@@ -100,8 +100,8 @@ class TorchPagedBackend:
             step = self.steps.stage(plan.seqs)
             lora = None
             if self.lora is not None:  # the step buffers pack the entries by their input-batch row
-                rows = self.steps.rows
-                lora = self.lora.rows([plan.seqs[i] for i in sorted(range(len(rows)), key=rows.__getitem__)])
+                row_of = self.steps.rows
+                lora = self.lora.rows([plan.seqs[i] for i in sorted(range(len(row_of)), key=row_of.__getitem__)])
             return Packed(step.input_ids, step.positions, step.keep, step.attention, lora)
         entries = plan.seqs
         # One-token entries first, shortest context first: the decode attention batches them by length; then the

@@ -320,10 +320,10 @@ class FusedForward:
                 scaling=layer.scaling,
                 llmserve_batch=batch,
             )
-            attended = ops.convert(attended.view(tokens, q_width), layer.o.takes)
-            o = layer.o(attended)
+            o_in = ops.convert(attended.view(tokens, q_width), layer.o.takes)
+            o = layer.o(o_in)
             if slots is not None:
-                add_lora(attended, o, slots[i]["o"], lora)  # type: ignore[arg-type]
+                add_lora(o_in, o, slots[i]["o"], lora)  # type: ignore[arg-type]
             x = ops.add_norm(residual, o, layer.post_norm, layer.gate_up.takes)
             gate_up = layer.gate_up(x)
             if slots is not None:
