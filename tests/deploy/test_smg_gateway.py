@@ -222,13 +222,26 @@ def test_a_client_that_disconnects_frees_its_engine_request(sdk: openai.OpenAI, 
 # -- two replicas behind smg: routing, sessions, a stopped replica (last: it stops replica b) ----------------
 
 
+def counted(replica: Replica, prefix: str) -> float:
+    """The sum of the replica's samples whose line starts with `prefix`."""
+    return sum(float(line.split()[-1]) for line in replica.metrics().splitlines() if line.startswith(prefix))
+
+
 def served(replica: Replica) -> float:
     """Generate calls the replica has ended, whatever their status."""
-    return sum(
-        float(line.split()[-1])
-        for line in replica.metrics().splitlines()
-        if line.startswith("llmserve_requests_total{")
-    )
+    return counted(replica, "llmserve_requests_total{")
+
+
+def kv_batches_sent(replica: Replica) -> float:
+    return counted(replica, "llmserve_kv_event_batches_sent_total ")
+
+
+def wait_for_kv_events_sent(replica: Replica, above: float, timeout: float = 30.0) -> None:
+    """Until the replica has handed smg's SubscribeKvEvents stream a batch beyond the first `above`."""
+    deadline = time.monotonic() + timeout
+    while kv_batches_sent(replica) <= above:
+        assert time.monotonic() < deadline, "no KV event batch reached smg's subscription"
+        time.sleep(0.02)
 
 
 def client_of(smg: Smg) -> openai.OpenAI:
@@ -279,9 +292,11 @@ def test_cache_aware_routes_on_the_replicas_kv_events(replicas: list[Replica], c
             {"role": "system", "content": f"warm {conversation}: {SYSTEM}"},
             {"role": "user", "content": "Say something."},
         ]
+        sent = kv_batches_sent(replicas[holder])
         with Client(replicas[holder].address, timeout=60) as own:
             own.generate_text(messages=messages, max_new_tokens=1)
-        time.sleep(0.3)  # the events' poll (50 ms) and smg's stream
+        wait_for_kv_events_sent(replicas[holder], sent)  # however loaded the machine: the engine, the poll (50 ms)
+        time.sleep(0.1)  # smg applying the batch it was sent
         before = [served(r) for r in replicas]
         response = client.chat.completions.create(
             model=model, messages=[*messages, {"role": "user", "content": "More."}], temperature=0, max_tokens=2

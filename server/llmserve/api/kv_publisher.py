@@ -70,10 +70,12 @@ class _Channel:
 
 
 class KvEventPublisher:
-    """Polls `engine()` once the first subscriber comes; `close` stops it."""
+    """Polls `engine()` once the first subscriber comes; `close` stops it. `sent` is called with each batch handed
+    to a subscriber's stream (the metrics count them: how far a gateway's view of this replica's cache has come)."""
 
-    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+    def __init__(self, engine: Callable[[], Engine | None], sent: Callable[[], None] | None = None) -> None:
         self._engine = engine
+        self._sent = sent
         self._channels: dict[str | None, _Channel] = {}
         self._poller: asyncio.Task[None] | None = None
         self._next_number = 0  # of the engine's next event; 0 before the first
@@ -98,15 +100,21 @@ class KvEventPublisher:
         try:
             for batch in replay:
                 yield batch
+                self._count()
             while True:
                 await subscriber.wake.wait()
                 subscriber.wake.clear()
                 while subscriber.pending:
                     yield subscriber.pending.popleft()
+                    self._count()
                 if subscriber.lost is not None:
                     raise ServiceError(grpc.StatusCode.DATA_LOSS, subscriber.lost)
         finally:
             channel.subscribers.discard(subscriber)
+
+    def _count(self) -> None:
+        if self._sent is not None:
+            self._sent()
 
     def close(self) -> None:
         if self._poller is not None:
