@@ -298,7 +298,8 @@ def section(result: dict[str, Any]) -> list[str]:
         for method in methods:
             m = cell["methods"][method]
             rounds = ", ".join(f"{r:.2f}" for r in m["ratio_per_round"])
-            chosen = " ".join(f"{k}:{int(v)}" for k, v in m["spec"]["k_chosen"].items()) or "-"
+            by_k = sorted(m["spec"]["k_chosen"].items(), key=lambda kv: int(kv[0]))
+            chosen = " ".join(f"{k}:{int(v)}" for k, v in by_k) or "-"
             rows.append(
                 [
                     cell["workload"],
