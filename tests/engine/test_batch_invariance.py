@@ -58,7 +58,10 @@ async def test_greedy_tokens_alone_equal_those_among_32_concurrent_requests(dtyp
     engine = AsyncEngine(loaded, alone_config)
     await engine.start()
     try:
-        assert engine.core.backend.fused is not None and engine.core.backend.fused.precision.linears == dtype
+        assert (
+            engine.core.engine_core.backend.fused is not None
+            and engine.core.engine_core.backend.fused.precision.linears == dtype
+        )
         alone = [await generate(engine, request(f"a{i}", p, max_new[i])) for i, p in enumerate(prompts)]
         # Each session's second turn: its first turn's prompt and answer and a new message, computed whole.
         first_turns = prompts[:SESSIONS]
@@ -90,11 +93,11 @@ async def test_greedy_tokens_alone_equal_those_among_32_concurrent_requests(dtyp
             asyncio.gather(*(generate(engine, turn(i, t, True)) for i, t in enumerate(turns))),
             asyncio.gather(*(one(i) for i in range(SESSIONS, len(prompts)))),
         )
-        stats = engine.core.stats()
+        stats = engine.core.engine_core.stats()
     finally:
         await engine.shutdown()
     assert list(firsts) == alone[:SESSIONS]
     assert list(seconds) == alone_turns
     assert list(others) == alone[SESSIONS:]
-    assert engine.core.scheduler.num_preemptions > 0
+    assert engine.core.engine_core.scheduler.num_preemptions > 0
     assert stats.session_hits > 0, stats  # second turns that found their session's KV (others were evicted)
