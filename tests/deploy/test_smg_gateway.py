@@ -25,6 +25,7 @@ import pytest
 from llmserve_client import Client, pb
 from tests.deploy.replicas import Replica
 from tests.deploy.smg import Smg, smg_binary
+from tests.service.harness import wait_until
 
 pytestmark = pytest.mark.skipif(smg_binary() is None, reason="smg (the gateway extra) is not installed")
 
@@ -236,14 +237,6 @@ def kv_batches_sent(replica: Replica) -> float:
     return counted(replica, "llmserve_kv_event_batches_sent_total ")
 
 
-def wait_for_kv_events_sent(replica: Replica, above: float, timeout: float = 30.0) -> None:
-    """Until the replica has handed smg's SubscribeKvEvents stream a batch beyond the first `above`."""
-    deadline = time.monotonic() + timeout
-    while kv_batches_sent(replica) <= above:
-        assert time.monotonic() < deadline, "no KV event batch reached smg's subscription"
-        time.sleep(0.02)
-
-
 def client_of(smg: Smg) -> openai.OpenAI:
     return openai.OpenAI(base_url=smg.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
@@ -295,7 +288,9 @@ def test_cache_aware_routes_on_the_replicas_kv_events(replicas: list[Replica], c
         sent = kv_batches_sent(replicas[holder])
         with Client(replicas[holder].address, timeout=60) as own:
             own.generate_text(messages=messages, max_new_tokens=1)
-        wait_for_kv_events_sent(replicas[holder], sent)  # however loaded the machine: the engine, the poll (50 ms)
+        # However loaded the machine: the engine, the poll (50 ms), the batch written to smg's SubscribeKvEvents.
+        arrived = lambda r=replicas[holder], n=sent: kv_batches_sent(r) > n  # noqa: E731
+        assert wait_until(arrived, 30), "no KV event batch reached smg's subscription"
         time.sleep(0.1)  # smg applying the batch it was sent
         before = [served(r) for r in replicas]
         response = client.chat.completions.create(
