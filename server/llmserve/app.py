@@ -118,7 +118,9 @@ class LLMServer:
         self.servicer = GenerateServicer(config, observers, histories, admission)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self._server)
         # vLLM's engine protocol over the same calls, for smg (which takes a worker for the first engine answering).
-        self.vllm_servicer = VllmEngineServicer(self.servicer)
+        self.vllm_servicer = VllmEngineServicer(
+            self.servicer, self.metrics.kv_event_batches.inc if self.metrics is not None else None
+        )
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self._server)
         self.adapter_servicer = AdapterServicer(config, lambda: self.servicer.engine)
         adapters_pb2_grpc.add_AdapterServiceServicer_to_server(self.adapter_servicer, self._server)

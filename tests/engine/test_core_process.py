@@ -1,7 +1,7 @@
 """The engine core in a process of its own (core_process.py, core_child.py, core_messages.py) behind AsyncEngine: the
 same tokens and books as the core on a thread, stop strings and constraints across the pipe, the child's failure at
-start, a clean exit, and a front end that falls behind. What both cores promise alike (death, stop, session
-queries, counts) is tested over both in test_async_engine.py."""
+start, a clean exit, a front end that falls behind, and a session command that races the child's loss. What both
+cores promise alike (death, stop, session queries, counts) is tested over both in test_async_engine.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import functools
 import inspect
 import json
 import os
+import signal
 import textwrap
 import time
 
@@ -21,6 +22,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core_client import Core, ThreadCore
 from llmserve.engine.core_process import ChildSpec, ProcessCore
 from llmserve.engine.delta import FinishReason
+from llmserve.engine.errors import EngineDead
 from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import load_model
 from llmserve.telemetry.metrics import EngineCollector
@@ -152,6 +154,59 @@ async def test_a_front_end_that_falls_behind_gets_the_passes_merged() -> None:
     assert all(len(t) == 60 for t in tokens.values())
     assert len(batches) < 60  # 60 passes at least, merged into fewer batches
     assert any(len({o.handle for o in b}) < len(b) for b in batches)  # a batch held two passes of one request
+
+
+class _LosesItsChildAtTheCheck(ProcessCore):
+    """A ProcessCore whose engine process is killed (SIGKILL) the moment a session command, once `armed`, has found
+    the core alive: the loss falls between that check and the registration of the command's future. Where the
+    check holds the lock that the reader's ending takes, the reader ends the core after this section (and so after
+    the registration); where it does not, nothing keeps the reader from ending the core at once, and it is joined
+    here before the check returns (the interleaving the old client allowed: checked, lost, then registered)."""
+
+    armed = False
+    lost_in_the_lock: bool | None = None  # how the loss ran, once it has
+
+    @property
+    def _ended(self) -> str | None:
+        ended = self.__dict__["_ended"]
+        if self.armed:
+            self.armed = False
+            held = not self._lock.acquire(blocking=False)  # idle, nobody else takes it: held by this thread
+            if not held:
+                self._lock.release()
+            os.kill(self.process.pid, signal.SIGKILL)
+            if not held:
+                assert self._reader is not None
+                self._reader.join(RUN_TIMEOUT_S)
+            self.lost_in_the_lock = held
+        return ended
+
+    @_ended.setter
+    def _ended(self, why: str | None) -> None:
+        self.__dict__["_ended"] = why
+
+
+@pytest.mark.parametrize("command", ["get_session", "delete_session"])
+def test_a_session_command_that_races_the_loss_of_the_child_fails_and_is_never_left_pending(command: str) -> None:
+    """The child dies after the command found the core alive and before its future is registered: the future
+    still fails with EngineDead (the check and the registration are one step under the lock the ending takes), it
+    is not left pending for ever. Deterministic: the loss runs at that exact point (_LosesItsChildAtTheCheck)."""
+    core = _LosesItsChildAtTheCheck(ChildSpec(tiny64, CONFIG))
+    core.wait_ready()
+    core.start(lambda outputs: None)
+    try:
+        assert getattr(core, command)("before").result(RUN_TIMEOUT_S) in (None, False)  # alive: answered
+        core.armed = True
+        reply = getattr(core, command)("racing")
+        assert core.lost_in_the_lock is not None  # the loss ran between the check and the registration
+        error = reply.exception(10)  # raises TimeoutError if the future was left pending
+        assert isinstance(error, EngineDead) and "exit code -9" in str(error)
+        assert core.dead_reason is not None and "exit code -9" in core.dead_reason
+        with pytest.raises(EngineDead):
+            getattr(core, command)("after").result(0)
+    finally:
+        core.stop()
+    assert core.process.returncode == -9
 
 
 @pytest.mark.parametrize("implementation", [ThreadCore, ProcessCore])

@@ -110,3 +110,26 @@ async def test_a_subscriber_that_falls_behind_and_an_engine_gap_end_with_data_lo
         await asyncio.wait_for(waiting, 2)
         await asyncio.wait_for(anext(live), 2)
     assert err.value.code == grpc.StatusCode.DATA_LOSS
+
+
+async def test_each_batch_written_to_a_subscriber_is_counted_once_it_is_written() -> None:
+    """The count the metrics report (llmserve_kv_event_batches_sent_total): a batch counts once the stream has taken
+    it and asks for the next, that is once gRPC has written it; a replayed batch counts as well."""
+    sent: list[int] = []
+    publisher = KvEventPublisher(lambda: None, lambda: sent.append(1))
+    stream = publisher.subscribe(None, 0)
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    publisher.publish([stored(1, None)], 2)
+    publisher.publish([stored(2, None)], 2)
+    await asyncio.wait_for(first, 2)
+    assert sent == []  # taken, not yet written
+    await asyncio.wait_for(anext(stream), 2)
+    assert len(sent) == 1
+    again = publisher.subscribe(None, 1)
+    assert [x.sequence_number for x in await take(again, 1)] == [2]  # the replay
+    publisher.publish([stored(3, None)], 2)
+    assert [x.sequence_number for x in await take(again, 1)] == [3]
+    assert len(sent) == 2  # stream's batch 1 and again's replayed batch 2
+    for s in (stream, again):
+        await s.aclose()

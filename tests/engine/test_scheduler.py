@@ -140,10 +140,10 @@ class EngineBooks(RuleBasedStateMachine):
         tokens, session = data.draw(st.sampled_from(self.past))
         self.add_prompt(tokens + extra, 2, session)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> StepPlan:
         """One schedule() call, checked for admission order and the running-count limit."""
         waiting = [seq for seq in self.live if seq.status is SeqStatus.WAITING]
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(drafts) if drafts is not None else self.scheduler.schedule()
         admitted = [seq for seq in waiting if seq.status is SeqStatus.RUNNING]
         # A sequence whose KV loads waits without holding up the others: it is outside the order.
         left = [seq for seq in waiting if seq.status is SeqStatus.WAITING and not self.scheduler.is_loading(seq)]
@@ -218,7 +218,7 @@ class EngineBooks(RuleBasedStateMachine):
         decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed == 1]
         guesses = st.lists(st.integers(0, 3), min_size=1, max_size=2 * BLOCK_SIZE)
         drafts = {seq.seq_no: data.draw(guesses) for seq in decoding}
-        out = self.scheduler.schedule(drafts)
+        out = self.schedule(drafts)  # a draft step also admits, offloads and starts loads like any other
         for entry in out.seqs:
             seq = entry.seq
             if entry.drafts:

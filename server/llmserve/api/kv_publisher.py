@@ -55,6 +55,10 @@ def to_batch(number: int, events: list[KvEvent], block_size: int) -> common_pb2.
     return batch
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass(slots=True, eq=False)
 class _Subscriber:
     pending: deque[common_pb2.KvEventBatch] = field(default_factory=deque)
@@ -70,10 +74,12 @@ class _Channel:
 
 
 class KvEventPublisher:
-    """Polls `engine()` once the first subscriber comes; `close` stops it."""
+    """Polls `engine()` once the first subscriber comes; `close` stops it. `sent` is called with each batch handed
+    to a subscriber's stream (the metrics count them: how far a gateway's view of this replica's cache has come)."""
 
-    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+    def __init__(self, engine: Callable[[], Engine | None], sent: Callable[[], None] | None = None) -> None:
         self._engine = engine
+        self._sent = sent if sent is not None else _nothing
         self._channels: dict[str | None, _Channel] = {}
         self._poller: asyncio.Task[None] | None = None
         self._next_number = 0  # of the engine's next event; 0 before the first
@@ -98,11 +104,13 @@ class KvEventPublisher:
         try:
             for batch in replay:
                 yield batch
+                self._sent()
             while True:
                 await subscriber.wake.wait()
                 subscriber.wake.clear()
                 while subscriber.pending:
                     yield subscriber.pending.popleft()
+                    self._sent()
                 if subscriber.lost is not None:
                     raise ServiceError(grpc.StatusCode.DATA_LOSS, subscriber.lost)
         finally:

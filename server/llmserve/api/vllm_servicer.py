@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -52,11 +52,12 @@ def kv_usage(engine: Engine) -> tuple[int, int, float]:
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]  # smg-grpc-proto is untyped
     """Serves vllm.grpc.engine.VllmEngine over the same calls as `edge` (GenerateService's servicer)."""
 
-    def __init__(self, edge: GenerateServicer) -> None:
+    def __init__(self, edge: GenerateServicer, kv_batch_sent: Callable[[], None] | None = None) -> None:
+        """`kv_batch_sent` is called for each KV event batch a SubscribeKvEvents stream was given."""
         self._edge = edge
         self._started = time.time()
         self._tokenizer = tokenizer_files.TokenizerBundle()
-        self._kv_events = KvEventPublisher(lambda: edge.engine)
+        self._kv_events = KvEventPublisher(lambda: edge.engine, kv_batch_sent)
         # The Generate calls in flight by (identity, request id), for Abort.
         self._calls: dict[StreamKey, set[_Abort]] = {}
 

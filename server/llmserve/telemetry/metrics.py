@@ -120,6 +120,11 @@ class ServerMetrics:
             f"{p}_cached_prompt_tokens", "Prompt tokens served from cached KV (sessions or prefix cache)", registry=r
         )
         self.generated_tokens = Counter(f"{p}_generated_tokens", "Tokens sent to callers", registry=r)
+        self.kv_event_batches = Counter(
+            f"{p}_kv_event_batches_sent",
+            "Prefix-cache event batches handed to SubscribeKvEvents streams (the gateways' view of this cache)",
+            registry=r,
+        )
         info = Gauge(
             f"{p}_build_info",
             "Always 1; the labels say which build serves and under which replica name",
