@@ -237,6 +237,14 @@ def kv_batches_sent(replica: Replica) -> float:
     return counted(replica, "llmserve_kv_event_batches_sent_total ")
 
 
+def await_kv_events(replica: Replica, sent: float) -> None:
+    """Until the replica has written smg a KV event batch past the `sent` it had, then a moment for smg to apply it:
+    with KV events cache_aware scores prefixes on them alone, so a request sent sooner is routed without them.
+    However loaded the machine: the engine, the poll (50 ms), the batch written to smg's SubscribeKvEvents."""
+    assert wait_until(lambda: kv_batches_sent(replica) > sent, 30), "no KV event batch reached smg's subscription"
+    time.sleep(0.1)
+
+
 def client_of(smg: Smg) -> openai.OpenAI:
     return openai.OpenAI(base_url=smg.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
@@ -260,9 +268,11 @@ def test_the_next_turn_goes_where_its_prefix_is_cached(replicas: list[Replica], 
             {"role": "user", "content": "Say something."},
         ]
         before = [served(r) for r in replicas]
+        sent = [kv_batches_sent(r) for r in replicas]
         first = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8)
         after = [served(r) for r in replicas]
         (holder,) = [i for i in range(2) if after[i] > before[i]]
+        await_kv_events(replicas[holder], sent[holder])
         messages += [
             {"role": "assistant", "content": first.choices[0].message.content},
             {"role": "user", "content": "And more."},
@@ -288,10 +298,7 @@ def test_cache_aware_routes_on_the_replicas_kv_events(replicas: list[Replica], c
         sent = kv_batches_sent(replicas[holder])
         with Client(replicas[holder].address, timeout=60) as own:
             own.generate_text(messages=messages, max_new_tokens=1)
-        # However loaded the machine: the engine, the poll (50 ms), the batch written to smg's SubscribeKvEvents.
-        arrived = lambda r=replicas[holder], n=sent: kv_batches_sent(r) > n  # noqa: E731
-        assert wait_until(arrived, 30), "no KV event batch reached smg's subscription"
-        time.sleep(0.1)  # smg applying the batch it was sent
+        await_kv_events(replicas[holder], sent)
         before = [served(r) for r in replicas]
         response = client.chat.completions.create(
             model=model, messages=[*messages, {"role": "user", "content": "More."}], temperature=0, max_tokens=2
