@@ -35,7 +35,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec gateway docker docker-cpu nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora gateway docker docker-cpu nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -145,6 +145,11 @@ bench-gateway: $(STAMP_MODEL)
 
 bench-spec: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --mode speculative
+
+# 32 clients over 4 rank-16 LoRA adapters (made with PEFT at start) vs the base model, alternated windows, on one
+# python -m llmserve server; LoadAdapter time and memory per adapter. Results in benchmarks/results/<date>-cpu-lora.*.
+bench-lora: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py --mode lora
 
 # Two images from one Dockerfile: CUDA (the default) and CPU. No Docker daemon runs on the development
 # machines; every step is a command the project also runs outside Docker (see the Dockerfile's header).

@@ -27,6 +27,7 @@ TORCH_FREE = (
     "api/limits",
     "api/prompts",
     "api/servicer",
+    "api/adapter_servicer",
     "flags",
     "history/__init__",
     "history/codec",

@@ -39,6 +39,7 @@ def add_parser(commands: Any) -> None:
     chat.add_argument("--top-p", type=float, default=None)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--stats", action="store_true", help="print each turn's usage and timing to stderr")
+    chat.add_argument("--adapter", default="", help="the LoRA adapter to answer with (its name on the server)")
 
 
 def run(client: Client, args: argparse.Namespace, stdin: TextIO = sys.stdin) -> int:
@@ -52,6 +53,8 @@ def run(client: Client, args: argparse.Namespace, stdin: TextIO = sys.stdin) -> 
     options = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
     if args.seed is not None:
         options["seed"] = args.seed
+    if args.adapter:
+        options["adapter"] = args.adapter
     conversation = Conversation(client, args.session or None, system=args.system, **options)
     held = client.get_session(conversation.session_id) if args.session else None
     if held is not None and held.history_input == pb.HISTORY_INPUT_CHAT:

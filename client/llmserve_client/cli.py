@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default="")
+    gen.add_argument("--adapter", default="", help="the LoRA adapter to generate with (its name on the server)")
     gen.add_argument(
         "--n",
         type=int,
@@ -107,6 +108,15 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", help="service name (default: the whole server)")
 
     commands.add_parser("model-info", help="print the served model's description as JSON")
+
+    adapters = commands.add_parser("adapters", help="list, load or unload the server's LoRA adapters (admin)")
+    actions = adapters.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="print the loaded adapters and the limits as JSON")
+    load = actions.add_parser("load", help="read a PEFT adapter folder on the server and serve it under NAME")
+    load.add_argument("name")
+    load.add_argument("path", help="the adapter folder, on the server's file system")
+    unload = actions.add_parser("unload", help="unload an adapter (requests using it finish on it)")
+    unload.add_argument("name")
 
     tok = commands.add_parser("tokenize", help="print the token ids as JSON")
     tok.add_argument("text")
@@ -146,6 +156,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         n=args.n,
+        adapter=args.adapter,
         **_sampling_controls(args),
     ):
         if args.json:
@@ -211,6 +222,19 @@ def _sampling_controls(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _adapters(client: Client, args: argparse.Namespace) -> int:
+    if args.action == "list":
+        response: Any = client.list_adapters()
+    elif args.action == "load":
+        response = client.load_adapter(args.name, args.path)
+    else:
+        response = {"draining_requests": client.unload_adapter(args.name)}
+    if not isinstance(response, dict):
+        response = json_format.MessageToDict(response, preserving_proto_field_name=True)
+    print(json.dumps(response, indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -230,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 status = client.health(args.service)
                 print(status)
                 return 0 if status == "SERVING" else 1
+            if args.command == "adapters":
+                return _adapters(client, args)
             if args.command == "model-info":
                 print(json_format.MessageToJson(client.model_info(), indent=2, preserving_proto_field_name=True))
                 return 0

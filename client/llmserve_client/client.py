@@ -13,8 +13,8 @@ from llmserve_client import health
 from llmserve_client.auth import resolve_token
 from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
 from llmserve_client.conversation import Conversation, chat_request
+from llmserve_client.pb.llmserve.v1 import adapters_pb2, adapters_pb2_grpc, generate_pb2_grpc
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
-from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from llmserve_client.request import Message, build_request, texts_by_index, tokenize_request
 from llmserve_client.retry import DEFAULT_RETRY, Attempts, CallInfo, Metadata, Retry, session_metadata
 
@@ -50,6 +50,7 @@ class Client:
         token = resolve_token(token, token_file, env={})
         self._channel = open_channel(target, tls, options, aio=False, token=token)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+        self._adapters = adapters_pb2_grpc.AdapterServiceStub(self._channel)
         self._health_check = health.check_method(self._channel)
 
     def close(self) -> None:
@@ -165,6 +166,27 @@ class Client:
             request, timeout=self._timeout(timeout), metadata=metadata
         )
         return response.deleted
+
+    def load_adapter(self, name: str, path: str, *, timeout: Any = _DEFAULT) -> adapters_pb2.AdapterInfo:
+        """Have the server read the PEFT adapter folder `path` (on the server) and serve it as `name`."""
+        request = adapters_pb2.LoadAdapterRequest(name=name, path=path)
+        response: adapters_pb2.LoadAdapterResponse = self._adapters.LoadAdapter(request, timeout=self._timeout(timeout))
+        return response.adapter
+
+    def unload_adapter(self, name: str, *, timeout: Any = _DEFAULT) -> int:
+        """Unload an adapter; returns how many requests still use it (they finish on it)."""
+        request = adapters_pb2.UnloadAdapterRequest(name=name)
+        response: adapters_pb2.UnloadAdapterResponse = self._adapters.UnloadAdapter(
+            request, timeout=self._timeout(timeout)
+        )
+        return response.draining_requests
+
+    def list_adapters(self, *, timeout: Any = _DEFAULT) -> adapters_pb2.ListAdaptersResponse:
+        """The loaded adapters and the server's LoRA limits."""
+        response: adapters_pb2.ListAdaptersResponse = self._unary(
+            self._adapters.ListAdapters, adapters_pb2.ListAdaptersRequest(), timeout
+        )
+        return response
 
     def _unary(self, method: Callable[..., T], request: Any, timeout: Any, metadata: Metadata = ()) -> T:
         """An idempotent unary call, retried as `self.retry` says."""

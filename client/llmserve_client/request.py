@@ -58,6 +58,7 @@ def build_request(
     grammar: str | None = None,
     choice: Sequence[str] | None = None,
     n: int = 1,
+    adapter: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest; exactly one of `prompt` (text), `messages` (chat) or `token_ids` must be given.
 
@@ -66,14 +67,19 @@ def build_request(
     `continue_session` (with `session_id`) sends only the new turn: the server prepends the session's history.
     At most one constraint: `json_schema` (text, or a dict sent as JSON), `json_object`, `regex`, `grammar`
     (llguidance's Lark syntax) or `choice` (the allowed answers). `n` > 1 asks for n completions of the prompt on
-    one stream, told apart by each response's `index` (`texts_by_index` joins them).
+    one stream, told apart by each response's `index` (`texts_by_index` joins them). `adapter`: the LoRA adapter
+    to generate with, by the name the server loaded it under (empty: the base model).
     """
     inputs = {"prompt": prompt, "messages": messages, "token_ids": token_ids}
     given = [name for name, value in inputs.items() if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages or token_ids (got {', '.join(given) or 'none'})")
     request = pb.GenerateRequest(
-        request_id=request_id, session_id=session_id, continue_session=continue_session, priority=priority
+        request_id=request_id,
+        session_id=session_id,
+        continue_session=continue_session,
+        priority=priority,
+        adapter=adapter,
     )
     if n != 1:
         request.n = n  # 0 and 1 both mean one: left unset; a negative n is the caller's error (ValueError)

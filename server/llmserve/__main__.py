@@ -26,6 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from llmserve.app import run
     from llmserve.auth import TokenFileError
     from llmserve.engine.kv_tiers.disk import DiskTierError
+    from llmserve.engine.lora.catalog import AdapterRefused, LoraUnsupported
 
     try:
         return asyncio.run(run(config))
@@ -34,6 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except DiskTierError as exc:
         logging.getLogger("llmserve").error("KV tiers: %s", exc)
+        return 2
+    except AdapterRefused as exc:  # a --lora adapter that cannot be served (AdapterNotFound too)
+        logging.getLogger("llmserve").error("--lora: %s", exc)
+        return 2
+    except LoraUnsupported as exc:  # LoRA beside a setting it is not served with (--dtype bfloat16 on the CPU)
+        logging.getLogger("llmserve").error("LoRA: %s", exc)
         return 2
 
 

@@ -26,6 +26,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
+from llmserve.api.adapter_servicer import SERVICE_NAME as ADAPTER_SERVICE_NAME
+from llmserve.api.adapter_servicer import AdapterServicer
 from llmserve.api.admission import Admission
 from llmserve.api.interceptor import ErrorInterceptor
 from llmserve.api.servicer import SERVICE_NAME, GenerateServicer
@@ -36,7 +38,7 @@ from llmserve.history import StoreUnavailable, open_store
 from llmserve.telemetry.metrics import ServerMetrics
 from llmserve.telemetry.tracing import Tracing
 from llmserve.telemetry.tracing import from_env as tracing_from_env
-from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+from llmserve_client.pb.llmserve.v1 import adapters_pb2_grpc, generate_pb2_grpc
 
 if TYPE_CHECKING:
     from llmserve.engine.protocol import Engine
@@ -96,7 +98,7 @@ class LLMServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if config.reflection:
             health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-            names = (SERVICE_NAME, VLLM_SERVICE_NAME, health, reflection.SERVICE_NAME)
+            names = (SERVICE_NAME, ADAPTER_SERVICE_NAME, VLLM_SERVICE_NAME, health, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self._server)
         if config.tls_cert is not None:
             self.port = self._server.add_secure_port(config.address, _server_credentials(config))
@@ -120,6 +122,8 @@ class LLMServer:
             self.servicer, self.metrics.kv_event_batches.inc if self.metrics is not None else None
         )
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self._server)
+        self.adapter_servicer = AdapterServicer(config, lambda: self.servicer.engine)
+        adapters_pb2_grpc.add_AdapterServiceServicer_to_server(self.adapter_servicer, self._server)
         self._watchdog: asyncio.Task[None] | None = None
         # Set when the engine has died: run() then drains and returns EXIT_ENGINE_DEAD.
         self.engine_died = asyncio.Event()

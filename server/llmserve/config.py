@@ -82,6 +82,8 @@ class ServerConfig:
     # With authentication on, the prefix cache is per identity unless this shares it across identities.
     shared_prefix_cache: bool = False
     max_streams_per_identity: int | None = None
+    # With authentication on, the identities that may call AdapterService (load/unload adapters).
+    admin_identities: tuple[str, ...] = ()
     # A stream whose next message has waited this long on the client's flow control is aborted.
     stream_stall_timeout_s: float = 30.0
     # Clients may send keepalive pings this often (gRPC's own default allows one per 5 minutes).
@@ -164,18 +166,37 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
             try:
                 if flag.parse is None:
                     value = default if raw is None else _parse_bool(raw)
+                elif flag.repeated:
+                    value = default if raw is None else tuple(flag.parse(v) for v in raw.split(",") if v.strip())
                 else:
                     value = default if raw is None else flag.parse(raw)
             except ValueError as exc:
                 raise SystemExit(f"{name}={raw!r}: {exc}") from exc
             if flag.parse is None:
                 group.add_argument(flag.name, action="store_true", default=value, help=f"{flag.help} [env {name}]")
+            elif flag.repeated:  # each use adds to the tuple (argparse's append would add to the default)
+                group.add_argument(
+                    flag.name, type=flag.parse, action=_Extend, default=value,
+                    help=f"{flag.help} [env {name}, comma-separated; default {flag.shown(default)}]",
+                )  # fmt: skip
             else:
                 shown = "unset" if default is None else flag.shown(default)
                 group.add_argument(
                     flag.name, type=flag.parse, default=value, help=f"{flag.help} [env {name}; default {shown}]"
                 )
     return parser
+
+
+class _Extend(argparse.Action):
+    """A repeated flag: the command line's values replace the environment's, in order."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        given = getattr(namespace, f"_{self.dest}_given", False)
+        current = getattr(namespace, self.dest) if given else ()
+        setattr(namespace, self.dest, (*current, values))
+        setattr(namespace, f"_{self.dest}_given", True)
 
 
 def _with(obj: Any, values: Mapping[str, Any], prefix: str = "") -> Any:
@@ -203,6 +224,7 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
         parser.error("--identity-from-cert needs --tls-client-ca")
     if args.identity_from_cert and args.auth_token_file is not None:
         parser.error("--identity-from-cert and --auth-token-file are two ways to name callers: pick one")
+    _check_lora(parser, args)
     values: dict[str, Any] = {}
     for flag in all_flags():
         value = getattr(args, _dest(flag))
@@ -216,6 +238,17 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
         values["server.history.store"] = _default_history_store(values["model.cache_dir"])
     config: Config = _with(Config(), values)
     return config
+
+
+def _check_lora(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    names = [name for name, _ in args.lora]
+    if len(names) != len(set(names)):
+        parser.error(f"--lora: a name is given twice ({', '.join(sorted({n for n in names if names.count(n) > 1}))})")
+    cpu = args.max_cpu_loras
+    if cpu is not None and cpu < args.max_loras:
+        parser.error(f"--max-cpu-loras {cpu} is below --max-loras {args.max_loras}")
+    if cpu is not None and cpu < len(names):
+        parser.error(f"{len(names)} --lora adapters do not fit --max-cpu-loras {cpu}")
 
 
 def _default_history_store(cache_dir: str | None) -> str:

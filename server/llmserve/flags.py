@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llmserve.engine.lora.catalog import MAX_LORA_RANK, check_adapter_name
 from llmserve.engine.request import MAX_TOP_LOGPROBS
 from llmserve.history import check_store_spec
 
@@ -83,6 +84,38 @@ def _top_logprobs(text: str) -> int:
     return value
 
 
+def _lora_rank(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_LORA_RANK:
+        raise ValueError(f"must be in [1, {MAX_LORA_RANK}], got {value}")
+    return value
+
+
+def _named_path(text: str) -> tuple[str, str]:
+    """NAME=PATH (a --lora adapter): the name a request gives in GenerateRequest.adapter, and its folder."""
+    name, sep, path = text.partition("=")
+    name = name.strip()
+    if not sep or not name or not path.strip():
+        raise ValueError(f"must be NAME=PATH, got {text!r}")
+    check_adapter_name(name)
+    return name, path.strip()
+
+
+def _named_paths_text(values: tuple[tuple[str, str], ...]) -> str:
+    return ",".join(f"{name}={path}" for name, path in values) or "none"
+
+
+def _identity(text: str) -> str:
+    value = text.strip()
+    if not value:
+        raise ValueError("an identity is not empty")
+    return value
+
+
+def _identities_text(values: tuple[str, ...]) -> str:
+    return ",".join(values) or "none"
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -111,7 +144,8 @@ class Flag:
     """One flag. `targets` are dotted paths into Config ("engine.block_size"); a flag may set several fields
     (the session TTL is the cache's and the history's).
     `parse` None makes a switch; `invert` a switch that turns its field off. `to_field`/`from_field` convert
-    between the flag's unit and the field's (MiB and bytes)."""
+    between the flag's unit and the field's (MiB and bytes). `repeated`: the flag may be given many times; its
+    field is the tuple of the values (its environment variable: the values separated by commas)."""
 
     name: str
     targets: tuple[str, ...]
@@ -121,6 +155,7 @@ class Flag:
     to_field: Callable[[Any], Any] | None = None
     from_field: Callable[[Any], Any] | None = None
     shown: Callable[[Any], str] = str  # how --help writes the default
+    repeated: bool = False
 
 
 def _flag(name: str, target: str | tuple[str, ...], parse: Callable[[str], Any], help_text: str, **kw: Any) -> Flag:
@@ -193,6 +228,10 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                     "computed once, but a caller can tell from cached_prompt_tokens what others sent)"),
             _flag("--max-streams-per-identity", "server.max_streams_per_identity", _positive_int,
                   "Generate streams one identity may have in flight; beyond it RESOURCE_EXHAUSTED"),
+            _flag("--admin-identity", "server.admin_identities", _identity,
+                  "with authentication on, an identity (token file user or certificate name) that may call "
+                  "AdapterService (load, unload, list adapters); others get PERMISSION_DENIED (repeatable)",
+                  repeated=True, shown=_identities_text),
         ),
     ),
     (
@@ -275,6 +314,22 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--cpu-kernels", "engine.cpu_kernels", _one_of("auto", "require", "off"),
                   "CPU backend's compiled kernels (built at install time): auto (use them where installed, else "
                   "warn and run the torch paths), require (refuse to start without them), off"),
+        ),
+    ),
+    (
+        "LoRA adapters",
+        (
+            _switch("--enable-lora", "engine.enable_lora",
+                    "serve LoRA adapters (GenerateRequest.adapter; AdapterService loads them at run time)"),
+            _flag("--lora", "engine.loras", _named_path,
+                  "NAME=PATH: read the PEFT adapter folder PATH at start, served as NAME (repeatable; implies "
+                  "--enable-lora)", repeated=True, shown=_named_paths_text),
+            _flag("--max-loras", "engine.max_loras", _positive_int, "most distinct adapters in one engine step"),
+            _flag("--max-lora-rank", "engine.max_lora_rank", _lora_rank,
+                  "largest adapter rank served; a higher one is refused at load"),
+            _flag("--max-cpu-loras", "engine.max_cpu_loras", _positive_int,
+                  "adapters kept in host memory (least recently used idle one unloaded first); unset: the larger "
+                  "of --max-loras and the number of --lora"),
         ),
     ),
     (

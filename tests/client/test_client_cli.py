@@ -119,3 +119,30 @@ def test_generate_n_prints_each_completion_by_index(server: ServerThread) -> Non
         assert f"[{i}] {text}" in out.stdout
     assert out.stderr.count("completion_tokens=6") == 3 and "total prompt_tokens=" in out.stderr
     assert "completion_tokens=18" in out.stderr
+
+
+def test_adapters_and_generate_with_one(tmp_path) -> None:  # noqa: ANN001
+    """`adapters load|list|unload` and `generate --adapter` against a server that serves LoRA adapters."""
+    from harness import tiny_engine, tiny_model
+
+    from tests.engine.lora.peft_adapters import make_adapter
+
+    folder = make_adapter(tiny_model().model, tmp_path / "sql", seed=1, merge=False, r=4).folder
+    srv = ServerThread(tiny_engine(in_process=True, enable_lora=True)).start()
+    try:
+        out = cli(srv, "adapters", "load", "sql", str(folder))
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["rank"] == 4
+        assert [a["name"] for a in json.loads(cli(srv, "adapters", "list").stdout)["adapters"]] == ["sql"]
+        out = cli(srv, "generate", "Once upon a time", "--max-new-tokens", "6", "--ignore-eos", "--adapter", "sql")
+        assert out.returncode == 0, out.stderr
+        with Client(srv.address, timeout=30) as client:
+            assert out.stdout == client.generate_text("Once upon a time", max_new_tokens=6, ignore_eos=True,
+                                                      adapter="sql") + "\n"  # fmt: skip
+            base = client.generate_text("Once upon a time", max_new_tokens=6, ignore_eos=True)
+        assert out.stdout != base + "\n", "the adapter changed nothing"
+        out = cli(srv, "generate", "Hi", "--adapter", "nope")
+        assert out.returncode == 1 and "NOT_FOUND" in out.stderr and "adapter" in out.stderr
+        assert json.loads(cli(srv, "adapters", "unload", "sql").stdout) == {"draining_requests": 0}
+    finally:
+        srv.stop()

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from llmserve.engine.async_engine import AsyncEngine
-from llmserve.engine.block_pool import BlockPool
+from llmserve.engine.block_pool import BlockPool, prefix_root
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.delta import Delta, FinishReason
 from llmserve.engine.request import GenerationRequest, StoppingParams
@@ -20,6 +20,7 @@ from llmserve.models import from_config
 from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
 
 BASE = dict(block_size=8, max_num_seqs=16, max_num_batched_tokens=128)
+ROOT = prefix_root(None)  # the root the base model's unsalted requests hash under
 
 
 def loaded_tiny():
@@ -221,14 +222,14 @@ def store(num_blocks: int = 16, *, ttl_s: float = 10.0, max_sessions: int = 4, f
 def hold(pool: BlockPool, sessions: SessionStore, session_id: str, num_tokens: int) -> list[int]:
     """A finished call handing the KV of `num_tokens` tokens to its session."""
     blocks = pool.allocate(pool.blocks_for(num_tokens))
-    sessions.retain(session_id, list(range(num_tokens)), blocks)
+    sessions.retain(session_id, list(range(num_tokens)), blocks, ROOT)
     return blocks
 
 
 def test_store_retains_matches_and_deletes() -> None:
     pool, sessions, clock = store()
     assert len(sessions) == 0 and "a" not in sessions and sessions.get("a") is None
-    assert sessions.match("a", [1, 2, 3]) == (0, [])
+    assert sessions.match("a", [1, 2, 3], ROOT) == (0, [])
     blocks = hold(pool, sessions, "a", 10)  # 3 blocks, the last one half full
     assert len(sessions) == 1 and "a" in sessions and sessions.num_blocks_held == 3
     session = sessions.get("a")
@@ -237,11 +238,13 @@ def test_store_retains_matches_and_deletes() -> None:
     assert sessions.owners() == [blocks]
     pool.check(sessions.owners())
     # The longest common prefix, and the blocks that hold it (the last one may be partly covered).
-    assert sessions.match("a", list(range(10))) == (10, blocks)
-    assert sessions.match("a", list(range(12))) == (10, blocks)
-    assert sessions.match("a", [0, 1, 2, 3, 4, 9]) == (5, blocks[:2])
-    assert sessions.match("a", [0, 1, 2, 3]) == (4, blocks[:1])
-    assert sessions.match("a", [7]) == (0, [])
+    assert sessions.match("a", list(range(10)), ROOT) == (10, blocks)
+    assert sessions.match("a", list(range(12)), ROOT) == (10, blocks)
+    assert sessions.match("a", [0, 1, 2, 3, 4, 9], ROOT) == (5, blocks[:2])
+    assert sessions.match("a", [0, 1, 2, 3], ROOT) == (4, blocks[:1])
+    assert sessions.match("a", [7], ROOT) == (0, [])
+    # KV computed under another root (another LoRA adapter, another salt) is none of this request's.
+    assert sessions.match("a", list(range(10)), prefix_root("other")) == (0, [])
     assert sessions.delete("a") is True and sessions.delete("a") is False
     assert len(sessions) == 0 and sessions.num_blocks_held == 0 and pool.num_free == pool.num_blocks
     pool.check([])
@@ -255,7 +258,7 @@ def test_store_retain_replaces_what_the_session_held_and_checks_the_block_count(
     assert sessions.get("a").blocks == newer and sessions.num_blocks_held == 2 and len(sessions) == 1
     pool.check(sessions.owners())
     with pytest.raises(ValueError, match="^blocks do not match the token count$"):
-        sessions.retain("b", [1, 2, 3, 4, 5], pool.allocate(1))
+        sessions.retain("b", [1, 2, 3, 4, 5], pool.allocate(1), ROOT)
     assert "b" not in sessions
 
 
@@ -265,7 +268,7 @@ def test_store_match_and_retain_make_a_session_the_most_recently_used() -> None:
         hold(pool, sessions, name, 4)
         clock.now += 1
     sessions.get("a").last_used_wall = 0.0
-    sessions.match("a", [0])
+    sessions.match("a", [0], ROOT)
     assert sessions.get("a").last_used == clock.now and abs(sessions.get("a").last_used_wall - time.time()) < 60
     sessions.get("b")  # get() does not count as a use
     assert sessions.evict_one() is True
@@ -298,7 +301,7 @@ def test_store_sessions_expire_after_the_ttl_idle() -> None:
     clock.now += 0.5  # "a" idle exactly the TTL
     assert sessions.expire() == 1 and "a" not in sessions and "b" in sessions
     assert sessions.evictions["ttl"] == 1
-    sessions.match("b", [0])  # a use restarts the clock
+    sessions.match("b", [0], ROOT)  # a use restarts the clock
     clock.now += 9
     assert sessions.expire() == 0
     hold(pool, sessions, "c", 4)
@@ -313,7 +316,7 @@ def test_store_max_sessions_evicts_the_least_recently_used_never_the_new_one() -
     hold(pool, sessions, "a", 4)
     hold(pool, sessions, "b", 4)
     assert len(sessions) == 2 and sessions.evictions["limit"] == 0
-    sessions.match("a", [0])
+    sessions.match("a", [0], ROOT)
     hold(pool, sessions, "c", 4)
     assert sorted(sessions._sessions) == ["a", "c"] and sessions.evictions["limit"] == 1
     hold(pool, sessions, "a", 4)  # retaining an existing session adds none
@@ -343,7 +346,7 @@ def test_store_the_session_kept_over_the_limit_keeps_its_place_among_the_others(
     pool, sessions, clock = store(num_blocks=16, fraction=0.5, max_sessions=3)
     hold(pool, sessions, "a", 8)
     hold(pool, sessions, "b", 8)
-    sessions.match("a", [0])  # order now b, a
+    sessions.match("a", [0], ROOT)  # order now b, a
     hold(pool, sessions, "c", 20)  # 5 blocks: 9 held, evict b (not c); then 7 held
     assert sorted(sessions._sessions) == ["a", "c"] and sessions.evictions["limit"] == 1
     sessions.enforce_limits(keep="a")  # nothing over a limit: nothing happens

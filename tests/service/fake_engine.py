@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from llmserve.engine.delta import Delta, FinishReason, Timing, TokenLogprob, Usage
 from llmserve.engine.errors import EngineDead, QueueFull
 from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
 from llmserve.engine.protocol import Engine, EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.request import GenerationRequest
 
@@ -43,6 +44,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.model_info = ModelInfo("fake", 256, 255, "float32", "cpu", 1000, backend="fake: no model")
         self.started = False
+        self.adapters = None  # serves no LoRA adapters
         self.aborted: list[str] = []
         self._running: set[str] = set()
         self._sessions: dict[str, int] = {}
@@ -60,6 +62,9 @@ class FakeEngine:
         return len(self._running)
 
     num_waiting = 0
+
+    async def manage_adapters(self, op: AdapterOp) -> AdapterAnswer:
+        raise AssertionError("the fake engine serves no adapters (AdapterService answers FAILED_PRECONDITION first)")
 
     async def start(self) -> None:
         self.started = True

@@ -150,3 +150,29 @@ def test_history_store_flags() -> None:
     for bad in ("sqlite:", "postgres://x", "mem"):
         with pytest.raises(SystemExit):
             from_args(["--history-store", bad], env={})
+
+
+def test_lora_flags() -> None:
+    """--lora is repeatable (NAME=PATH; the environment's comma-separated values give way to the command line's)
+    and turns LoRA on; the bounds are checked against each other at start."""
+    off = from_args([], env={}).engine
+    assert (off.lora_enabled, off.loras, off.max_loras, off.max_lora_rank, off.cpu_loras) == (False, (), 4, 16, 4)
+    argv = ["--lora", "sql=/a/sql", "--lora", "chat=/a/chat", "--max-loras", "1", "--max-lora-rank", "64"]
+    on = from_args(argv, env={"LLMSERVE_LORA": "other=/x"}).engine
+    assert on.loras == (("sql", "/a/sql"), ("chat", "/a/chat")) and on.lora_enabled
+    assert (on.max_loras, on.max_lora_rank, on.cpu_loras) == (1, 64, 2)
+    assert from_args([], env={"LLMSERVE_LORA": "a=/x,b=/y"}).engine.loras == (("a", "/x"), ("b", "/y"))
+    assert from_args(["--enable-lora"], env={}).engine.lora_enabled
+    admins = from_args(["--admin-identity", "ops", "--admin-identity", "ci"], env={}).server.admin_identities
+    assert admins == ("ops", "ci")
+    for bad in (
+        ["--lora", "noequals"],
+        ["--lora", "a b=/x"],
+        ["--lora", "a=/x", "--lora", "a=/y"],
+        ["--max-lora-rank", "0"],
+        ["--max-lora-rank", "1000"],
+        ["--max-loras", "4", "--max-cpu-loras", "2"],
+        ["--lora", "a=/x", "--lora", "b=/y", "--max-loras", "1", "--max-cpu-loras", "1"],
+    ):
+        with pytest.raises(SystemExit):
+            from_args(bad, env={})

@@ -77,6 +77,7 @@ def to_generation_request(
         constraint=constraint_spec(request.constraint),
         prompt_field=_PROMPT_FIELDS.get(request.WhichOneof("input") or "", "input"),
         n=max(1, request.n),  # 0 (unset) means one
+        adapter=request.adapter or None,  # empty: the base model
     )
 
 

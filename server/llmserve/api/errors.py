@@ -11,6 +11,8 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from llmserve.engine.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused
+from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
 from llmserve.history import LeaseLost, StoreUnavailable
 from llmserve.telemetry.request_log import clip
 
@@ -41,13 +43,28 @@ class StreamStalled(ServiceError):
         )
 
 
+class FieldNotFound(Exception):
+    """NOT_FOUND for what a request field names (an adapter): the message and the BadRequest details name the field."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 def status_for(exc: BaseException) -> status_pb2.Status | None:
     """The google.rpc.Status a known error maps to; None for anything else (a bug: gRPC reports UNKNOWN)."""
-    if isinstance(exc, InvalidRequest):
+    if isinstance(exc, UnknownAdapter):  # Generate's adapter (the adapter RPCs name their field themselves)
+        exc = FieldNotFound("adapter", str(exc))
+    if isinstance(exc, (InvalidRequest, FieldNotFound)):
+        code = code_pb2.INVALID_ARGUMENT if isinstance(exc, InvalidRequest) else code_pb2.NOT_FOUND
         violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.reason)
-        status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=clip(str(exc), MAX_STATUS_MESSAGE_CHARS))
+        status = status_pb2.Status(code=code, message=clip(str(exc), MAX_STATUS_MESSAGE_CHARS))
         status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
         return status
+    lora = _lora_status(exc)
+    if lora is not None:
+        return lora
     if isinstance(exc, QueueFull):
         status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=f"engine queue is full: {exc}")
         return _with_retry_info(status, RETRY_DELAY_S)
@@ -63,6 +80,22 @@ def status_for(exc: BaseException) -> status_pb2.Status | None:
         status = status_pb2.Status(code=exc.code.value[0], message=clip(exc.message, MAX_STATUS_MESSAGE_CHARS))
         return status if exc.retry_after_s is None else _with_retry_info(status, exc.retry_after_s)
     return None
+
+
+def _lora_status(exc: BaseException) -> status_pb2.Status | None:
+    """An adapter that cannot be read or loaded; the message names the file, or the name."""
+    if isinstance(exc, AdapterNotFound):
+        code = code_pb2.NOT_FOUND
+    elif isinstance(exc, AdapterRefused):
+        code = code_pb2.INVALID_ARGUMENT
+    elif isinstance(exc, AdapterExists):
+        code = code_pb2.ALREADY_EXISTS
+    elif isinstance(exc, AdaptersBusy):
+        status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=clip(str(exc), MAX_STATUS_MESSAGE_CHARS))
+        return _with_retry_info(status, RETRY_DELAY_S)
+    else:
+        return None
+    return status_pb2.Status(code=code, message=clip(str(exc), MAX_STATUS_MESSAGE_CHARS))
 
 
 def code_name(exc: BaseException) -> str:

@@ -15,15 +15,17 @@ from google.protobuf.message import DecodeError
 from grpc_status import rpc_status
 from smg_grpc_proto.generated import vllm_engine_pb2
 
+from llmserve.api.adapter_servicer import SERVICE_NAME as ADAPTER_SERVICE_NAME
 from llmserve.api.errors import StreamStalled, status_for
 from llmserve.api.servicer import SERVICE_NAME
 from llmserve.api.vllm_servicer import VLLM_SERVICE_NAME
 from llmserve.engine.errors import InvalidRequest
-from llmserve_client.pb.llmserve.v1 import generate_pb2
+from llmserve_client.pb.llmserve.v1 import adapters_pb2, generate_pb2
 
 _SERVICES = {  # whose errors the ErrorInterceptor maps: llmserve's own, and vLLM's engine protocol
     SERVICE_NAME: generate_pb2.DESCRIPTOR.services_by_name["GenerateService"],
     VLLM_SERVICE_NAME: vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"],
+    ADAPTER_SERVICE_NAME: adapters_pb2.DESCRIPTOR.services_by_name["AdapterService"],
 }
 
 

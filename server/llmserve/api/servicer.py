@@ -271,7 +271,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetModelInfoResponse:
-        info = self.ready_engine().model_info
+        engine = self.ready_engine()
+        info, adapters = engine.model_info, engine.adapters
         return pb.GetModelInfoResponse(
             name=info.name,
             context_length=info.context_length,
@@ -282,6 +283,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             default_max_new_tokens=self._config.default_max_new_tokens,
             backend=info.backend,
             sliding_window=info.sliding_window,
+            adapters=[] if adapters is None else sorted(adapters.names),
+            max_loras=info.max_loras,
+            max_lora_rank=info.max_lora_rank,
         )
 
     async def GetSession(

@@ -24,6 +24,8 @@ from llmserve.engine.errors import EngineDead, InvalidRequest, QueueFull
 from llmserve.engine.facts import validate
 from llmserve.engine.fanout import Merger, split
 from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
+from llmserve.engine.lora.registry import UnknownAdapter
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
@@ -50,6 +52,9 @@ class AsyncEngine:
         self.checker = None if vocabulary is None else ConstraintChecker.over(vocabulary, config)
         self._processor = OutputProcessor(loaded.tokenizer)  # used on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The LoRA adapters as the core last answered (at start, then after each AdapterService call): what a
+        # request's adapter is checked against before it is queued. None when the core serves none.
+        self.adapters: AdapterAnswer | None = self.core.facts.lora
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
@@ -68,6 +73,8 @@ class AsyncEngine:
             backend=f"{facts.backend_name}: {facts.backend_description}",
             sliding_window=facts.sliding_window or 0,
             eos_token_ids=self.loaded.eos_token_ids,
+            max_loras=0 if facts.lora is None else facts.lora.limits.max_loras,
+            max_lora_rank=0 if facts.lora is None else facts.lora.limits.max_lora_rank,
         )
 
     @property
@@ -115,6 +122,12 @@ class AsyncEngine:
     async def delete_session(self, session_id: str) -> bool:
         return await asyncio.wrap_future(self.core.delete_session(session_id))
 
+    async def manage_adapters(self, op: AdapterOp) -> AdapterAnswer:
+        """An AdapterService call, answered by the core (a load once its files are read, off the step thread)."""
+        answer = await asyncio.wrap_future(self.core.manage_adapters(op))
+        self.adapters = answer
+        return answer
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         """Stream the request's deltas. Raises InvalidRequest, EngineDead or QueueFull before the first one.
 
@@ -130,6 +143,8 @@ class AsyncEngine:
         if self.dead:
             raise EngineDead(self.dead_reason)
         validate(request, self.core.facts)
+        if request.adapter is not None and (self.adapters is None or request.adapter not in self.adapters.names):
+            raise UnknownAdapter(request.adapter)
         waiting = self.core.num_waiting
         if waiting + request.n > self.config.max_waiting:
             raise QueueFull(f"{waiting} requests waiting")

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import SessionInfo
 from llmserve.engine.request import GenerationRequest
@@ -56,5 +58,15 @@ class DeleteSession:
     reply: Future[bool]
 
 
-Command = Add | Abort | GetSession | DeleteSession
+@dataclass(slots=True, frozen=True)
+class ManageAdapters:
+    """An AdapterService call (lora/catalog.AdapterOp); `adapter` is a load's adapter, read before on another thread
+    (lora/serving.LoraServing.prepare), so that the step thread only changes the books."""
+
+    op: AdapterOp
+    adapter: Any
+    reply: Future[AdapterAnswer]
+
+
+Command = Add | Abort | GetSession | DeleteSession | ManageAdapters
 Emit = Callable[[list[EngineOutput]], None]

@@ -49,6 +49,13 @@ class EngineConfig:
     constraint_cache_size: int = 256
     max_top_logprobs: int = MAX_TOP_LOGPROBS  # the most alternatives a request may ask for per token
     max_n: int = 16  # the most completions one request may ask for (GenerationRequest.n; why 16: flags.py)
+    # LoRA adapters (engine/lora): off unless enabled or an adapter is named at start. `max_loras` adapters can be
+    # in one step (device slots), `max_cpu_loras` stay read in memory (None: max(max_loras, len(loras))).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    loras: tuple[tuple[str, str], ...] = ()  # (name, folder) read at start, before the server reports SERVING
     # Speculative decoding without a draft model (engine/spec): "ngram" (prompt lookup), "suffix" (suffix trees
     # over the context and the identity's earlier answers) or "off"; at most `speculative_max_k` drafts per
     # sequence per step, as the load rule chooses from a step-cost table measured at start-up (or read from
@@ -56,3 +63,14 @@ class EngineConfig:
     speculative: str = "off"
     speculative_max_k: int = 8
     speculative_cost_table: str | None = None
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.loras)
+
+    @property
+    def cpu_loras(self) -> int:
+        """The most adapters kept read in memory."""
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return max(self.max_loras, len(self.loras))

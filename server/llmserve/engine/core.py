@@ -23,16 +23,19 @@ from typing import TypeVar
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.base import BlockCopier
 from llmserve.engine.block_pool import BlockPool
-from llmserve.engine.commands import Abort, Add, Command, DeleteSession, Emit, GetSession
+from llmserve.engine.commands import Abort, Add, Command, DeleteSession, Emit, GetSession, ManageAdapters
 from llmserve.engine.compiling import Compiling
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import ConstraintCompiler, ConstraintState, Vocabulary
+from llmserve.engine.core_stats import core_stats
 from llmserve.engine.core_tokens import TokenSteps, build_drafter
 from llmserve.engine.delta import FinishReason
 from llmserve.engine.errors import EngineDead
 from llmserve.engine.facts import CoreFacts, context_cap
 from llmserve.engine.kv_events import KvEvent, KvEventLog
 from llmserve.engine.kv_tiers.worker import build_tiers
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters
+from llmserve.engine.lora.serving import LoraServing, answer, manage, unbind
 from llmserve.engine.outputs import EngineOutput, ended, ended_unstarted
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_FAILURES = 3
 STOPPED = "the engine has stopped"
-Query = TypeVar("Query", GetSession, DeleteSession)
+Query = TypeVar("Query", GetSession, DeleteSession, ManageAdapters)
 
 
 class EngineCore(TokenSteps):
@@ -80,7 +83,9 @@ class EngineCore(TokenSteps):
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             tiers=self.tiers,
+            max_loras=config.max_loras,
         )
+        self.lora = LoraServing.of(config, loaded.shape)  # the adapters' books; None unless LoRA is on
         if self.tiers is not None:
             self.tiers.start()
         self.drafter = build_drafter(config, self.max_model_len)  # speculative decoding (engine/spec), or None
@@ -106,6 +111,7 @@ class EngineCore(TokenSteps):
             config.max_n,
             self.backend.name,
             self.backend.description,
+            None if self.lora is None else self.lora.apply(ListAdapters()),
         )
 
     # -- called from any thread ------------------------------------------------------------------
@@ -140,26 +146,10 @@ class EngineCore(TokenSteps):
         return len(self.scheduler.running)
 
     def stats(self) -> EngineStats:
-        """Read without a lock: a scrape never stalls a step. Clients add what is on its way to `waiting` (InFlight)."""
-        pool, sessions, scheduler = self.pool, self.sessions, self.scheduler
-        free = pool.num_free
-        return EngineStats(
-            running=self.num_running,
-            waiting=scheduler.num_waiting + len(self.compiling),
-            kv_blocks_total=pool.num_blocks,
-            kv_blocks_used=pool.num_blocks - free,
-            kv_blocks_cached=pool.num_cached,
-            block_size=pool.block_size,
-            sessions=len(sessions),
-            session_blocks=sessions.num_blocks_held,
-            preemptions=scheduler.num_preemptions,
-            session_hits=scheduler.num_session_hits,
-            session_misses=scheduler.num_session_misses,
-            session_evictions=dict(sessions.evictions),
-            prefix_cache_hits=scheduler.num_prefix_cache_hits,
-            kv_tiers=self.tiers.stats() if self.tiers is not None else None,
-            speculation=self.drafter.snapshot() if self.drafter is not None else None,
-        )
+        return core_stats(self)  # read without a lock: a scrape never stalls a step
+
+    def manage_adapters(self, op: AdapterOp) -> Future[AdapterAnswer]:
+        return manage(self._ask, self.lora, op)  # an AdapterService call, answered when the inbox is next drained
 
     # -- the step thread -------------------------------------------------------------------------
 
@@ -223,6 +213,8 @@ class EngineCore(TokenSteps):
             self.tiers.finish_loads(self.scheduler.load_done)
         drafts = self._drafts()
         plan = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
+        if self.lora is not None:  # each entry's adapter slot (drafts included), and the adapters to copy in
+            self.lora.assign(plan, [entry.seq.lora for entry in plan.seqs])
         if self.tiers is not None:
             self.tiers.begin(plan)  # before the forward, which may overwrite the blocks evicted for it
         if not plan.seqs:
@@ -265,6 +257,8 @@ class EngineCore(TokenSteps):
                 command.reply.set_result(self.sessions.info(command.session_id, self.tiers))
             elif isinstance(command, DeleteSession):
                 command.reply.set_result(self.sessions.delete(command.session_id))
+            elif isinstance(command, ManageAdapters):
+                answer(command, self.lora)
             else:
                 self._abort(command)
         if self.compiling:
@@ -313,6 +307,10 @@ class EngineCore(TokenSteps):
         params = request.sampling
         if not params.greedy:  # the seed its random stream starts from at its first sample (backend.generators)
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        refused = None if self.lora is None else self.lora.bind(seq)
+        if refused is not None or (request.adapter is not None and self.lora is None):
+            self._end_unstarted(command, FinishReason.ERROR, refused or "this server serves no LoRA adapters")
+            return
         self.scheduler.add(seq)
 
     def _abort(self, command: Abort) -> None:
@@ -353,6 +351,7 @@ class EngineCore(TokenSteps):
     ) -> None:
         """Retire a live request and collect its final output; its random stream goes with it."""
         self.scheduler.finish(seq, reason)
+        unbind(self.lora, seq)
         self.backend.generators.release(seq.seq_no)
         if self.drafter is not None:
             self.drafter.release(seq)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 from llmserve.engine.commands import Abort, Add
 from llmserve.engine.core_messages import (
+    AdapterCall,
+    AdapterReply,
     Bye,
     ChildSpec,
     Failed,
@@ -37,6 +39,7 @@ from llmserve.engine.core_messages import (
     encode,
 )
 from llmserve.engine.errors import EngineDead
+from llmserve.engine.lora.catalog import AdapterAnswer
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import SessionInfo
 from llmserve.telemetry.request_log import configure_logging
@@ -141,6 +144,8 @@ def _receive(commands: Connection, core: EngineCore, stop: threading.Event, send
         elif isinstance(command, SessionDelete):
             reply = core.delete_session(command.session_id)
             reply.add_done_callback(functools.partial(_deleted, send, command.number))
+        elif isinstance(command, AdapterCall):
+            core.manage_adapters(command.op).add_done_callback(functools.partial(_adapters, send, command.number))
 
 
 def _answer(send: Send, number: int, future: Future[SessionInfo | None]) -> None:
@@ -151,6 +156,14 @@ def _answer(send: Send, number: int, future: Future[SessionInfo | None]) -> None
 def _deleted(send: Send, number: int, future: Future[bool]) -> None:
     error = future.exception()
     send(SessionDeleted(number, False, str(error)) if error is not None else SessionDeleted(number, future.result()))
+
+
+def _adapters(send: Send, number: int, future: Future[AdapterAnswer]) -> None:
+    error = future.exception()
+    if isinstance(error, EngineDead):
+        send(AdapterReply(number, None, refused=str(error)))
+    else:
+        send(AdapterReply(number, None if error is not None else future.result(), error))
 
 
 if __name__ == "__main__":

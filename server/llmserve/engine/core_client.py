@@ -29,6 +29,7 @@ from llmserve.engine.commands import Emit
 from llmserve.engine.errors import EngineDead
 from llmserve.engine.facts import CoreFacts
 from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import GenerationRequest
@@ -72,6 +73,8 @@ class Core(Protocol):
     def delete_session(self, session_id: str) -> Future[bool]: ...
 
     def stats(self) -> EngineStats: ...
+
+    def manage_adapters(self, op: AdapterOp) -> Future[AdapterAnswer]: ...  # AdapterService: load, unload, list
 
     def take_kv_events(self) -> list[KvEvent]: ...  # the prefix cache's stored/removed blocks since the last call
 
@@ -182,6 +185,9 @@ class ThreadCore:
 
     def delete_session(self, session_id: str) -> Future[bool]:
         return self.engine_core.delete_session(session_id)
+
+    def manage_adapters(self, op: AdapterOp) -> Future[AdapterAnswer]:
+        return self.engine_core.manage_adapters(op)
 
     def stats(self) -> EngineStats:
         return self._requests.stats(self.engine_core.stats())

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.facts import CoreFacts
 from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, SessionInfo
 
@@ -36,6 +37,25 @@ class SessionDelete:
 
     number: int
     session_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterCall:
+    """commands.ManageAdapters across the pipe: the answer comes back as AdapterReply(number)."""
+
+    number: int
+    op: AdapterOp
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterReply:
+    """The core's answer to an AdapterCall, or the error it raised (pickled as it is: AdapterRefused names the
+    file), or why it did not answer (`refused`: it is dead)."""
+
+    number: int
+    answer: AdapterAnswer | None
+    error: BaseException | None = None
+    refused: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from llmserve.engine import core_messages as messages
 from llmserve.engine.commands import Abort, Add, Emit
@@ -36,6 +36,7 @@ from llmserve.engine.delta import FinishReason
 from llmserve.engine.errors import EngineDead
 from llmserve.engine.facts import CoreFacts
 from llmserve.engine.kv_events import KvEvent, KvEventLog
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
 from llmserve.engine.outputs import EngineOutput, RequestStart, ended, ended_unstarted
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import GenerationRequest
@@ -106,6 +107,7 @@ class ProcessCore:
         self._numbers = 0
         self._queries: dict[int, Future[SessionInfo | None]] = {}
         self._deletes: dict[int, Future[bool]] = {}
+        self._adapter_calls: dict[int, Future[AdapterAnswer]] = {}
         self._reader: threading.Thread | None = None
         self._stopping = False
         self.loaded: LoadedModel | None = None  # the model as the child describes it (no weights), once ready
@@ -189,6 +191,13 @@ class ProcessCore:
             self._send(messages.SessionDelete(number, session_id))
         return reply
 
+    def manage_adapters(self, op: AdapterOp) -> Future[AdapterAnswer]:
+        reply: Future[AdapterAnswer] = Future()
+        number = self._register(self._adapter_calls, reply)
+        if number is not None:
+            self._send(messages.AdapterCall(number, op))
+        return reply
+
     def stop(self) -> None:
         """Tell the child to stop and wait until it has said Bye and exited (or died)."""
         with self._lock:
@@ -244,6 +253,9 @@ class ProcessCore:
                 self._answer(self._queries, message.number, message.info, message.refused)
             elif isinstance(message, messages.SessionDeleted):
                 self._answer(self._deletes, message.number, message.deleted, message.refused)
+            elif isinstance(message, messages.AdapterReply):
+                answer = cast(AdapterAnswer, message.answer)  # None only with an error or a refusal
+                self._answer(self._adapter_calls, message.number, answer, message.refused, message.error)
             elif isinstance(message, messages.Bye):
                 self._join()
                 self._end(emit, FinishReason.CANCELLED, STOPPED)
@@ -279,6 +291,7 @@ class ProcessCore:
             self._ended = why
             queries, self._queries = self._queries, {}
             deletes, self._deletes = self._deletes, {}
+            calls, self._adapter_calls = self._adapter_calls, {}
         finals = [seen.final(handle, reason, why) for handle, seen in self._requests.take_all().items()]
         if finals:
             emit(finals)
@@ -286,6 +299,8 @@ class ProcessCore:
             query.set_exception(EngineDead(why))
         for delete in deletes.values():
             delete.set_exception(EngineDead(why))
+        for call in calls.values():
+            call.set_exception(EngineDead(why))
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -300,13 +315,20 @@ class ProcessCore:
             pending[self._numbers] = reply
             return self._numbers
 
-    def _answer(self, pending: dict[int, Future[T]], number: int, answer: T, refused: str | None) -> None:
+    def _answer(
+        self,
+        pending: dict[int, Future[T]],
+        number: int,
+        answer: T,
+        refused: str | None,
+        error: BaseException | None = None,
+    ) -> None:
         with self._lock:
             future = pending.pop(number, None)
         if future is None:
             return
-        if refused is not None:
-            future.set_exception(EngineDead(refused))
+        if refused is not None or error is not None:
+            future.set_exception(error if error is not None else EngineDead(str(refused)))
         else:
             future.set_result(answer)
 

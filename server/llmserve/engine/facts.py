@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from llmserve.engine.block_pool import blocks_for
 from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.lora.catalog import AdapterAnswer
 from llmserve.engine.request import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class CoreFacts:
     max_n: int
     backend_name: str
     backend_description: str
+    lora: AdapterAnswer | None = None  # the adapters at start and the LoRA limits; None when LoRA is off
 
 
 def validate(request: GenerationRequest, facts: CoreFacts) -> None:

@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmserve.engine.block_pool import BlockContent, Evicted
 from llmserve.engine.sequence import SampleRow, Sequence
+
+if TYPE_CHECKING:
+    from llmserve.engine.lora.adapters import LoraAdapter
+
+NO_ADAPTER = -1  # SeqStep.lora_slot of a base-model sequence (lora.ops.NO_ADAPTER)
 
 
 @dataclass(slots=True)
@@ -20,7 +26,8 @@ class SeqStep:
 
     `block_table` covers every position up to the last computed one; position p's K/V lives in slot
     `block_table[p // block_size] * block_size + p % block_size`. `sample` is set when the step computes the
-    sequence's last token, whose logits pick the next one.
+    sequence's last token, whose logits pick the next one. `lora_slot` is the LoRA device slot whose adapter
+    computes every one of its positions, drafts included (NO_ADAPTER: the base model).
 
     `drafts` (speculative decoding, engine/spec): guesses at the tokens after the last one, computed in the same
     step (`token_ids` is then [last token, *drafts]); every one of its positions is sampled, and the longest prefix
@@ -33,6 +40,7 @@ class SeqStep:
     block_table: Seq[int]
     sample: SampleRow | None
     drafts: Seq[int] = ()
+    lora_slot: int = NO_ADAPTER
 
     @property
     def num_logits(self) -> int:
@@ -59,6 +67,9 @@ class StepPlan:
     With KV tiers: `offloads` are the cached blocks this schedule evicted, whose KV must be read out before the
     forward (which may overwrite them); `loads` are blocks to fill from a lower tier, each reported back with
     `Scheduler.load_done` (the sequences that wait for them stay in the queue until then).
+
+    With LoRA: `lora_writes` are the adapters to copy into their device slots before the forward (slot, adapter),
+    for the entries whose `lora_slot` names a slot that does not hold their adapter yet.
     """
 
     seqs: list[SeqStep] = field(default_factory=list)
@@ -66,6 +77,7 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     offloads: list[Evicted] = field(default_factory=list)
     loads: list[tuple[int, BlockContent]] = field(default_factory=list)
+    lora_writes: list[tuple[int, LoraAdapter]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

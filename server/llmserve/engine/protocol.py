@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmserve.engine.delta import Delta
 from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, LoraStats
 from llmserve.engine.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ class ModelInfo:
     vocab_size: int
     backend: str = ""  # which path serves, and how (the backend's name and one-line description)
     sliding_window: int = 0  # the model's attention window, 0 for none; the context is capped at it
+    max_loras: int = 0  # LoRA adapters in one step (--max-loras); 0 when the server serves none
+    max_lora_rank: int = 0
     eos_token_ids: tuple[int, ...] = ()  # the tokens that end a generation (unless a request ignores EOS)
 
 
@@ -58,6 +61,7 @@ class EngineStats:
     session_evictions: dict[str, int]
     prefix_cache_hits: int
     kv_tiers: TierStats | None = None  # when tiers are on
+    lora: LoraStats | None = None  # when the server serves LoRA adapters
     speculation: SpecStats | None = None  # when --speculative is on
 
 
@@ -109,5 +113,10 @@ class Engine(Protocol):
     async def get_session(self, session_id: str) -> SessionInfo | None: ...
 
     async def delete_session(self, session_id: str) -> bool: ...
+
+    @property
+    def adapters(self) -> AdapterAnswer | None: ...  # the LoRA adapters as last known; None when LoRA is off
+
+    async def manage_adapters(self, op: AdapterOp) -> AdapterAnswer: ...  # AdapterService's load, unload, list
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...

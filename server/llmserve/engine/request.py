@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.lora.catalog import adapter_name_problem
 
 MAX_TOP_LOGPROBS = 20
 # Sampling values past these act as the bound (see SamplingParams): beyond them float32 arithmetic would
@@ -148,6 +149,7 @@ class GenerationRequest:
 
     `deadline` is on the `time.monotonic()` clock; `priority` orders the waiting queue (higher first).
     `cache_salt` scopes automatic prefix caching: only requests with the same salt share cached blocks.
+    `adapter` names the LoRA adapter to generate with (None: the base model); cached KV is per adapter too.
     `n` > 1: n completions of the prompt that share its KV (engine/fanout.py); never with a session (one answer).
     `prompt_field` is the caller's name for the prompt, which errors about it name (the gRPC edge sets the
     input the prompt came from: `text`, `chat` or `token_ids.ids`).
@@ -170,6 +172,7 @@ class GenerationRequest:
     constraint: ConstraintSpec | None = None
     prompt_field: str = "prompt_token_ids"
     n: int = 1
+    adapter: str | None = None
 
     def validate(
         self, vocab_size: int, max_model_len: int, max_top_logprobs: int = MAX_TOP_LOGPROBS, max_n: int = 1
@@ -205,3 +208,5 @@ class GenerationRequest:
             raise InvalidRequest("n", f"must be in [1, {max_n}] (--max-n), got {self.n}")
         if self.n > 1 and self.session_id is not None:
             raise InvalidRequest("n", "must be 1 with session_id: a session continues one answer, not n")
+        if self.adapter is not None and (problem := adapter_name_problem(self.adapter)) is not None:
+            raise InvalidRequest("adapter", problem)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, chain_hash, prefix_root
+from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, chain_hash
 from llmserve.engine.delta import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.plan import StepPlan, step_of
@@ -53,12 +53,14 @@ class Scheduler(DraftBooks):
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         tiers: TierLookup | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.pool = pool
         self.sessions = sessions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_loras = max_loras  # the most distinct LoRA adapters among the running sequences
         self.running: list[Sequence] = []
         self.live: dict[int, Sequence] = {}  # every sequence not yet finished, waiting or running, by seq_no
         self._waiting: list[tuple[int, int, Sequence]] = []
@@ -129,11 +131,16 @@ class Scheduler(DraftBooks):
             budget -= n
             i += 1
 
-        parked = []  # sequences whose KV is loading: they keep their place but hold up no one
+        parked = []  # KV loading, or one LoRA adapter too many (--max-loras): they keep their place, hold up no one
+        adapters = {s.adapter_id for s in self.running} - {None}
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             _, _, seq = self._waiting[0]
             if seq.status is not SeqStatus.WAITING:
                 heapq.heappop(self._waiting)  # aborted while waiting
+                continue
+            adapter = seq.adapter_id
+            if adapter is not None and adapter not in adapters and len(adapters) >= self.max_loras:
+                parked.append(heapq.heappop(self._waiting))
                 continue
             n = self._admit(seq, budget, out)
             if n < 0:
@@ -147,6 +154,8 @@ class Scheduler(DraftBooks):
             self.running.append(seq)
             out.seqs.append(step_of(seq, n))
             budget -= n
+            if adapter is not None:
+                adapters.add(adapter)
         for entry in parked:
             heapq.heappush(self._waiting, entry)
         if self.pool.track_evictions:
@@ -202,7 +211,7 @@ class Scheduler(DraftBooks):
         if session_id is not None and reason is not FinishReason.ERROR and seq.num_computed > 0:
             keep = self.pool.blocks_for(seq.num_computed)
             self.pool.release(seq.block_table[keep:])
-            self.sessions.retain(session_id, seq.token_ids[: seq.num_computed], seq.block_table[:keep])
+            self.sessions.retain(session_id, seq.token_ids[: seq.num_computed], seq.block_table[:keep], seq.prefix_root)
         else:
             self.pool.release(seq.block_table)
         seq.block_table = []
@@ -288,7 +297,7 @@ class Scheduler(DraftBooks):
         shared: list[int] = []
         if self.enable_prefix_caching:
             self._hash_blocks(seq, limit // bs)
-            parent = prefix_root(seq.request.cache_salt)
+            parent = seq.prefix_root
             for i, block_hash in enumerate(seq.block_hashes[: limit // bs]):
                 block = self.pool.lookup(block_hash, parent, tokens[i * bs : (i + 1) * bs])
                 if block is None:
@@ -307,7 +316,7 @@ class Scheduler(DraftBooks):
                 return ready, after.block_table[:full], cow
         session_id = seq.request.session_id
         if session_id is not None:
-            matched, blocks = self.sessions.match(session_id, tokens)
+            matched, blocks = self.sessions.match(session_id, tokens, seq.prefix_root)
             matched = min(matched, limit)
             if matched > len(shared) * bs:
                 full = matched // bs
@@ -325,7 +334,7 @@ class Scheduler(DraftBooks):
         num_full = (len(tokens) - 1) // bs
         self._hash_blocks(seq, num_full)
         hashes = seq.block_hashes
-        parent = prefix_root(seq.request.cache_salt)
+        parent = seq.prefix_root
         pins: list[int] = []
         waits: list[int] = []
         loads: list[BlockContent] = []
@@ -349,10 +358,8 @@ class Scheduler(DraftBooks):
         if not waits and not loads:
             return False
         session_id = seq.request.session_id
-        if session_id is not None:
-            session = self.sessions.get(session_id)
-            if session is not None and _common_prefix(session.token_ids, tokens) >= i * bs:
-                return False  # the session in the pool covers as much: no load needed
+        if session_id is not None and self.sessions.covered(session_id, tokens, seq.prefix_root) >= i * bs:
+            return False  # the session in the pool covers as much: no load needed
         self.pool.acquire(pins + waits)  # before anything is evicted for the new blocks
         if not self.pool.can_allocate(len(loads)) and not self.sessions.evict_until_free(len(loads)):
             self.pool.release(pins + waits)
@@ -373,7 +380,7 @@ class Scheduler(DraftBooks):
         bs = self.pool.block_size
         hashes = seq.block_hashes
         # The salt is the root of the chain, so every block inherits it through its parents.
-        root = prefix_root(seq.request.cache_salt) if len(hashes) < num_full else b""
+        root = seq.prefix_root if len(hashes) < num_full else b""
         while len(hashes) < num_full:
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[i * bs : (i + 1) * bs]))
@@ -384,14 +391,6 @@ class Scheduler(DraftBooks):
         self._hash_blocks(seq, num_full)
         for i in range(computed_before // bs, num_full):
             if self.pool.block_hash[seq.block_table[i]] is None:
-                parent = seq.block_hashes[i - 1] if i else prefix_root(seq.request.cache_salt)
+                parent = seq.block_hashes[i - 1] if i else seq.prefix_root
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]
                 self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens, seq.request.cache_salt)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    limit = min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n

@@ -11,9 +11,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from llmserve.engine.block_pool import prefix_root
 from llmserve.engine.delta import FinishReason, Timing, Usage
+from llmserve.engine.lora.registry import Resident
 from llmserve.engine.request import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -92,10 +94,19 @@ class Sequence:
     eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
     constraint: GrammarState | None = None  # the grammar state of a constrained request (generated tokens only)
     after: Sequence | None = None  # completion 0 of this n > 1 request: wait for its prompt's KV, then share it
+    lora: Resident[Any] | None = None  # the LoRA adapter it holds from admission to its end (lora/serving.py)
+    prefix_root: bytes = b""  # its prefix hash chain's root: its cache salt's, and its adapter's (lora/cache_keys)
     _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)
+        if not self.prefix_root:
+            self.prefix_root = prefix_root(self.request.cache_salt)
+
+    @property
+    def adapter_id(self) -> int | None:
+        """Its LoRA adapter's residency id (one per stay in memory), None for the base model."""
+        return None if self.lora is None else self.lora.adapter_id
 
     @classmethod
     def of(

@@ -25,13 +25,16 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Session:
-    """The tokens whose KV the session's blocks hold, in order; len(blocks) == blocks_for(len(token_ids))."""
+    """The tokens whose KV the session's blocks hold, in order; len(blocks) == blocks_for(len(token_ids)). `root`:
+    the prefix hash chain's root they were computed under (block_pool.prefix_root of the cache salt, with the LoRA
+    adapter's digest: lora/cache_keys.py); a request under another root matches none of them."""
 
     session_id: str
     token_ids: list[int]
     blocks: list[int]
     last_used: float
     last_used_wall: float
+    root: bytes = b""
 
 
 class SessionStore:
@@ -89,8 +92,10 @@ class SessionStore:
         """Every session's block list, for BlockPool.check()."""
         return [s.blocks for s in self._sessions.values()]
 
-    def match(self, session_id: str, token_ids: Sequence[int]) -> tuple[int, list[int]]:
-        """Longest common prefix of `token_ids` with the session's tokens, and the blocks that hold it.
+    def match(self, session_id: str, token_ids: Sequence[int], root: bytes) -> tuple[int, list[int]]:
+        """Longest common prefix of `token_ids` with the session's tokens, and the blocks that hold it; nothing
+        when the session's KV was computed under another `root` (another LoRA adapter, or none: its KV is not
+        this request's).
 
         Marks the session as used. The caller must acquire() the returned blocks before anything else
         touches the pool; the last block may be only partly covered by the prefix.
@@ -99,15 +104,25 @@ class SessionStore:
         if session is None:
             return 0, []
         self._touch(session)
+        n = self.covered(session_id, token_ids, root)
+        return n, session.blocks[: self._pool.blocks_for(n)]
+
+    def covered(self, session_id: str, token_ids: Sequence[int], root: bytes) -> int:
+        """How many of `token_ids` the session's KV holds (their longest common prefix; 0 under another `root`),
+        without touching it."""
+        session = self._sessions.get(session_id)
+        if session is None or session.root != root:
+            return 0
         cached = session.token_ids
         limit = min(len(cached), len(token_ids))
         n = 0
         while n < limit and cached[n] == token_ids[n]:
             n += 1
-        return n, session.blocks[: self._pool.blocks_for(n)]
+        return n
 
-    def retain(self, session_id: str, token_ids: list[int], blocks: list[int]) -> None:
-        """Make the session hold `blocks` (whose references the caller hands over) for `token_ids`.
+    def retain(self, session_id: str, token_ids: list[int], blocks: list[int], root: bytes) -> None:
+        """Make the session hold `blocks` (whose references the caller hands over) for `token_ids`, computed under
+        the prefix hash chain's `root` (what `match` checks).
 
         Replaces whatever the session held before: the last call to finish wins.
         """
@@ -116,7 +131,7 @@ class SessionStore:
         self.delete(session_id)
         self.departed.pop(session_id, None)
         now = self._clock()
-        session = Session(session_id, token_ids, blocks, now, time.time())
+        session = Session(session_id, token_ids, blocks, now, time.time(), root)
         self._sessions[session_id] = session
         self._num_blocks_held += len(blocks)
         self.enforce_limits(keep=session_id)

@@ -36,6 +36,7 @@ from llmserve.telemetry.call import CallRecord
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from llmserve.engine.lora.catalog import LoraStats
     from llmserve.engine.protocol import Engine, EngineStats
     from llmserve.history import HistoryStore
 
@@ -233,6 +234,8 @@ class EngineCollector(Collector):
         )
         if s.kv_tiers is not None:
             yield from _tier_metrics(s.kv_tiers)
+        if s.lora is not None:
+            yield from _lora_metrics(s.lora)
         if s.speculation is not None:
             yield from _spec_metrics(s.speculation)
 
@@ -254,6 +257,36 @@ def _vllm_gauges(model: str, s: EngineStats) -> Iterator[Metric]:
     )
     config.add_metric([str(s.block_size), str(s.kv_blocks_total)], 1)
     yield config
+
+
+def _lora_metrics(lora: LoraStats) -> Iterator[Metric]:
+    """The LoRA adapters: the model-server protocol's info gauge (vLLM's `vllm:lora_requests_info`, which the
+    inference gateways' endpoint pickers read to route by adapter) under our name and vLLM's, and our counts."""
+    p = PREFIX
+    labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+    values = [str(lora.max_loras), ",".join(lora.running), ",".join(lora.waiting)]
+    for name in (f"{p}_lora_requests_info", "vllm:lora_requests_info"):
+        info = GaugeMetricFamily(
+            name,
+            "The adapters with running and with only waiting requests; value: unix time they last changed",
+            labels=labels,
+        )
+        info.add_metric(values, lora.changed)
+        yield info
+    yield _gauge(f"{p}_lora_adapters_registered", "LoRA adapters a request may name", lora.registered)
+    yield _gauge(
+        f"{p}_lora_adapters_resident", "LoRA adapters in host memory (--max-cpu-loras caps them)", lora.resident
+    )
+    requests = CounterMetricFamily(f"{p}_lora_requests", "Requests the engine took, per LoRA adapter", ["adapter"])
+    for adapter, n in lora.requests:
+        requests.add_metric([adapter], n)
+    yield requests
+    yield _counter(f"{p}_lora_slot_writes", "LoRA adapters copied into a device slot before a step", lora.slot_writes)
+    yield _counter(
+        f"{p}_lora_adapter_reads",
+        "LoRA adapter folders read (loads, and re-reads after an unload to make room)",
+        lora.reads,
+    )
 
 
 def _resident_bytes(pid: int) -> int | None:

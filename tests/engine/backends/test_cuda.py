@@ -95,10 +95,10 @@ async def test_every_step_reads_the_buffers_allocated_at_start() -> None:
     seen: list[set[int]] = []
     real_forward = backend.forward
 
-    def forward(input_ids, position_ids, keep, batch):  # noqa: ANN001, ANN202
+    def forward(input_ids, position_ids, keep, batch, lora=None):  # noqa: ANN001, ANN202
         inputs = (input_ids, position_ids, keep, batch.slot_mapping, batch.query_start, batch.seq_lens)
         seen.append({t.untyped_storage().data_ptr() for t in (*inputs, batch.block_tables)})
-        return real_forward(input_ids, position_ids, keep, batch)
+        return real_forward(input_ids, position_ids, keep, batch, lora)
 
     backend.forward = forward  # type: ignore[method-assign]
     engine.core.engine_core.backend = backend

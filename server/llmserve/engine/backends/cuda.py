@@ -16,8 +16,9 @@ captured largest first, so the smaller ones reuse the largest one's working set.
 at its final size, and each graph captured once over it; the backend reports the estimate beside what the capture
 took. A capture that fails stops the start with the reason; `--no-cuda-graphs` serves without them.
 
-With `capture=False` the same padded forwards run eagerly instead of from graphs; the CPU tests use that to check
-the padding, the buckets and the rows.
+Steps with a LoRA adapter's row run eagerly, through the LoRA hooks (the graphs and the compiled mixed steps
+are captured without adapters); base-only steps keep replaying. With `capture=False` the same padded forwards run
+eagerly instead of from graphs; the CPU tests use that to check the padding, the buckets and the rows.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from llmserve.engine.backends.piecewise import MixedSteps
 from llmserve.engine.backends.step_buffers import StepBuffers, StepInputs
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.plan import StepPlan
+from llmserve.engine.plan import NO_ADAPTER, StepPlan
 from llmserve.models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -183,9 +184,12 @@ class CudaBackend(TorchPagedBackend):
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         seqs = plan.seqs
-        if self.graphs.covers(len(seqs)) and all(s.sample is not None and len(s.token_ids) == 1 for s in seqs):
+        # The graphs and the compiled mixed steps hold no LoRA rows: a step with an adapter's row runs eagerly.
+        base_only = all(s.lora_slot == NO_ADAPTER for s in seqs)
+        decode_only = all(s.sample is not None and len(s.token_ids) == 1 for s in seqs)
+        if base_only and decode_only and self.graphs.covers(len(seqs)):
             return self.graphs.run(plan)
-        if self.mixed is not None and not any(s.drafts for s in seqs):  # drafts: eager, every position's logits
+        if self.mixed is not None and base_only and not any(s.drafts for s in seqs):  # drafts: eager (all logits)
             return self.mixed.run(plan)
         return super().logits(plan)
 

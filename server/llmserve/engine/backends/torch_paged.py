@@ -11,20 +11,35 @@ with three non-blocking copies); with the torch attention a metadata builder (me
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from llmserve.engine.backends.attention import ATTN_IMPLEMENTATION, AttentionMetadata, VarlenKernel, register_attention
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
+from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
 from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.generators import Generators
+from llmserve.engine.lora.ops import LoraRows
 from llmserve.engine.plan import SeqStep, StepPlan
 from llmserve.engine.sampler import RowFailed, Sampled
 from llmserve.engine.spec.verify import Verified, sample_entries
 from llmserve.models import LoadedModel
+
+
+class Packed(NamedTuple):
+    """A step's packed row, ready for `forward`: input ids and positions [1, tokens], the rows to keep logits of,
+    the attention metadata, and the LoRA rows (None: no adapter in the step)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    keep: torch.Tensor
+    batch: AttentionMetadata
+    lora: LoraRows | None
 
 
 class TorchPagedBackend:
@@ -59,26 +74,35 @@ class TorchPagedBackend:
             self.steps = StepBuffers(self.inputs, kv, self.varlen_kernel, config.max_num_batched_tokens)
         attention = "one Triton varlen kernel" if self.varlen_kernel is not None else "torch"
         self.description = f"transformers layers, paged attention in {attention}"
+        # LoRA slots (None unless the config serves adapters), applied by hooks on the model's projections.
+        self.lora = BackendLora.of(config, self.shape, model, self.dtype, self.device, fused=False)
 
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Verified]:
         self.kv.copy_blocks(plan.copies)
+        if plan.lora_writes:
+            assert self.lora is not None, "a plan with LoRA writes for a backend without LoRA slots"
+            self.lora.write(plan.lora_writes)
         logits = self.logits(plan)
         return sample_entries(logits, plan.sampling, self.generators)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """One forward over the plan; logits [sum of num_logits, vocab] as float32, in plan.sampling order (every
         position of an entry with drafts, the last one of the others)."""
-        input_ids, positions, keep, batch = self.prepare(plan)
-        return self.forward(input_ids, positions, keep, batch)
+        return self.forward(*self.prepare(plan))
 
-    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The packed row: input ids, positions, the rows to keep logits of, and the attention metadata."""
+    def prepare(self, plan: StepPlan) -> Packed:
+        """The packed row: input ids, positions, the rows to keep logits of, the attention metadata, LoRA rows
+        (each token's slot: a sequence's drafts compute with its adapter like its last token)."""
         if self.steps is not None and not any(entry.drafts for entry in plan.seqs):  # drafts: every row's logits
             step = self.steps.stage(plan.seqs)
-            return step.input_ids, step.positions, step.keep, step.attention
+            lora = None
+            if self.lora is not None:  # the step buffers pack the entries by their input-batch row
+                row_of = self.steps.rows
+                lora = self.lora.rows([plan.seqs[i] for i in sorted(range(len(row_of)), key=row_of.__getitem__)])
+            return Packed(step.input_ids, step.positions, step.keep, step.attention, lora)
         entries = plan.seqs
         # One-token entries first, shortest context first: the decode attention batches them by length; then the
         # entries that verify drafts (a decode kernel may take them as one query row per position), then chunks.
@@ -96,12 +120,23 @@ class TorchPagedBackend:
             keep = torch.from_numpy(np.concatenate(rows)).to(dev)
         else:
             keep = torch.from_numpy(last[sampling]).to(dev)
-        return staged.ids[None].to(dev), staged.positions[None].to(dev), keep, batch
+        lora = None if self.lora is None else self.lora.rows(staged.entries)
+        return Packed(staged.ids[None].to(dev), staged.positions[None].to(dev), keep, batch, lora)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        batch: AttentionMetadata,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
-        """The model on a packed row; logits of the `keep` positions (all when None) as float32."""
+        """The model on a packed row; logits of the `keep` positions (all when None) as float32; `lora`: the
+        rows' adapter slots (needs the LoRA slots)."""
+        if lora is not None:
+            assert self.lora is not None
+            with self.lora.applied(lora):
+                return self.forward(input_ids, position_ids, keep, batch)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,

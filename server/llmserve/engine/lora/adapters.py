@@ -27,7 +27,10 @@ from typing import Any
 
 import torch
 
+from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused
 from llmserve.model_shape import ModelShape
+
+__all__ = ["AdapterNotFound", "AdapterRefused", "LoraAdapter", "LoraModule", "projection_shapes", "read_adapter"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -63,19 +66,6 @@ _UNSUPPORTED = (
     "use_bdlora",
     "megatron_config",
 )
-
-
-class AdapterRefused(ValueError):
-    """An adapter that cannot be served: `path` names the file (or folder) and `reason` what does not fit."""
-
-    def __init__(self, path: Path | str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = str(path)
-        self.reason = reason
-
-
-class AdapterNotFound(AdapterRefused):
-    """The adapter's folder, or a file it must hold, does not exist."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -32,6 +32,9 @@ class UnknownAdapter(LookupError):
         super().__init__(f"no adapter named {name!r} is loaded")
         self.name = name
 
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # across the engine process's pipe, as it was raised
+        return type(self), (self.name,)
+
 
 class NotResident(LookupError):
     """`name` is registered, but its factors were unloaded to make room: read `source` again and `reload`."""
@@ -49,6 +52,9 @@ class AdapterExists(ValueError):
         super().__init__(f"an adapter named {name!r} is loaded already; unload it first to replace it")
         self.name = name
 
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return type(self), (self.name,)
+
 
 class AdaptersBusy(RuntimeError):
     """No room: all `max_cpu_loras` resident adapters are held by requests (or draining)."""
@@ -59,6 +65,10 @@ class AdaptersBusy(RuntimeError):
             "requests; retry when one finishes"
         )
         self.name = name
+        self.max_cpu_loras = max_cpu_loras
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return type(self), (self.name, self.max_cpu_loras)
 
 
 @dataclass(slots=True, eq=False)

@@ -42,6 +42,7 @@ class GenerateServiceStub:
     Resend the whole conversation without continue_session to start it again.
     ABORTED             Generate with continue_session: another call is continuing the same session
     right now (the message names its request_id); retry once it has finished.
+    NOT_FOUND           Generate with an adapter the server has not loaded (the message names "adapter").
     """
 
     def __init__(self, channel):
@@ -94,6 +95,7 @@ class GenerateServiceServicer:
     Resend the whole conversation without continue_session to start it again.
     ABORTED             Generate with continue_session: another call is continuing the same session
     right now (the message names its request_id); retry once it has finished.
+    NOT_FOUND           Generate with an adapter the server has not loaded (the message names "adapter").
     """
 
     def Generate(self, request, context):
@@ -193,6 +195,7 @@ class GenerateService:
     Resend the whole conversation without continue_session to start it again.
     ABORTED             Generate with continue_session: another call is continuing the same session
     right now (the message names its request_id); retry once it has finished.
+    NOT_FOUND           Generate with an adapter the server has not loaded (the message names "adapter").
     """
 
     @staticmethod

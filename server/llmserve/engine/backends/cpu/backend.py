@@ -26,9 +26,12 @@ from llmserve.engine.backends.attention import AttentionMetadata, paged_attentio
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.cpu import native, packed_linear
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
+from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.lora.catalog import LoraUnsupported
+from llmserve.engine.lora.ops import LoraRows
 from llmserve.models import LoadedModel
 
 __all__ = ["QUERY_BLOCK", "CpuBackend"]
@@ -67,6 +70,14 @@ class CpuBackend(TorchPagedBackend):
             )
         if self.fused is not None and not self.fused.precision.exact and self.kernel is not None:
             self.attention = KernelDecodeBuilder(self.inputs, kv, self.kernel, self.chunks, every_token=True)
+        if self.fused is not None and self.lora is not None:  # the fused forward applies the slots itself
+            self.lora.close()
+            if not self.fused.precision.exact:
+                raise LoraUnsupported(
+                    f"--dtype {self.fused.precision.linears} with LoRA adapters (--lora/--enable-lora): the fused CPU "
+                    "forward adds adapter deltas in float32 only; serve adapters with --dtype float32"
+                )
+            self.lora = BackendLora(config, s, model, self.dtype, self.device, fused=True)
         if self.fused is not None:
             self.num_packed_linears = self.fused.num_packed
         elif pack:
@@ -99,8 +110,14 @@ class CpuBackend(TorchPagedBackend):
         return parts
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        batch: AttentionMetadata,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         if self.fused is not None:
-            return self.fused(input_ids, position_ids, keep, batch)
-        return super().forward(input_ids, position_ids, keep, batch)
+            weights = None if lora is None or self.lora is None else self.lora.weights
+            return self.fused(input_ids, position_ids, keep, batch, lora, weights)
+        return super().forward(input_ids, position_ids, keep, batch, lora)

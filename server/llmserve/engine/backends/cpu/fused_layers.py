@@ -8,7 +8,9 @@ computes the same layer with
   packed_linear applies);
 - RMSNorm, the residual add folded into the next RMSNorm, rotary embedding and SiLU-and-multiply as single
   passes (csrc/fused_ops.c through native.FusedOps);
-- the backend's paged attention, called directly.
+- the backend's paged attention, called directly;
+- with LoRA rows, each linear's batched adapter deltas (lora/ops.add_lora) added to its output in place (the
+  float32/float64 precision only: the CPU backend refuses LoRA beside bfloat16 or int8, cpu/backend.py).
 
 It serves Llama, Mistral, Qwen2 and Qwen3 checkpoints (SiLU MLP, RMSNorm, rotary embedding computed by the
 model's own rotary module, so every rope scaling type works) on the CPU, in one of three precisions (`Precision`):
@@ -46,6 +48,8 @@ from llmserve.engine.backends.cpu.packed_linear import (
     onednn_implementation,
     sample_input,
 )
+from llmserve.engine.lora.ops import LoraRows, add_lora
+from llmserve.engine.lora.weights import LoraWeights
 from llmserve.model_shape import ModelShape
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -269,9 +273,18 @@ class FusedForward:
         )
 
     def __call__(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: object
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        batch: object,
+        lora: LoraRows | None = None,
+        lora_weights: LoraWeights | None = None,
     ) -> torch.Tensor:
-        """input_ids/position_ids [1, tokens]; logits of the `keep` rows (all when None) as float32."""
+        """input_ids/position_ids [1, tokens]; logits of the `keep` rows (all when None) as float32. `lora`: each
+        row's adapter slot, whose deltas (`lora_weights`, FUSED_GROUPS) are added to each linear's output before
+        the next fused pass reads it."""
+        slots = None if lora is None or lora_weights is None else lora_weights.layers
         ops = self.ops
         tokens = input_ids.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -283,10 +296,12 @@ class FusedForward:
         first = self.layers[0]
         x = ops.norm(residual, first.input_norm, first.qkv.takes)
         delta: torch.Tensor | None = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if delta is not None:
                 x = ops.add_norm(residual, delta, layer.input_norm, layer.qkv.takes)
             qkv = layer.qkv(x)
+            if slots is not None:
+                add_lora(x, qkv, slots[i]["qkv"], lora)  # type: ignore[arg-type]
             q = qkv[:, :q_width].view(tokens, heads, dim)
             k = qkv[:, q_width : q_width + kv_width].view(tokens, kv_heads, dim)
             v = qkv[:, q_width + kv_width :].view(tokens, kv_heads, dim)
@@ -305,9 +320,18 @@ class FusedForward:
                 scaling=layer.scaling,
                 llmserve_batch=batch,
             )
-            o = layer.o(ops.convert(attended.view(tokens, q_width), layer.o.takes))
+            o_in = ops.convert(attended.view(tokens, q_width), layer.o.takes)
+            o = layer.o(o_in)
+            if slots is not None:
+                add_lora(o_in, o, slots[i]["o"], lora)  # type: ignore[arg-type]
             x = ops.add_norm(residual, o, layer.post_norm, layer.gate_up.takes)
-            delta = layer.down(ops.silu_mul(layer.gate_up(x), layer.down.takes))
+            gate_up = layer.gate_up(x)
+            if slots is not None:
+                add_lora(x, gate_up, slots[i]["gate_up"], lora)  # type: ignore[arg-type]
+            inner = ops.silu_mul(gate_up, layer.down.takes)
+            delta = layer.down(inner)
+            if slots is not None:
+                add_lora(inner, delta, slots[i]["down"], lora)  # type: ignore[arg-type]
         assert delta is not None  # a model has at least one layer
         rows = residual if keep is None else residual.index_select(0, keep)
         last = delta if keep is None else delta.index_select(0, keep)
