@@ -277,7 +277,7 @@ def _lora_metrics(lora: LoraStats) -> Iterator[Metric]:
     yield _gauge(
         f"{p}_lora_adapters_resident", "LoRA adapters in host memory (--max-cpu-loras caps them)", lora.resident
     )
-    requests = CounterMetricFamily(f"{p}_lora_requests", "Requests the engine took, per LoRA adapter", ["adapter"])
+    requests = CounterMetricFamily(f"{p}_lora_requests", "Requests the engine took per adapter", labels=["adapter"])
     for adapter, n in lora.requests:
         requests.add_metric([adapter], n)
     yield requests
