@@ -47,6 +47,7 @@ MODES = {
         Mode("frontend", "benchmarks.probes.frontend", "the serving path's ceiling, model call stubbed", True),
         Mode("history-store", "benchmarks.probes.history_store", "memory vs sqlite vs redis history store", True),
         Mode("lora-ops", "benchmarks.probes.lora_ops", "the LoRA deltas per projection: the ways, alternated", True),
+        Mode("spec-replay", "benchmarks.probes.spec_replay", "speculation at 1 stream: step cost, replays", True),
         Mode("ab", "benchmarks.probes.ab_checkouts", "same-run A/B of checkouts, alternated", True),
         Mode("gpu-check", "benchmarks.probes.gpu_check", "on a GPU: exactness, bf16 agreement, graphs", True),
         Mode("gpu-perf", "benchmarks.probes.gpu_perf", "on a GPU: issue 12's figures per shape", True),

@@ -299,7 +299,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "speculative decoding without a draft model: ngram (prompt lookup), suffix (suffix trees over the "
                   "context and the identity's earlier answers), off; the load rule turns it off where it does not pay"),
             _flag("--speculative-max-k", "engine.speculative_max_k", _positive_int,
-                  "most drafts a sequence verifies in one step"),
+                  "most drafts a sequence verifies in one step (the load rule gives fewer as the batch grows)"),
             _flag("--speculative-cost-table", "engine.speculative_cost_table", str,
                   "JSON step-cost table for the load rule (rows of batch, k, forward_ms) instead of measuring it at "
                   "start-up"),

@@ -61,7 +61,9 @@ class EngineConfig:
     # sequence per step, as the load rule chooses from a step-cost table measured at start-up (or read from
     # `speculative_cost_table`, JSON from calibrate.dump).
     speculative: str = "off"
-    speculative_max_k: int = 8
+    # 16: at one sequence verifying 15 drafts costs ~1.5x a plain step and 7 ~1.2x (spec-replay --step-cost,
+    # benchmarks/README.md), so long guesses pay there; the load rule gives fewer as the batch grows.
+    speculative_max_k: int = 16
     speculative_cost_table: str | None = None
 
     @property

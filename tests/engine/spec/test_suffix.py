@@ -23,10 +23,14 @@ def answer(proposer: SuffixProposer, key: int, salt: str | None, prompt: list[in
 
 
 def test_a_request_gets_drafts_from_its_own_context() -> None:
-    proposer = SuffixProposer(SuffixConfig(k=4))
-    proposer.start(1, None, [1, 2, 3, 4, 5, 6, 9, 1, 2, 3])
-    assert proposer.propose(1, [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]) == [4, 5, 6]  # at most the match's length
-    assert proposer.propose(1, [1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5], k=2) == [6, 9]
+    context = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]
+    proposer = SuffixProposer(SuffixConfig(k=4))  # max_spec_factor 4: up to 4x the match's length
+    proposer.start(1, None, context)
+    assert proposer.propose(1, context) == [4, 5, 6, 9]
+    assert proposer.propose(1, [*context, 4, 5], k=2) == [6, 9]
+    short = SuffixProposer(SuffixConfig(k=4, max_spec_factor=1.0))  # Arctic's default: at most the match's length
+    short.start(1, None, context)
+    assert short.propose(1, context) == [4, 5, 6]
 
 
 def test_answers_are_shared_within_an_identity_and_never_across() -> None:

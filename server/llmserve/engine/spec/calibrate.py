@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from llmserve.engine.core import EngineCore
 
 BATCHES = (1, 4, 16, 32)
-KS = (0, 1, 2, 4, 8)
+KS = (0, 1, 2, 4, 8, 16)
 PROMPT = 16
 
 

@@ -61,10 +61,10 @@ class Drafter:
         self.method = method
         self.max_k = max_k
         self.policy: Policy | None = None  # off until the step cost is known (set_cost)
+        self.cost: CostTable | None = None
         if cost is not None:
             self.set_cost(cost)
         self.max_model_len = max_model_len
-        self.cost: CostTable | None = None
         self.stats = SpecStats()
         self.forced_k: int | None = None  # calibration: every decoding sequence verifies this many drafts
         self._acceptance: dict[int, Acceptance] = {}

@@ -26,7 +26,7 @@ class NgramConfig:
 
     min_n: int = 2
     max_n: int = 4
-    k: int = 8
+    k: int = 16
     latest: bool = True
 
     def __post_init__(self) -> None:
