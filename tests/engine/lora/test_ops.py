@@ -75,7 +75,7 @@ def test_every_row_gets_its_own_adapters_delta(runs: list[tuple[int, int]], seed
     y0 = torch.randn(len(slots), sum(OUTS), generator=gen, dtype=torch.float64)
     expected = y0.clone()
     _reference(x, expected, slots, modules)
-    rows = LoraRows.of(slots, NUM_SLOTS, torch.float64)
+    rows = LoraRows.of(slots, NUM_SLOTS)
     y = y0.clone()
     if rows is None:
         assert set(slots) == {NO_ADAPTER}
@@ -95,7 +95,10 @@ def test_runs_become_segments_and_the_rest_is_grouped() -> None:
     assert grouped is not None and (grouped.lo, grouped.hi) == (0, 2)
     assert grouped.longest == SEGMENT_ROWS - 1 + 1  # slot 0: the short run and the first row
     index = grouped.index.view(2, grouped.longest)
-    keep = grouped.keep.view(2, grouped.longest)
+    keep = torch.zeros(2 * grouped.longest, dtype=torch.long)
+    keep[grouped.real] = 1
+    keep = keep.view(2, grouped.longest)
+    assert torch.equal(grouped.index[grouped.real], grouped.dest) and grouped.back is None  # base rows: not all grouped
     assert sorted(index[0][keep[0] == 1].tolist()) == [0] + list(range(4 + SEGMENT_ROWS + 3, len(slots)))
     assert index[1][keep[1] == 1].tolist() == [1, 3]
     assert set(index[1][keep[1] == 0].tolist()) == {1}  # padding reads and writes a row of its own group
@@ -114,7 +117,7 @@ def test_a_linear_no_adapter_of_the_step_targets_is_skipped() -> None:
     modules[1] = [None, None, None]
     projection = _stacked(modules)
     assert projection.targeted == {0, 2}
-    rows = LoraRows.of([1, 1, NO_ADAPTER], NUM_SLOTS, torch.float64)
+    rows = LoraRows.of([1, 1, NO_ADAPTER], NUM_SLOTS)
     assert rows is not None
     y = torch.ones(3, sum(OUTS), dtype=torch.float64)
     add_lora(torch.full((3, FAN_IN), float("nan"), dtype=torch.float64), y, projection, rows)
@@ -127,7 +130,7 @@ def test_a_non_finite_row_spoils_only_its_own_output() -> None:
     slots = [0, 0, 1, 0, 2, 2, 2]  # slot 0's group is the longest: the others pad
     x = torch.randn(len(slots), FAN_IN, dtype=torch.float64)
     x[2] = float("inf")
-    rows = LoraRows.of(slots, NUM_SLOTS, torch.float64)
+    rows = LoraRows.of(slots, NUM_SLOTS)
     assert rows is not None
     y = torch.zeros(len(slots), sum(OUTS), dtype=torch.float64)
     add_lora(x, y, projection, rows)
@@ -141,7 +144,7 @@ def test_a_slot_rewritten_serves_the_new_adapter_and_cleared_adds_nothing() -> N
     projection.write(1, second[1])
     x = torch.randn(4, FAN_IN, dtype=torch.float64)
     slots = [1, 0, 1, 2]
-    rows = LoraRows.of(slots, NUM_SLOTS, torch.float64)
+    rows = LoraRows.of(slots, NUM_SLOTS)
     assert rows is not None
     y, expected = torch.zeros(4, sum(OUTS), dtype=torch.float64), torch.zeros(4, sum(OUTS), dtype=torch.float64)
     add_lora(x, y, projection, rows)

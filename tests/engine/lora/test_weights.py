@@ -41,7 +41,7 @@ def test_fused_and_per_module_layouts_add_the_same_deltas(tiny: LoadedModel, tmp
     each = LoraWeights(tiny.shape, 1, 4, torch.float64, groups=MODULE_GROUPS)
     fused.write(0, adapter)
     each.write(0, adapter)
-    rows = LoraRows.of([0] * 5, 1, torch.float64)
+    rows = LoraRows.of([0] * 5, 1)
     assert rows is not None
     x = torch.randn(5, 64, dtype=torch.float64)
     for group, names in (("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj"))):

@@ -70,7 +70,7 @@ class BackendLora:
         slots: list[int] = []
         for e in entries:
             slots += [e.lora_slot] * len(e.token_ids)
-        return LoraRows.of(slots, self.max_loras, self.dtype, self.device)
+        return LoraRows.of(slots, self.max_loras, device=self.device)
 
     @contextmanager
     def applied(self, rows: LoraRows | None) -> Iterator[None]:

@@ -18,8 +18,11 @@ row's A and B and a bmm per row (vLLM's torch `bgmv_shrink/expand`), per-adapter
 fastest for 32 decode rows, contiguous segments for prompt chunks; a short group pads to the largest one, which a
 long chunk would make costly, hence the split.
 
-Padding rows of a group read and write a real row of their own group (or, for a slot without rows inside the
-span, the first grouped row) and are multiplied by zero: a non-finite row can spoil only its own output.
+Padding entries of a group read a real row of their own group (or, for a slot without rows inside the span, the
+first grouped row) and their outputs are never read back: each real entry's output is gathered back to its row
+(`y += out[back]` when every row of the step is grouped, else an index_add of the real entries alone), so a
+non-finite row can spoil only its own output. Gathering back beat the padded index_add with its padding zeroed by a
+multiply (one scatter_add over every entry, ~30 us a call at 32 decode rows; benchmarks/probes/lora_step.py).
 """
 
 from __future__ import annotations
@@ -40,14 +43,17 @@ SEGMENT_ROWS = 32
 
 @dataclass(slots=True, frozen=True)
 class Grouped:
-    """The gathered rows: `index` [groups * longest] (row of each entry, padding included), `keep` [groups,
-    longest, 1] (1 for a real entry, 0 for padding), slots [lo, hi) as the groups."""
+    """The gathered rows: `index` [groups * longest] (row of each entry, padding included), slots [lo, hi) as the
+    groups. Back: `back` [rows], each row's entry, when every row of the step is grouped (None otherwise); else
+    `real` (the real entries) and `dest` (their rows)."""
 
     index: torch.Tensor
-    keep: torch.Tensor
     lo: int
     hi: int
     longest: int
+    back: torch.Tensor | None
+    real: torch.Tensor
+    dest: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -64,7 +70,6 @@ class LoraRows:
         cls,
         slots: Sequence[int] | torch.Tensor,
         num_slots: int,
-        dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         segment_rows: int = SEGMENT_ROWS,
     ) -> LoraRows | None:
@@ -88,28 +93,31 @@ class LoraRows:
                 else:
                     groups.setdefault(slot, []).extend(range(start, i))
             start = i
-        grouped = _grouped(groups, dtype, device) if groups else None
+        grouped = _grouped(groups, len(row_slots), device) if groups else None
         return cls(len(row_slots), present, grouped, segments)
 
 
-def _grouped(groups: dict[int, list[int]], dtype: torch.dtype, device: torch.device | str) -> Grouped:
+def _grouped(groups: dict[int, list[int]], num_rows: int, device: torch.device | str) -> Grouped:
     lo, hi = min(groups), max(groups) + 1
     longest = max(len(rows) for rows in groups.values())
     anyone = next(iter(groups.values()))[0]
     index: list[int] = []
-    keep: list[float] = []
+    real: list[int] = []
+    dest: list[int] = []
     for slot in range(lo, hi):
         rows = groups.get(slot, [])
         pad = rows[0] if rows else anyone
+        real += range(len(index), len(index) + len(rows))
+        dest += rows
         index += rows + [pad] * (longest - len(rows))
-        keep += [1.0] * len(rows) + [0.0] * (longest - len(rows))
-    return Grouped(
-        torch.tensor(index, dtype=torch.long, device=device),
-        torch.tensor(keep, dtype=dtype, device=device).view(hi - lo, longest, 1),
-        lo,
-        hi,
-        longest,
-    )
+    back = None
+    if len(dest) == num_rows:  # every row grouped: each row's entry, to gather the outputs back in row order
+        entry_of = [0] * num_rows
+        for entry, row in zip(real, dest, strict=True):
+            entry_of[row] = entry
+        back = torch.tensor(entry_of, dtype=torch.long, device=device)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return Grouped(as_tensor(index), lo, hi, longest, back, as_tensor(real), as_tensor(dest))
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, projection: StackedProjection, rows: LoraRows) -> None:
@@ -123,7 +131,6 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, projection: StackedProjection, ro
         span = slice(grouped.lo, grouped.hi)
         gathered = x.index_select(0, grouped.index).view(grouped.hi - grouped.lo, grouped.longest, x.shape[1])
         shrunk = torch.bmm(gathered, projection.at[span])
-        shrunk.mul_(grouped.keep)
         if single:
             out = torch.bmm(shrunk, projection.bts[0][span])
         else:
@@ -133,7 +140,11 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, projection: StackedProjection, ro
                 torch.bmm(shrunk[:, :, i * rank : (i + 1) * rank], bt[span]) for i, bt in enumerate(projection.bts)
             ]
             out = torch.cat(parts, dim=2)
-        y.index_add_(0, grouped.index, out.view(-1, y.shape[1]))
+        out = out.view(-1, y.shape[1])
+        if grouped.back is not None:
+            y.add_(out.index_select(0, grouped.back))
+        else:
+            y.index_add_(0, grouped.dest, out.index_select(0, grouped.real))
     for r0, r1, slot in rows.segments:
         if slot not in projection.targeted:
             continue
