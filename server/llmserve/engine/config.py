@@ -56,3 +56,6 @@ class EngineConfig:
     speculative: str = "off"
     speculative_max_k: int = 8
     speculative_cost_table: str | None = None
+    # Overlap (engine/core_overlap.py): plan and launch step N+1 while step N runs. Off until a GPU measures it;
+    # on a CPU the forward holds the cores, so little is to be gained there.
+    async_scheduling: bool = False

@@ -29,6 +29,7 @@ from llmserve.engine.delta import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.plan import StepPlan, step_of
 from llmserve.engine.scheduler_drafts import DraftBooks
+from llmserve.engine.scheduler_overlap import OverlapBooks
 from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
 
@@ -41,7 +42,7 @@ class _Pending:
     waiting_on: set[int] = field(default_factory=set)
 
 
-class Scheduler(DraftBooks):
+class Scheduler(DraftBooks, OverlapBooks):
     """Owns the waiting heap and the running list; asks the block pool and the session store."""
 
     def __init__(
@@ -119,6 +120,9 @@ class Scheduler(DraftBooks):
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.ends_by_length:  # its tokens in flight end it (overlap): nothing more to compute
+                i += 1
+                continue
             guess = drafts.get(seq.seq_no, ()) if drafts else ()
             if guess and not self._room_for_drafts(seq, len(guess), budget - (len(self.running) - i - 1)):
                 guess = ()
@@ -213,6 +217,7 @@ class Scheduler(DraftBooks):
         self.pool.release(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_pending = 0  # the tokens its steps in flight sample are dropped (engine/core_overlap.py)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -378,9 +383,10 @@ class Scheduler(DraftBooks):
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[i * bs : (i + 1) * bs]))
 
-    def _register_full_blocks(self, seq: Sequence, computed_before: int) -> None:
+    def _register_full_blocks(self, seq: Sequence, computed_before: int, upto: int | None = None) -> None:
+        """Hash and register the blocks that positions [computed_before, upto) filled (upto: num_computed)."""
         bs = self.pool.block_size
-        num_full = seq.num_computed // bs
+        num_full = (seq.num_computed if upto is None else upto) // bs
         self._hash_blocks(seq, num_full)
         for i in range(computed_before // bs, num_full):
             if self.pool.block_hash[seq.block_table[i]] is None:
