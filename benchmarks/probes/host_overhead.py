@@ -282,7 +282,7 @@ def measure(
     if stop is not None:
         stop()
     times.sort()
-    gaps = [(b[0] - a[1]) * 1e3 for a, b in zip(spans, spans[1:])]
+    gaps = [(b[0] - a[1]) * 1e3 for a, b in zip(spans, spans[1:], strict=False)]
     return {
         "median_ms": statistics.median(times),
         "p90_ms": times[int(0.9 * len(times))],

@@ -97,7 +97,8 @@ def test_stop_tokens_end_overlapped_requests_where_plain_ones_end() -> None:
 def test_preemption_under_overlap_gives_the_same_tokens_greedy_and_seeded() -> None:
     def requests() -> list:
         out = [req(f"g{i}", [(3 * i + j) % 300 + 1 for j in range(20)], max_new=40) for i in range(3)]
-        out += [req(f"s{i}", [(5 * i + j) % 300 + 2 for j in range(20)], max_new=40, sampling=SAMPLED) for i in range(2)]
+        prompts = [[(5 * i + j) % 300 + 2 for j in range(20)] for i in range(2)]
+        out += [req(f"s{i}", p, max_new=40, sampling=SAMPLED) for i, p in enumerate(prompts)]
         return out
 
     plain = _drive(stepped_core(), requests())  # room for all: no preemption
@@ -251,3 +252,30 @@ async def test_an_overlapped_engine_serves_concurrent_streams_as_a_plain_one() -
 
 def _fields(config: EngineConfig) -> dict:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+def test_a_failed_forward_fails_its_requests_and_the_step_launched_after_it() -> None:
+    core = stepped_core(async_scheduling=True)
+    real, calls = core.backend.execute, []
+
+    def third_fails(plan):  # noqa: ANN001, ANN202
+        calls.append(plan)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real(plan)
+
+    core.backend.execute = third_fails
+    requests = [
+        req("s", list(range(3, 40)), max_new=20, sampling=SAMPLED, session_id="conv"),
+        req("g", [1, 2, 3], max_new=20),
+    ]
+    out = _drive(core, requests)
+    for rid in ("s", "g"):
+        assert out[rid][1].finish_reason is FinishReason.ERROR and out[rid][1].error == "RuntimeError: boom"
+    assert len(calls) == 4  # the fourth step, planned with placeholders from the third, ran and was dropped
+    assert core.sessions.info("conv", None) is None  # nothing of the failed steps kept for the session
+    _assert_clean(core)
+    core.backend.execute = real
+    assert _drive(core, [req("after", [1, 2, 3], max_new=5)])["after"][1].finish_reason is FinishReason.LENGTH
+    assert core.dead_reason is None
+    _assert_clean(core)

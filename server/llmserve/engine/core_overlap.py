@@ -129,10 +129,11 @@ class OverlapSteps:
             if isinstance(result, Verified):  # never launched ahead (scheduler.launched refuses drafts)
                 raise TypeError("a step launched ahead returned a verification")
             self._append(seq, result, now)
+        epochs = flight.epochs
         live = [
             entry
             for entry in flight.plan.seqs
-            if entry.seq.status is not SeqStatus.FINISHED and entry.seq.num_preemptions == flight.epochs[entry.seq.seq_no]
+            if entry.seq.status is not SeqStatus.FINISHED and entry.seq.num_preemptions == epochs[entry.seq.seq_no]
         ]
         self.scheduler.landed(flight.plan, live)
         self._release_streams(flight)
