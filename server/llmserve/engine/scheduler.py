@@ -1,11 +1,10 @@
 """Iteration-level scheduling: which sequences run in the next forward, and with how many tokens.
 
-There is no separate prefill or decode phase: each sequence's computed-token count catches up with its
-token count, at most `max_num_batched_tokens` tokens per step across the batch, so a long prompt is read
-in chunks while running streams keep getting one token per step. Running sequences are served first,
-oldest first; when blocks run out, idle sessions are evicted, then the newest running sequence is
-preempted (its blocks freed, recomputed later). Waiting sequences are admitted by priority, then age,
-reusing session and prefix-cached blocks.
+There is no separate prefill or decode phase: each sequence's computed-token count catches up with its token count,
+at most `max_num_batched_tokens` tokens per step across the batch, so a long prompt is read in chunks while running
+streams keep getting one token per step. Running sequences are served first, oldest first; when blocks run out, idle
+sessions are evicted, then the newest running sequence is preempted (its blocks freed, recomputed later). Waiting
+sequences are admitted by priority, then age, reusing session and prefix-cached blocks.
 
 A sequence with `after` (completions 1..n-1 of an n > 1 request) stays in the queue, skipped without holding up
 the others, until its completion 0 has computed the prompt (or finished); admitted then, it shares that prompt's
@@ -216,8 +215,7 @@ class Scheduler(DraftBooks, OverlapBooks):
         self.running.remove(seq)
         self.pool.release(seq.block_table)
         seq.block_table = []
-        seq.num_computed = 0
-        seq.num_pending = 0  # the tokens its steps in flight sample are dropped (engine/core_overlap.py)
+        seq.num_computed = seq.num_pending = 0  # pending: what steps in flight sample for it is dropped (overlap)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -384,7 +382,6 @@ class Scheduler(DraftBooks, OverlapBooks):
             hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _register_full_blocks(self, seq: Sequence, computed_before: int, upto: int | None = None) -> None:
-        """Hash and register the blocks that positions [computed_before, upto) filled (upto: num_computed)."""
         bs = self.pool.block_size
         num_full = (seq.num_computed if upto is None else upto) // bs
         self._hash_blocks(seq, num_full)
