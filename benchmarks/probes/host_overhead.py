@@ -38,7 +38,6 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.engine.core_process import ChildSpec, ProcessCore
 from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.overlap import StepRunner
 from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
@@ -109,14 +108,6 @@ def probe_backend(core: EngineCore, name: str) -> Backend:
     return create_backend(core.loaded, core.config, core.max_model_len, kind=kind, capture=False)
 
 
-def use_backend(core: EngineCore, name: str) -> None:
-    """Serve the core's steps from the probe's backend (with --async-scheduling, through a runner over it)."""
-    core.backend = probe_backend(core, name)
-    if core.runner is not None:
-        core.runner.close()
-        core.runner = StepRunner(core.backend)
-
-
 def time_executes(core: EngineCore) -> list[tuple[float, float]]:
     """Record when each of the backend's steps starts and ends (perf_counter seconds), in order."""
     backend, spans = core.backend, []
@@ -161,7 +152,7 @@ def timed_child_model(tokenizer: bool, backend: str, batch: int, steps: int, out
 
 
 def prepare_child(core: EngineCore, backend: str, batch: int, steps: int, out: Path) -> None:
-    use_backend(core, backend)
+    core.backend = probe_backend(core, backend)
     stub_model_call(core)
     step = core.step
     times: list[float] = []
@@ -258,7 +249,7 @@ def measure(
     loaded.tokenizer = tokenizer
     engine = AsyncEngine(loaded, config) if front_end else None
     core = engine.core.engine_core if engine is not None else EngineCore(loaded, config)  # type: ignore[attr-defined]
-    use_backend(core, backend)
+    core.backend = probe_backend(core, backend)
     stub_model_call(core, forward_ms)
     stop = None
     if engine is not None:

@@ -10,7 +10,6 @@ import time
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core import EngineCore
 from llmserve.engine.delta import FinishReason
-from llmserve.engine.overlap import StepRunner
 from llmserve.engine.plan import PENDING, StepPlan
 from llmserve.engine.request import SamplingParams, StoppingParams
 from tests.engine.engine_helpers import CONFIG, req, run, serve, start_engine, stepped_core, with_text
@@ -186,7 +185,6 @@ def _slow_core(delay: float) -> tuple[EngineCore, Slow, list[float]]:
     core = stepped_core(async_scheduling=True)
     slow = Slow(core.backend, delay)
     core.backend = slow  # type: ignore[assignment]
-    core.runner = StepRunner(slow)  # type: ignore[arg-type]
     planned: list[float] = []
     real = core.scheduler.schedule
 
@@ -279,3 +277,24 @@ def test_a_failed_forward_fails_its_requests_and_the_step_launched_after_it() ->
     assert _drive(core, [req("after", [1, 2, 3], max_new=5)])["after"][1].finish_reason is FinishReason.LENGTH
     assert core.dead_reason is None
     _assert_clean(core)
+
+
+def test_a_random_stream_outlives_its_request_only_until_the_step_in_flight_lands() -> None:
+    core = stepped_core(async_scheduling=True)
+    streams = core.backend.generators
+    aborted = core.submit(req("aborted", [1, 2, 3], max_new=50, sampling=SAMPLED))
+    kept = core.submit(req("kept", [4, 5, 6], max_new=50, sampling=SAMPLED))
+    core.drain_inbox()
+    for _ in range(3):
+        core.step()
+    core.abort(aborted)
+    core.drain_inbox()
+    assert core.take_outputs()[-1].finish_reason is FinishReason.CANCELLED  # its end is out at once
+    assert core.inflight is not None and aborted in core.inflight.releases  # the step in flight may still draw
+    core.step()
+    assert aborted not in streams and kept in streams
+    stop = threading.Event()
+    stop.set()
+    core.run(stop, lambda outputs: None)  # stops at once: cancels what is left, the step in flight dropped
+    assert len(streams) == 0 and core.inflight is None
+    assert core.pool.num_free == core.pool.num_blocks

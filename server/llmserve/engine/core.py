@@ -92,7 +92,7 @@ class EngineCore(TokenSteps, OverlapSteps):
             if self.drafter is not None or self.tiers is not None:
                 log.warning("--async-scheduling is off: speculative decoding and the KV tiers step without overlap")
             else:
-                self.runner = StepRunner(self.backend)
+                self.runner = StepRunner()
         vocabulary = vocabulary if vocabulary is not None else Vocabulary.for_model(loaded)
         compiler = None if vocabulary is None else ConstraintCompiler(vocabulary, config.constraint_cache_size)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()

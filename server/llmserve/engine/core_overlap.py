@@ -88,7 +88,7 @@ class OverlapSteps:
                 if entry.seq.first_scheduled is None:
                     entry.seq.first_scheduled = now
             self.scheduler.launched(plan)  # before the next schedule, and before `previous` hands out its tokens
-            self.inflight = InFlight.of(plan, self.runner.launch(plan, previous))
+            self.inflight = InFlight.of(plan, self.runner.launch(self.backend, plan, previous))
         if previous is not None:
             self._land(previous)
 

@@ -57,22 +57,22 @@ class InFlight:
 class StepRunner:
     """Runs `backend.execute` for each launched plan on one worker thread, in launch order."""
 
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
+    def __init__(self) -> None:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-step")
 
-    def launch(self, plan: StepPlan, previous: InFlight | None) -> Future[Results]:
-        """Queue the plan's step; `previous`: the step launched before it, whose sampled tokens fill its
-        placeholders."""
-        return self._worker.submit(self._run, plan, previous)
+    def launch(self, backend: Backend, plan: StepPlan, previous: InFlight | None) -> Future[Results]:
+        """Queue the plan's step on `backend`; `previous`: the step launched before it, whose sampled tokens fill
+        its placeholders."""
+        return self._worker.submit(_run, backend, plan, previous)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
 
-    def _run(self, plan: StepPlan, previous: InFlight | None) -> Results:
-        if previous is not None:
-            fill_pending(plan, previous)
-        return self.backend.execute(plan)
+
+def _run(backend: Backend, plan: StepPlan, previous: InFlight | None) -> Results:
+    if previous is not None:
+        fill_pending(plan, previous)
+    return backend.execute(plan)
 
 
 def fill_pending(plan: StepPlan, previous: InFlight) -> None:
