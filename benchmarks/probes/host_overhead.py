@@ -49,13 +49,16 @@ VOCAB = 512
 TEXT_TOKEN = 300
 
 
-def stub_model_call(core: EngineCore) -> None:
-    """Replace the backend's model call (not its metadata) with ready logits of the right shape."""
+def stub_model_call(core: EngineCore, forward_ms: float = 0.0) -> None:
+    """Replace the backend's model call (not its metadata) with ready logits of the right shape, after
+    `forward_ms` of sleep (a device's forward as the host sees it: a wait that holds neither the GIL nor a core)."""
     backend = core.backend
     logits = torch.zeros(1024, VOCAB)
     logits[:, TEXT_TOKEN] = 1.0
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: object):
+        if forward_ms:
+            time.sleep(forward_ms / 1e3)
         return logits[: input_ids.shape[1] if keep is None else len(keep)]
 
     backend.forward = forward  # type: ignore[method-assign]
@@ -103,6 +106,22 @@ def probe_backend(core: EngineCore, name: str) -> Backend:
         return core.backend
     kind: Kind = "cuda" if name == "cuda-path-triton" else "torch"
     return create_backend(core.loaded, core.config, core.max_model_len, kind=kind, capture=False)
+
+
+def time_executes(core: EngineCore) -> list[tuple[float, float]]:
+    """Record when each of the backend's steps starts and ends (perf_counter seconds), in order."""
+    backend, spans = core.backend, []
+    execute = backend.execute
+
+    def timed(plan: object) -> object:
+        started = time.perf_counter()
+        try:
+            return execute(plan)  # type: ignore[arg-type]
+        finally:
+            spans.append((started, time.perf_counter()))
+
+    backend.execute = timed  # type: ignore[method-assign,assignment]
+    return spans
 
 
 def probe_model(tokenizer: bool) -> LoadedModel:
@@ -192,9 +211,13 @@ def measure(
     tokenizer: object = None,
     engine_process: bool = False,
     sampled: bool = False,
+    async_scheduling: bool = False,
+    forward_ms: float = 0.0,
 ) -> dict[str, float]:
     """Median and P90 host milliseconds per decode step with `batch` sequences running (detokenized with
-    `tokenizer` where the engine does that, when one is given)."""
+    `tokenizer` where the engine does that, when one is given); in process, also the median gap between one
+    backend step's end and the next one's start (`gap_ms`: what a device would sit idle for beyond the backend's
+    own staging and sampling)."""
     # Room to generate well past the timed steps: with the engine process the child steps while the front end is
     # still submitting (a stubbed step at 32 sequences takes 0.1 ms), and a request that ended before the last one
     # arrived left the batch short of `batch` for good (the timer never started: a hang until the deadline).
@@ -208,6 +231,7 @@ def measure(
         # cuda-path-triton: the GPU's default, the varlen kernel (its graphs take block tables as wide as the
         # context limit, 4,096 tokens here); torch-path: the torch attention's gathered decode (CUDA without Triton).
         attention_kernel="triton" if backend == "cuda-path-triton" else "torch",
+        async_scheduling=async_scheduling,
     )
     stopping = StoppingParams(max_new_tokens=new_tokens, ignore_eos=True)
     # --sampled: every request samples (temperature, top-p, its own seed) instead of taking the argmax.
@@ -226,7 +250,7 @@ def measure(
     engine = AsyncEngine(loaded, config) if front_end else None
     core = engine.core.engine_core if engine is not None else EngineCore(loaded, config)  # type: ignore[attr-defined]
     core.backend = probe_backend(core, backend)
-    stub_model_call(core)
+    stub_model_call(core, forward_ms)
     stop = None
     if engine is not None:
         stop = submit_through_front_end(engine, requests)
@@ -239,6 +263,7 @@ def measure(
     while len(core.scheduler.running) < batch or any(s.num_uncomputed > 1 for s in core.scheduler.running):
         core.step()  # prefill until every sequence decodes one token a step
         emit(core.take_outputs())
+    spans = time_executes(core)
     times = []
     for _ in range(steps):
         started = time.perf_counter()
@@ -248,7 +273,12 @@ def measure(
     if stop is not None:
         stop()
     times.sort()
-    return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * len(times))]}
+    gaps = [(b[0] - a[1]) * 1e3 for a, b in zip(spans, spans[1:], strict=False)]
+    return {
+        "median_ms": statistics.median(times),
+        "p90_ms": times[int(0.9 * len(times))],
+        "gap_ms": statistics.median(gaps),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", action="store_true", help="detokenize with the default model's tokenizer")
     p.add_argument("--engine-process", action="store_true", help="with --front-end: the core in a child process")
     p.add_argument("--sampled", action="store_true", help="every request samples (temperature 0.8, top-p 0.95)")
+    p.add_argument("--async-scheduling", action="store_true", help="overlap: the next step planned while one runs")
+    p.add_argument("--forward-ms", type=float, default=0.0, help="in process: the stubbed forward sleeps this long")
     args = p.parse_args(argv)
     tokenizer = None
     if args.tokenizer:
@@ -284,9 +316,12 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer=tokenizer,
                 engine_process=args.engine_process,
                 sampled=args.sampled,
+                async_scheduling=args.async_scheduling,
+                forward_ms=args.forward_ms,
             )
             results[f"{backend}/{batch}"] = r
-            print(f"{backend:10s} batch {batch:4d}: median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
+            gap = f", gap {r['gap_ms']:.3f} ms" if "gap_ms" in r else ""
+            print(f"{backend:10s} batch {batch:4d}: median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms{gap}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

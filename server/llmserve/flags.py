@@ -303,6 +303,9 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--speculative-cost-table", "engine.speculative_cost_table", str,
                   "JSON step-cost table for the load rule (rows of batch, k, forward_ms) instead of measuring it at "
                   "start-up"),
+            _switch("--async-scheduling", "engine.async_scheduling",
+                    "overlap: plan and launch the next step while the current one runs (off: speculative decoding, "
+                    "KV offload); default off until measured on a GPU"),
             _flag("--kv-offload-gib", "engine.kv_offload_bytes", _non_negative_float,
                   "host memory for KV blocks the pool evicts (reloaded on a later prefix or session match); 0: off",
                   to_field=_gib_to_bytes, from_field=_bytes_to_gib),

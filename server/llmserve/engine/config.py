@@ -65,6 +65,9 @@ class EngineConfig:
     # benchmarks/README.md), so long guesses pay there; the load rule gives fewer as the batch grows.
     speculative_max_k: int = 16
     speculative_cost_table: str | None = None
+    # Overlap (engine/core_overlap.py): plan and launch step N+1 while step N runs. Off until a GPU measures it;
+    # on a CPU the forward holds the cores, so little is to be gained there.
+    async_scheduling: bool = False
 
     @property
     def lora_enabled(self) -> bool:

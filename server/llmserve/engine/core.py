@@ -27,6 +27,7 @@ from llmserve.engine.commands import Abort, Add, Command, DeleteSession, Emit, G
 from llmserve.engine.compiling import Compiling
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import ConstraintCompiler, ConstraintState, Vocabulary
+from llmserve.engine.core_overlap import OverlapSteps
 from llmserve.engine.core_stats import core_stats
 from llmserve.engine.core_tokens import TokenSteps, build_drafter
 from llmserve.engine.delta import FinishReason
@@ -37,6 +38,7 @@ from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters
 from llmserve.engine.lora.serving import LoraServing, answer, manage, unbind
 from llmserve.engine.outputs import EngineOutput, ended, ended_unstarted
+from llmserve.engine.overlap import InFlight, StepRunner
 from llmserve.engine.plan import StepPlan
 from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import GenerationRequest, StoppingParams
@@ -53,7 +55,7 @@ STOPPED = "the engine has stopped"
 Query = TypeVar("Query", GetSession, DeleteSession, ManageAdapters)
 
 
-class EngineCore(TokenSteps):
+class EngineCore(TokenSteps, OverlapSteps):
     """Owns scheduler, sessions, block pool, backend and constraint compiler; `step()` is one iteration. The step
     thread alone calls step() and run(); other threads only submit, abort, ask about sessions, wake and read stats.
     `vocabulary`: the grammar vocabulary to share with a front end in this process (built once per process); by
@@ -89,6 +91,15 @@ class EngineCore(TokenSteps):
         if self.tiers is not None:
             self.tiers.start()
         self.drafter = build_drafter(config, self.max_model_len)  # speculative decoding (engine/spec), or None
+        self.runner: StepRunner | None = None  # overlap (--async-scheduling, core_overlap.py)
+        self.inflight: InFlight | None = None
+        if config.async_scheduling:
+            if self.drafter is not None or self.tiers is not None or self.lora is not None:
+                log.warning(
+                    "--async-scheduling is off: speculative decoding, the KV tiers and LoRA step without overlap"
+                )
+            else:
+                self.runner = StepRunner()
         vocabulary = vocabulary if vocabulary is not None else Vocabulary.for_model(loaded)
         compiler = None if vocabulary is None else ConstraintCompiler(vocabulary, config.constraint_cache_size)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -161,7 +172,7 @@ class EngineCore(TokenSteps):
         while not stop.is_set():
             self.drain_inbox()
             self._emit_pending(emit)  # the final outputs of aborted requests, at once (none: nothing to do)
-            if not self.scheduler.has_work:
+            if not self.scheduler.has_work and self.inflight is None:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -178,6 +189,8 @@ class EngineCore(TokenSteps):
         self._emit_pending(emit)
         self.close_tiers()
         self.compiling.close()
+        if self.runner is not None:
+            self.runner.close()
 
     def warm_up(self) -> None:
         """One short generation stepped on this thread, before the step loop starts (its outputs are dropped)."""
@@ -206,7 +219,11 @@ class EngineCore(TokenSteps):
         return outputs
 
     def step(self) -> None:
-        """One iteration: schedule, execute, update, collect outputs."""
+        """One iteration: schedule, execute, update, collect outputs (overlapped: launch the next step, then take
+        the results of the one in flight, core_overlap.py)."""
+        if self.runner is not None:
+            self.overlap_step()
+            return
         now = time.monotonic()
         self._expire_deadlines(now)
         if self.tiers is not None:
@@ -304,6 +321,7 @@ class EngineCore(TokenSteps):
         seq = Sequence.of(request, command.handle, command.arrival, self.loaded.eos_token_ids, constraint)
         if command.after is not None:  # None when it already finished: then there is nothing to wait for
             seq.after = self.scheduler.live.get(command.after)
+        seq.length_limit = min(self.max_model_len, seq.num_prompt + request.stopping.max_new_tokens)
         params = request.sampling
         if not params.greedy:  # the seed its random stream starts from at its first sample (backend.generators)
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -322,7 +340,8 @@ class EngineCore(TokenSteps):
         elif command.keep_generated is None:
             self._finish(seq, FinishReason.CANCELLED)
         else:
-            del seq.token_ids[seq.num_prompt + command.keep_generated :]
+            # A new list, not one cut in place: a step in flight (overlap) may still read the old one.
+            seq.token_ids = seq.token_ids[: seq.num_prompt + command.keep_generated]
             seq.num_computed = min(seq.num_computed, len(seq.token_ids))
             self._finish(seq, FinishReason.STOP_SEQUENCE)
 
@@ -349,10 +368,13 @@ class EngineCore(TokenSteps):
     def _finish(
         self, seq: Sequence, reason: FinishReason, *, output: EngineOutput | None = None, error: str | None = None
     ) -> None:
-        """Retire a live request and collect its final output; its random stream goes with it."""
+        """Retire a live request and collect its final output; its random stream goes with it (once the step in
+        flight that may draw from it is done)."""
+        in_flight = self._ended_in_flight(seq)
         self.scheduler.finish(seq, reason)
         unbind(self.lora, seq)
-        self.backend.generators.release(seq.seq_no)
+        if not in_flight:
+            self.backend.generators.release(seq.seq_no)
         if self.drafter is not None:
             self.drafter.release(seq)
         usage, timing = seq.ended(time.monotonic())
@@ -371,6 +393,7 @@ class EngineCore(TokenSteps):
 
     def _end_all(self, reason: FinishReason, error: str | None) -> None:
         """End every request the core holds: running, waiting, and waiting for its grammar."""
+        self.drop_inflight()
         for seq in list(self.scheduler.live.values()):
             self._finish(seq, reason, error=error)
         for command in self.compiling.take_all():

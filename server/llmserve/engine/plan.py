@@ -89,12 +89,22 @@ class StepPlan:
         return [s for s in self.seqs if s.sample is not None]
 
 
+# A token the plan computes before it is known: the one a step still in flight samples for the same sequence
+# (--async-scheduling). The step's runner puts the sampled id in its place before the forward (engine/overlap.py).
+PENDING = -1
+
+
 def step_of(seq: Sequence, n: int, drafts: Seq[int] = ()) -> SeqStep:
     """Seq's share of the plan: its next n tokens; it samples when they reach its last token. With drafts: its
-    last token and the drafts (n = 1 + len(drafts))."""
+    last token and the drafts (n = 1 + len(drafts)). Positions past its known tokens are PENDING (tokens in
+    flight)."""
     start = seq.num_computed
     if drafts:
         return SeqStep(seq, start, [seq.token_ids[start], *drafts], seq.block_table, seq.sample_row(), drafts)
     end = start + n
-    sample = seq.sample_row() if end == len(seq.token_ids) else None
-    return SeqStep(seq, start, seq.token_ids[start:end], seq.block_table, sample)
+    known = len(seq.token_ids)
+    sample = seq.sample_row() if end == known + seq.num_pending else None
+    token_ids = seq.token_ids[start:end]
+    if end > known:
+        token_ids.extend([PENDING] * (end - max(start, known)))
+    return SeqStep(seq, start, token_ids, seq.block_table, sample)

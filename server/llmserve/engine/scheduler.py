@@ -1,11 +1,10 @@
 """Iteration-level scheduling: which sequences run in the next forward, and with how many tokens.
 
-There is no separate prefill or decode phase: each sequence's computed-token count catches up with its
-token count, at most `max_num_batched_tokens` tokens per step across the batch, so a long prompt is read
-in chunks while running streams keep getting one token per step. Running sequences are served first,
-oldest first; when blocks run out, idle sessions are evicted, then the newest running sequence is
-preempted (its blocks freed, recomputed later). Waiting sequences are admitted by priority, then age,
-reusing session and prefix-cached blocks.
+There is no separate prefill or decode phase: each sequence's computed-token count catches up with its token count,
+at most `max_num_batched_tokens` tokens per step across the batch, so a long prompt is read in chunks while running
+streams keep getting one token per step. Running sequences are served first, oldest first; when blocks run out, idle
+sessions are evicted, then the newest running sequence is preempted (its blocks freed, recomputed later). Waiting
+sequences are admitted by priority, then age, reusing session and prefix-cached blocks.
 
 A sequence with `after` (completions 1..n-1 of an n > 1 request) stays in the queue, skipped without holding up
 the others, until its completion 0 has computed the prompt (or finished); admitted then, it shares that prompt's
@@ -29,6 +28,7 @@ from llmserve.engine.delta import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.plan import StepPlan, step_of
 from llmserve.engine.scheduler_drafts import DraftBooks
+from llmserve.engine.scheduler_overlap import OverlapBooks
 from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.sessions import SessionStore
 
@@ -41,7 +41,7 @@ class _Pending:
     waiting_on: set[int] = field(default_factory=set)
 
 
-class Scheduler(DraftBooks):
+class Scheduler(DraftBooks, OverlapBooks):
     """Owns the waiting heap and the running list; asks the block pool and the session store."""
 
     def __init__(
@@ -121,6 +121,9 @@ class Scheduler(DraftBooks):
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.ends_by_length:  # its tokens in flight end it (overlap): nothing more to compute
+                i += 1
+                continue
             guess = drafts.get(seq.seq_no, ()) if drafts else ()
             if guess and not self._room_for_drafts(seq, len(guess), budget - (len(self.running) - i - 1)):
                 guess = ()
@@ -221,7 +224,7 @@ class Scheduler(DraftBooks):
         self.running.remove(seq)
         self.pool.release(seq.block_table)
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_pending = 0  # pending: what steps in flight sample for it is dropped (overlap)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -385,9 +388,9 @@ class Scheduler(DraftBooks):
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[i * bs : (i + 1) * bs]))
 
-    def _register_full_blocks(self, seq: Sequence, computed_before: int) -> None:
+    def _register_full_blocks(self, seq: Sequence, computed_before: int, upto: int | None = None) -> None:
         bs = self.pool.block_size
-        num_full = seq.num_computed // bs
+        num_full = (seq.num_computed if upto is None else upto) // bs
         self._hash_blocks(seq, num_full)
         for i in range(computed_before // bs, num_full):
             if self.pool.block_hash[seq.block_table[i]] is None:

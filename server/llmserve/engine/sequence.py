@@ -96,6 +96,11 @@ class Sequence:
     after: Sequence | None = None  # completion 0 of this n > 1 request: wait for its prompt's KV, then share it
     lora: Resident[Any] | None = None  # the LoRA adapter it holds from admission to its end (lora/serving.py)
     prefix_root: bytes = b""  # its prefix hash chain's root: its cache salt's, and its adapter's (lora/cache_keys)
+    # Overlap (--async-scheduling, engine/core_overlap.py): tokens sampled by steps in flight, not yet in token_ids
+    # (each a placeholder the next step's plan computes: plan.PENDING), and the length at which the request ends
+    # at the latest (its max_new_tokens or the context), so that a step is never planned past it.
+    num_pending: int = 0
+    length_limit: int = 1 << 62
     _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes
 
     def __post_init__(self) -> None:
@@ -135,7 +140,7 @@ class Sequence:
         if self._row is not None:
             return self._row
         request = self.request
-        blocking = self.num_generated < request.stopping.min_new_tokens
+        blocking = self.num_generated + self.num_pending < request.stopping.min_new_tokens
         row = SampleRow(
             params=request.sampling,
             seed=self.seed,
@@ -147,7 +152,7 @@ class Sequence:
             num_prompt=self.num_prompt,
             constraint=self.constraint,
         )
-        if not blocking:
+        if self.num_generated >= request.stopping.min_new_tokens:  # blocks nothing, even should a pending token drop
             self._row = row
         return row
 
@@ -161,7 +166,14 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        """Tokens to compute before the next sample: placeholders of tokens in flight count (they are computed in
+        the step after the one that samples them)."""
+        return len(self.token_ids) + self.num_pending - self.num_computed
+
+    @property
+    def ends_by_length(self) -> bool:
+        """The tokens in flight take it to its length limit: no step after them is needed."""
+        return self.num_pending > 0 and len(self.token_ids) + self.num_pending >= self.length_limit
 
     def ended(self, now: float) -> tuple[Usage, Timing]:
         """What it used, and its times, for a request that ends at `now` (before it ran, or before its first token,

@@ -115,9 +115,12 @@ def _grouped(groups: dict[int, list[int]], num_rows: int, device: torch.device |
         entry_of = [0] * num_rows
         for entry, row in zip(real, dest, strict=True):
             entry_of[row] = entry
-        back = torch.tensor(entry_of, dtype=torch.long, device=device)
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return Grouped(as_tensor(index), lo, hi, longest, back, as_tensor(real), as_tensor(dest))
+        back = _longs(entry_of, device)
+    return Grouped(_longs(index, device), lo, hi, longest, back, _longs(real, device), _longs(dest, device))
+
+
+def _longs(values: list[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, projection: StackedProjection, rows: LoraRows) -> None:
