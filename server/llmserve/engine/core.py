@@ -29,7 +29,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import ConstraintCompiler, ConstraintState, Vocabulary
 from llmserve.engine.core_overlap import OverlapSteps
 from llmserve.engine.core_stats import core_stats
-from llmserve.engine.core_tokens import TokenSteps, build_drafter
+from llmserve.engine.core_tokens import build_drafter
 from llmserve.engine.delta import FinishReason
 from llmserve.engine.errors import EngineDead
 from llmserve.engine.facts import CoreFacts, context_cap
@@ -55,7 +55,7 @@ STOPPED = "the engine has stopped"
 Query = TypeVar("Query", GetSession, DeleteSession, ManageAdapters)
 
 
-class EngineCore(TokenSteps, OverlapSteps):
+class EngineCore(OverlapSteps):
     """Owns scheduler, sessions, block pool, backend and constraint compiler; `step()` is one iteration. The step
     thread alone calls step() and run(); other threads only submit, abort, ask about sessions, wake and read stats.
     `vocabulary`: the grammar vocabulary to share with a front end in this process (built once per process); by

@@ -30,21 +30,18 @@ from __future__ import annotations
 import time
 
 from llmserve.engine.backends.base import Backend
+from llmserve.engine.core_tokens import TokenSteps
 from llmserve.engine.delta import FinishReason
-from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.overlap import InFlight, StepRunner
-from llmserve.engine.plan import SeqStep, StepPlan
-from llmserve.engine.sampler import RowFailed, Sampled
-from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.plan import StepPlan
 from llmserve.engine.sequence import SeqStatus, Sequence
 from llmserve.engine.spec.verify import Verified
 
 
-class OverlapSteps:
-    """EngineCore's overlapped step (see the module docstring)."""
+class OverlapSteps(TokenSteps):
+    """EngineCore's overlapped step (see the module docstring); its tokens go out through TokenSteps' `_append`."""
 
     backend: Backend
-    scheduler: Scheduler
     runner: StepRunner | None
     inflight: InFlight | None
     steps: int
@@ -53,22 +50,7 @@ class OverlapSteps:
     def _expire_deadlines(self, now: float) -> None:
         raise NotImplementedError
 
-    def _append(
-        self,
-        seq: Sequence,
-        result: Sampled | RowFailed | list[Sampled],
-        now: float,
-        *,
-        settle: SeqStep | None = None,
-    ) -> None:
-        raise NotImplementedError
-
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
-        raise NotImplementedError
-
-    def _finish(
-        self, seq: Sequence, reason: FinishReason, *, output: EngineOutput | None = None, error: str | None = None
-    ) -> None:
         raise NotImplementedError
 
     def overlap_step(self) -> None:
