@@ -5,6 +5,11 @@ and it depends on the device, the model, the kernels and the machine's load: pha
 CPU and the cells moved by more than they differ (benchmarks/README.md). So the engine measures it itself, once,
 before serving: for each batch size, that many throwaway requests decode while every one verifies k drafts, for each
 k, and the step's wall time (schedule, forward, sampling, books) is the cell. The requests are aborted after.
+
+The k's of a batch size are timed in turns (every k once, then every k again, `repeats` times, after one untimed
+turn for each shape's first step), and each cell is the median of its turns: a drift of the machine's speed while
+the table is measured then moves every k of a row alike, instead of the k's measured last, and the ratios between a
+row's cells (what the load rule weighs) keep still from one start to the next.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ PROMPT = 16
 
 
 def calibrate(
-    core: EngineCore, batches: tuple[int, ...] = BATCHES, ks: tuple[int, ...] = KS, repeats: int = 2
+    core: EngineCore, batches: tuple[int, ...] = BATCHES, ks: tuple[int, ...] = KS, repeats: int = 3
 ) -> CostTable:
     """Time the core's step at each (batch, k) that fits its limits; returns the table (ms)."""
     drafter = core.drafter
@@ -42,7 +47,13 @@ def calibrate(
         try:
             while any(seq.num_uncomputed != 1 for seq in core.scheduler.running) or len(core.scheduler.running) < b:
                 core.step()
-            times = {k: _time(core, k, repeats) for k in fitting}
+            samples: dict[int, list[float]] = {k: [] for k in fitting}
+            for turn in range(repeats + 1):  # turn 0 untimed: the first step at each new shape
+                for k in fitting:
+                    ms = _step_ms(core, k)
+                    if turn:
+                        samples[k].append(ms)
+            times = {k: statistics.median(v) for k, v in samples.items()}
         finally:
             drafter.forced_k = None
             for handle in handles:
@@ -60,16 +71,13 @@ def _start(core: EngineCore, name: str, handle: int) -> int:
     return handle
 
 
-def _time(core: EngineCore, k: int, repeats: int) -> float:
+def _step_ms(core: EngineCore, k: int) -> float:
+    """One step's wall time (ms) with every decoding sequence verifying k drafts."""
     assert core.drafter is not None
     core.drafter.forced_k = k
-    core.step()  # untimed: the first step at a new shape
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        core.step()
-        samples.append((time.perf_counter() - start) * 1000.0)
-    return statistics.median(samples)
+    start = time.perf_counter()
+    core.step()
+    return (time.perf_counter() - start) * 1000.0
 
 
 def _at(times: dict[int, float], k: int) -> float:

@@ -100,7 +100,9 @@ class Drafter:
             forced = self.forced_k
             return {s.seq_no: [s.token_ids[-1]] * k for s in decoding if (k := min(forced, self._room(s))) > 0}
         policy = self.policy
-        if policy is None or not policy.worthwhile(len(decoding), max(self._rate(seq) for seq in decoding)):
+        if policy is None:  # the step cost is not measured yet (the warm-up's own steps): no choice of the rule's
+            return {}
+        if not policy.worthwhile(len(decoding), max(self._rate(seq) for seq in decoding)):
             self.stats.off_steps += 1
             return {}
         offers = [self._offer(seq, min(self.max_k, self._room(seq))) for seq in decoding]
