@@ -13,8 +13,8 @@ from llmserve.engine.spec.calibrate import BATCHES, KS
 from llmserve.testing import tiny_model
 
 
-@pytest.fixture(scope="module")
-def core() -> EngineCore:
+@pytest.fixture
+def core() -> EngineCore:  # one per test: each test sees a core just calibrated, whatever the order
     # 8 sequences at most: batches 1 and 4 of BATCHES; 64 tokens a step: at 4 sequences k = 16 does not fit.
     config = EngineConfig(speculative="ngram", max_num_seqs=8, max_num_batched_tokens=64, kv_cache_tokens=4096)
     engine = EngineCore(tiny_model(), config)
@@ -43,7 +43,7 @@ def test_the_calibration_leaves_nothing_behind(core: EngineCore) -> None:
     assert core.take_outputs() == []
 
 
-def test_a_calibrated_core_serves_and_speculates(core: EngineCore) -> None:
+def test_a_calibrated_core_serves_and_asks_the_rule(core: EngineCore) -> None:
     """After the measurement the core serves a request to its end, asking the load rule each step."""
     request = GenerationRequest("after", (5, 6, 7, 5, 6, 7, 5, 6), stopping=StoppingParams(max_new_tokens=12))
     core.submit(request, handle=1)
