@@ -126,6 +126,17 @@ def test_dtype_and_device_resolution() -> None:
         load_model("random:smollm2-135m", device="cpu", dtype="fp8")
 
 
+def test_auto_is_float32_on_an_amx_cpu_where_adapters_are_served(monkeypatch) -> None:
+    """With AMX, auto is bfloat16, which the fused CPU forward serves no adapters in: with LoRA it is float32. A
+    dtype asked for by name stays as asked (the backend then refuses bfloat16 with adapters, naming the flag)."""
+    monkeypatch.setattr(cpu_features, "cpu_level", lambda environ=None: "avx512_core_amx")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, lora=True) == torch.float32
+    assert resolve_dtype("auto", cuda, lora=True) == torch.bfloat16
+    assert resolve_dtype("bfloat16", cpu, lora=True) == torch.bfloat16
+
+
 def test_from_config_is_seeded_and_leaves_the_global_rng_alone() -> None:
     state = torch.random.get_rng_state()
     a = from_config(tiny_llama(), seed=7).model.state_dict()

@@ -88,16 +88,18 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     cache_root: Path | None = None,
+    lora: bool = False,
 ) -> LoadedModel:
     """Load a model for serving.
 
     `spec`: None for the default GGUF; a `.gguf` file (converted and cached on first use); a folder with a
     config.json (loaded as is); or `random:<shape>` (see `random_model`). Anything else raises ValueError.
     `device`: "auto" is cuda when available, else cpu. `dtype`: see `resolve_dtype`; "int8" (CPU only) loads the
-    model in bfloat16 for the CPU backend to quantize its linears.
+    model in bfloat16 for the CPU backend to quantize its linears. `lora`: LoRA adapters will be served, which the
+    CPU serves in float32 only, so that "auto" picks float32 there.
     """
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt = resolve_dtype(dtype, dev, lora=lora)
     weights = "int8" if dtype == INT8 else None
     spec = os.fspath(spec) if spec is not None else None
     if spec is not None and spec.startswith(RANDOM_PREFIX):
@@ -170,9 +172,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, *, lora: bool = False) -> torch.dtype:
     """The model's dtype: "auto" is bfloat16 on CUDA, and on the CPU what cpu_features.auto_dtype picks for its
-    instruction set (bfloat16 with AMX, else float32); "int8" (CPU only) is bfloat16, its linears
+    instruction set (bfloat16 with AMX, else float32), or float32 with `lora` (the fused CPU forward adds adapter
+    deltas in float32 only); "int8" (CPU only) is bfloat16, its linears
     quantized by the CPU backend, and needs AVX512-VNNI or AMX; else one of float32/float16/bfloat16/float64."""
     if dtype == "auto":
         if device.type == "cuda":
@@ -181,6 +184,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
             return torch.float32
         level = cpu_features.cpu_level()
         picked = cpu_features.auto_dtype(level)
+        if lora and picked != "float32":
+            log.info("dtype auto: float32 on a CPU of level %s, as LoRA adapters are served", level)
+            return torch.float32
         if picked != "bfloat16":
             log.info("dtype auto: %s on a CPU of level %s (bfloat16 is picked with AMX only)", picked, level)
         return _DTYPES[picked]

@@ -65,7 +65,8 @@ def rows_of(rows: native.Rows, start: int, end: int) -> native.Rows:
 @pytest.mark.parametrize("k", [576, 1536])  # SmolLM2's hidden size, and its MLP's (down's reduction, > 1,024)
 def test_a_row_gives_the_same_alone_and_among_any_number_of_rows(kind: str, k: int) -> None:
     """Batch invariance of the bfloat16 and int8 linears: every row count from 1 to 70, and longer ones, at varied
-    offsets, bit for bit against each row alone. Unsplit, oneDNN's bfloat16 kernel fails this at K = 1,536."""
+    offsets, bit for bit against each row alone. Unsplit, oneDNN's bfloat16 kernel fails this at K = 1,536; on AMX,
+    in one call, from 35 rows."""
     g = torch.Generator().manual_seed(k)
     weight, bias = torch.randn(96, k, generator=g) * 0.05, torch.randn(96, generator=g)
     linear = packed_linear.make_linear(weight, bias, kind, True, native.load_mixed(), torch.float32)
@@ -75,6 +76,23 @@ def test_a_row_gives_the_same_alone_and_among_any_number_of_rows(kind: str, k: i
     for m in [*range(1, 71), 129, 256, 333, 512, 600]:
         start = (m * 37) % (601 - m)
         assert torch.equal(linear(rows_of(rows, start, start + m)), alone[start : start + m]), m
+
+
+def test_bfloat16_rows_run_in_blocks_on_amx_only() -> None:
+    """On AMX a bfloat16 call runs at most AMX_ROW_BLOCK rows (the kernel blocks more rows by their count); a longer
+    input, in blocks, gives each row what that row gives alone, and what one call gives where that is invariant."""
+    assert packed_linear.bf16_row_block("avx512_core_amx") == packed_linear.AMX_ROW_BLOCK == 32
+    assert packed_linear.bf16_row_block("avx512_core_bf16") is None
+    assert packed_linear.bf16_row_block("avx2") is None
+    g = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(96, 1536, generator=g) * 0.05, torch.randn(96, generator=g)
+    blocked = packed_linear.PackedBF16.of(weight, bias, rows=8)
+    x = torch.randn(70, 1536, generator=g).bfloat16()
+    alone = torch.cat([blocked(x[i : i + 1]) for i in range(70)])
+    for m in (8, 9, 17, 64, 70):
+        assert torch.equal(blocked(x[:m]), alone[:m]), m
+    if packed_linear.bf16_row_block() is None:
+        assert torch.equal(packed_linear.PackedBF16.of(weight, bias)(x), alone)
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "int8"])

@@ -18,7 +18,10 @@ down projection, K = 1,536, gave other results at 145 of 150 row counts from 1 t
 up to 1,024 gave the same at all). `PackedBF16` splits longer reductions into equal parts of at most
 `MAX_BF16_REDUCTION`, the first part's result added by the next call's fused add (oneDNN's binary post-op):
 invariant at every row count tested, the price one more rounding to bfloat16 per part (mean absolute error of the
-down projection 0.0022 -> 0.0028, time +17% at 512 rows, +25 us a call at one).
+down projection 0.0022 -> 0.0028, time +17% at 512 rows, +25 us a call at one). Those figures are from an
+AVX512-BF16 machine. On AMX the kernel also blocks the rows by the row count: the CI machine's Xeon gave some
+rows other results than alone from 35 rows up (K = 576 and 1,536 both), every count up to 34 the same; so there
+`PackedBF16` runs at most AMX_ROW_BLOCK rows a call (`rows`), a longer call in blocks of that many.
 
 `pack_linears` swaps the forward of each float32 `nn.Linear` for one that calls the packed weight (the path of
 models the fused forward does not serve); the modules and their parameters stay as they are.
@@ -38,12 +41,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve import cpu_features
 from llmserve.engine.backends.cpu.native import MixedOps, QuantizedRows, Rows
 
 _PACKED = "_llmserve_packed_weight"
 MAX_BF16_REDUCTION = 1024
 BATCH_HINT = 64  # the row count oneDNN's layouts are tuned for; any row count works
 KINDS = ("float32", "bfloat16", "int8")
+# The most rows a bfloat16 call runs on AMX: every row count up to 34 gave each row what it gives alone there (see
+# the module docstring), 32 a whole AMX tile's 16 rows twice.
+AMX_ROW_BLOCK = 32
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -122,14 +129,23 @@ class PackedF32:
         return linear(x, self.weight, self.bias)
 
 
+def bf16_row_block(level: str | None = None) -> int | None:
+    """The most rows a batch-invariant bfloat16 call may run on a CPU of `level` (this one's, as capped, by
+    default): AMX_ROW_BLOCK with AMX, else no limit."""
+    level = cpu_features.cpu_level() if level is None else level
+    return AMX_ROW_BLOCK if cpu_features.at_least(level, "avx512_core_amx") else None
+
+
 @dataclass(slots=True)
 class PackedBF16:
     """A bfloat16 weight packed once, its reduction in parts of at most MAX_BF16_REDUCTION (see the module
-    docstring): `parts` [(start, packed weight of columns [start, start + width))]."""
+    docstring): `parts` [(start, packed weight of columns [start, start + width))]; `rows`: the most rows a call
+    runs (None: any), longer inputs in blocks of that many."""
 
     parts: list[tuple[int, torch.Tensor]]
     width: int
     bias: torch.Tensor | None  # float32
+    rows: int | None = None
     takes: torch.dtype = torch.bfloat16
     gives: torch.dtype = torch.bfloat16
 
@@ -138,16 +154,22 @@ class PackedBF16:
         return all(part.is_mkldnn for _, part in self.parts)
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBF16:
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None) -> PackedBF16:
         k = weight.shape[1]
         count = -(-k // MAX_BF16_REDUCTION)
         width = -(-k // count)
         w = weight.to(torch.bfloat16)
         parts = [(s, pack_weight(w[:, s : s + width].contiguous())) for s in range(0, k, width)]
-        return cls(parts, width, None if bias is None else bias.float())
+        return cls(parts, width, None if bias is None else bias.float(), rows)
 
     def __call__(self, x: Rows) -> torch.Tensor:
         assert isinstance(x, torch.Tensor)
+        rows = self.rows
+        if rows is None or x.shape[0] <= rows:
+            return self._call(x)
+        return torch.cat([self._call(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         start, first = self.parts[0]
         out = linear(x[:, start : start + self.width], first, self.bias)
         for start, part in self.parts[1:]:  # x's columns as strided views: no copy
@@ -228,7 +250,7 @@ def make_linear(
     """The fused forward's linear over `weight` [out, in] for a `kind` of KINDS (float64 models: plain).
     `pack`: float32 packed for oneDNN (else plain); `gives`: int8's output dtype (float32 or bfloat16)."""
     if kind == "bfloat16":
-        return PackedBF16.of(weight, bias)
+        return PackedBF16.of(weight, bias, bf16_row_block())
     if kind == "int8":
         if ops is None:
             raise ValueError("int8 linears need the compiled row operations")
