@@ -276,10 +276,11 @@ async def run(config: Config) -> int:
         cache_root=cache_root,
         lora=config.engine.lora_enabled,
     )
-    # The engine process starts before this process imports torch, so that their imports and loads overlap.
+    # The engine process starts first; with it, this process never imports torch (the child sends the model's card).
     child = ChildSpec(load, config.engine, config.server.log_level, config.server.log_format)
     core = ProcessCore(child) if m.engine_process else None
-    # torch loads off the event loop (seconds), meanwhile health answers NOT_SERVING.
+    # The engine's modules load off the event loop (torch with them for a core on a thread: seconds), meanwhile
+    # health answers NOT_SERVING.
     engines = await asyncio.to_thread(importlib.import_module, "llmserve.engine.async_engine")
     log.info("loading model %s on %s%s", m.spec or "(default)", m.device, " in the engine process" if core else "")
     building = asyncio.ensure_future(engines.build_engine(load, config.engine, core))

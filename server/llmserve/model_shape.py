@@ -4,15 +4,19 @@
 heads, head dim, vocabulary, context, attention window), wherever the model came from; everything else (the KV
 cache and its sizing, the fused forward, the compiled kernels' choice, the engine's context cap) takes the
 `ModelShape` that `LoadedModel.shape` carries.
+
+Importing it imports no transformers (the server's front end reads shapes without loading torch): the random
+shapes' configs are imported where they are made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,6 +98,8 @@ def _first(config: Any, *names: str) -> Any:
 
 def _smollm2_135m() -> LlamaConfig:
     # Read from SmolLM2-135M-Instruct's GGUF (as converted by convert_gguf); test_models checks they still agree.
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=49152,
         hidden_size=576,
@@ -114,6 +120,8 @@ def _smollm2_135m() -> LlamaConfig:
 
 def _llama_1b() -> LlamaConfig:
     # Llama-3.2-1B's published dims, including its llama3 rope scaling.
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=128256,
         hidden_size=2048,
@@ -140,6 +148,8 @@ def _llama_1b() -> LlamaConfig:
 
 def _qwen3_0_6b() -> Qwen3Config:
     # Qwen3-0.6B's published dims (per-head q/k norms, head_dim 128 over a hidden size of 1024).
+    from transformers import Qwen3Config
+
     return Qwen3Config(
         vocab_size=151936,
         hidden_size=1024,
@@ -159,6 +169,8 @@ def _qwen3_0_6b() -> Qwen3Config:
 
 def _tiny() -> LlamaConfig:
     # Two layers of width 64: a replica that starts in seconds on a busy CPU (tests/deploy runs three).
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=1024,
         hidden_size=64,

@@ -24,6 +24,7 @@ from llmserve.gguf import (
     default_gguf_path,
     model_name,
 )
+from llmserve.model_card import ModelCard
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,13 @@ class LoadedModel:
     def vocab_size(self) -> int:
         """The width of the logits (config.vocab_size), which may exceed the tokenizer's length."""
         return self.shape.vocab_size
+
+    def card(self) -> ModelCard:
+        """This model as the front end knows it: all but the weights, in plain types (model_card.py)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return ModelCard(
+            self.tokenizer, self.name, dtype, str(self.device), self.shape, self.eos_token_ids, self.weights
+        )
 
 
 def load_model(

@@ -66,8 +66,8 @@ def tiny_engine(*, in_process: bool = False, **overrides: Any) -> Any:
         return AsyncEngine(tiny_model(), config)
     core = ProcessCore(ChildSpec(tiny_model, config))  # the child imports this module by its name, `harness`
     core.wait_ready()
-    assert core.loaded is not None
-    return AsyncEngine(core.loaded, config, core=core)
+    assert core.card is not None
+    return AsyncEngine(core.card, config, core=core)
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.01) -> bool:

@@ -89,6 +89,30 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(server_process: ServerP
     assert "Once upon a time" not in log, "prompts are not logged unless --log-prompts"
 
 
+def _maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps (Linux)")
+def test_the_front_end_serves_without_loading_torch(server_process: ServerProcess) -> None:
+    """With the engine in its own process (the default), the front end tokenizes, checks a grammar, streams and
+    detokenizes without ever loading torch (its libraries never mapped into the process); the engine process has."""
+    port = server_process.wait_serving()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        plain = list(stub.Generate(build_request("Once upon a time", max_new_tokens=8, ignore_eos=True), timeout=60))
+        shaped = list(stub.Generate(build_request("{", max_new_tokens=40, json_schema=schema), timeout=60))
+    assert plain[-1].usage.completion_tokens == 8 and "".join(m.text for m in plain)
+    assert shaped[-1].finish_reason != pb.FINISH_REASON_ERROR and shaped[-1].usage.completion_tokens > 0
+    children = [
+        int(p)
+        for p in Path(f"/proc/{server_process.proc.pid}/task/{server_process.proc.pid}/children").read_text().split()
+    ]
+    assert "libtorch" not in _maps(server_process.proc.pid)
+    assert any("libtorch" in _maps(child) for child in children), children
+
+
 def test_sigint_with_nothing_in_flight_exits_promptly(server_process: ServerProcess) -> None:
     server_process.wait_for(r"serving ", timeout=120)
     started = time.monotonic()

@@ -30,27 +30,33 @@ from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.request import ConstraintSpec, GenerationRequest
-from llmserve.models import LoadedModel
+from llmserve.model_card import ModelCard
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from llmserve.models import LoadedModel  # the torch side: imported only where a core runs here
 
 
 class AsyncEngine:
     """The engine over `core`, or by default over a core on a thread of this process, built here (KV cache, packing,
     graphs: seconds; construct it off the event loop). `start()` starts the core."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, core: Core | None = None) -> None:
+    def __init__(self, loaded: LoadedModel | ModelCard, config: EngineConfig, core: Core | None = None) -> None:
+        """`loaded`: the model, for a core built here; with `core`, its card is enough (an engine process's)."""
         self.loaded = loaded
+        self.card = loaded if isinstance(loaded, ModelCard) else loaded.card()
         self.config = config
-        vocabulary = Vocabulary.for_model(loaded)  # one per process: a core built here shares it
+        vocabulary = Vocabulary.for_model(self.card)  # one per process: a core built here shares it
         if core is None:
+            if isinstance(loaded, ModelCard):
+                raise TypeError("a core built here needs the LoadedModel, not its card")
             from llmserve.engine.core import EngineCore  # the torch side: only where the core runs here
 
             core = ThreadCore(EngineCore(loaded, config, vocabulary))
         self.core: Core = core
         self.checker = None if vocabulary is None else ConstraintChecker.over(vocabulary, config)
-        self._processor = OutputProcessor(loaded.tokenizer)  # used on the event loop only
+        self._processor = OutputProcessor(self.card.tokenizer)  # used on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         # The LoRA adapters as the core last answered (at start, then after each AdapterService call): what a
         # request's adapter is checked against before it is queued. None when the core serves none.
@@ -58,21 +64,21 @@ class AsyncEngine:
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
-        return self.loaded.tokenizer
+        return self.card.tokenizer
 
     @property
     def model_info(self) -> ModelInfo:
         facts = self.core.facts
         return ModelInfo(
-            name=self.loaded.name,
+            name=self.card.name,
             context_length=facts.max_model_len,
             max_new_tokens=facts.max_model_len - 1,
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
-            device=str(self.loaded.device),
-            vocab_size=self.loaded.vocab_size,
+            dtype=self.card.dtype,
+            device=self.card.device,
+            vocab_size=self.card.vocab_size,
             backend=f"{facts.backend_name}: {facts.backend_description}",
             sliding_window=facts.sliding_window or 0,
-            eos_token_ids=self.loaded.eos_token_ids,
+            eos_token_ids=self.card.eos_token_ids,
             max_loras=0 if facts.lora is None else facts.lora.limits.max_loras,
             max_lora_rank=0 if facts.lora is None else facts.lora.limits.max_lora_rank,
         )
@@ -218,5 +224,5 @@ async def build_engine(
     except asyncio.CancelledError:
         core.kill()
         raise
-    assert core.loaded is not None
-    return AsyncEngine(core.loaded, config, core=core)
+    assert core.card is not None
+    return AsyncEngine(core.card, config, core=core)

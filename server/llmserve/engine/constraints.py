@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from llmserve.engine.config import EngineConfig
+    from llmserve.model_card import ModelCard
     from llmserve.models import LoadedModel
 
 # Fixed JSON layout: ", " and ": " and no other whitespace. Free whitespace lets a model loop on it forever;
@@ -66,8 +67,9 @@ class Vocabulary:
         self._spellable: frozenset[int] = frozenset()
 
     @classmethod
-    def for_model(cls, loaded: LoadedModel) -> Vocabulary | None:
-        """The vocabulary of a LoadedModel; None when it has no tokenizer (then no constraint can be served)."""
+    def for_model(cls, loaded: LoadedModel | ModelCard) -> Vocabulary | None:
+        """The vocabulary of a model (or its card); None when it has no tokenizer (then no constraint can be
+        served)."""
         if loaded.tokenizer is None:
             return None
         return cls(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
@@ -140,7 +142,7 @@ class ConstraintChecker:
         self.cache = SpecCache(self._check, cache_size, "llmserve-constraint-checks")
 
     @classmethod
-    def for_model(cls, loaded: LoadedModel, config: EngineConfig) -> ConstraintChecker | None:
+    def for_model(cls, loaded: LoadedModel | ModelCard, config: EngineConfig) -> ConstraintChecker | None:
         vocabulary = Vocabulary.for_model(loaded)
         return None if vocabulary is None else cls.over(vocabulary, config)
 

@@ -9,7 +9,6 @@ to read (unless the front end is OUTBOX_PASSES behind).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import pickle
 import queue
@@ -82,7 +81,7 @@ def _child_main(commands: Connection, events: Connection) -> None:
         send(Failed(f"the engine process could not start:\n{traceback.format_exc()}", picklable))
         sender.join()
         return
-    send(Ready(dataclasses.replace(core.loaded, model=None), core.facts, core.stats()))
+    send(Ready(core.loaded.card(), core.facts, core.stats()))
     stop = threading.Event()
     receiver = threading.Thread(
         target=_receive, args=(commands, core, stop, send), name="llmserve-commands", daemon=True

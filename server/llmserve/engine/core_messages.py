@@ -18,6 +18,7 @@ from llmserve.engine.kv_events import KvEvent
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
 from llmserve.engine.outputs import EngineOutput
 from llmserve.engine.protocol import EngineStats, SessionInfo
+from llmserve.model_card import ModelCard
 
 if TYPE_CHECKING:
     from llmserve.models import LoadedModel
@@ -65,7 +66,7 @@ class Stop:
 
 @dataclass(slots=True, frozen=True)
 class Ready:
-    loaded: LoadedModel  # without its weights (model None): the tokenizer, the name, the shape, the EOS ids
+    card: ModelCard  # the model without its weights: the tokenizer, the name, the shape, the EOS ids
     facts: CoreFacts
     stats: EngineStats
 

@@ -42,6 +42,7 @@ from llmserve.engine.protocol import EngineStats, SessionInfo
 from llmserve.engine.request import GenerationRequest
 
 if TYPE_CHECKING:
+    from llmserve.model_card import ModelCard
     from llmserve.models import LoadedModel
 
 __all__ = ["ChildSpec", "ProcessCore", "load_served_model"]
@@ -110,7 +111,7 @@ class ProcessCore:
         self._adapter_calls: dict[int, Future[AdapterAnswer]] = {}
         self._reader: threading.Thread | None = None
         self._stopping = False
-        self.loaded: LoadedModel | None = None  # the model as the child describes it (no weights), once ready
+        self.card: ModelCard | None = None  # the model as the child describes it (no weights), once ready
         self._facts: CoreFacts | None = None
         self._stats: EngineStats | None = None
         self.dead_reason: str | None = None
@@ -135,7 +136,7 @@ class ProcessCore:
                 raise message.exception from RuntimeError(message.error)
             raise RuntimeError(message.error)
         assert isinstance(message, messages.Ready)
-        self.loaded, self._facts, self._stats = message.loaded, message.facts, message.stats
+        self.card, self._facts, self._stats = message.card, message.facts, message.stats
 
     # -- core_client.Core ------------------------------------------------------------------------
 
