@@ -79,9 +79,13 @@ def test_a_row_gives_the_same_alone_and_among_any_number_of_rows(kind: str, k: i
 
 
 def test_bfloat16_rows_run_in_blocks_on_amx_only() -> None:
-    """On AMX a bfloat16 call runs at most AMX_ROW_BLOCK rows (the kernel blocks more rows by their count); a longer
-    input, in blocks, gives each row what that row gives alone, and what one call gives where that is invariant."""
-    assert packed_linear.bf16_row_block("avx512_core_amx") == packed_linear.AMX_ROW_BLOCK == 32
+    """On AMX a bfloat16 call runs at most a block of rows (the kernel blocks more rows by their count), the largest
+    the process's kernels keep invariant (32 where they are at every count); a longer input, in blocks, gives each
+    row what that row gives alone, and what one call gives where that is invariant."""
+    block = packed_linear.bf16_row_block("avx512_core_amx")
+    assert block in packed_linear.AMX_ROW_BLOCKS
+    if packed_linear.bf16_row_block() is None:  # no AMX here: oneDNN's kernel keeps every row count invariant
+        assert block == packed_linear.AMX_ROW_BLOCKS[0] == 32
     assert packed_linear.bf16_row_block("avx512_core_bf16") is None
     assert packed_linear.bf16_row_block("avx2") is None
     g = torch.Generator().manual_seed(7)
@@ -93,6 +97,25 @@ def test_bfloat16_rows_run_in_blocks_on_amx_only() -> None:
         assert torch.equal(blocked(x[:m]), alone[:m]), m
     if packed_linear.bf16_row_block() is None:
         assert torch.equal(packed_linear.PackedBF16.of(weight, bias)(x), alone)
+
+
+def test_the_row_block_falls_back_to_what_keeps_each_row_alike() -> None:
+    """largest_invariant_block over a real kernel that is not invariant at every row count: oneDNN's bfloat16 linear
+    over an unsplit reduction of 1,536 (the module docstring; without AMX it gives a row other results among as few
+    as 2 rows, at some offsets). In calls of at most the block it finds, every row count gives each row what it
+    gives alone."""
+    g = torch.Generator().manual_seed(1536)
+    weight, bias = torch.randn(96, 1536, generator=g) * 0.05, torch.randn(96, generator=g)
+    x = torch.randn(64, 1536, generator=g).bfloat16()
+    unsplit = packed_linear.PackedBF16([(0, packed_linear.pack_weight(weight.bfloat16()))], 1536, bias)
+    block = packed_linear.largest_invariant_block([(unsplit, x)])
+    if packed_linear.bf16_row_block() is None:
+        assert block < 32
+    blocked = packed_linear.PackedBF16(unsplit.parts, 1536, bias, rows=block)
+    alone = torch.cat([unsplit(x[i : i + 1]) for i in range(64)])
+    for m in range(1, 65):
+        start = (m * 37) % (65 - m)
+        assert torch.equal(blocked(x[start : start + m]), alone[start : start + m]), (block, m)
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "int8"])

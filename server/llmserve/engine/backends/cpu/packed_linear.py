@@ -21,7 +21,10 @@ invariant at every row count tested, the price one more rounding to bfloat16 per
 down projection 0.0022 -> 0.0028, time +17% at 512 rows, +25 us a call at one). Those figures are from an
 AVX512-BF16 machine. On AMX the kernel also blocks the rows by the row count: the CI machine's Xeon gave some
 rows other results than alone from 35 rows up (K = 576 and 1,536 both), every count up to 34 the same; so there
-`PackedBF16` runs at most AMX_ROW_BLOCK rows a call (`rows`), a longer call in blocks of that many.
+`PackedBF16` runs at most a block of rows a call (`rows`), a longer call in blocks of that many. The block is
+checked once per process (`bf16_row_block`): the largest of AMX_ROW_BLOCKS at which every row count up to it gives
+each row what it gives alone, on both reduction widths, so that another CPU or oneDNN build that blocks otherwise
+falls back to smaller calls instead of serving results that depend on the batch.
 
 `pack_linears` swaps the forward of each float32 `nn.Linear` for one that calls the packed weight (the path of
 models the fused forward does not serve); the modules and their parameters stay as they are.
@@ -30,6 +33,7 @@ models the fused forward does not serve); the modules and their parameters stay 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import tempfile
 import types
@@ -48,9 +52,9 @@ _PACKED = "_llmserve_packed_weight"
 MAX_BF16_REDUCTION = 1024
 BATCH_HINT = 64  # the row count oneDNN's layouts are tuned for; any row count works
 KINDS = ("float32", "bfloat16", "int8")
-# The most rows a bfloat16 call runs on AMX: every row count up to 34 gave each row what it gives alone there (see
-# the module docstring), 32 a whole AMX tile's 16 rows twice.
-AMX_ROW_BLOCK = 32
+# The most rows a bfloat16 call runs on AMX, largest first: every row count up to 34 gave each row what it gives
+# alone on the CI's Xeon (see the module docstring), 32 a whole AMX tile's 16 rows twice.
+AMX_ROW_BLOCKS = (32, 16, 8, 4, 2, 1)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -131,9 +135,37 @@ class PackedF32:
 
 def bf16_row_block(level: str | None = None) -> int | None:
     """The most rows a batch-invariant bfloat16 call may run on a CPU of `level` (this one's, as capped, by
-    default): AMX_ROW_BLOCK with AMX, else no limit."""
+    default): with AMX, the largest of AMX_ROW_BLOCKS that this process's kernels keep invariant; else no limit."""
     level = cpu_features.cpu_level() if level is None else level
-    return AMX_ROW_BLOCK if cpu_features.at_least(level, "avx512_core_amx") else None
+    return _invariant_block() if cpu_features.at_least(level, "avx512_core_amx") else None
+
+
+@functools.cache
+def _invariant_block() -> int:
+    """largest_invariant_block for SmolLM2's reduction widths (576; 1,536, in two parts), measured once."""
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for k in (576, 1536):
+        weight, bias = torch.randn(96, k, generator=g) * 0.05, torch.randn(96, generator=g)
+        layers.append((PackedBF16.of(weight, bias), torch.randn(2 * AMX_ROW_BLOCKS[0], k, generator=g).bfloat16()))
+    return largest_invariant_block(layers)
+
+
+def largest_invariant_block(layers: list[tuple[PackedBF16, torch.Tensor]]) -> int:
+    """The largest of AMX_ROW_BLOCKS at which, for each (linear, rows) of `layers` (more rows than the largest
+    block), every row count up to it gives each row bit for bit what it gives alone, each count at three offsets
+    into the rows (the kernel's result may depend on where the rows start)."""
+    alone = [torch.cat([linear(x[i : i + 1]) for i in range(x.shape[0])]) for linear, x in layers]
+
+    def alike(linear: PackedBF16, x: torch.Tensor, one: torch.Tensor, m: int) -> bool:
+        room = x.shape[0] + 1 - m
+        starts = {0, (m * 37) % room, (m * 11 + 5) % room}
+        return all(torch.equal(linear(x[s : s + m]), one[s : s + m]) for s in starts)
+
+    for block in AMX_ROW_BLOCKS[:-1]:
+        if all(alike(*layer, one, m) for layer, one in zip(layers, alone, strict=True) for m in range(1, block + 1)):
+            return block
+    return 1
 
 
 @dataclass(slots=True)
