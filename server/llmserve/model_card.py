@@ -32,10 +32,6 @@ class ModelCard:
     weights: str | None = None
 
     @property
-    def context_length(self) -> int:
-        return self.shape.context_length
-
-    @property
     def vocab_size(self) -> int:
         """The width of the logits (config.vocab_size), which may exceed the tokenizer's length."""
         return self.shape.vocab_size
