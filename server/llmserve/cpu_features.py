@@ -15,6 +15,7 @@ the capped level. So a machine with AMX can run, and test, the path of a machine
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -44,8 +45,10 @@ class IsaError(ValueError):
     """LLMSERVE_CPU_ISA names no level."""
 
 
+@functools.cache
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The first processor's flags; empty where /proc/cpuinfo cannot be read (not Linux)."""
+    """The first processor's flags; empty where /proc/cpuinfo cannot be read (not Linux). Read once per file: the
+    fused forward asks the level for each of its linears, and the file lists every processor."""
     try:
         text = cpuinfo.read_text()
     except OSError:
