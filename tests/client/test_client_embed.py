@@ -48,28 +48,23 @@ class StubEmbed(generate_pb2_grpc.GenerateServiceServicer):
 
 @pytest.fixture(scope="module")
 def stub() -> Iterator[tuple[StubEmbed, str]]:
-    """A grpc.aio server with the stub on 127.0.0.1, in a thread of its own with its own event loop."""
+    """A grpc.aio server with the stub on 127.0.0.1, on an event loop in a thread of its own."""
     servicer = StubEmbed()
     loop = asyncio.new_event_loop()
-    started = threading.Event()
-    address: list[str] = []
-    server: list[grpc.aio.Server] = []
-
-    async def serve() -> None:
-        srv = grpc.aio.server()
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, srv)
-        port = srv.add_insecure_port("127.0.0.1:0")
-        await srv.start()
-        address.append(f"127.0.0.1:{port}")
-        server.append(srv)
-        started.set()
-        await srv.wait_for_termination()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    assert started.wait(10)
-    yield servicer, address[0]
-    asyncio.run_coroutine_threadsafe(server[0].stop(0), loop).result(10)
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    yield servicer, f"127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     loop.close()
 
