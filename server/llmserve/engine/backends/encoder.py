@@ -14,7 +14,8 @@ the ratios indicate), in ms for 8 / 32 / 128 sentences (221 / 1,033 / 4,221 toke
     packed rows, one SDPA call per sequence                 1,570 / 13,131 / 21,205
     transformers' BertModel on the padded batch (sdpa)      1,423 /  7,577 / 10,705
 
-Every variant's hidden states are within 7.3e-6 of transformers'. A call per sequence loses to its call overhead
+A second run, 40 minutes later under less load, gave at 32 sentences 1,806 / 2,422 / 6,870 / 3,266 ms in the same
+order. Every variant's hidden states are within 7.3e-6 of transformers'. A call per sequence loses to its call overhead
 (6 layers x sequences calls); padding every row (transformers) computes 1.3-2x the tokens in every linear.
 
 The linears are the CPU backend's: float32 weights packed once for oneDNN (packed_linear.py) where this torch build
