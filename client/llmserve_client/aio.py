@@ -15,7 +15,7 @@ from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
 from llmserve_client.conversation import AsyncConversation, chat_request
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
-from llmserve_client.request import Message, build_request, texts_by_index, tokenize_request
+from llmserve_client.request import EmbedItem, Message, build_request, embed_request, texts_by_index, tokenize_request
 from llmserve_client.retry import DEFAULT_RETRY, Attempts, CallInfo, Metadata, Retry, session_metadata
 
 _DEFAULT = object()
@@ -121,6 +121,13 @@ class AsyncClient:
         request = tokenize_request(text, messages=messages)
         response = await self._unary(self._stub.Tokenize, request, timeout)
         return list(response.token_ids)
+
+    async def embed(
+        self, inputs: str | Iterable[EmbedItem] | pb.EmbedRequest, *, timeout: Any = _DEFAULT, **options: Any
+    ) -> pb.EmbedResponse:
+        """The vectors of one text or a batch of inputs (see Client.embed)."""
+        request = inputs if isinstance(inputs, pb.EmbedRequest) else embed_request(inputs, **options)
+        return await self._unary(self._stub.Embed, request, timeout)
 
     async def model_info(self, *, timeout: Any = _DEFAULT) -> pb.GetModelInfoResponse:
         return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)

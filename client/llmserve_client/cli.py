@@ -6,6 +6,7 @@
     llmserve-client health                                            # exit status 0 only when SERVING
     llmserve-client model-info
     llmserve-client tokenize "Hello world"
+    llmserve-client embed "first text" "second text" --dimensions 128  # one JSON line per input
 
 Exit status: 0 on success, 1 when the server answered with an error (or health is not SERVING), 2 for usage.
 """
@@ -118,6 +119,20 @@ def _parser() -> argparse.ArgumentParser:
     unload = actions.add_parser("unload", help="unload an adapter (requests using it finish on it)")
     unload.add_argument("name")
 
+    emb = commands.add_parser("embed", help="print the vector of each text as one line of JSON")
+    emb.add_argument("texts", nargs="+", help="the texts, one input each ('-': one input per line of stdin)")
+    emb.add_argument("--chat", action="store_true", help="send each text as a user message (chat template)")
+    emb.add_argument(
+        "--normalize", action=argparse.BooleanOptionalAction, default=None, help="default: the model's own setting"
+    )
+    emb.add_argument("--dimensions", type=int, default=None, help="keep the first N entries (Matryoshka)")
+    emb.add_argument(
+        "--truncate", choices=["keep-start", "keep-end"], default=None, help="cut a too-long input (default: refuse)"
+    )
+    emb.add_argument("--pooling", choices=["cls", "mean", "last", "max"], default=None, help="default: the model's")
+    emb.add_argument("--request-id", default="")
+    emb.add_argument("--stats", action="store_true", help="print the usage to stderr at the end")
+
     tok = commands.add_parser("tokenize", help="print the token ids as JSON")
     tok.add_argument("text")
     tok.add_argument("--chat", action="store_true", help="tokenize as a user message (chat template)")
@@ -222,6 +237,39 @@ def _sampling_controls(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _embed(client: Client, args: argparse.Namespace) -> int:
+    texts: list[str] = []
+    for text in args.texts:
+        if text == "-":
+            texts.extend(line for line in sys.stdin.read().splitlines() if line)
+        else:
+            texts.append(text)
+    inputs: list[Any] = [[{"role": "user", "content": t}] for t in texts] if args.chat else texts
+    response = client.embed(
+        inputs,
+        timeout=args.timeout,
+        normalize=args.normalize,
+        dimensions=args.dimensions,
+        truncate=args.truncate,
+        pooling=args.pooling,
+        request_id=args.request_id,
+    )
+    for embedding in response.embeddings:
+        line: dict[str, Any] = {
+            "index": embedding.index,
+            "values": list(embedding.values),
+            "prompt_tokens": embedding.prompt_tokens,
+        }
+        if embedding.truncated:
+            line["truncated"] = True
+        if response.labels:
+            line["probabilities"] = dict(zip(response.labels, embedding.probabilities, strict=True))
+        print(json.dumps(line), flush=True)
+    if args.stats:
+        print(f"[{response.request_id}] prompt_tokens={response.usage.prompt_tokens}", file=sys.stderr)
+    return 0
+
+
 def _adapters(client: Client, args: argparse.Namespace) -> int:
     if args.action == "list":
         response: Any = client.list_adapters()
@@ -256,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0 if status == "SERVING" else 1
             if args.command == "adapters":
                 return _adapters(client, args)
+            if args.command == "embed":
+                return _embed(client, args)
             if args.command == "model-info":
                 print(json_format.MessageToJson(client.model_info(), indent=2, preserving_proto_field_name=True))
                 return 0

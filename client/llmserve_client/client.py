@@ -15,7 +15,7 @@ from llmserve_client.channel import DEFAULT_OPTIONS, TLS, open_channel
 from llmserve_client.conversation import Conversation, chat_request
 from llmserve_client.pb.llmserve.v1 import adapters_pb2, adapters_pb2_grpc, generate_pb2_grpc
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
-from llmserve_client.request import Message, build_request, texts_by_index, tokenize_request
+from llmserve_client.request import EmbedItem, Message, build_request, embed_request, texts_by_index, tokenize_request
 from llmserve_client.retry import DEFAULT_RETRY, Attempts, CallInfo, Metadata, Retry, session_metadata
 
 _DEFAULT = object()  # "use the client's timeout", distinct from None ("no deadline")
@@ -135,6 +135,16 @@ class Client:
         """The token ids Generate would feed the model for this text or conversation."""
         response = self._unary(self._stub.Tokenize, tokenize_request(text, messages=messages), timeout)
         return list(response.token_ids)
+
+    def embed(
+        self, inputs: str | Iterable[EmbedItem] | pb.EmbedRequest, *, timeout: Any = _DEFAULT, **options: Any
+    ) -> pb.EmbedResponse:
+        """The vectors of one text or a batch of inputs (see embed_request for the inputs and options: normalize,
+        dimensions, truncate, pooling, request_id, priority), or of a ready EmbedRequest: one Embedding per input,
+        in input order (`response.embeddings[i].values`), and the usage."""
+        request = inputs if isinstance(inputs, pb.EmbedRequest) else embed_request(inputs, **options)
+        response: pb.EmbedResponse = self._unary(self._stub.Embed, request, timeout)
+        return response
 
     def model_info(self, *, timeout: Any = _DEFAULT) -> pb.GetModelInfoResponse:
         response: pb.GetModelInfoResponse = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)

@@ -1,13 +1,26 @@
-"""Building a GenerateRequest from plain Python arguments (shared by the sync and async clients)."""
+"""Building GenerateRequest and EmbedRequest messages from plain Python arguments (shared by the sync and async
+clients)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 Message = Mapping[str, str] | tuple[str, str] | pb.ChatMessage
+# One input of an EmbedRequest: a text, a list of token ids, a conversation (a list of messages, or a ChatInput),
+# or a ready EmbedInput.
+EmbedItem = str | Sequence[int] | Sequence[Message] | pb.ChatInput | pb.EmbedInput
+TRUNCATIONS: dict[str, pb.Truncation] = {"keep_start": pb.TRUNCATION_KEEP_START, "keep_end": pb.TRUNCATION_KEEP_END}
+POOLINGS: dict[str, pb.Pooling] = {
+    "cls": pb.POOLING_CLS,
+    "mean": pb.POOLING_MEAN,
+    "last": pb.POOLING_LAST,
+    "max": pb.POOLING_MAX,
+}
+E = TypeVar("E")
 
 
 def chat_input(messages: Iterable[Message]) -> pb.ChatInput:
@@ -173,3 +186,62 @@ def tokenize_request(text: str | None = None, *, messages: Iterable[Message] | N
     if messages is None:
         return pb.TokenizeRequest(text=text)
     return pb.TokenizeRequest(chat=chat_input(messages))
+
+
+def embed_request(
+    inputs: str | Iterable[EmbedItem],
+    *,
+    normalize: bool | None = None,
+    dimensions: int | None = None,
+    truncate: str | None = None,
+    pooling: str | None = None,
+    request_id: str = "",
+    priority: int = 0,
+) -> pb.EmbedRequest:
+    """An EmbedRequest for one text (`inputs` a str) or a batch of inputs, each a text, a list of token ids, a
+    conversation (a list of {"role", "content"} dicts, (role, content) pairs or ChatMessages; or a ChatInput) or
+    an EmbedInput.
+
+    Arguments left at None leave the field unset, so the model's defaults apply. `truncate`: "keep_start" or
+    "keep_end" keeps that end of a too-long input (None: a too-long input is refused). `pooling`: "cls", "mean",
+    "last" or "max". The server validates the rest (see generate.proto); ValueError for an unknown truncate or
+    pooling name, TypeError for an input of none of the kinds above.
+    """
+    request = pb.EmbedRequest(request_id=request_id, priority=priority)
+    items: Iterable[EmbedItem] = [inputs] if isinstance(inputs, str) else inputs
+    request.inputs.extend(embed_input(item) for item in items)
+    if normalize is not None:
+        request.normalize = normalize
+    if dimensions is not None:
+        request.dimensions = dimensions
+    if truncate is not None:
+        request.truncate = _named(TRUNCATIONS, truncate, "truncate")
+    if pooling is not None:
+        request.pooling = _named(POOLINGS, pooling, "pooling")
+    return request
+
+
+def embed_input(item: EmbedItem) -> pb.EmbedInput:
+    """One EmbedInput from a text, token ids, a conversation or an EmbedInput (see embed_request)."""
+    if isinstance(item, pb.EmbedInput):
+        return item
+    if isinstance(item, str):
+        return pb.EmbedInput(text=item)
+    if isinstance(item, pb.ChatInput):
+        return pb.EmbedInput(chat=item)
+    if isinstance(item, Sequence) and not isinstance(item, (bytes, bytearray)):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            return pb.EmbedInput(token_ids=pb.TokenIds(ids=list(item)))  # type: ignore[arg-type]
+        if all(isinstance(m, (Mapping, tuple, pb.ChatMessage)) for m in item):
+            return pb.EmbedInput(chat=chat_input(item))  # type: ignore[arg-type]
+    raise TypeError(
+        f"an embed input is a text, a list of token ids or a list of chat messages, not {type(item).__name__}"
+        " (several inputs go in a list: [[1, 2, 3], [4, 5]])"
+    )
+
+
+def _named(table: Mapping[str, E], name: str, what: str) -> E:
+    value = table.get(name.replace("-", "_").lower())
+    if value is None:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(table)}")
+    return value

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from llmserve import cpu_features
+from llmserve import cpu_features, packaged_models
 from llmserve.gguf import (
     MARKER,
     convert_gguf,
@@ -101,7 +101,8 @@ def load_model(
     """Load a model for serving.
 
     `spec`: None for the default GGUF; a `.gguf` file (converted and cached on first use); a folder with a
-    config.json (loaded as is); or `random:<shape>` (see `random_model`). Anything else raises ValueError.
+    config.json (loaded as is); a packaged model's name (packaged_models.py: extracted and cached on first use);
+    or `random:<shape>` (see `random_model`). Anything else raises ValueError.
     `device`: "auto" is cuda when available, else cpu. `dtype`: see `resolve_dtype`; "int8" (CPU only) loads the
     model in bfloat16 for the CPU backend to quantize its linears. `lora`: LoRA adapters will be served, which the
     CPU serves in float32 only, so that "auto" picks float32 there.
@@ -122,9 +123,12 @@ def load_model(
             folder = convert_gguf(path, cache_root)
         elif path.is_dir() and (path / "config.json").is_file():
             folder = path
+        elif (packaged := packaged_models.resolve(spec, cache_root)) is not None:
+            folder = packaged  # a model a package ships, by name: extracted once into the cache
         else:
             raise ValueError(
-                f"model spec {spec!r} is neither a .gguf file, a folder with a config.json, "
+                f"model spec {spec!r} is neither a .gguf file, a folder with a config.json, a packaged model "
+                f"({', '.join(m.name for m in packaged_models.PACKAGED_MODELS)}), "
                 f"nor {RANDOM_PREFIX}<shape> (shapes: {', '.join(sorted(RANDOM_SHAPES))})"
             )
     loaded = _load_folder(folder, dt, dev)

@@ -53,7 +53,7 @@ def test_client_imports_and_runs_without_torch(tmp_path: Path) -> None:
 import sys
 sys.path[:0] = [SITE, CLIENT]
 import llmserve_client
-from llmserve_client import AsyncClient, Client, build_request, pb
+from llmserve_client import AsyncClient, Client, build_request, embed_request, pb
 from llmserve_client import cli, health
 for name in ("torch", "transformers", "llmserve", "grpc_health"):
     try:
@@ -63,6 +63,7 @@ for name in ("torch", "transformers", "llmserve", "grpc_health"):
     else:
         raise SystemExit(f"{name} is importable")
 assert build_request("hi", max_new_tokens=3).stopping.max_new_tokens == 3
+assert embed_request(["hi", [1, 2]], dimensions=8).inputs[1].token_ids.ids == [1, 2]
 Client("localhost:1").close()
 print("ok", sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "llmserve")))
 """.replace("SITE", repr(str(site))).replace("CLIENT", repr(str(CLIENT)))

@@ -244,6 +244,8 @@ def test_any_bytes_to_any_method(fuzzed: ServerThread) -> None:
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND and method == "GetSession":
                     return
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED and method == "Embed":
+                    return  # a decodable request; issue 44's second phase serves Embed
                 _check_error(err, (method, data))
 
         _with_bystander(fuzzed, prop)

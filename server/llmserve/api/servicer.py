@@ -259,6 +259,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if delta.finish_reason in _ENDINGS:
                     raise ServiceError(*_ENDINGS[delta.finish_reason])
 
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.EmbedResponse:
+        # Issue 44's second phase serves it from the engine's batches.
+        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "Embed is not served yet")
+
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.TokenizeResponse:

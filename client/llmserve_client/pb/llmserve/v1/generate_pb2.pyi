@@ -22,6 +22,27 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
     FINISH_REASON_CONSTRAINT: _ClassVar[FinishReason]
 
+class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_UNSPECIFIED: _ClassVar[Task]
+    TASK_GENERATE: _ClassVar[Task]
+    TASK_EMBED: _ClassVar[Task]
+    TASK_CLASSIFY: _ClassVar[Task]
+
+class Truncation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRUNCATION_UNSPECIFIED: _ClassVar[Truncation]
+    TRUNCATION_KEEP_START: _ClassVar[Truncation]
+    TRUNCATION_KEEP_END: _ClassVar[Truncation]
+
+class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_UNSPECIFIED: _ClassVar[Pooling]
+    POOLING_CLS: _ClassVar[Pooling]
+    POOLING_MEAN: _ClassVar[Pooling]
+    POOLING_LAST: _ClassVar[Pooling]
+    POOLING_MAX: _ClassVar[Pooling]
+
 class HistoryInput(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     HISTORY_INPUT_UNSPECIFIED: _ClassVar[HistoryInput]
@@ -36,6 +57,18 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_DEADLINE: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_CONSTRAINT: FinishReason
+TASK_UNSPECIFIED: Task
+TASK_GENERATE: Task
+TASK_EMBED: Task
+TASK_CLASSIFY: Task
+TRUNCATION_UNSPECIFIED: Truncation
+TRUNCATION_KEEP_START: Truncation
+TRUNCATION_KEEP_END: Truncation
+POOLING_UNSPECIFIED: Pooling
+POOLING_CLS: Pooling
+POOLING_MEAN: Pooling
+POOLING_LAST: Pooling
+POOLING_MAX: Pooling
 HISTORY_INPUT_UNSPECIFIED: HistoryInput
 HISTORY_INPUT_CHAT: HistoryInput
 HISTORY_INPUT_TOKENS: HistoryInput
@@ -156,19 +189,23 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_sequence: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class ResponseOptions(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "top_logprobs", "prompt_token_ids")
+    __slots__ = ("token_ids", "logprobs", "top_logprobs", "prompt_token_ids", "prompt_logprobs", "prompt_top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: bool
     logprobs: bool
     top_logprobs: int
     prompt_token_ids: bool
-    def __init__(self, token_ids: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_token_ids: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: bool
+    prompt_top_logprobs: int
+    def __init__(self, token_ids: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_token_ids: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "prompt_token_ids", "finish_reason", "usage", "timing", "seed", "index", "total_usage")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "prompt_token_ids", "finish_reason", "usage", "timing", "seed", "index", "total_usage", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +217,7 @@ class GenerateResponse(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOTAL_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -191,7 +229,8 @@ class GenerateResponse(_message.Message):
     seed: int
     index: int
     total_usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., seed: _Optional[int] = ..., index: _Optional[int] = ..., total_usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., seed: _Optional[int] = ..., index: _Optional[int] = ..., total_usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs")
@@ -252,7 +291,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "context_length", "max_new_tokens", "dtype", "device", "vocab_size", "default_max_new_tokens", "backend", "sliding_window", "adapters", "max_loras", "max_lora_rank")
+    __slots__ = ("name", "context_length", "max_new_tokens", "dtype", "device", "vocab_size", "default_max_new_tokens", "backend", "sliding_window", "adapters", "max_loras", "max_lora_rank", "tasks", "embedding_size", "pooling", "normalize", "max_embed_input_tokens", "max_embed_inputs", "labels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +304,13 @@ class GetModelInfoResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_EMBED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EMBED_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     max_new_tokens: int
@@ -277,7 +323,68 @@ class GetModelInfoResponse(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
     max_lora_rank: int
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., sliding_window: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    tasks: _containers.RepeatedScalarFieldContainer[Task]
+    embedding_size: int
+    pooling: Pooling
+    normalize: bool
+    max_embed_input_tokens: int
+    max_embed_inputs: int
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., sliding_window: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., embedding_size: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ..., max_embed_input_tokens: _Optional[int] = ..., max_embed_inputs: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "inputs", "normalize", "dimensions", "truncate", "pooling", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    normalize: bool
+    dimensions: int
+    truncate: Truncation
+    pooling: Pooling
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., truncate: _Optional[_Union[Truncation, str]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "chat", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat: ChatInput
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "embeddings", "usage", "labels")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: Usage
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("index", "values", "prompt_tokens", "truncated", "probabilities")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    truncated: bool
+    probabilities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -43,6 +43,9 @@ class GenerateServiceStub:
     ABORTED             Generate with continue_session: another call is continuing the same session
     right now (the message names its request_id); retry once it has finished.
     NOT_FOUND           Generate with an adapter the server has not loaded (the message names "adapter").
+    FAILED_PRECONDITION Generate on a model that does not generate (an encoder or a classifier), or Embed on a
+    model that has no pooling (GetModelInfoResponse.tasks says which calls it serves); the
+    message says why.
     """
 
     def __init__(self, channel):
@@ -55,6 +58,11 @@ class GenerateServiceStub:
                 '/llmserve.v1.GenerateService/Generate',
                 request_serializer=llmserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=llmserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llmserve.v1.GenerateService/Embed',
+                request_serializer=llmserve_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/llmserve.v1.GenerateService/Tokenize',
@@ -96,6 +104,9 @@ class GenerateServiceServicer:
     ABORTED             Generate with continue_session: another call is continuing the same session
     right now (the message names its request_id); retry once it has finished.
     NOT_FOUND           Generate with an adapter the server has not loaded (the message names "adapter").
+    FAILED_PRECONDITION Generate on a model that does not generate (an encoder or a classifier), or Embed on a
+    model that has no pooling (GetModelInfoResponse.tasks says which calls it serves); the
+    message says why.
     """
 
     def Generate(self, request, context):
@@ -107,6 +118,20 @@ class GenerateServiceServicer:
         each completion's messages follow these rules on their own, and the stream's very last message also
         carries total_usage.
         Cancelling the call or letting its deadline pass stops generation within one engine iteration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Embed returns one vector per input: the model's final hidden states pooled over the input's tokens (the
+        first token's, their mean, the last token's or their maximum), then, as the request and the model say,
+        truncated to its first `dimensions` entries and normalized. For a sequence-classification model the vector
+        is the classifier's logits, and the response also carries their probabilities and the class labels.
+        The inputs of a call, and those of concurrent Embed and Generate calls, share the engine's batches; each
+        input's vector is the same whatever else was in the batch (up to floating-point rounding).
+        A bad input fails the whole call (INVALID_ARGUMENT naming the field, for example "inputs[3]"), before any of
+        it reaches the engine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,6 +174,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=llmserve_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=llmserve_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=llmserve_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -196,6 +226,9 @@ class GenerateService:
     ABORTED             Generate with continue_session: another call is continuing the same session
     right now (the message names its request_id); retry once it has finished.
     NOT_FOUND           Generate with an adapter the server has not loaded (the message names "adapter").
+    FAILED_PRECONDITION Generate on a model that does not generate (an encoder or a classifier), or Embed on a
+    model that has no pooling (GetModelInfoResponse.tasks says which calls it serves); the
+    message says why.
     """
 
     @staticmethod
@@ -215,6 +248,33 @@ class GenerateService:
             '/llmserve.v1.GenerateService/Generate',
             llmserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             llmserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.GenerateService/Embed',
+            llmserve_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            llmserve_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
