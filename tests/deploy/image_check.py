@@ -67,12 +67,23 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
     return done
 
 
-def deployment_container() -> tuple[list[str], dict[str, str]]:
-    """The args and the literal environment of deployment.yaml's llmserve container."""
+def deployment_container() -> tuple[list[str], dict[str, str], list[str]]:
+    """deployment.yaml's llmserve container: its args, its literal environment, and podman's options for its
+    security settings (user, read-only root with a fresh /tmp, no capabilities, no privilege escalation)."""
     docs = [d for d in yaml.safe_load_all(DEPLOYMENT.read_text()) if d and d["kind"] == "Deployment"]
-    (container,) = docs[0]["spec"]["template"]["spec"]["containers"]
+    pod = docs[0]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
     env = {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
-    return [str(arg) for arg in container.get("args", [])], env
+    security = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+    options = []
+    if "runAsUser" in security:
+        options.append(f"--user={security['runAsUser']}:{security.get('runAsGroup', security['runAsUser'])}")
+    if security.get("readOnlyRootFilesystem"):
+        options.append("--read-only")  # podman mounts a fresh tmpfs on /tmp, as the Deployment's emptyDir
+    options += [f"--cap-drop={cap.lower()}" for cap in security.get("capabilities", {}).get("drop", [])]
+    if security.get("allowPrivilegeEscalation") is False:
+        options.append("--security-opt=no-new-privileges")
+    return [str(arg) for arg in container.get("args", [])], env, options
 
 
 @dataclass(slots=True)
@@ -86,11 +97,12 @@ class Container:
     metrics_port: int = field(default_factory=free_port)
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    options: list[str] = field(default_factory=list)
 
     @classmethod
     def as_deployed(cls, image: str) -> Container:
-        args, env = deployment_container()
-        container = cls(image, args=args)
+        args, env, options = deployment_container()
+        container = cls(image, args=args, options=options)
         container.env = {
             **env,
             "LLMSERVE_ADDRESS": container.address,
@@ -109,7 +121,7 @@ class Container:
 
     def start(self) -> None:
         podman("rm", "--force", "--ignore", self.name)
-        options = ["--detach", "--name", self.name, "--network", "host"]
+        options = ["--detach", "--name", self.name, "--network", "host", *self.options]
         options += [f"--env={name}={value}" for name, value in self.env.items()]
         podman("run", *options, self.image, *self.args)
 
@@ -379,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             container.start()
             up = wait_serving(container.address, container.running, container.logs, started)
             ref_up = wait_serving(reference.address, reference.running, reference.logs, started)
-            how = " ".join(container.args) or "no args"
+            how = " ".join(container.args + container.options)
             print(f"start      SERVING {up:.1f} s after start, with deployment.yaml's {how} ", end="", flush=True)
             print(f"(make run's server: {ref_up:.1f} s)", flush=True)
             print(f"health     {check_health(container)}", flush=True)

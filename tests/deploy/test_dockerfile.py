@@ -147,3 +147,17 @@ def test_the_steps_are_the_makefiles() -> None:
         pin = re.search(rf"^{name} \?= (\S+)$", MAKEFILE, re.MULTILINE)
         assert pin is not None and pin.group(1) in runs, name
     assert "--no-build-isolation --no-deps arctic-inference" in runs and "-DPython_EXECUTABLE=" in runs
+
+
+def test_the_deployment_runs_the_image_make_image_builds() -> None:
+    """deploy/k8s/deployment.yaml names `make image`'s tag and runs as the image's user (make image-test runs the
+    image with the Deployment's args, environment and security settings)."""
+    import yaml
+
+    (deployment,) = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "deployment.yaml").read_text()) if d]
+    pod = deployment["spec"]["template"]["spec"]
+    tag = re.search(r"^IMAGE_CPU \?= (\S+)$", MAKEFILE, re.MULTILINE)
+    assert tag is not None and pod["containers"][0]["image"] == tag.group(1)
+    assert re.search(r"^image-test: image\b", MAKEFILE, re.MULTILINE), "image-test checks what make image built"
+    (user,) = [line for line in stages()["image"][1] if line.startswith("USER ")]
+    assert user.split()[1] == f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
