@@ -162,7 +162,8 @@ image:
 		$(if $(IMAGE_ENGINE),--engine $(IMAGE_ENGINE)) $(if $(IMAGE_BASE),--base $(IMAGE_BASE))
 
 # `make image`, then the container checked from outside over gRPC against `make run`'s server, each check with its
-# figure (tests/deploy/image_check.py; podman; about 13 minutes from nothing, 3 once the base and layers exist).
+# figure (tests/deploy/image_check.py; podman): 17 minutes from nothing on the shared 2-core machine, 4 with the base
+# and the build's layers in place.
 # Not part of `make test`.
 image-test: image $(STAMP_MODEL)
 	$(PY) -m tests.deploy.image_check --image $(IMAGE_CPU)
