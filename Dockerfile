@@ -3,9 +3,9 @@
 #                     a locally made bare Debian where no registry is reachable), CPU-only torch -> llmserve:cpu
 #   make docker       VARIANT=cuda: CUDA runtime base, PyPI's torch (a CUDA build)                 -> llmserve:latest
 #   docker run --gpus all -p 50051:50051 -p 9400:9400 llmserve:latest [flags of python -m llmserve]
-# Two stages: `build` installs compilers and builds everything into /opt/llmserve (the venv with the C kernels and
-# arctic-inference, the default model prepared by `python -m llmserve.models`, as `make install` and `make model`
-# do); the image is the runtime base plus that folder, with no compiler. `make image-test` builds the CPU image and
+# Multi-stage: `build`, `torch-*` and `project` install the compilers and build everything into /opt/llmserve (the
+# venv with the C kernels and arctic-inference, the default model prepared by `python -m llmserve.models`, as
+# `make install` and `make model` do); the image is the `runtime` stage plus that folder, with no compiler. `make image-test` builds the CPU image and
 # checks the running container over gRPC (tests/deploy/image_check.py).
 ARG VARIANT=cuda
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
