@@ -113,7 +113,8 @@ def test_tokenize_needs_input(stub) -> None:
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[ServerThread]:
-    srv = ServerThread(tiny_engine(), max_concurrent_streams=2).start()
+    """The stream cap is the edge's alone: the core on a thread (a tenth of an engine process's start-up)."""
+    srv = ServerThread(tiny_engine(in_process=True), max_concurrent_streams=2).start()
     yield srv
     srv.stop()
 
