@@ -9,6 +9,7 @@ last) for finished requests whose first message came inside it.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -79,3 +80,11 @@ def ttft_summary(samples: Sequence[float]) -> dict[str, float | int | None]:
         "p99": None if p99 is None else round(p99, 3),
         "n": len(samples),
     }
+
+
+def window_ratios(values: Sequence[float], bases: Sequence[float]) -> tuple[list[float | None], float | None]:
+    """Each window's (or set's) value over its base's, rounded to 3 places (None where the base window got no
+    tokens, as a smoke run's may), and the median of those there are."""
+    ratios = [None if base == 0 else round(value / base, 3) for value, base in zip(values, bases, strict=True)]
+    known = [r for r in ratios if r is not None]
+    return ratios, round(statistics.median(known), 3) if known else None

@@ -43,9 +43,11 @@ import psutil
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from benchmarks import options, writer
+from benchmarks.metrics import ratio
 from benchmarks.paths import ROOT
 from benchmarks.serve import Server, free_port
-from benchmarks.window import Window, spread, ttft_summary
+from benchmarks.window import Window, spread, ttft_summary, window_ratios
+from benchmarks.writer import num
 from llmserve_client import AsyncClient
 
 TITLE = "The smg gateway: its OpenAI HTTP vs llmserve's own gRPC, 32 clients (issue 30)"
@@ -255,18 +257,18 @@ async def measure(address: str, smg_url: str, cpu: CpuMeter, args: argparse.Name
         print(json.dumps({k: [round(r, 1) for r in v] for k, v in rates.items()}), flush=True)
     await http.aclose()
     await sdk.close()
-    ratios = [via / direct for via, direct in zip(rates["smg"], rates["grpc"], strict=True)]
-    sdk_ratios = [via / direct for via, direct in zip(rates["smg-sdk"], rates["grpc"], strict=True)]
+    ratios, median = window_ratios(rates["smg"], rates["grpc"])
+    sdk_ratios, sdk_median = window_ratios(rates["smg-sdk"], rates["grpc"])
     return {
         "served": {"model": info.name, "dtype": info.dtype, "device": info.device},
         "clients": args.clients,
         "max_new_tokens": args.max_new_tokens,
         "window_s": args.window_s,
         "tokens_per_s": rates,
-        "ratio_per_window_set": [round(r, 3) for r in ratios],
-        "ratio_median": round(statistics.median(ratios), 3),
-        "sdk_ratio_per_window_set": [round(r, 3) for r in sdk_ratios],
-        "sdk_ratio_median": round(statistics.median(sdk_ratios), 3),
+        "ratio_per_window_set": ratios,
+        "ratio_median": median,
+        "sdk_ratio_per_window_set": sdk_ratios,
+        "sdk_ratio_median": sdk_median,
         "ttft_s": {mode: ttft_summary(v) for mode, v in ttfts.items()},
         # Means over the samples: requests the clients had open, the engine ran, the engine queued.
         "occupancy": {mode: _means(samples) for mode, samples in occupancy.items()},
@@ -337,7 +339,7 @@ def section(result: dict[str, Any]) -> list[str]:
     ]
     sets = zip(rates["smg"], rates["smg-sdk"], rates["grpc"], strict=True)
     rows = [
-        [i + 1, f"{http:.1f}", f"{sdk:.1f}", f"{direct:.1f}", f"{http / direct:.3f}", f"{sdk / direct:.3f}"]
+        [i + 1, f"{http:.1f}", f"{sdk:.1f}", f"{direct:.1f}", num(ratio(http, direct), 3), num(ratio(sdk, direct), 3)]
         for i, (http, sdk, direct) in enumerate(sets)
     ]
     header = ["window set", "smg, httpx tok/s", "smg, openai SDK tok/s", "gRPC tok/s", "ratio httpx", "ratio SDK"]

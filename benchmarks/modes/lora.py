@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import options, writer
+from benchmarks.metrics import ratio
 from benchmarks.serve import Server
-from benchmarks.window import Window, ttft_summary
+from benchmarks.window import Window, ttft_summary, window_ratios
 from llmserve_client import AsyncClient, Client
 
 TITLE = "LoRA adapters: 32 clients over 4 rank-16 adapters vs the base model (issue 32)"
@@ -147,7 +148,7 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
             rates[mode].append(window.tokens_per_s)
             ttfts[mode] += window.ttfts
         print(json.dumps({k: [round(r, 1) for r in v] for k, v in rates.items()}), flush=True)
-    ratios = [lora / base for lora, base in zip(rates["lora"], rates["base"], strict=True)]
+    ratios, median = window_ratios(rates["lora"], rates["base"])
     return {
         "served": {"model": info.name, "dtype": info.dtype, "device": info.device, "backend": info.backend},
         "clients": args.clients,
@@ -156,8 +157,8 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
         "max_new_tokens": args.max_new_tokens,
         "window_s": args.window_s,
         "tokens_per_s": rates,
-        "ratio_per_window_pair": [round(r, 3) for r in ratios],
-        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_per_window_pair": ratios,
+        "ratio_median": median,
         "ttft_s": {mode: ttft_summary(v) for mode, v in ttfts.items()},
     }
 
@@ -206,7 +207,7 @@ def section(result: dict[str, Any]) -> list[str]:
     )
     lines = [" ".join(served), ""]
     pairs = zip(rates["lora"], rates["base"], strict=True)
-    rows = [[i + 1, f"{lo:.1f}", f"{ba:.1f}", f"{lo / ba:.3f}"] for i, (lo, ba) in enumerate(pairs)]
+    rows = [[i + 1, f"{lo:.1f}", f"{ba:.1f}", writer.num(ratio(lo, ba), 3)] for i, (lo, ba) in enumerate(pairs)]
     lines += writer.table(["window pair", "4 adapters tok/s", "base model tok/s", "ratio"], rows)
     lo, ba = ttft["lora"], ttft["base"]
     mib = 1 << 20

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from benchmarks import options, writer
-from benchmarks.window import Window
+from benchmarks.metrics import ratio
+from benchmarks.window import Window, window_ratios
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.constraints import Compiled, ConstraintCompiler, Vocabulary
@@ -122,14 +123,14 @@ async def measure(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, An
             rates[mode].append(await window(engine, prompts, constraint, args))
         print(json.dumps({k: [round(r, 1) for r in v] for k, v in rates.items()}), flush=True)
     await engine.shutdown()
-    ratio = [c / u for u, c in zip(rates["unconstrained"], rates["json_schema"], strict=True)]
+    ratios, median = window_ratios(rates["json_schema"], rates["unconstrained"])
     return {
         "clients": args.clients,
         "max_new_tokens": args.max_new_tokens,
         "window_s": args.window_s,
         "tokens_per_s": rates,
-        "ratio_per_window_pair": [round(r, 3) for r in ratio],
-        "ratio_median": round(statistics.median(ratio), 3),
+        "ratio_per_window_pair": ratios,
+        "ratio_median": median,
         "compile_cold_ms": round(cold_ms, 1),
         "compile_new_schema_ms": round(new_ms, 2),
         "compile_cached_ms": round(cached_ms, 3),
@@ -168,7 +169,7 @@ def section(result: dict[str, Any]) -> list[str]:
         f"{result['window_s']:g} s alternated (U C, C U, ...).",
         "",
     ]
-    rows = [[i + 1, f"{u:.1f}", f"{c:.1f}", f"{c / u:.3f}"] for i, (u, c) in enumerate(pairs)]
+    rows = [[i + 1, f"{u:.1f}", f"{c:.1f}", writer.num(ratio(c, u), 3)] for i, (u, c) in enumerate(pairs)]
     lines += writer.table(["window pair", "unconstrained tok/s", "json_schema tok/s", "ratio"], rows)
     return lines + [
         "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.window import Window, spread, ttft_summary
+from benchmarks.window import Window, spread, ttft_summary, window_ratios
 
 
 def test_a_window_counts_only_what_arrived_inside_it() -> None:
@@ -31,3 +31,8 @@ def test_token_counts_not_known_per_message_are_spread_evenly() -> None:
 def test_the_ttft_summary() -> None:
     assert ttft_summary([]) == {"p50": None, "p99": None, "n": 0}
     assert ttft_summary([0.1, 0.2, 0.3]) == {"p50": 0.2, "p99": pytest.approx(0.298), "n": 3}
+
+
+def test_ratios_of_windows_leave_out_a_base_that_got_nothing() -> None:
+    assert window_ratios([2.0, 3.0, 1.0], [1.0, 2.0, 1.0]) == ([2.0, 1.5, 1.0], 1.5)
+    assert window_ratios([1.7], [0.0]) == ([None], None)  # a smoke run's empty window: no ratio, no crash
