@@ -291,12 +291,17 @@ def _means(samples: list[tuple[int, int, int]]) -> dict[str, float]:
     }
 
 
-def _median_per_role(windows: list[dict[str, float]], per: list[float], skip: tuple[str, ...] = ()) -> dict[str, float]:
-    """Each role's median over the windows of its CPU seconds divided by the window's `per`."""
+def _median_per_role(
+    windows: list[dict[str, float]], per: list[float], skip: tuple[str, ...] = ()
+) -> dict[str, float | None]:
+    """Each role's median over the windows of its CPU seconds divided by the window's `per` (None where every `per`
+    is 0: no tokens in any of the mode's windows, as in a smoke run on a loaded machine)."""
     roles = [role for role in windows[0] if role not in skip] if windows else []
-    return {
-        role: round(statistics.median(w[role] / d for w, d in zip(windows, per, strict=True) if d), 3) for role in roles
-    }
+    out: dict[str, float | None] = {}
+    for role in roles:
+        values = [w[role] / d for w, d in zip(windows, per, strict=True) if d]
+        out[role] = round(statistics.median(values), 3) if values else None
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -361,9 +366,7 @@ def section(result: dict[str, Any]) -> list[str]:
     ]
     cores, per_token = result["cpu_cores"], result["cpu_ms_per_token"]
     rows = [
-        [role]
-        + [f"{cores[mode][role]:.2f}" for mode in MODES]
-        + [f"{per_token[mode][role]:.3f}" if role in per_token[mode] else "–" for mode in MODES]
+        [role] + [num(cores[mode][role], 2) for mode in MODES] + [num(per_token[mode].get(role), 3) for mode in MODES]
         for role in cores["grpc"]
     ]
     header = ["process"] + [f"cores, {mode}" for mode in MODES] + [f"ms/token, {mode}" for mode in MODES]
