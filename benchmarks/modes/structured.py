@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks import options, writer
-from benchmarks.metrics import ratio
+from benchmarks.metrics import percentile, ratio
 from benchmarks.window import Window, window_ratios
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
@@ -137,7 +137,7 @@ async def measure(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, An
         "mask_ms_per_step": {
             "rows": args.clients,
             "median": round(statistics.median(mask_ms), 3),
-            "p90": round(sorted(mask_ms)[int(0.9 * len(mask_ms))], 3),
+            "p90": round(percentile(mask_ms, 90) or 0.0, 3),
         },
     }
 
