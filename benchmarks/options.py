@@ -39,3 +39,27 @@ def result_name(args: argparse.Namespace, stem: str) -> str:
         return str(args.name)
     parts = [datetime.date.today().isoformat(), device_slug(args.device), stem]
     return "-".join(parts + (["quick"] if args.quick else []))
+
+
+def add_windows(
+    p: argparse.ArgumentParser, sets: str, *, window_s: float, warmup_s: float, max_new_tokens: int
+) -> None:
+    """The options of a mode that alternates its systems window by window (benchmarks/window.py): `--windows`
+    sets of one window per system (`sets` says what a set holds), their lengths, the closed-loop clients and their
+    requests' size."""
+    p.add_argument("--windows", type=int, default=3, help=f"sets of windows ({sets})")
+    p.add_argument("--window-s", type=float, default=window_s)
+    p.add_argument("--warmup-s", type=float, default=warmup_s)
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+
+
+def parse_windows(
+    p: argparse.ArgumentParser, argv: list[str], quick_window_s: float = 3.0, quick_max_new_tokens: int = 8
+) -> argparse.Namespace:
+    """The arguments; with --quick one set of short windows, few clients and tokens: a smoke run."""
+    args = p.parse_args(argv)
+    if args.quick:
+        args.windows, args.window_s, args.warmup_s, args.clients = 1, quick_window_s, 1.0, 4
+        args.max_new_tokens = quick_max_new_tokens
+    return args

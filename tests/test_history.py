@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from redis_server import RedisServer
 
-from llmserve.api.prompts import SessionPrompts, continue_chat, continue_tokens
+from llmserve.api.prompts import continue_chat, continue_tokens
 from llmserve.engine.delta import Delta, FinishReason
 from llmserve.engine.errors import InvalidRequest
 from llmserve.history import (
@@ -280,14 +280,6 @@ async def test_missing_history_says_why_it_ended(make: Make) -> None:
         await asyncio.sleep(1.3)
     with pytest.raises(NoHistory, match="--session-ttl"):
         await store.start("f", "r", continues=True)
-
-
-def test_continued_prompt_over_the_token_cap_is_refused_naming_the_flag() -> None:
-    prompts = SessionPrompts(MemoryHistoryStore(HistoryConfig()), max_tokens=5)
-    prompts.check_length(5)
-    with pytest.raises(InvalidRequest, match="--max-session-tokens") as err:
-        prompts.check_length(6)
-    assert err.value.field == "continue_session"
 
 
 async def test_byte_cap_evicts_least_recently_used_first(make: Make) -> None:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
+import os
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,11 @@ import psutil
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from benchmarks import options, writer
-from benchmarks.paths import ROOT, child_env
+from benchmarks.metrics import ratio
+from benchmarks.paths import ROOT
+from benchmarks.serve import Server, free_port
+from benchmarks.window import Window, spread, ttft_summary, window_ratios
+from benchmarks.writer import num
 from llmserve_client import AsyncClient
 
 TITLE = "The smg gateway: its OpenAI HTTP vs llmserve's own gRPC, 32 clients (issue 30)"
@@ -59,12 +63,6 @@ QUESTIONS = [
 # the ratio compares, sit symmetrically around the SDK's window.
 MODES = ("smg", "smg-sdk", "grpc")
 SMG_BINARY = Path(sys.executable).parent / "smg"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, timeout_s: float) -> None:
@@ -87,8 +85,8 @@ class CpuMeter:
     (the step loop, the forward), smg; and the machine's idle seconds. On two cores the clients and smg compete with
     the server, so a gap between the modes is read from these."""
 
-    def __init__(self, server: subprocess.Popen[bytes], smg: subprocess.Popen[bytes]) -> None:
-        root = psutil.Process(server.pid)
+    def __init__(self, server_pid: int, smg: subprocess.Popen[bytes]) -> None:
+        root = psutil.Process(server_pid)
         self._roles = {
             "clients": [psutil.Process()],
             "server API": [root],
@@ -107,58 +105,44 @@ def _cpu_s(process: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-class Window:
-    def __init__(self, start: float, warmup_s: float, window_s: float) -> None:
-        self.counted_from = start + warmup_s
-        self.end = self.counted_from + window_s
-        self.tokens = 0.0
-        self.ttfts: list[float] = []
-        self.cpu_s: dict[str, float] = {}
-        self.open = 0  # the clients' requests in flight
-        # Samples every 0.1 s inside the window: the clients' requests in flight, the engine's running and waiting.
-        self.occupancy: list[tuple[int, int, int]] = []
+@dataclass(slots=True)
+class Watched:
+    """What a window of this mode records beside its tokens: the CPU seconds each side spent inside it, and samples
+    every 0.1 s of the clients' requests in flight and the engine's running and waiting counts."""
 
-    def begin(self) -> float:
-        self.open += 1
-        return time.monotonic()
+    window: Window
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    occupancy: list[tuple[int, int, int]] = field(default_factory=list)
 
     async def sample_occupancy(self, address: str) -> None:
         """Where the clients' requests are: the engine's running and waiting counts (the vLLM edge's GetLoads, what
         smg polls) beside the requests the clients have open; a request open but in neither is in a client, smg or
         the edge."""
-        await asyncio.sleep(max(0.0, self.counted_from - time.monotonic()))
+        window = self.window
+        await asyncio.sleep(max(0.0, window.counted_from - time.monotonic()))
         async with grpc.aio.insecure_channel(address) as channel:
             loads = vllm_engine_pb2_grpc.VllmEngineStub(channel).GetLoads
-            while time.monotonic() < self.end:
+            while not window.over:
                 load = (await loads(vllm_engine_pb2.GetLoadsRequest())).loads[0]
-                self.occupancy.append((self.open, load.num_running_reqs, load.num_waiting_reqs))
+                self.occupancy.append((window.open, load.num_running_reqs, load.num_waiting_reqs))
                 await asyncio.sleep(0.1)
 
     async def meter(self, cpu: CpuMeter) -> None:
         """The CPU seconds each side spends inside the window (after its warm-up)."""
-        await asyncio.sleep(max(0.0, self.counted_from - time.monotonic()))
+        await asyncio.sleep(max(0.0, self.window.counted_from - time.monotonic()))
         before = cpu.read()
-        await asyncio.sleep(max(0.0, self.end - time.monotonic()))
+        await asyncio.sleep(max(0.0, self.window.end - time.monotonic()))
         after = cpu.read()
         self.cpu_s = {role: after[role] - before[role] for role in after}
-
-    def done(self, began: float, arrivals: list[float], tokens: int) -> None:
-        """A finished request: its messages' arrival times and its completion tokens (spread evenly over them)."""
-        self.open -= 1
-        inside = sum(self.counted_from <= t < self.end for t in arrivals)
-        if arrivals:
-            self.tokens += tokens * inside / len(arrivals)
-            if self.counted_from <= began < self.end:
-                self.ttfts.append(arrivals[0] - began)
 
 
 async def grpc_client(c: int, window: Window, address: str, args: argparse.Namespace) -> None:
     async with AsyncClient(address, timeout=600) as client:
         k = 0
-        while time.monotonic() < window.end:
+        while not window.over:
             question = QUESTIONS[(c + k) % len(QUESTIONS)]
             k += 1
-            began, arrivals, tokens = window.begin(), [], 0
+            began, arrivals = window.begin(), []
             async for response in client.generate(
                 messages=[{"role": "user", "content": question}],
                 max_new_tokens=args.max_new_tokens,
@@ -168,15 +152,14 @@ async def grpc_client(c: int, window: Window, address: str, args: argparse.Names
                 return_token_ids=True,
             ):
                 if response.token_ids:
-                    arrivals.append(time.monotonic())
-                tokens += len(response.token_ids)
-            window.done(began, arrivals, tokens)
+                    arrivals.append((time.monotonic(), len(response.token_ids)))
+            window.done(began, arrivals)
 
 
 async def sdk_client(c: int, window: Window, sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> None:
     """Through smg with the openai SDK (its pydantic objects per chunk)."""
     k = 0
-    while time.monotonic() < window.end:
+    while not window.over:
         question = QUESTIONS[(c + k) % len(QUESTIONS)]
         k += 1
         began, arrivals, tokens = window.begin(), [], 0
@@ -195,14 +178,14 @@ async def sdk_client(c: int, window: Window, sdk: openai.AsyncOpenAI, model: str
                 arrivals.append(time.monotonic())
             if event.usage is not None:
                 tokens = event.usage.completion_tokens
-        window.done(began, arrivals, tokens)
+        window.done(began, spread(arrivals, tokens))
 
 
 async def http_client(c: int, window: Window, http: httpx.AsyncClient, model: str, args: argparse.Namespace) -> None:
     """Through smg on the same HTTP transport as the SDK (httpx), reading the server-sent events as JSON: the
     request a load generator such as vLLM's benchmark_serving sends, without the SDK's object layer."""
     k = 0
-    while time.monotonic() < window.end:
+    while not window.over:
         question = QUESTIONS[(c + k) % len(QUESTIONS)]
         k += 1
         began, arrivals, tokens = window.begin(), [], 0
@@ -226,7 +209,7 @@ async def http_client(c: int, window: Window, http: httpx.AsyncClient, model: st
                     arrivals.append(time.monotonic())
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-        window.done(began, arrivals, tokens)
+        window.done(began, spread(arrivals, tokens))
 
 
 @dataclass(slots=True)
@@ -239,21 +222,17 @@ class Clients:
     http: httpx.AsyncClient
 
 
-async def run_window(mode: str, clients: Clients, cpu: CpuMeter, args: argparse.Namespace) -> Window:
-    window = Window(time.monotonic(), args.warmup_s, args.window_s)
+async def run_window(mode: str, clients: Clients, cpu: CpuMeter, args: argparse.Namespace) -> Watched:
+    window = Window.starting_now(args.warmup_s, args.window_s)
+    watched = Watched(window)
     if mode == "smg":
         loops = [http_client(c, window, clients.http, clients.model, args) for c in range(args.clients)]
     elif mode == "smg-sdk":
         loops = [sdk_client(c, window, clients.sdk, clients.model, args) for c in range(args.clients)]
     else:
         loops = [grpc_client(c, window, clients.address, args) for c in range(args.clients)]
-    await asyncio.gather(window.meter(cpu), window.sample_occupancy(clients.address), *loops)
-    return window
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+    await asyncio.gather(watched.meter(cpu), watched.sample_occupancy(clients.address), *loops)
+    return watched
 
 
 async def measure(address: str, smg_url: str, cpu: CpuMeter, args: argparse.Namespace) -> dict[str, object]:
@@ -270,30 +249,27 @@ async def measure(address: str, smg_url: str, cpu: CpuMeter, args: argparse.Name
     occupancy: dict[str, list[tuple[int, int, int]]] = {mode: [] for mode in MODES}
     for i in range(args.windows):
         for mode in MODES if i % 2 == 0 else MODES[::-1]:
-            window = await run_window(mode, clients, cpu, args)
-            rates[mode].append(window.tokens / args.window_s)
-            ttfts[mode] += window.ttfts
-            cpu_s[mode].append(window.cpu_s)
-            occupancy[mode] += window.occupancy
+            watched = await run_window(mode, clients, cpu, args)
+            rates[mode].append(watched.window.tokens_per_s)
+            ttfts[mode] += watched.window.ttfts
+            cpu_s[mode].append(watched.cpu_s)
+            occupancy[mode] += watched.occupancy
         print(json.dumps({k: [round(r, 1) for r in v] for k, v in rates.items()}), flush=True)
     await http.aclose()
     await sdk.close()
-    ratios = [via / direct for via, direct in zip(rates["smg"], rates["grpc"], strict=True)]
-    sdk_ratios = [via / direct for via, direct in zip(rates["smg-sdk"], rates["grpc"], strict=True)]
+    ratios, median = window_ratios(rates["smg"], rates["grpc"])
+    sdk_ratios, sdk_median = window_ratios(rates["smg-sdk"], rates["grpc"])
     return {
         "served": {"model": info.name, "dtype": info.dtype, "device": info.device},
         "clients": args.clients,
         "max_new_tokens": args.max_new_tokens,
         "window_s": args.window_s,
         "tokens_per_s": rates,
-        "ratio_per_window_set": [round(r, 3) for r in ratios],
-        "ratio_median": round(statistics.median(ratios), 3),
-        "sdk_ratio_per_window_set": [round(r, 3) for r in sdk_ratios],
-        "sdk_ratio_median": round(statistics.median(sdk_ratios), 3),
-        "ttft_s": {
-            mode: {"p50": round(percentile(v, 0.5), 3), "p99": round(percentile(v, 0.99), 3), "n": len(v)}
-            for mode, v in ttfts.items()
-        },
+        "ratio_per_window_set": ratios,
+        "ratio_median": median,
+        "sdk_ratio_per_window_set": sdk_ratios,
+        "sdk_ratio_median": sdk_median,
+        "ttft_s": {mode: ttft_summary(v) for mode, v in ttfts.items()},
         # Means over the samples: requests the clients had open, the engine ran, the engine queued.
         "occupancy": {mode: _means(samples) for mode, samples in occupancy.items()},
         "cpu_s_per_window": {mode: [{k: round(v, 2) for k, v in w.items()} for w in ws] for mode, ws in cpu_s.items()},
@@ -315,62 +291,44 @@ def _means(samples: list[tuple[int, int, int]]) -> dict[str, float]:
     }
 
 
-def _median_per_role(windows: list[dict[str, float]], per: list[float], skip: tuple[str, ...] = ()) -> dict[str, float]:
-    """Each role's median over the windows of its CPU seconds divided by the window's `per`."""
+def _median_per_role(
+    windows: list[dict[str, float]], per: list[float], skip: tuple[str, ...] = ()
+) -> dict[str, float | None]:
+    """Each role's median over the windows of its CPU seconds divided by the window's `per` (None where every `per`
+    is 0: no tokens in any of the mode's windows, as in a smoke run on a loaded machine)."""
     roles = [role for role in windows[0] if role not in skip] if windows else []
-    return {
-        role: round(statistics.median(w[role] / d for w, d in zip(windows, per, strict=True) if d), 3) for role in roles
-    }
+    out: dict[str, float | None] = {}
+    for role in roles:
+        values = [w[role] / d for w, d in zip(windows, per, strict=True) if d]
+        out[role] = round(statistics.median(values), 3) if values else None
+    return out
 
 
 def main(argv: list[str]) -> int:
     p = options.parser("gateway", __doc__)
-    p.add_argument("--windows", type=int, default=3, help="sets of windows (smg with httpx, smg with the SDK, gRPC)")
-    p.add_argument("--window-s", type=float, default=30.0)
-    p.add_argument("--warmup-s", type=float, default=8.0)
-    p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    args = p.parse_args(argv)
-    if args.quick:  # one set of short windows, few clients and tokens: a smoke run
-        args.windows, args.window_s, args.warmup_s, args.clients, args.max_new_tokens = 1, 3.0, 1.0, 4, 8
+    sets = "smg with httpx, smg with the SDK, gRPC"
+    options.add_windows(p, sets, window_s=30.0, warmup_s=8.0, max_new_tokens=64)
+    args = options.parse_windows(p, argv)
     run = writer.Run(options.command("gateway", argv))
-    port, smg_port, smg_metrics = free_port(), free_port(), free_port()
-    address = f"127.0.0.1:{port}"
-    env = dict(child_env(), LLMSERVE_HISTORY_STORE="memory")
-    serve = [sys.executable, "-m", "llmserve", "--address", address, "--log-level", "WARNING"]
-    serve += ["--device", args.device, "--dtype", args.dtype] + (["--model", args.model] if args.model else [])
-    server = subprocess.Popen(serve, env=env)
-    smg_env = dict(env, SMG=str(SMG_BINARY), SMG_HOST="127.0.0.1", SMG_PORT=str(smg_port))
+    smg_port, smg_metrics = free_port(), free_port()
+    smg_env = dict(os.environ, SMG=str(SMG_BINARY), SMG_HOST="127.0.0.1", SMG_PORT=str(smg_port))
     smg_env["SMG_METRICS_PORT"] = str(smg_metrics)
     smg = None
-    try:
-        asyncio.run(_wait_serving(address))
-        launch = ["bash", str(ROOT / "deploy" / "smg" / "launch.sh"), address, "--log-level", "warn"]
-        smg = subprocess.Popen(launch, env=smg_env, stdout=subprocess.DEVNULL)
-        wait_ready(f"http://127.0.0.1:{smg_port}", 60)
-        cpu = CpuMeter(server, smg)
-        figures = asyncio.run(measure(address, f"http://127.0.0.1:{smg_port}", cpu, args))
-        run.model = figures.pop("served")  # type: ignore[assignment]
-    finally:
-        for proc in (smg, server):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(60)
+    with Server(model=args.model, device=args.device, dtype=args.dtype) as server:
+        try:
+            asyncio.run(server.wait_serving())
+            launch = ["bash", str(ROOT / "deploy" / "smg" / "launch.sh"), server.address, "--log-level", "warn"]
+            smg = subprocess.Popen(launch, env=smg_env, stdout=subprocess.DEVNULL)
+            wait_ready(f"http://127.0.0.1:{smg_port}", 60)
+            cpu = CpuMeter(server.pid, smg)
+            figures = asyncio.run(measure(server.address, f"http://127.0.0.1:{smg_port}", cpu, args))
+            run.model = figures.pop("served")  # type: ignore[assignment]
+        finally:
+            if smg is not None:
+                smg.terminate()
+                smg.wait(60)
     writer.publish(run, args.out_dir, options.result_name(args, "gateway"), TITLE, figures, section)
     return 0
-
-
-async def _wait_serving(address: str) -> None:
-    end = time.monotonic() + 300
-    async with AsyncClient(address, timeout=5) as client:
-        while time.monotonic() < end:
-            try:
-                if await client.health() == "SERVING":
-                    return
-            except Exception:  # not listening yet
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(address)
 
 
 def section(result: dict[str, Any]) -> list[str]:
@@ -386,7 +344,7 @@ def section(result: dict[str, Any]) -> list[str]:
     ]
     sets = zip(rates["smg"], rates["smg-sdk"], rates["grpc"], strict=True)
     rows = [
-        [i + 1, f"{http:.1f}", f"{sdk:.1f}", f"{direct:.1f}", f"{http / direct:.3f}", f"{sdk / direct:.3f}"]
+        [i + 1, f"{http:.1f}", f"{sdk:.1f}", f"{direct:.1f}", num(ratio(http, direct), 3), num(ratio(sdk, direct), 3)]
         for i, (http, sdk, direct) in enumerate(sets)
     ]
     header = ["window set", "smg, httpx tok/s", "smg, openai SDK tok/s", "gRPC tok/s", "ratio httpx", "ratio SDK"]
@@ -408,9 +366,7 @@ def section(result: dict[str, Any]) -> list[str]:
     ]
     cores, per_token = result["cpu_cores"], result["cpu_ms_per_token"]
     rows = [
-        [role]
-        + [f"{cores[mode][role]:.2f}" for mode in MODES]
-        + [f"{per_token[mode][role]:.3f}" if role in per_token[mode] else "–" for mode in MODES]
+        [role] + [num(cores[mode][role], 2) for mode in MODES] + [num(per_token[mode].get(role), 3) for mode in MODES]
         for role in cores["grpc"]
     ]
     header = ["process"] + [f"cores, {mode}" for mode in MODES] + [f"ms/token, {mode}" for mode in MODES]

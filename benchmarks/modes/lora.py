@@ -25,8 +25,6 @@ import json
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -34,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import options, writer
-from benchmarks.modes.gateway import Window, _wait_serving, free_port, percentile
-from benchmarks.paths import child_env
+from benchmarks.metrics import ratio
+from benchmarks.serve import Server
+from benchmarks.window import Window, ttft_summary, window_ratios
 from llmserve_client import AsyncClient, Client
 
 TITLE = "LoRA adapters: 32 clients over 4 rank-16 adapters vs the base model (issue 32)"
@@ -79,10 +78,10 @@ async def client_loop(
 ) -> None:
     async with AsyncClient(address, timeout=600) as client:
         k = 0
-        while time.monotonic() < window.end:
+        while not window.over:
             prompt = prompt_ids[(c + k) % len(prompt_ids)]
             k += 1
-            began, arrivals, tokens = time.monotonic(), [], 0
+            began, arrivals = window.begin(), []
             async for response in client.generate(
                 token_ids=prompt,
                 max_new_tokens=args.max_new_tokens,
@@ -93,13 +92,12 @@ async def client_loop(
                 adapter=adapter,
             ):
                 if response.token_ids:
-                    arrivals.append(time.monotonic())
-                tokens += len(response.token_ids)
-            window.done(began, arrivals, tokens)
+                    arrivals.append((time.monotonic(), len(response.token_ids)))
+            window.done(began, arrivals)
 
 
 async def run_window(mode: str, address: str, args: argparse.Namespace, prompt_ids: list[list[int]]) -> Window:
-    window = Window(time.monotonic(), args.warmup_s, args.window_s)
+    window = Window.starting_now(args.warmup_s, args.window_s)
     names = [f"a{c % ADAPTERS}" if mode == "lora" else "" for c in range(args.clients)]
     await asyncio.gather(*(client_loop(c, window, address, names[c], args, prompt_ids) for c in range(args.clients)))
     return window
@@ -147,10 +145,10 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.windows):
         for mode in ("lora", "base") if i % 2 == 0 else ("base", "lora"):
             window = await run_window(mode, address, args, prompt_ids)
-            rates[mode].append(window.tokens / args.window_s)
+            rates[mode].append(window.tokens_per_s)
             ttfts[mode] += window.ttfts
         print(json.dumps({k: [round(r, 1) for r in v] for k, v in rates.items()}), flush=True)
-    ratios = [lora / base for lora, base in zip(rates["lora"], rates["base"], strict=True)]
+    ratios, median = window_ratios(rates["lora"], rates["base"])
     return {
         "served": {"model": info.name, "dtype": info.dtype, "device": info.device, "backend": info.backend},
         "clients": args.clients,
@@ -159,52 +157,39 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
         "max_new_tokens": args.max_new_tokens,
         "window_s": args.window_s,
         "tokens_per_s": rates,
-        "ratio_per_window_pair": [round(r, 3) for r in ratios],
-        "ratio_median": round(statistics.median(ratios), 3),
-        "ttft_s": {
-            mode: {"p50": round(percentile(v, 0.5), 3), "p99": round(percentile(v, 0.99), 3), "n": len(v)}
-            for mode, v in ttfts.items()
-        },
+        "ratio_per_window_pair": ratios,
+        "ratio_median": median,
+        "ttft_s": {mode: ttft_summary(v) for mode, v in ttfts.items()},
     }
 
 
 def main(argv: list[str]) -> int:
     p = options.parser("lora", __doc__)
-    p.add_argument("--windows", type=int, default=3, help="pairs of windows (LoRA, base)")
-    p.add_argument("--window-s", type=float, default=30.0)
-    p.add_argument("--warmup-s", type=float, default=8.0)
-    p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    options.add_windows(p, "LoRA, base", window_s=30.0, warmup_s=8.0, max_new_tokens=64)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--load-repeats", type=int, default=5)
-    args = p.parse_args(argv)
-    if args.quick:  # one pair of short windows, few clients and tokens: a smoke run
-        args.windows, args.window_s, args.warmup_s, args.clients, args.max_new_tokens = 1, 3.0, 1.0, 4, 8
+    args = options.parse_windows(p, argv)
+    if args.quick:
         args.load_repeats = 2
     run = writer.Run(options.command("lora", argv))
     root = Path(tempfile.mkdtemp(prefix="llmserve-bench-lora-"))
     try:
         folders = make_adapters(args.model, root, 2 * ADAPTERS, args.rank)
-        port, metrics_port = free_port(), free_port()
-        address = f"127.0.0.1:{port}"
-        env = dict(child_env(), LLMSERVE_HISTORY_STORE="memory")
-        serve = [sys.executable, "-m", "llmserve", "--address", address, "--log-level", "WARNING"]
-        serve += ["--device", args.device, "--dtype", args.dtype] + (["--model", args.model] if args.model else [])
-        serve += ["--metrics-port", str(metrics_port), "--max-loras", str(ADAPTERS), "--max-lora-rank", str(args.rank)]
-        serve += ["--max-cpu-loras", str(2 * ADAPTERS + 1)]
+        flags = [
+            "--max-loras",
+            str(ADAPTERS),
+            "--max-lora-rank",
+            str(args.rank),
+            "--max-cpu-loras",
+            str(2 * ADAPTERS + 1),
+        ]
         for i, folder in enumerate(folders[:ADAPTERS]):
-            serve += ["--lora", f"a{i}={folder}"]
-        server = subprocess.Popen(serve, env=env)
-        try:
-            asyncio.run(_wait_serving(address))
-            figures = asyncio.run(measure(address, args))
-            figures["loading"] = loads(
-                address, f"http://127.0.0.1:{metrics_port}/metrics", folders[ADAPTERS:], args.load_repeats
-            )
+            flags += ["--lora", f"a{i}={folder}"]
+        with Server(flags, model=args.model, device=args.device, dtype=args.dtype, metrics=True) as server:
+            asyncio.run(server.wait_serving())
+            figures = asyncio.run(measure(server.address, args))
+            figures["loading"] = loads(server.address, server.metrics_url, folders[ADAPTERS:], args.load_repeats)
             run.model = figures.pop("served")
-        finally:
-            server.terminate()
-            server.wait(60)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     writer.publish(run, args.out_dir, options.result_name(args, "lora"), TITLE, figures, section)
@@ -222,7 +207,7 @@ def section(result: dict[str, Any]) -> list[str]:
     )
     lines = [" ".join(served), ""]
     pairs = zip(rates["lora"], rates["base"], strict=True)
-    rows = [[i + 1, f"{lo:.1f}", f"{ba:.1f}", f"{lo / ba:.3f}"] for i, (lo, ba) in enumerate(pairs)]
+    rows = [[i + 1, f"{lo:.1f}", f"{ba:.1f}", writer.num(ratio(lo, ba), 3)] for i, (lo, ba) in enumerate(pairs)]
     lines += writer.table(["window pair", "4 adapters tok/s", "base model tok/s", "ratio"], rows)
     lo, ba = ttft["lora"], ttft["base"]
     mib = 1 << 20

@@ -31,8 +31,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -40,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import options, spec_workloads, writer
-from benchmarks.modes.gateway import _wait_serving, free_port
-from benchmarks.paths import child_env
+from benchmarks.serve import Server
+from benchmarks.window import Window
 from llmserve_client import AsyncClient
 
 TITLE = "Speculative decoding: off vs ngram vs suffix, three workloads, 1-32 clients over gRPC (issue 33)"
@@ -89,39 +87,23 @@ class Feed:
         self.taken = []
 
 
-class Window:
-    def __init__(self, window_s: float, warmup_s: float) -> None:
-        self.counted_from = time.monotonic() + warmup_s
-        self.end = self.counted_from + window_s
-        self.tokens = 0
-        self.decode_rates: list[float] = []
-
-    def arrived(self, n: int) -> None:
-        if self.counted_from <= time.monotonic() < self.end:
-            self.tokens += n
-
-
 async def client(window: Window, address: str, take: Callable[[], dict[str, Any]], max_new: int) -> None:
     async with AsyncClient(address, timeout=600) as grpc:
-        while time.monotonic() < window.end:
+        while not window.over:
             options_ = take()
-            first = last = None
-            tokens = 0
-            async for response in grpc.generate(**options_, max_new_tokens=max_new, return_token_ids=True):
-                n = len(response.token_ids)
-                if n:
-                    now = time.monotonic()
-                    first = now if first is None else first
-                    last = now
-                    tokens += n
-                    window.arrived(n)
-            if first is not None and last is not None and last > first and first >= window.counted_from:
-                window.decode_rates.append((tokens - 1) / (last - first))
+            began, arrivals, finished = window.begin(), [], False
+            try:
+                async for response in grpc.generate(**options_, max_new_tokens=max_new, return_token_ids=True):
+                    if response.token_ids:
+                        arrivals.append((time.monotonic(), len(response.token_ids)))
+                finished = True
+            finally:  # cut off at the window's end: its tokens so far count, its decode rate does not
+                window.done(began, arrivals, finished)
 
 
-def scrape(port: int) -> dict[str, float]:
+def scrape(metrics_url: str) -> dict[str, float]:
     """The speculation counters (and the drafts-chosen family, by k) from a server's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -147,7 +129,7 @@ async def run_window(
 ) -> Window:
     """One window; at its end the requests still running are cancelled (the server aborts them), so that no
     window's tail runs into the next."""
-    window = Window(args.window_s, args.warmup_s)
+    window = Window.starting_now(args.warmup_s, args.window_s)
     tasks = [asyncio.create_task(client(window, address, take, args.max_new_tokens)) for _ in range(clients)]
     await asyncio.sleep(max(0.0, window.end - time.monotonic()))
     for task in tasks:
@@ -159,7 +141,7 @@ async def run_window(
     return window
 
 
-def measure(servers: dict[str, tuple[str, int]], args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]:
+def measure(servers: dict[str, Server], args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]:
     """Every cell (workload x clients), each written to `checkpoint` as it ends, so a cut-off run keeps them."""
     systems = list(servers)
     cells = []
@@ -169,18 +151,18 @@ def measure(servers: dict[str, tuple[str, int]], args: argparse.Namespace, check
             cell: dict[str, Any] = {"workload": workload, "clients": clients, "windows": []}
             for w in range(args.windows):
                 for system in systems if w % 2 == 0 else systems[::-1]:
-                    address, metrics_port = servers[system]
-                    before = scrape(metrics_port) if system != "off" else {}
+                    server = servers[system]
+                    before = scrape(server.metrics_url) if system != "off" else {}
                     prompt_from = feed.start
-                    window = asyncio.run(run_window(address, feed.window(), clients, args))
-                    after = scrape(metrics_port) if system != "off" else {}
+                    window = asyncio.run(run_window(server.address, feed.window(), clients, args))
+                    after = scrape(server.metrics_url) if system != "off" else {}
                     cell["windows"].append(
                         {
                             "system": system,
                             "round": w,
                             "prompts": [prompt_from, feed.taken[-1]],
-                            "tokens_per_s": window.tokens / args.window_s,
-                            "per_stream_tokens_per_s": window.tokens / args.window_s / clients,
+                            "tokens_per_s": window.tokens_per_s,
+                            "per_stream_tokens_per_s": window.tokens_per_s / clients,
                             "decode_rate_median": statistics.median(window.decode_rates)
                             if window.decode_rates
                             else None,
@@ -256,24 +238,19 @@ def main(argv: list[str]) -> int:
         p.error("--methods: ngram, suffix or both")
     name = options.result_name(args, "speculative")
     checkpoint = args.out_dir / f"{name}.partial.json"
-    env = dict(child_env(), LLMSERVE_HISTORY_STORE="memory")
-    procs, servers = [], {}
+    servers: dict[str, Server] = {}
     try:
         for system in ["off", *methods]:
-            port, metrics_port = free_port(), free_port()
-            address = f"127.0.0.1:{port}"
-            cmd = [sys.executable, "-m", "llmserve", "--address", address, "--log-level", "WARNING"]
-            cmd += ["--metrics-port", str(metrics_port), "--speculative", system]
-            cmd += ["--device", args.device, "--dtype", args.dtype] + (["--model", args.model] if args.model else [])
-            procs.append(subprocess.Popen(cmd, env=env))
-            servers[system] = (address, metrics_port)
-            asyncio.run(_wait_serving(address))  # one at a time: each calibrates on an idle machine
+            servers[system] = server = Server(
+                ["--speculative", system], model=args.model, device=args.device, dtype=args.dtype, metrics=True
+            )
+            server.start()
+            asyncio.run(server.wait_serving())  # one at a time: each calibrates on an idle machine
             print(f"{system} serving after {time.perf_counter() - run.started:.0f} s", flush=True)
         figures = measure(servers, args, checkpoint)
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(60)
+        for server in servers.values():
+            server.stop()
     run.model = {"model": args.model or "SmolLM2-135M-Instruct", "dtype": args.dtype, "device": args.device}
     writer.publish(run, args.out_dir, name, TITLE, figures, section)
     checkpoint.unlink(missing_ok=True)

@@ -25,7 +25,6 @@ import datetime
 import functools
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,8 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.paths import child_env
-from benchmarks.systems.grpc_e2e import free_port, server_command
+from benchmarks.serve import Server, engine_flags
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.backends.piecewise import MixedSteps
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
@@ -118,20 +116,13 @@ async def run_grpc(
 ) -> dict[str, Any]:
     """The workload over gRPC against `python -m llmserve` (the engine process; `extra` flags such as
     --engine-in-process); its start-up time is reported beside the rate."""
-    port = free_port()
-    cmd = server_command(f"random:{shape}", torch.device(device), dtype, port, config, max_streams=4 * len(work))
-    cmd += ["--max-model-len", str(config.max_model_len), *extra]
+    flags = [*engine_flags(config, max_streams=4 * len(work)), "--max-model-len", str(config.max_model_len), *extra]
     started = time.perf_counter()
-    server = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        async with AsyncClient(f"127.0.0.1:{port}") as client:
-            deadline = time.monotonic() + 600
-            while await _health(client) != "SERVING":
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start: {server.stderr.read() if server.stderr else ''}")
-                await asyncio.sleep(0.5)
-            start_s = round(time.perf_counter() - started, 1)
-            tally = Tally()
+    with Server(flags, model=f"random:{shape}", device=device, dtype=dtype) as server:
+        await server.wait_serving(timeout_s=600)
+        start_s = round(time.perf_counter() - started, 1)
+        tally = Tally()
+        async with AsyncClient(server.address) as client:
 
             async def one(i: int) -> None:
                 prompt, new = work[i]
@@ -142,17 +133,7 @@ async def run_grpc(
                         raise RuntimeError(f"stream {i} ended {response.finish_reason}")
 
             result = await _timed([one(i) for i in range(len(work))], tally, cap_s)
-            return {**result, "server_start_s": start_s}
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-
-
-async def _health(client: AsyncClient) -> str:
-    try:
-        return await client.health(timeout=2)
-    except Exception:  # noqa: BLE001 - not listening yet
-        return "DOWN"
+        return {**result, "server_start_s": start_s}
 
 
 def decode_step(loaded: LoadedModel, batch: int, steps: int, context: int) -> dict[str, float]:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.metrics import percentile
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.backends import Backend, Kind, create_backend
 from llmserve.engine.config import EngineConfig
@@ -56,7 +57,13 @@ def stub_model_call(core: EngineCore, forward_ms: float = 0.0) -> None:
     logits = torch.zeros(1024, VOCAB)
     logits[:, TEXT_TOKEN] = 1.0
 
-    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, batch: object):
+    def forward(
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        batch: object,
+        lora: object = None,
+    ) -> torch.Tensor:
         if forward_ms:
             time.sleep(forward_ms / 1e3)
         return logits[: input_ids.shape[1] if keep is None else len(keep)]
@@ -244,7 +251,7 @@ def measure(
     ]
     if engine_process:
         times = sorted(measure_engine_process(batch, backend, steps, config, tokenizer is not None, requests))
-        return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * len(times))]}
+        return {"median_ms": statistics.median(times), "p90_ms": percentile(times, 90)}
     loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
     loaded.tokenizer = tokenizer
     engine = AsyncEngine(loaded, config) if front_end else None
@@ -276,7 +283,7 @@ def measure(
     gaps = [(b[0] - a[1]) * 1e3 for a, b in zip(spans, spans[1:], strict=False)]
     return {
         "median_ms": statistics.median(times),
-        "p90_ms": times[int(0.9 * len(times))],
+        "p90_ms": percentile(times, 90),
         "gap_ms": statistics.median(gaps),
     }
 

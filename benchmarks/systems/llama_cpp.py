@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.loadgen import RequestRecord
+from benchmarks.serve import free_port
 from benchmarks.systems.base import System
-from benchmarks.systems.grpc_e2e import free_port
 from benchmarks.workload import BenchRequest
 
 START_TIMEOUT_S = 180.0

@@ -327,8 +327,9 @@ def test_delete_during_a_continuing_call_leaves_no_history(client: Client, small
 
 
 def test_limits_end_histories_and_name_their_flags() -> None:
+    """The history's limits are the edge's and the store's alone: the core on a thread."""
     history = HistoryConfig(max_sessions=2, max_tokens=60)
-    srv = ServerThread(tiny_engine(), history=history).start()
+    srv = ServerThread(tiny_engine(in_process=True), history=history).start()
     try:
         with Client(srv.address, timeout=60) as c:
             c.generate_text(token_ids=[5] * 20, max_new_tokens=4, ignore_eos=True, session_id="a")

@@ -210,21 +210,6 @@ def test_model_info(stub) -> None:
     assert info.backend.startswith(("cpu: ", "torch: ")) and info.sliding_window == 0  # a Llama: no window
 
 
-def test_logprobs_and_the_logged_input_convert_exactly() -> None:
-    """The edge's conversions on their own: every logprob value reaches the message; the log's input summary."""
-    from llmserve.api.convert import input_text as _input_text
-    from llmserve.api.convert import logprob_pb as _logprob_pb
-    from llmserve.engine.delta import TokenLogprob
-
-    message = _logprob_pb(TokenLogprob(7, -0.25, [(7, -0.25), (3, -1.5)]))
-    assert (message.token_id, message.logprob) == (7, -0.25)
-    assert [(t.token_id, t.logprob) for t in message.top_logprobs] == [(7, -0.25), (3, -1.5)]
-    assert _input_text(pb.GenerateRequest(text="hello")) == "hello"
-    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role="bot", content="yo")])
-    assert _input_text(pb.GenerateRequest(chat=chat)) == "user: hi | bot: yo"
-    assert _input_text(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]))) == "<3 token ids>"
-
-
 def test_sessions_can_be_inspected_and_deleted(stub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stub.GetSession(pb.GetSessionRequest(session_id="nobody"), timeout=10)

@@ -284,10 +284,11 @@ async def _begin_drain(srv: ServerThread) -> None:
 
 
 def test_abort_reaches_only_the_callers_own_request(tmp_path: Path) -> None:
-    """With authentication on, request ids belong to their identity: bob's Abort of alice's id is no call of his."""
+    """With authentication on, request ids belong to their identity: bob's Abort of alice's id is no call of his. (The
+    scoping is the edge's alone: the core on a thread.)"""
     tokens = tmp_path / "tokens.csv"
     tokens.write_text("alice-token,alice\nbob-token,bob\n")
-    srv = ServerThread(tiny_engine(), auth_token_file=str(tokens)).start()
+    srv = ServerThread(tiny_engine(in_process=True), auth_token_file=str(tokens)).start()
     try:
         with grpc.insecure_channel(srv.address) as channel:
             vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
