@@ -14,6 +14,7 @@ import ctypes
 import enum
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +147,18 @@ class QuantLinear:
     the block types dequantize on each call and multiply one row at a time in float32 (level "torch").
     """
 
-    __slots__ = ("kind", "out_features", "in_features", "nbytes", "level", "_packed", "_dense", "_weight")
+    __slots__ = (
+        "kind",
+        "out_features",
+        "in_features",
+        "nbytes",
+        "level",
+        "_packed",
+        "_dense",
+        "_weight",
+        "_fn",
+        "_args",
+    )
 
     def __init__(self, w: QuantWeight, level: str | None = None) -> None:
         self.kind = w.kind
@@ -155,6 +167,8 @@ class QuantLinear:
         self._packed: torch.Tensor | None = None
         self._dense: Linear | None = None
         self._weight: QuantWeight | None = None
+        self._fn: Any = None  # the bound C function and its leading arguments: a decode step makes ~100 calls
+        self._args: tuple[int, ...] = ()
         if w.kind in FLOAT_TYPES:
             dense = dequantize(w)
             self._dense = make_linear(
@@ -183,6 +197,8 @@ class QuantLinear:
             raise QuantFormatError(f"{w.kind.name} {w.rows}x{w.cols}: the kernels cannot pack this tensor")
         self._packed = packed
         self.nbytes = size
+        self._fn = lib.quant_linear
+        self._args = (LEVELS.index(self.level), int(w.kind), packed.data_ptr(), w.rows, w.cols)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T, written into `out` when given (float32 [M, out_features] with contiguous rows, e.g. a column
@@ -190,20 +206,17 @@ class QuantLinear:
         _check_input(x, self.in_features)
         m = x.shape[0]
         if out is None:
+            if self._dense is not None:
+                return self._dense(x)
             out = torch.empty(m, self.out_features, dtype=torch.float32)
-        elif out.dtype != torch.float32 or tuple(out.shape) != (m, self.out_features) or out.stride(1) != 1:
+        elif out.dtype != torch.float32 or out.shape != (m, self.out_features) or out.stride(1) != 1:
             raise ValueError(f"out must be float32 [{m}, {self.out_features}] with contiguous rows")
-        if self._dense is not None:
-            out.copy_(self._dense(x))
-        elif self._packed is not None:
-            lib = _library()
-            assert lib is not None
-            failed = lib.quant_linear(
-                LEVELS.index(self.level), int(self.kind), self._packed.data_ptr(), self.out_features,
-                self.in_features, x.data_ptr(), m, out.data_ptr(), out.stride(0), torch.get_num_threads(),
-            )  # fmt: skip
+        if self._fn is not None:
+            failed = self._fn(*self._args, x.data_ptr(), m, out.data_ptr(), out.stride(0), torch.get_num_threads())
             if failed:
                 raise QuantKernelError(f"quant_linear failed ({_FAILURES.get(failed, failed)})")
+        elif self._dense is not None:
+            out.copy_(self._dense(x))
         else:
             assert self._weight is not None
             w = dequantize(self._weight)
@@ -276,7 +289,7 @@ def compiled() -> bool:
 
 
 def _check_input(x: torch.Tensor, cols: int) -> None:
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols or not x.is_cpu:
         raise ValueError(f"x must be CPU float32 [rows, {cols}], got {x.dtype} {list(x.shape)} on {x.device}")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")

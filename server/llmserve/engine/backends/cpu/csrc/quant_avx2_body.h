@@ -62,6 +62,7 @@ AI void NAME(strip_rows)(const qmat *w, const qact *x, long r0, const int R, lon
   d[0] = d[1] = dmin[0] = dmin[1] = _mm256_setzero_ps();
   for (long b = 0; b < nb; ++b) {
     const uint8_t *p = strip + b * payload;
+    for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
     __m256 ws[2], wm[2];
     __m256i sc0[2], sc1[2];
     for (int h = 0; h < 2; ++h) {

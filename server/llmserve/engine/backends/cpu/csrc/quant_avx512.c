@@ -14,6 +14,11 @@
 
 #define AI static inline __attribute__((always_inline))
 #define MAX_ROWS 8
+/* How far ahead of the block being computed the payload is prefetched: at one row a call streams its weights
+ * from memory, and the hardware's prefetcher alone left ~10% on the table (gate/up of a 1B shape, Q4_K, one row,
+ * median of 5 alternated runs of CPU time on the shared 2-core machine: 2.02 ms without, 1.81 at 1 KiB ahead,
+ * 1.79 at 4 KiB). */
+#define PREFETCH_AHEAD 4096
 
 AI __m512i dot(__m512i acc, __m512i w, const int8_t *a) {
   int32_t v;
@@ -45,6 +50,7 @@ AI void strip_rows(const qmat *w, const qact *x, long r0, const int R, long s, f
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (long b = 0; b < nb; ++b) {
     const uint8_t *p = strip + b * payload;
+    for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
     __m512 ws = _mm512_setzero_ps(), wm = _mm512_setzero_ps();
     __m512i sc0 = _mm512_setzero_si512(), sc1 = _mm512_setzero_si512();
     if (q_is_k(T)) {
