@@ -10,7 +10,8 @@ shape, at M = 1, 4, 32, 256 rows:
 
 Systems alternate within each round so that all see the same load; the figure is the median over rounds of the
 per-call time. On a machine shared with other work, `--clock cpu` (one thread) counts the calling thread's CPU time
-instead of wall time, so that time the scheduler gives to other processes is not counted. Reports ms per layer,
+instead of wall time, so that time the scheduler gives to other processes is not counted, and `--stat min` takes
+the least disturbed round. Reports ms per layer,
 GB/s of the weights' bytes (the bandwidth-bound figure at small M) and GFLOP/s (the compute-bound one at large
 M). Each call runs the next of `--layers` copies of the layer's weights,
 so that weights come from memory (or the last-level cache) as in a model, not from a core's own cache.
@@ -131,6 +132,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="copies of the layer's weights, called in turn")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--stat", choices=["median", "min"], default="median", help="over the rounds")
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu counts the calling thread only: use --threads 1")
@@ -140,7 +142,8 @@ def main() -> None:
     shapes = projections(args.shape)
     flops_per_row = sum(2 * n * k for n, k in shapes)
     built = {name: system(name, shapes, rng, args.layers) for name in args.systems}
-    print(f"# {args.shape} layer {shapes}, {args.threads} threads, {args.clock} clock, {args.layers} copies")
+    print(f"# {args.shape} layer {shapes}, {args.threads} threads, {args.layers} copies")
+    print(f"# {args.clock} clock, {args.stat} of {args.rounds} rounds")
     print(f"# kernel level {q.kernel_level()}, LLMSERVE_CPU_ISA={os.environ.get('LLMSERVE_CPU_ISA', '')}")
     print("| system | bytes/layer | " + " | ".join(f"M={m} ms (GB/s, GFLOP/s)" for m in args.rows) + " |")
     print("|---|---|" + "---|" * len(args.rows))
@@ -158,7 +161,7 @@ def main() -> None:
                         run(torch.empty(0), m)
                     times[name].append((clock() - start) / calls)
             for name, (_, nbytes) in built.items():
-                t = statistics.median(times[name])
+                t = min(times[name]) if args.stat == "min" else statistics.median(times[name])
                 table[name].append(f"{t * 1e3:.3f} ({nbytes / t / 1e9:.1f}, {flops_per_row * m / t / 1e9:.0f})")
     for name, (_, nbytes) in built.items():
         print(f"| {name} | {nbytes / 1e6:.2f} MB | " + " | ".join(table[name]) + " |")

@@ -191,6 +191,26 @@ def test_a_non_finite_input_reaches_only_its_own_row() -> None:
     assert torch.equal(y[[0, 2]], linear(x[[0, 2]]))
 
 
+def test_tiny_and_huge_inputs_stay_finite_and_within_the_bound() -> None:
+    """Blocks whose largest value is subnormal (the reciprocal of the activation scale overflows float32) or near
+    float32's largest; zero rows give zeros. Subnormal values carry few bits, so there the bound is absolute: far
+    below the smallest normal float32 (1.2e-38)."""
+    w = make_weight(GGMLType.Q8_0, 9, 96)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(8))
+    x[0] *= 1e-40
+    x[1] *= 1e36
+    x[2] = 0
+    y = QuantLinear(w)(x)
+    assert bool(y[[0, 1, 3]].isfinite().all()) and bool((y[2] == 0).all())
+    dense = torch.from_numpy(reference(w)).double()
+    err = (y.double() - x.double() @ dense.T).abs()
+    assert bool((err <= error_bound(dense, x.double()) + 1e-39).all())
+
+
+def test_no_rows_give_no_rows() -> None:
+    assert QuantLinear(make_weight(GGMLType.Q4_K, 5, 256))(torch.empty(0, 256)).shape == (0, 5)
+
+
 @pytest.mark.parametrize(
     ("cap", "level"),
     [("none", "portable"), ("avx2", "avx2"), ("avx512_core", "avx2"), ("avx512_core_vnni", "avx512-vnni")],

@@ -159,13 +159,15 @@ static void prepare(int type, const float *x, long m, long k, int8_t *a, float *
         bad |= !(f <= FLT_MAX);
         top = f > top ? f : top;
       }
-      /* A non-finite input makes the block's scale NaN, so that every output it reaches is NaN. */
+      /* A non-finite input makes the block's scale NaN (its quants 0), so that every output it reaches is NaN. */
       const float d = bad ? NAN : top / 127.0f, inv = bad || top == 0 ? 0.0f : 127.0f / top;
+      /* Below ~3.7e-37 the reciprocal overflows: such a block divides by its scale instead. */
+      const int tiny = !bad && !(inv <= FLT_MAX);
       int sum[2] = {0, 0};
       for (int i = 0; i < QBLOCK; ++i) {
-        float t = nearbyintf(v[i] * inv);
+        float t = tiny ? nearbyintf(v[i] / d) : nearbyintf(v[i] * inv);
         t = t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t);
-        q[i] = (int8_t)t;
+        q[i] = bad ? 0 : (int8_t)t;
         sum[i / 16] += q[i];
       }
       dx[r * nb + b] = d;
