@@ -6,7 +6,8 @@ shape, at M = 1, 4, 32, 256 rows:
   scales (activation quantization included);
 - `int4pack` / `int4pack-bf16`: torch's `_weight_int4pack_mm_for_cpu` (4-bit weights, group-wise scales and zeros:
   represents Q4_0/Q4_1/Q4_K exactly in float32), float32 / bfloat16 activations (the conversions included);
-- `quant:TYPE[:LEVEL]`: QuantLinear on random blocks of TYPE (its bytes as a file holds them).
+- `quant:TYPE[:LEVEL]`: QuantLinear on random blocks of TYPE (its bytes as a file holds them); `quantf:...` the same
+  with float32 activations.
 
 Systems alternate within each round so that all see the same load; the figure is the median over rounds of the
 per-call time. On a machine shared with other work, `--clock cpu` (one thread) counts the calling thread's CPU time
@@ -113,9 +114,11 @@ def layer(
             )
         nbytes = sum(n * k // 2 + n * k // 32 * 4 * dtype.itemsize for n, k in shapes)
     else:
-        _, kind, *level = name.split(":")
+        system_, kind, *level = name.split(":")
+        acts = "float32" if system_ == "quantf" else "int8"
         linears = [
-            q.QuantLinear(random_blocks(q.GGMLType[kind], n, k, rng), level[0] if level else None) for n, k in shapes
+            q.QuantLinear(random_blocks(q.GGMLType[kind], n, k, rng), level[0] if level else None, acts)
+            for n, k in shapes
         ]
         layers = linears
         nbytes = sum(lin.nbytes for lin in linears)

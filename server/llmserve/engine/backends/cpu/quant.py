@@ -44,8 +44,16 @@ has no block-quantized weights. torch's `_weight_int4pack_mm_for_cpu` represents
 fast only with bfloat16 activations and then 2.3-3x slower than these kernels from 32 rows (with float32
 activations 20-200x slower); `_weight_int8pack_mm` has per-channel scales only; torchao's CPU int4 layout
 (Int4CPULayout) calls that same aten op, and its other CPU kernels need its C++ extension built for the installed
-torch (not measured). With float activations a kernel is bound by float FMAs from 32 rows, about float32 oneDNN's
-throughput.
+torch (not measured). With float activations our own kernel is bound by float FMAs from 32 rows (below).
+
+Float activations, for exactness (`QuantLinear(w, activations="float32")`): the blocks are decoded in the kernel to
+the float32 weights `dequantize` gives, bit for bit, and each output sums x * w in float32 in a fixed order (four
+partial sums by k mod 4), so the result is x @ dequantize(w).T up to float32 rounding, again the same at every level
+and row count. Measured as above (ms per layer, 1B shape, Q4_K, 1 thread): M=1 5.2, M=4 7.5, M=32 34.8 (112
+GFLOP/s), M=256 284 (110 GFLOP/s); float32 oneDNN 19.0 /
+20.9 / 45.1 / 213; int8 activations 3.3 / 4.3 / 16.9 / 133. So at one to four rows it still beats float32 3-4x,
+from 32 rows it is about float32's speed: int8 is the default, float32 the choice where tokens must equal the
+float32 path's.
 
 The float types (F32, F16, BF16) are widened once to float32 and run packed_linear's float32 linear.
 """
@@ -184,7 +192,10 @@ class QuantLinear:
     A row's result is bitwise the same whatever the other rows of the call, whatever M and whatever the thread
     count (batch invariance), and, for the block types, the same at every kernel level. Block types run the
     compiled kernel of `level` (default: kernel_level()) on a copy of the blocks packed for it (`nbytes` of
-    them; the QuantWeight's bytes are not kept, so a caller may release its mapping). The float types (F32, F16,
+    them; the QuantWeight's bytes are not kept, so a caller may release its mapping), with `activations` "int8"
+    (quantized per block of 32: the fast default) or "float32" (the weights decoded exactly as `dequantize`
+    gives them, float32 sums: x @ dequantize(w).T up to float32 rounding, at about half the speed; see the
+    module docstring). The float types (F32, F16,
     BF16) are widened once to float32 and run the float32 linear of packed_linear. Without the compiled library,
     the block types dequantize on each call and multiply one row at a time in float32 (level "torch").
     """
@@ -202,7 +213,9 @@ class QuantLinear:
         "_args",
     )
 
-    def __init__(self, w: QuantWeight, level: str | None = None) -> None:
+    def __init__(self, w: QuantWeight, level: str | None = None, activations: str = "int8") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.kind = w.kind
         self.out_features = w.rows
         self.in_features = w.cols
@@ -239,7 +252,7 @@ class QuantLinear:
             raise QuantFormatError(f"{w.kind.name} {w.rows}x{w.cols}: the kernels cannot pack this tensor")
         self._packed = packed
         self.nbytes = size
-        self._fn = lib.quant_linear
+        self._fn = lib.quant_linear if activations == "int8" else lib.quant_linear_f32
         self._args = (LEVELS.index(self.level), int(w.kind), packed.data_ptr(), w.rows, w.cols)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -303,6 +316,9 @@ class QuantKernelError(RuntimeError):
 LIBRARY = "_quant_ops"
 # Kernel levels, by csrc/quant.h's numbers.
 LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni")
+# How the block types' kernels take x: quantized per block of 32 (the default), or as float32 (see the module
+# docstring).
+ACTIVATIONS = ("int8", "float32")
 FLOAT_TYPES = frozenset((GGMLType.F32, GGMLType.F16, GGMLType.BF16))
 _FAILURES = {1: "level not compiled in or not supported by this CPU", 2: "out of memory", 3: "bad type or shape"}
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -311,6 +327,7 @@ _SIGNATURES = {
     "quant_packed_bytes": ([_I, _L, _L], _L),  # type, rows, cols
     "quant_pack": ([_I, _P, _L, _L, _L, _P, _I], _I),  # type, src, row bytes, rows, cols, dst, threads
     "quant_linear": ([_I, _I, _P, _L, _L, _P, _L, _P, _L, _I], _I),  # level, type, packed, n, k, x, m, y, ldy, threads
+    "quant_linear_f32": ([_I, _I, _P, _L, _L, _P, _L, _P, _L, _I], _I),  # the same
 }
 
 

@@ -240,6 +240,40 @@ void q_kernel_portable(const qmat *w, const qact *x, long m, long s0, long s1, f
   }
 }
 
+/* The float32 value of weight kk of column c in block b, as llama.cpp's dequantize_row_* computes it. */
+static float packed_weight(int type, const uint8_t *strip, const uint8_t *meta, long b, int c, int kk) {
+  const float q = (float)(packed_quant(type, strip + b * q_payload(type), c, kk) - q_zero(type));
+  if (q_is_k(type)) {
+    const uint8_t *mu = meta + (b / 8) * q_meta(type);
+    const int j = (int)(b % 8);
+    const float d = q_half(q_load16(mu + 2 * c));
+    if (type == Q_Q6_K) return d * (float)(int8_t)mu[32 + 16 * (2 * j + kk / 16) + c] * q;
+    const float ws = d * (float)mu[64 + 16 * j + c], dm = q_half(q_load16(mu + 32 + 2 * c)) * (float)mu[192 + 16 * j + c];
+    return fmaf(ws, q, -dm);
+  }
+  const uint8_t *mb = meta + b * q_meta(type);
+  const float ws = q_half(q_load16(mb + 2 * c));
+  return q_has_min(type) ? fmaf(ws, q, q_half(q_load16(mb + 32 + 2 * c))) : ws * q;
+}
+
+void q_kernel_f32_portable(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc) {
+  (void)acc;
+  const int type = w->type;
+  const long k = w->k, nb = k / QBLOCK, sb = q_strip_bytes(type, k);
+  for (long s = s0; s < s1; ++s) {
+    const uint8_t *strip = w->packed + s * sb, *meta = strip + q_meta_offset(type, k);
+    for (int c = 0; c < STRIP && s * STRIP + c < w->n; ++c) {
+      for (long r = 0; r < m; ++r) {
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (long b = 0; b < nb; ++b)
+          for (int kk = 0; kk < QBLOCK; ++kk)
+            part[kk % 4] = fmaf(x[r * k + b * QBLOCK + kk], packed_weight(type, strip, meta, b, c, kk), part[kk % 4]);
+        y[r * ldy + s * STRIP + c] = (part[0] + part[1]) + (part[2] + part[3]);
+      }
+    }
+  }
+}
+
 /* --- levels and dispatch ------------------------------------------------------------------------------------ */
 
 /* Bit l set: this CPU runs level l. */
@@ -269,6 +303,49 @@ static q_kernel kernel_of(int level) {
   }
 }
 
+static q_kernel_f32 kernel_f32_of(int level) {
+  switch (level) {
+    case LEVEL_PORTABLE: return q_kernel_f32_portable;
+#if defined(__x86_64__)
+    case LEVEL_AVX2: return q_kernel_f32_avx2;
+    case LEVEL_AVX2_VNNI: return q_kernel_f32_avx2_vnni;
+    case LEVEL_AVX512_VNNI: return q_kernel_f32_avx512_vnni;
+#endif
+    default: return NULL;
+  }
+}
+
+#ifdef _OPENMP
+extern int omp_get_thread_num(void);
+extern int omp_get_num_threads(void);
+#endif
+
+/* quant_linear with float activations (quant.h): the same arguments and returns. */
+int quant_linear_f32(int level, int type, const uint8_t *packed, long n, long k, const float *x, long m, float *y,
+                     long ldy, int threads) {
+  const q_kernel_f32 kernel = kernel_f32_of(level);
+  if (kernel == NULL || !((quant_levels() >> level) & 1)) return 1;
+  if (quant_packed_bytes(type, n, k) < 0 || m < 0 || ldy < n || threads < 1) return 3;
+  if (m == 0) return 0;
+  const qmat w = {type, n, k, packed};
+  const long strips = (n + STRIP - 1) / STRIP;
+  const int parallel = threads > 1 && m * n * k >= QUANT_PARALLEL_MIN && strips > 1;
+  int failed = 0;
+#pragma omp parallel num_threads(threads) if (parallel) reduction(| : failed)
+  {
+#ifdef _OPENMP
+    const long t = omp_get_thread_num(), count = omp_get_num_threads();
+#else
+    const long t = 0, count = 1;
+#endif
+    float *acc = aligned_alloc(64, sizeof(float) * 64 * (size_t)m);
+    failed = acc == NULL;
+    if (acc != NULL) kernel(&w, x, m, strips * t / count, strips * (t + 1) / count, y, ldy, acc);
+    free(acc);
+  }
+  return failed ? 2 : 0;
+}
+
 /* y [m][n] = x [m][k] @ W.T for a packed W (quant_pack) with `level`'s kernel, y's rows `ldy` floats apart (a
  * column slice of a wider output: ldy > n). Returns 0; 1: the level is not
  * compiled in or this CPU lacks its instructions; 2: the scratch could not be allocated; 3: a bad type or shape.
@@ -293,8 +370,6 @@ int quant_linear(int level, int type, const uint8_t *packed, long n, long k, con
 #pragma omp parallel num_threads(threads) if (parallel)
     {
 #ifdef _OPENMP
-      extern int omp_get_thread_num(void);
-      extern int omp_get_num_threads(void);
       const long t = omp_get_thread_num(), count = omp_get_num_threads();
 #else
       const long t = 0, count = 1;
