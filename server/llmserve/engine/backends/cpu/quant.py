@@ -37,14 +37,16 @@ for the int8 yardstick; ms per layer):
                                                                  Q8_0                 5.18   6.61   18.6   125
 
 At one to four rows a call streams its weights: 8.5-12.5 GB/s on one core (float32's 9-13 GB/s moves 5-7x the
-bytes), 5-6x faster than float32. At 32 and 256 rows it is compute-bound: 150-160 GFLOP/s on SmolLM2's narrow
-shapes, 180-250 on the 1B shape's, 1.3-2.7x float32. oneDNN's int8 (per-row activation scales, one float step per
-row instead of one per block of 32) is faster at 256 rows, but per-row scales cost SmolLM2 8% perplexity and it
-has no block-quantized weights. torch's `_weight_int4pack_mm_for_cpu` represents Q4_0/Q4_1/Q4_K exactly but is
-fast only with bfloat16 activations and then 2.3-3x slower than these kernels from 32 rows (with float32
-activations 20-200x slower); `_weight_int8pack_mm` has per-channel scales only; torchao's CPU int4 layout
-(Int4CPULayout) calls that same aten op, and its other CPU kernels need its C++ extension built for the installed
-torch (not measured). With float activations our own kernel is bound by float FMAs from 32 rows (below).
+bytes), 5-6x faster than float32 (a Llama-3-8B-shaped layer in Q4_K: 11.7 ms at one row, 10.8 GB/s). At 32 and 256
+rows it is compute-bound: 150-160 GFLOP/s on SmolLM2's narrow shapes, 180-250 on the 1B shape's, 1.3-2.7x float32.
+oneDNN's int8 (per-row activation scales, one float step per row instead of one per block of 32) is faster at 256
+rows, but per-row scales cost SmolLM2 8% perplexity and it has no block-quantized weights. The lower levels, same
+1B layer in Q4_K: avx2-vnni 3.49 / 5.28 / 26.9 / 202 ms, avx2 3.52 / 7.00 / 46.0 / 369 (at one row every level
+streams the same bytes). torch's `_weight_int4pack_mm_for_cpu` represents Q4_0/Q4_1/Q4_K exactly but is fast only
+with bfloat16 activations and then 2.3-3x slower than these kernels from 32 rows (with float32 activations 20-200x
+slower); `_weight_int8pack_mm` has per-channel scales only; torchao's CPU int4 layout (Int4CPULayout) calls that
+same aten op, and its other CPU kernels need its C++ extension built for the installed torch (not measured). With
+float activations our own kernel is bound by float FMAs from 32 rows (below).
 
 Float activations, for exactness (`QuantLinear(w, activations="float32")`): the blocks are decoded in the kernel to
 the float32 weights `dequantize` gives, bit for bit, and each output sums x * w in float32 in a fixed order (four
