@@ -19,7 +19,10 @@ model's own rotary module, so every rope scaling type works) on the CPU, in one 
   q/k/v, the attention and the MLP's rows in bfloat16 (the KV cache too), while the residual stream, the norms'
   arithmetic, rotary, SiLU and the logits stay float32 (csrc/mixed_ops.c through native.MixedOps);
 - int8 (a bfloat16 model, `weights="int8"`): as bfloat16, with int8 weights and each input row quantized to int8
-  with its own scale (packed_linear.Int8Linear); the norms and SiLU write the quantized rows directly.
+  with its own scale (packed_linear.Int8Linear); the norms and SiLU write the quantized rows directly;
+- gguf (a model over a GGUF's blocks, gguf_model.py, `weights="gguf"`): as float32, every linear, the LM head
+  included, computed from the file's blocks (gguf_linear.BlockLinear over quant.QuantLinear), the token embedding
+  decoded row by row (quant.dequantize_rows).
 `build` returns None for anything else and the backend calls the model's own forward. The model itself is left
 as it is: `generate` on it still runs transformers' code.
 
@@ -39,7 +42,7 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from llmserve.engine.backends.cpu import native
+from llmserve.engine.backends.cpu import gguf_linear, native
 from llmserve.engine.backends.cpu.packed_linear import (
     Linear,
     RefinedHead,
@@ -50,19 +53,22 @@ from llmserve.engine.backends.cpu.packed_linear import (
 )
 from llmserve.engine.lora.ops import LoraRows, add_lora
 from llmserve.engine.lora.weights import LoraWeights
+from llmserve.gguf_file import GGUFFile
+from llmserve.gguf_model import QuantProjection
 from llmserve.model_shape import ModelShape
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # attention.paged_attention: (module, query [1, H, T, D], key, value [1, KVH, T, D], mask, scaling=, llmserve_batch=)
 Attention = Callable[..., tuple[torch.Tensor, None]]
 SILU_TYPES = (nn.SiLU, SiLUActivation)
-WEIGHTS = ("float32", "bfloat16", "int8")
+WEIGHTS = ("float32", "bfloat16", "int8", "gguf")
 
 
 @dataclass(slots=True, frozen=True)
 class Precision:
-    """How the fused forward computes (see the module docstring): `linears` and `head` are packed_linear KINDS;
-    `rows` is the dtype of q/k/v, the attention and the KV cache (the model's); `residual` the residual stream's."""
+    """How the fused forward computes (see the module docstring): `linears` and `head` are packed_linear KINDS or
+    "gguf"; `rows` is the dtype of q/k/v, the attention and the KV cache (the model's); `residual` the residual
+    stream's."""
 
     linears: str
     head: str
@@ -71,8 +77,11 @@ class Precision:
 
     @classmethod
     def of(cls, dtype: torch.dtype, weights: str | None = None) -> Precision | None:
-        """The precision of a model of `dtype` (`weights`: "int8" for int8 linears on a bfloat16 model); None
+        """The precision of a model of `dtype` (`weights`: "int8" for int8 linears on a bfloat16 model, "gguf" for a
+        float32 model over a GGUF's blocks); None
         where the fused forward has none."""
+        if dtype == torch.float32 and weights == "gguf":
+            return cls("gguf", "gguf", dtype, dtype)
         if dtype in (torch.float32, torch.float64) and weights in (None, "float32"):
             return cls("float32", "float32", dtype, dtype)
         if dtype == torch.bfloat16 and weights in (None, "bfloat16"):
@@ -83,8 +92,9 @@ class Precision:
 
     @property
     def exact(self) -> bool:
-        """float32/float64: every row in the model's dtype, through csrc/fused_ops.c."""
-        return self.linears == "float32"
+        """float32/float64 rows: every row in the model's dtype, through csrc/fused_ops.c (float32 or float64
+        linears, or a GGUF's blocks)."""
+        return self.rows in (torch.float32, torch.float64)
 
 
 @dataclass(slots=True)
@@ -157,8 +167,13 @@ def _norm(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     return module.weight.detach().to(dtype).contiguous(), float(module.variance_epsilon)
 
 
-def _linear(linears: list[nn.Linear], kind: str, pack: bool, ops: native.MixedOps | None, gives: torch.dtype) -> Linear:
-    """One linear over the concatenated weights (and biases) of `linears`."""
+def _linear(
+    linears: list[Any], kind: str, pack: bool, ops: native.MixedOps | None, gives: torch.dtype, source: GGUFFile | None
+) -> Linear:
+    """One linear over the concatenated weights (and biases) of `linears` (nn.Linear, or QuantProjection for "gguf";
+    `source` the file their blocks are mapped from)."""
+    if kind == "gguf":
+        return gguf_linear.fuse(linears, source)
     weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
     bias = None
     if any(m.bias is not None for m in linears):
@@ -167,14 +182,14 @@ def _linear(linears: list[nn.Linear], kind: str, pack: bool, ops: native.MixedOp
     return make_linear(weight, bias, kind, pack, ops, gives)
 
 
-def _fits(layer: Any) -> bool:
+def _fits(layer: Any, linear: type[nn.Module]) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
     norms += [m for m in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if m is not None]
     return (
-        all(type(m) is nn.Linear for m in linears)
+        all(type(m) is linear for m in linears)
         and all(hasattr(m, "weight") and hasattr(m, "variance_epsilon") for m in norms)
         and isinstance(getattr(mlp, "act_fn", None), SILU_TYPES)
         and hasattr(attn, "scaling")
@@ -194,8 +209,10 @@ class FusedForward:
         mixed: native.MixedOps | None,
         pack: bool,
         attention: Attention,
+        source: GGUFFile | None = None,
     ) -> None:
         base = model.model
+        self.source = source
         self.precision = precision
         self.ops = rows
         self.attention = attention
@@ -205,7 +222,7 @@ class FusedForward:
         norm_dtype = p.residual
         self.final_norm = _norm(base.norm, norm_dtype)
         head = model.get_output_embeddings()
-        self.lm_head: Linear = _linear([head], p.head, pack, mixed, torch.float32)
+        self.lm_head: Linear = _linear([head], p.head, pack, mixed, torch.float32, source)
         if not p.exact and mixed is not None:
             self.lm_head = RefinedHead(self.lm_head, head.weight.detach(), mixed)
         self.num_heads = shape.num_heads
@@ -226,13 +243,15 @@ class FusedForward:
         *,
         mixed: native.MixedOps | None = None,
         weights: str | None = None,
+        source: GGUFFile | None = None,
     ) -> FusedForward | None:
         """The fused forward of `model`, or None where it does not apply (another architecture, a device other
         than the CPU, a dtype without a Precision, no compiled kernels, or bfloat16 rows oneDNN cannot run on this
         CPU: below AVX-512, a bfloat16 model runs transformers' layers). `pack`: run float32 linears on packed
         oneDNN weights; `attention`: the backend's paged attention function; `shape`: the model's
         (LoadedModel.shape), read from its config when not given; `mixed`: the row operations a bfloat16 or int8
-        precision needs; `weights`: "int8" for int8 linears on a bfloat16 model."""
+        precision needs; `weights`: "int8" for int8 linears on a bfloat16 model, "gguf" for a model over a GGUF's
+        blocks (gguf_model.build_model; `source`: the file, whose pages of copied blocks are released)."""
         param = next(model.parameters())
         config = model.config
         precision = Precision.of(param.dtype, weights)
@@ -248,10 +267,11 @@ class FusedForward:
         base: Any = getattr(model, "model", None)
         if not all(hasattr(base, n) for n in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return None
-        if not all(_fits(layer) for layer in base.layers):
+        linear = QuantProjection if precision.linears == "gguf" else nn.Linear
+        if not all(_fits(layer, linear) for layer in base.layers):
             return None
         rows: RowOps = ExactRows(ops) if precision.exact or mixed is None else MixedRows(mixed)
-        return cls(model, shape or ModelShape.of(config), precision, rows, mixed, pack, attention)
+        return cls(model, shape or ModelShape.of(config), precision, rows, mixed, pack, attention, source)
 
     def _layer(self, layer: Any, pack: bool, mixed: native.MixedOps | None) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -263,10 +283,10 @@ class FusedForward:
             _norm(layer.input_layernorm, norms),
             _norm(layer.post_attention_layernorm, norms),
             # int8: q/k/v come out in the rows' dtype (rotary, the cache), o and down float32 (the residual's).
-            qkv=_linear([attn.q_proj, attn.k_proj, attn.v_proj], kind, pack, mixed, p.rows),
-            o=_linear([attn.o_proj], kind, pack, mixed, torch.float32),
-            gate_up=_linear([mlp.gate_proj, mlp.up_proj], kind, pack, mixed, torch.float32),
-            down=_linear([mlp.down_proj], kind, pack, mixed, torch.float32),
+            qkv=_linear([attn.q_proj, attn.k_proj, attn.v_proj], kind, pack, mixed, p.rows, self.source),
+            o=_linear([attn.o_proj], kind, pack, mixed, torch.float32, self.source),
+            gate_up=_linear([mlp.gate_proj, mlp.up_proj], kind, pack, mixed, torch.float32, self.source),
+            down=_linear([mlp.down_proj], kind, pack, mixed, torch.float32, self.source),
             q_norm=None if q_norm is None else _norm(q_norm, norms),
             k_norm=None if k_norm is None else _norm(k_norm, norms),
             scaling=float(attn.scaling),
