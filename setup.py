@@ -8,6 +8,9 @@ the server runs the slower torch paths, or refuses to start with `--cpu-kernels 
 - `_paged_decode`: decode attention, once per common (head dim, query heads per kv head) pair;
 - `_fused_ops`: the fused elementwise parts of a Llama-family layer (float32/float64, and the bfloat16/int8 rows of
   mixed_ops.c).
+- `_quant_ops`: linears over llama.cpp's block-quantized weights (quant*.c). On x86-64 it is built for the baseline
+  (`-march=x86-64`) whatever LLMSERVE_KERNEL_MARCH says: its AVX2 and AVX-512 kernels carry their own target
+  pragmas and the library picks among them at run time by what the CPU reports, so one build serves every level.
 
 LLMSERVE_KERNEL_MARCH picks the target CPU (default `native`, the machine that installs; an image built on one
 machine and run on others wants a portable level such as `x86-64-v3`).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -62,7 +66,9 @@ class BuildKernels(build_ext):
         sources = [paged_decode_source(temp)] if ext.name.endswith("_paged_decode") else [Path(s) for s in ext.sources]
         compiler = os.environ.get("CC", "cc")
         march = os.environ.get("LLMSERVE_KERNEL_MARCH", "native")
-        extra = ["-ffp-contract=off"] if ext.name.endswith("_fused_ops") else []
+        if ext.name.endswith("_quant_ops") and platform.machine().lower() in ("x86_64", "amd64"):
+            march = "x86-64"
+        extra = ["-ffp-contract=off"] if ext.name.endswith(("_fused_ops", "_quant_ops")) else []
         detail = ""
         for variant in VARIANTS:
             defines, libraries = variant[:1], variant[1:]
@@ -79,6 +85,11 @@ setup(
     ext_modules=[
         Extension(f"{PACKAGE}._paged_decode", [str(CSRC / "paged_decode.c")], optional=True),
         Extension(f"{PACKAGE}._fused_ops", [str(CSRC / "fused_ops.c"), str(CSRC / "mixed_ops.c")], optional=True),
+        Extension(
+            f"{PACKAGE}._quant_ops",
+            [str(CSRC / name) for name in ("quant_ops.c", "quant_avx2.c", "quant_avx512.c")],
+            optional=True,
+        ),
     ],
     cmdclass={"build_ext": BuildKernels},
 )

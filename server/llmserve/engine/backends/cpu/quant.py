@@ -10,11 +10,17 @@ come behind the same API.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from llmserve import cpu_features
+from llmserve.engine.backends.cpu import native, packed_linear
+from llmserve.engine.backends.cpu.packed_linear import Linear, make_linear
 
 
 class GGMLType(enum.IntEnum):
@@ -131,28 +137,142 @@ def dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
 
 class QuantLinear:
     """y = x @ W.T from W's blocks: x float32 [M, in_features] (rows contiguous) -> float32 [M, out_features].
-    A row's result is bitwise the same whatever the other rows of the call and whatever M (batch invariance)."""
 
-    __slots__ = ("weight", "out_features", "in_features", "nbytes")
+    A row's result is bitwise the same whatever the other rows of the call, whatever M and whatever the thread
+    count (batch invariance), and, for the block types, the same at every kernel level. Block types run the
+    compiled kernel of `level` (default: kernel_level()) on a copy of the blocks packed for it (`nbytes` of
+    them; the QuantWeight's bytes are not kept, so a caller may release its mapping). The float types (F32, F16,
+    BF16) are widened once to float32 and run the float32 linear of packed_linear. Without the compiled library,
+    the block types dequantize on each call and multiply one row at a time in float32 (level "torch").
+    """
 
-    def __init__(self, w: QuantWeight) -> None:
-        self.weight = w
+    __slots__ = ("kind", "out_features", "in_features", "nbytes", "level", "_packed", "_dense", "_weight")
+
+    def __init__(self, w: QuantWeight, level: str | None = None) -> None:
+        self.kind = w.kind
         self.out_features = w.rows
         self.in_features = w.cols
-        self.nbytes = w.data.numel()
+        self._packed: torch.Tensor | None = None
+        self._dense: Linear | None = None
+        self._weight: QuantWeight | None = None
+        if w.kind in FLOAT_TYPES:
+            dense = dequantize(w)
+            self._dense = make_linear(
+                dense, None, "float32", packed_linear.available(dense.device, dense.dtype), None, torch.float32
+            )
+            self.level = "float32"
+            self.nbytes = dense.numel() * 4
+            return
+        self.level = kernel_level() if level is None else level
+        lib = _library()
+        if self.level == "torch" or lib is None:
+            if self.level != "torch":
+                raise QuantKernelError(f"kernel level {self.level!r} needs the compiled library {LIBRARY}")
+            self._weight = w
+            self.nbytes = w.data.numel()
+            return
+        if self.level not in levels_here():
+            raise QuantKernelError(f"kernel level {self.level!r} cannot run on this CPU (it runs {levels_here()})")
+        size = lib.quant_packed_bytes(int(w.kind), w.rows, w.cols)
+        packed = torch.empty(size, dtype=torch.uint8)
+        failed = lib.quant_pack(
+            int(w.kind), w.data.data_ptr(), row_bytes(w.kind, w.cols), w.rows, w.cols, packed.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise QuantFormatError(f"{w.kind.name} {w.rows}x{w.cols}: the kernels cannot pack this tensor")
+        self._packed = packed
+        self.nbytes = size
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T, written into `out` when given (float32 [M, out_features] with contiguous rows, e.g. a column
+        slice of a wider output) and returned."""
         _check_input(x, self.in_features)
-        w = dequantize(self.weight)
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        for i in range(x.shape[0]):  # one row at a time: the same kernel for a row whatever M
-            out[i] = F.linear(x[i : i + 1], w)[0]
+        m = x.shape[0]
+        if out is None:
+            out = torch.empty(m, self.out_features, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (m, self.out_features) or out.stride(1) != 1:
+            raise ValueError(f"out must be float32 [{m}, {self.out_features}] with contiguous rows")
+        if self._dense is not None:
+            out.copy_(self._dense(x))
+        elif self._packed is not None:
+            lib = _library()
+            assert lib is not None
+            failed = lib.quant_linear(
+                LEVELS.index(self.level), int(self.kind), self._packed.data_ptr(), self.out_features,
+                self.in_features, x.data_ptr(), m, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+            )  # fmt: skip
+            if failed:
+                raise QuantKernelError(f"quant_linear failed ({_FAILURES.get(failed, failed)})")
+        else:
+            assert self._weight is not None
+            w = dequantize(self._weight)
+            for i in range(m):  # one row at a time: the same kernel for a row whatever M
+                out[i] = F.linear(x[i : i + 1], w)[0]
         return out
 
 
 def kernel_level() -> str:
-    """Which kernel variant computes QuantLinear here: "torch" in this version (dequantize, then torch's matmul)."""
-    return "torch"
+    """The kernel level QuantLinear's block types run here, one of LEVELS, or "torch" without the compiled library.
+
+    From this CPU's level as cpu_features gives it, capped by LLMSERVE_CPU_ISA: "avx512-vnni" from
+    avx512_core_vnni up; "avx2-vnni" on an AVX2 CPU with AVX-VNNI (uncapped: a cap to avx2 means a CPU of plain
+    AVX2, as oneDNN's avx2 excludes AVX-VNNI too); "avx2"; else "portable".
+    """
+    here = levels_here()
+    if not here:
+        return "torch"
+    level = cpu_features.cpu_level()
+    if cpu_features.at_least(level, "avx512_core_vnni") and "avx512-vnni" in here:
+        return "avx512-vnni"
+    if cpu_features.at_least(level, "avx2"):
+        uncapped = level == cpu_features.detected_level(cpu_features.cpu_flags())
+        return "avx2-vnni" if uncapped and "avx2-vnni" in here else "avx2"
+    return "portable"
+
+
+def levels_here() -> tuple[str, ...]:
+    """The kernel levels this CPU can run (each a subset of the next one's instructions), lowest first; empty
+    without the compiled library."""
+    lib = _library()
+    if lib is None:
+        return ()
+    mask = lib.quant_levels()
+    return tuple(name for i, name in enumerate(LEVELS) if (mask >> i) & 1)
+
+
+class QuantKernelError(RuntimeError):
+    """A kernel level that is not compiled in or that this CPU cannot run, or a failed kernel call."""
+
+
+LIBRARY = "_quant_ops"
+# Kernel levels, by csrc/quant.h's numbers.
+LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni")
+FLOAT_TYPES = frozenset((GGMLType.F32, GGMLType.F16, GGMLType.BF16))
+_FAILURES = {1: "level not compiled in or not supported by this CPU", 2: "out of memory", 3: "bad type or shape"}
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_SIGNATURES = {
+    "quant_levels": ([], _I),
+    "quant_packed_bytes": ([_I, _L, _L], _L),  # type, rows, cols
+    "quant_pack": ([_I, _P, _L, _L, _L, _P, _I], _I),  # type, src, row bytes, rows, cols, dst, threads
+    "quant_linear": ([_I, _I, _P, _L, _L, _P, _L, _P, _L, _I], _I),  # level, type, packed, n, k, x, m, y, ldy, threads
+}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = native.library(LIBRARY)
+    if lib is None:
+        return None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def compiled() -> bool:
+    """Whether the compiled kernels are installed (setup.py builds them with the others)."""
+    return _library() is not None
 
 
 def _check_input(x: torch.Tensor, cols: int) -> None:

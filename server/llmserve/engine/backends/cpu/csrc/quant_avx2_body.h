@@ -1,0 +1,179 @@
+/* The AVX2 kernel body, included by quant_avx2.c once with VNNI 0 (VPMADDUBSW + VPMADDWD) and once with VNNI 1
+ * (AVX-VNNI's VPDPBUSD), each under its own target pragma; NAME(x) suffixes its functions. A strip's 16 columns
+ * are two ymm halves of 8; up to 2 rows share each chunk loaded. The integer sums are exact either way, so both
+ * give the AVX-512 level's results bit for bit. */
+
+/* acc + the 4-products sums of unsigned quants w (at most 63; Q8_0's 255 go through `dot_wide`) and a's 4 bytes */
+AI __m256i NAME(dot)(__m256i acc, __m256i w, const int8_t *a) {
+  int32_t v;
+  memcpy(&v, a, 4);
+#if VNNI
+  return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(v));
+#else
+  /* pairs of products fit int16 without saturating: 2 * 63 * 127 < 32767 */
+  const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(v));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* the same for quants up to 255 (Q8_0 offset-binary) */
+AI __m256i NAME(dot_wide)(__m256i acc, __m256i w, const int8_t *a) {
+#if VNNI
+  return NAME(dot)(acc, w, a);
+#else
+  /* 2 * 255 * 127 would saturate int16: the high and low nibbles separately, the high ones weighted 16 */
+  int32_t v;
+  memcpy(&v, a, 4);
+  const __m256i av = _mm256_set1_epi32(v), low = _mm256_set1_epi8(0x0F);
+  const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), av);
+  const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(w, low), av);
+  acc = _mm256_add_epi32(acc, _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+#endif
+}
+
+AI __m256 NAME(halves)(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+AI __m256 NAME(bytes_u8)(const uint8_t *p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* v + (16 << shift) in each byte whose bit is set in the 32 bits at `bits` */
+AI __m256i NAME(plane)(__m256i v, const uint8_t *bits, int shift) {
+  uint32_t word;
+  memcpy(&word, bits, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32((int)word),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_add_epi8(v, _mm256_and_si256(on, _mm256_set1_epi8((char)(16 << shift))));
+}
+
+AI void NAME(strip_rows)(const qmat *w, const qact *x, long r0, const int R, long s, float *y, long ldy, const int T) {
+  const long k = w->k, nb = k / QBLOCK, payload = q_payload(T);
+  const uint8_t *strip = w->packed + s * q_strip_bytes(T, k), *meta = strip + q_meta_offset(T, k);
+  const long corr_stride = T == Q_Q6_K ? 2 * nb : nb;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 f[2][2];
+  __m256i acc[2][2], acc2[2][2];
+  __m256 d[2], dmin[2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  d[0] = d[1] = dmin[0] = dmin[1] = _mm256_setzero_ps();
+  for (long b = 0; b < nb; ++b) {
+    const uint8_t *p = strip + b * payload;
+    __m256 ws[2], wm[2];
+    __m256i sc0[2], sc1[2];
+    for (int h = 0; h < 2; ++h) {
+      ws[h] = wm[h] = _mm256_setzero_ps();
+      sc0[h] = sc1[h] = _mm256_setzero_si256();
+      if (q_is_k(T)) {
+        const uint8_t *mu = meta + (b / 8) * q_meta(T);
+        const int j = (int)(b % 8);
+        if (j == 0) {
+          d[h] = NAME(halves)(mu + 16 * h);
+          if (T != Q_Q6_K) dmin[h] = NAME(halves)(mu + 32 + 16 * h);
+        }
+        if (T == Q_Q6_K) {
+          sc0[h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(mu + 32 + 16 * (2 * j) + 8 * h)));
+          sc1[h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(mu + 32 + 16 * (2 * j + 1) + 8 * h)));
+        } else {
+          ws[h] = _mm256_mul_ps(d[h], NAME(bytes_u8)(mu + 64 + 16 * j + 8 * h));
+          wm[h] = _mm256_mul_ps(dmin[h], NAME(bytes_u8)(mu + 192 + 16 * j + 8 * h));
+        }
+      } else {
+        const uint8_t *mb = meta + b * q_meta(T);
+        ws[h] = NAME(halves)(mb + 16 * h);
+        if (q_has_min(T)) wm[h] = NAME(halves)(mb + 32 + 16 * h);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t *corr = x->corr + (r0 + r) * corr_stride;
+      for (int h = 0; h < 2; ++h) {
+        if (T == Q_Q6_K) {
+          acc[r][h] = _mm256_set1_epi32(corr[2 * b]);
+          acc2[r][h] = _mm256_set1_epi32(corr[2 * b + 1]);
+        } else {
+          acc[r][h] = _mm256_set1_epi32(corr[b]);
+        }
+      }
+    }
+    if (T == Q_Q8_0) {
+      for (int g = 0; g < 8; ++g)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * g + 32 * h));
+          for (int r = 0; r < R; ++r) acc[r][h] = NAME(dot_wide)(acc[r][h], v, x->a + (r0 + r) * k + b * QBLOCK + 4 * g);
+        }
+    } else {
+      for (int i = 0; i < 4; ++i)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i + 32 * h));
+          __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int pl = 0; pl < q_planes(T); ++pl) {
+            lo = NAME(plane)(lo, p + 256 + 64 * pl + 16 * i + 4 * h, pl);
+            hi = NAME(plane)(hi, p + 256 + 64 * pl + 16 * i + 8 + 4 * h, pl);
+          }
+          for (int r = 0; r < R; ++r) {
+            const int8_t *a = x->a + (r0 + r) * k + b * QBLOCK + 4 * i;
+            acc[r][h] = NAME(dot)(acc[r][h], lo, a);
+            if (T == Q_Q6_K)
+              acc2[r][h] = NAME(dot)(acc2[r][h], hi, a + 16);
+            else
+              acc[r][h] = NAME(dot)(acc[r][h], hi, a + 16);
+          }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(x->dx[(r0 + r) * nb + b]);
+      for (int h = 0; h < 2; ++h) {
+        if (T == Q_Q6_K) {
+          const __m256i isum =
+              _mm256_add_epi32(_mm256_mullo_epi32(acc[r][h], sc0[h]), _mm256_mullo_epi32(acc2[r][h], sc1[h]));
+          f[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d[h], dx), f[r][h]);
+          continue;
+        }
+        f[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(ws[h], dx), f[r][h]);
+        if (q_has_min(T)) {
+          const __m256 sx = _mm256_set1_ps(x->sx[(r0 + r) * nb + b]);
+          f[r][h] = q_is_k(T) ? _mm256_fnmadd_ps(wm[h], sx, f[r][h]) : _mm256_fmadd_ps(wm[h], sx, f[r][h]);
+        }
+      }
+    }
+  }
+  const long cols = w->n - s * STRIP;
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      float *out = y + (r0 + r) * ldy + s * STRIP + 8 * h;
+      const long here = cols - 8 * h;
+      if (here >= 8) {
+        _mm256_storeu_ps(out, f[r][h]);
+      } else if (here > 0) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)here), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_maskstore_ps(out, mask, f[r][h]);
+      }
+    }
+}
+
+AI void NAME(strips)(const qmat *w, const qact *x, long m, long s0, long s1, float *y, long ldy, const int T) {
+  for (long s = s0; s < s1; ++s)
+    for (long r0 = 0; r0 < m; r0 += 2) {
+      if (m - r0 >= 2)
+        NAME(strip_rows)(w, x, r0, 2, s, y, ldy, T);
+      else
+        NAME(strip_rows)(w, x, r0, 1, s, y, ldy, T);
+    }
+}
+
+void NAME(q_kernel)(const qmat *w, const qact *x, long m, long s0, long s1, float *y, long ldy) {
+  switch (w->type) {
+    case Q_Q4_0: NAME(strips)(w, x, m, s0, s1, y, ldy, Q_Q4_0); break;
+    case Q_Q4_1: NAME(strips)(w, x, m, s0, s1, y, ldy, Q_Q4_1); break;
+    case Q_Q5_0: NAME(strips)(w, x, m, s0, s1, y, ldy, Q_Q5_0); break;
+    case Q_Q5_1: NAME(strips)(w, x, m, s0, s1, y, ldy, Q_Q5_1); break;
+    case Q_Q8_0: NAME(strips)(w, x, m, s0, s1, y, ldy, Q_Q8_0); break;
+    case Q_Q4_K: NAME(strips)(w, x, m, s0, s1, y, ldy, Q_Q4_K); break;
+    case Q_Q5_K: NAME(strips)(w, x, m, s0, s1, y, ldy, Q_Q5_K); break;
+    case Q_Q6_K: NAME(strips)(w, x, m, s0, s1, y, ldy, Q_Q6_K); break;
+    default: break;
+  }
+}
