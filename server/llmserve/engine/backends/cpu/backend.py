@@ -7,9 +7,9 @@
 - float32 linears run on weights packed once for oneDNN (packed_linear).
 - Llama-family models run the fused forward (fused_layers): q/k/v and gate/up as one linear each, norms,
   rotary and SiLU-and-multiply as single C passes; in float32, bfloat16 (a bfloat16 model), int8 (`--dtype
-  int8`) or from a GGUF's blocks (`--dtype gguf`, float32 rows: gguf_linear.py over quant.py). In bfloat16 and
-  int8 every token's attention goes through the decode kernel, so that a token's result does not depend on the
-  chunk or step that computed it (batch invariance; metadata.KernelDecodeBuilder).
+  int8`) or from a GGUF's blocks (`--dtype gguf`, float32 rows: gguf_linear.py over quant.py). In all but float32
+  every token's attention goes through the decode kernel, so that a token's result does not depend on the chunk or
+  step that computed it (batch invariance; metadata.KernelDecodeBuilder).
 
 The compiled parts are built at install time; `--cpu-kernels` says what happens without them. The description
 (start-up log, GetModelInfo) names the precision, the kernel oneDNN runs for the linears (its instruction set)
@@ -81,7 +81,7 @@ class CpuBackend(TorchPagedBackend):
             self.attention = KernelDecodeBuilder(self.inputs, kv, self.kernel, self.chunks, every_token=True)
         if self.fused is not None and self.lora is not None:  # the fused forward applies the slots itself
             self.lora.close()
-            if not self.fused.precision.exact:
+            if not self.fused.precision.float_rows:
                 raise LoraUnsupported(
                     f"--dtype {self.fused.precision.linears} with LoRA adapters (--lora/--enable-lora): the fused CPU "
                     "forward adds adapter deltas in float32 only; serve adapters with --dtype float32"

@@ -92,8 +92,14 @@ class Precision:
 
     @property
     def exact(self) -> bool:
-        """float32/float64 rows: every row in the model's dtype, through csrc/fused_ops.c (float32 or float64
-        linears, or a GGUF's blocks)."""
+        """float32/float64 linears: every row in the model's dtype, through csrc/fused_ops.c, and the linears'
+        inputs as they are (a GGUF's kernels quantize theirs per block of 32, quant.py)."""
+        return self.linears == "float32"
+
+    @property
+    def float_rows(self) -> bool:
+        """Every row in the model's dtype (float32 or float64) through csrc/fused_ops.c: the exact precision and
+        a GGUF's blocks, whose linears read and give float32 rows; LoRA deltas add to such rows."""
         return self.rows in (torch.float32, torch.float64)
 
 
@@ -223,7 +229,7 @@ class FusedForward:
         self.final_norm = _norm(base.norm, norm_dtype)
         head = model.get_output_embeddings()
         self.lm_head: Linear = _linear([head], p.head, pack, mixed, torch.float32, source)
-        if not p.exact and mixed is not None:
+        if not p.float_rows and mixed is not None:
             self.lm_head = RefinedHead(self.lm_head, head.weight.detach(), mixed)
         self.num_heads = shape.num_heads
         self.num_kv_heads = shape.num_kv_heads
@@ -257,7 +263,7 @@ class FusedForward:
         precision = Precision.of(param.dtype, weights)
         if ops is None or param.device.type != "cpu" or precision is None:
             return None
-        if not precision.exact and (mixed is None or not bf16_available()):
+        if not precision.float_rows and (mixed is None or not bf16_available()):
             return None
         if (
             getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES
@@ -270,7 +276,7 @@ class FusedForward:
         linear = QuantProjection if precision.linears == "gguf" else nn.Linear
         if not all(_fits(layer, linear) for layer in base.layers):
             return None
-        rows: RowOps = ExactRows(ops) if precision.exact or mixed is None else MixedRows(mixed)
+        rows: RowOps = ExactRows(ops) if precision.float_rows or mixed is None else MixedRows(mixed)
         return cls(model, shape or ModelShape.of(config), precision, rows, mixed, pack, attention, source)
 
     def _layer(self, layer: Any, pack: bool, mixed: native.MixedOps | None) -> FusedLayer:

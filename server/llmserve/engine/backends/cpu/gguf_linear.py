@@ -2,12 +2,12 @@
 
 The fused forward runs q/k/v as one linear and gate/up as one. Here their blocks are concatenated row-wise into
 one QuantWeight per run of neighbours of the same block type (Q4_K_M files hold q/k in Q4_K and v in Q6_K in half
-of the layers: two kernel calls there, their outputs side by side), each row taken in the Hugging Face order (the
-rows of llama.cpp's permuted q/k picked by the projection's `order`), so that one kernel call computes what three
-did: at one sequence a decode step's time is mostly calls, not bytes (SmolLM2: 30 layers). The copy is of blocks,
-never floats (a third of the linears' bytes stay mapped: o, down and the LM head are the file's own views); once
-copied, the source pages are dropped from the process's mapping (GGUFFile.release), so that the resident set
-counts each byte once.
+of the layers: two kernel calls there, each writing its columns of one output), each row taken in the Hugging Face
+order (the rows of llama.cpp's permuted q/k picked by the projection's `order`), so that one kernel call computes
+what three did: at one sequence a decode step's time is mostly calls, not bytes (SmolLM2: 30 layers). The
+concatenation is a transient copy of blocks, never floats: quant.QuantLinear packs its own copy for its kernels
+and keeps none of the QuantWeight's bytes, so once a linear is built the file's pages it read are dropped from the
+process's mapping (GGUFFile.release) and the resident set counts each weight once.
 
 `BlockLinear` reads float32 rows and gives float32 rows (the float32 precision's row operations run around it),
 the bias (Qwen2's q/k/v) added after the blocks.
@@ -46,30 +46,37 @@ class BlockLinear:
         if len(self.parts) == 1:
             out = self.parts[0](x)
         else:
-            out = torch.cat([p(x) for p in self.parts], dim=1)
+            out = torch.empty(x.shape[0], sum(p.out_features for p in self.parts), dtype=torch.float32)
+            start = 0
+            for part in self.parts:
+                part(x, out=out[:, start : start + part.out_features])
+                start += part.out_features
         if self.bias is not None:
             out += self.bias
         return out
 
 
 def fuse(projections: list[QuantProjection], source: GGUFFile | None) -> BlockLinear:
-    """One linear over `projections` (outputs in their order, each in the Hugging Face row order). A lone projection
-    in the file's order keeps the file's view; anything else is copied (see the module docstring), and `source`'s
-    pages of what was copied are released."""
+    """One linear over `projections` (outputs in their order, each in the Hugging Face row order), its kernels'
+    copies made; then `source`'s pages of every projection are released (see the module docstring)."""
     runs: list[list[QuantProjection]] = []
     for p in projections:
         if runs and runs[-1][0].weight_blocks.kind == p.weight_blocks.kind:
             runs[-1].append(p)
         else:
             runs.append([p])
-    weights = [_concatenated(run) for run in runs]
-    copied = [p.source for p in projections if len(projections) > 1 or p.order is not None]
-    if source is not None and copied:
-        source.release(copied)
+    parts, kinds = [], []
+    for run in runs:
+        weight = _concatenated(run)
+        parts.append(quant.QuantLinear(weight))
+        kinds.append(weight.kind)
+        del weight  # the transient concatenation, before the next run's
+    if source is not None:
+        source.release([p.source for p in projections])
     bias = None
     if any(p.bias is not None for p in projections):
         bias = torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.out_features) for p in projections])
-    return BlockLinear([quant.QuantLinear(w) for w in weights], [w.kind for w in weights], bias)
+    return BlockLinear(parts, kinds, bias)
 
 
 def _concatenated(run: list[QuantProjection]) -> quant.QuantWeight:
