@@ -178,7 +178,9 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--model", "model.spec", str, "model: a local transformers folder, a .gguf file or random:NAME; "
                   "unset: the default"),
             _flag("--device", "model.device", str, "device: auto, cpu, cuda, cuda:N"),
-            _flag("--dtype", "model.dtype", str, "weights' dtype: auto, float32, bfloat16, float16"),
+            _flag("--dtype", "model.dtype", str, "weights' dtype: auto, gguf, float32, bfloat16, float16, int8; gguf "
+                  "serves a .gguf file from its own blocks on the CPU (what auto does for a GGUF there), the others "
+                  "dequantize it once into a cached float copy"),
             _flag("--cache-dir", "model.cache_dir", str, "where converted models are cached; unset: ~/.cache/llmserve"),
             _switch("--engine-in-process", "model.engine_process",
                     "run the engine core on a thread of the server's process, not in a process of its own",

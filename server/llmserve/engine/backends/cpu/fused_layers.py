@@ -20,9 +20,10 @@ model's own rotary module, so every rope scaling type works) on the CPU, in one 
   arithmetic, rotary, SiLU and the logits stay float32 (csrc/mixed_ops.c through native.MixedOps);
 - int8 (a bfloat16 model, `weights="int8"`): as bfloat16, with int8 weights and each input row quantized to int8
   with its own scale (packed_linear.Int8Linear); the norms and SiLU write the quantized rows directly;
-- gguf (a model over a GGUF's blocks, gguf_model.py, `weights="gguf"`): as float32, every linear, the LM head
-  included, computed from the file's blocks (gguf_linear.BlockLinear over quant.QuantLinear), the token embedding
-  decoded row by row (quant.dequantize_rows).
+- gguf (a model over a GGUF's blocks, gguf_model.py, `weights="gguf"`): float32 rows, residual and KV cache as
+  float32's, every linear, the LM head included, computed from the file's blocks (gguf_linear.BlockLinear over
+  quant.QuantLinear, whose kernels quantize each input row per block of 32 as llama.cpp does), the token
+  embedding decoded row by row (quant.dequantize_rows).
 `build` returns None for anything else and the backend calls the model's own forward. The model itself is left
 as it is: `generate` on it still runs transformers' code.
 
