@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from llmserve import cpu_features
 from llmserve.engine.backends.cpu import quant
-from llmserve.engine.backends.cpu.quant import GGMLType, QuantFormatError, QuantLinear, QuantWeight
+from llmserve.engine.backends.cpu.quant import GGMLType, QuantFormatError, QuantKernelError, QuantLinear, QuantWeight
 
 BLOCK_TYPES = [t for t in GGMLType if t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)]
 # Types gguf.quants can quantize from floats; for the others (the K types) blocks are built from random bytes
@@ -27,6 +28,22 @@ HALVES = {
     GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,),
 }
+
+
+# The levels this CPU runs, decided from its flags without the function under test, so that a broken
+# `levels_here` fails a test instead of skipping the levels.
+_FLAGS = cpu_features.cpu_flags()
+_AVX2 = {"avx2", "fma", "f16c"} <= _FLAGS
+LEVELS_HERE = [
+    level
+    for level, runs in (
+        ("portable", True),
+        ("avx2", _AVX2),
+        ("avx2-vnni", _AVX2 and "avx_vnni" in _FLAGS),
+        ("avx512-vnni", _AVX2 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= _FLAGS),
+    )
+    if runs
+]
 
 
 def make_weight(kind: GGMLType, rows: int, cols: int, seed: int = 0) -> QuantWeight:
@@ -86,8 +103,9 @@ def error_bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", list(GGMLType), ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 32, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 9, 32, 300])
 def test_linear_equals_dequantize_then_matmul(kind: GGMLType, m: int) -> None:
+    """At the level this CPU picks; the other levels give the same bits (next test)."""
     w = make_weight(kind, 37, cols_for(kind), seed=m)
     x = torch.randn(m, w.cols, generator=torch.Generator().manual_seed(m))
     linear = QuantLinear(w)
@@ -101,15 +119,102 @@ def test_linear_equals_dequantize_then_matmul(kind: GGMLType, m: int) -> None:
     assert bool((err <= bound).all()), f"worst error / bound {float((err / bound).max()):.3f}"
 
 
-@pytest.mark.parametrize("kind", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K])
-def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(kind: GGMLType) -> None:
-    w = make_weight(kind, 19, cols_for(kind))
-    linear = QuantLinear(w)
-    x = torch.randn(300, w.cols, generator=torch.Generator().manual_seed(1))
+def test_the_levels_here_are_the_ones_the_cpu_reports() -> None:
+    assert list(quant.levels_here()) == LEVELS_HERE
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE[1:])
+@pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda t: t.name)
+def test_every_level_gives_the_portable_kernels_bits(kind: GGMLType, level: str) -> None:
+    """Rows 1 to 11 cover every row tile of the vector kernels (8 and 2 rows) and their remainders; 45 columns a
+    partial last strip."""
+    w = make_weight(kind, 45, 2 * cols_for(kind), seed=7)
+    x = torch.randn(11, w.cols, generator=torch.Generator().manual_seed(2))
+    portable, vector = QuantLinear(w, "portable"), QuantLinear(w, level)
+    for m in range(1, 12):
+        assert torch.equal(vector(x[:m]), portable(x[:m])), m
+
+
+def _invariant(linear: QuantLinear, x: torch.Tensor) -> None:
     everything = linear(x)
-    for start, count in ((0, 1), (5, 1), (299, 1), (3, 4), (10, 32), (0, 299), (1, 257)):
+    for start, count in ((0, 1), (5, 1), (x.shape[0] - 1, 1), (3, 4), (10, 32), (0, x.shape[0] - 1), (1, 257)):
         part = linear(x[start : start + count].contiguous())
         assert torch.equal(part, everything[start : start + count]), (start, count)
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("kind", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K])
+def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(kind: GGMLType, level: str) -> None:
+    w = make_weight(kind, 19, cols_for(kind))
+    _invariant(QuantLinear(w, level), torch.randn(300, w.cols, generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("kind", [GGMLType.F32, GGMLType.F16, GGMLType.BF16])
+def test_float_types_keep_batch_invariance_too(kind: GGMLType) -> None:
+    w = make_weight(kind, 19, 96)
+    _invariant(QuantLinear(w), torch.randn(300, w.cols, generator=torch.Generator().manual_seed(1)))
+
+
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    w = make_weight(GGMLType.Q4_K, 200, 512)  # 13 strips, split unevenly
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(3))
+    linear = QuantLinear(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x)
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            assert torch.equal(linear(x), one), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_out_writes_only_its_columns_of_a_wider_output() -> None:
+    first, second = make_weight(GGMLType.Q4_K, 21, 256), make_weight(GGMLType.Q6_K, 19, 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    wide = torch.full((5, 50), 7.0)
+    QuantLinear(first)(x, out=wide[:, 3:24])
+    QuantLinear(second)(x, out=wide[:, 24:43])
+    assert torch.equal(wide[:, 3:24], QuantLinear(first)(x)) and torch.equal(wide[:, 24:43], QuantLinear(second)(x))
+    assert bool((wide[:, :3] == 7).all()) and bool((wide[:, 43:] == 7).all())
+    with pytest.raises(ValueError, match=r"out must be float32 \[5, 21\]"):
+        QuantLinear(first)(x, out=torch.empty(5, 22))
+
+
+def test_a_non_finite_input_reaches_only_its_own_row() -> None:
+    linear = QuantLinear(make_weight(GGMLType.Q8_0, 9, 64))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    x[1, 40] = float("nan")
+    y = linear(x)
+    assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
+    assert torch.equal(y[[0, 2]], linear(x[[0, 2]]))
+
+
+@pytest.mark.parametrize(
+    ("cap", "level"),
+    [("none", "portable"), ("avx2", "avx2"), ("avx512_core", "avx2"), ("avx512_core_vnni", "avx512-vnni")],
+)
+def test_the_level_follows_the_cpu_cap(monkeypatch: pytest.MonkeyPatch, cap: str, level: str) -> None:
+    if level not in LEVELS_HERE:
+        pytest.skip(f"this CPU does not run {level}")
+    monkeypatch.setenv(cpu_features.ENV, cap)
+    assert quant.kernel_level() == level
+    assert QuantLinear(make_weight(GGMLType.Q4_0, 3, 32)).level == level
+
+
+def test_an_unknown_or_foreign_level_is_refused() -> None:
+    w = make_weight(GGMLType.Q4_0, 3, 32)
+    with pytest.raises(QuantKernelError, match="'avx9'"):
+        QuantLinear(w, "avx9")
+
+
+def test_the_torch_level_computes_in_float32_from_the_blocks() -> None:
+    """The path without the compiled library: float activations, so float32 rounding alone."""
+    w = make_weight(GGMLType.Q4_1, 11, 96)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(6))
+    expected = x.double() @ torch.from_numpy(reference(w)).double().T
+    torch.testing.assert_close(QuantLinear(w, "torch")(x).double(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_malformed_weights_are_refused_naming_what_is_wrong() -> None:

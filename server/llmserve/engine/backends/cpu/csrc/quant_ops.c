@@ -267,14 +267,15 @@ static q_kernel kernel_of(int level) {
   }
 }
 
-/* y [m][n] = x [m][k] @ W.T for a packed W (quant_pack) with `level`'s kernel. Returns 0; 1: the level is not
+/* y [m][n] = x [m][k] @ W.T for a packed W (quant_pack) with `level`'s kernel, y's rows `ldy` floats apart (a
+ * column slice of a wider output: ldy > n). Returns 0; 1: the level is not
  * compiled in or this CPU lacks its instructions; 2: the scratch could not be allocated; 3: a bad type or shape.
  * Columns are split across threads in whole strips, each output computed by one thread with the same code. */
 int quant_linear(int level, int type, const uint8_t *packed, long n, long k, const float *x, long m, float *y,
-                 int threads) {
+                 long ldy, int threads) {
   const q_kernel kernel = kernel_of(level);
   if (kernel == NULL || !((quant_levels() >> level) & 1)) return 1;
-  if (quant_packed_bytes(type, n, k) < 0 || m < 0) return 3;
+  if (quant_packed_bytes(type, n, k) < 0 || m < 0 || ldy < n || threads < 1) return 3;
   if (m == 0) return 0;
   const long nb = k / QBLOCK;
   int8_t *a = malloc((size_t)(m * k));
@@ -296,7 +297,7 @@ int quant_linear(int level, int type, const uint8_t *packed, long n, long k, con
 #else
       const long t = 0, count = 1;
 #endif
-      kernel(&w, &act, m, strips * t / count, strips * (t + 1) / count, y, n);
+      kernel(&w, &act, m, strips * t / count, strips * (t + 1) / count, y, ldy);
     }
   }
   free(a);
