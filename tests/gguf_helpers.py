@@ -100,3 +100,17 @@ def write_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def gguf_loaded(path: Path, config: Any, name: str = "tiny-gguf") -> Any:
+    """A LoadedModel over the GGUF at `path` written from a model of `config` (no tokenizer), as
+    models.load_gguf_blocks makes one from a real file."""
+    from llmserve.gguf_file import GGUFFile
+    from llmserve.gguf_model import build_model
+    from llmserve.model_shape import ModelShape
+    from llmserve.models import LoadedModel
+
+    file = GGUFFile.open(path)
+    model = build_model(file, config)
+    eos = (int(config.eos_token_id),)
+    return LoadedModel(model, None, name, torch.float32, torch.device("cpu"), ModelShape.of(config), eos, "gguf", file)
