@@ -1,6 +1,6 @@
 """bfloat16, int8 and a GGUF's blocks on the CPU are batch-invariant: a request's greedy tokens alone equal its
-tokens among 32 concurrent requests, whatever chunks its prompt was split into, whether it was preempted and recomputed, and
-whether its prompt came back from a session's cache.
+tokens among 32 concurrent requests, whatever chunks its prompt was split into, whether it was preempted and
+recomputed, and whether its prompt came back from a session's cache.
 
 Random weights in bfloat16 make near-ties of many logits, so that a prompt token attended otherwise than a
 decoded one (SDPA for prompt chunks, as the float32 path does) changes tokens here. The model's MLP is 1,536 wide,
