@@ -315,19 +315,21 @@ def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m llmserve.models [SPEC]`: load (converting and caching a GGUF once) the model a server would.
+    """`python -m llmserve.models [SPEC] [--dtype D]`: load the model a CPU server would with `--dtype D`, making its
+    caches once: a GGUF's tokenizer and config (auto, gguf: seconds), or its float conversion (float32, bfloat16).
 
-    `make model` and the Dockerfile run it, so that the image holds the converted default model.
+    `make model` and the Dockerfile run it, so that a start finds the cache the default serves from.
     """
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m llmserve.models", description=main.__doc__)
     parser.add_argument("spec", nargs="?", default=None, help="model spec as for --model; default: the default model")
     parser.add_argument("--cache-dir", default=None, help="conversion cache; default: $LLMSERVE_CACHE_DIR or ~/.cache")
+    parser.add_argument("--dtype", default="auto", help="as the server's --dtype (default: auto)")
     args = parser.parse_args(argv)
     cache = Path(args.cache_dir) if args.cache_dir else None
-    loaded = load_model(args.spec, device="cpu", dtype="float32", cache_root=cache)
-    print(f"model ready: {loaded.name}")
+    loaded = load_model(args.spec, device="cpu", dtype=args.dtype, cache_root=cache)
+    print(f"model ready: {loaded.name} ({loaded.weights or loaded.dtype})")
     return 0
 
 
