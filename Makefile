@@ -157,7 +157,7 @@ bench-lora: $(STAMP_MODEL)
 # without them llama.cpp is skipped. Not in CI. Results in benchmarks/results/<date>-cpu-gguf.{md,json}.
 LLAMA_CPP_BIN ?=
 bench-gguf: $(STAMP_MODEL)
-	LLAMA_CPP_BIN=$(LLAMA_CPP_BIN) $(PY) benchmarks/run.py --mode gguf
+	LLAMA_CPP_BIN=$(LLAMA_CPP_BIN) $(PY) benchmarks/run.py --mode gguf --float32
 
 # Perplexity of the default Q4_1 file and a Q8_0 made from it: llmserve vs llama-perplexity, within 1% (not in CI).
 perplexity-gguf: $(STAMP_MODEL)

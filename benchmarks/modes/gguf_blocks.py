@@ -12,7 +12,8 @@ runs at 1 and 4 clients only. Per file, system and client count: output tokens/s
 memory (llmserve: the server and its engine process; llama.cpp: its process), and each server's start time (to
 SERVING / healthy; llmserve's tokenizer and config cache made before, its one-time cost reported apart). The
 issue's targets are checked on the page: >= 1.0x llama-server's tokens/s at 1 client and >= 2x at 32, resident
-memory <= the file + the KV pool + 1 GiB.
+memory <= the file + the KV pool + 1 GiB. `--float32` serves the default file also as `--dtype float32` (its
+dequantized copy: the path `make run` took before), a third system in the same alternation.
 
 `--perplexity` measures accuracy instead: llmserve's perplexity against `llama-perplexity`'s on the same file, the
 default Q4_1 file and a Q8_0 file made from it with llama-quantize, over tests/data/perplexity.txt and
@@ -21,7 +22,7 @@ both sides (chunks, BOS first, the second half of each chunk scored, on the toke
 its --kl-divergence-base file).
 
     python benchmarks/run.py --mode gguf [--files default,1b-q4km,1b-q8,8b-q4km,8b-q8] [--clients 1,4,32]
-        [--rounds 2] [--window-s 30] [--warmup-s 10] [--llama-bin DIR] [--gguf-dir DIR] [--quick]
+        [--rounds 2] [--window-s 30] [--warmup-s 10] [--llama-bin DIR] [--gguf-dir DIR] [--float32] [--quick]
     python benchmarks/run.py --mode gguf --perplexity
 
 llama.cpp's binaries are found in --llama-bin or $LLAMA_CPP_BIN (llama-server, llama-quantize, llama-perplexity);
@@ -295,6 +296,11 @@ async def serve_file(spec: FileSpec, path: Path, args: argparse.Namespace, work:
     ours.name = "llmserve"
     chosen: dict[str, tuple[System, tuple]] = {"llmserve": (ours, ())}
     starts: dict[str, float] = {"llmserve": await start_timed(ours)}
+    if args.float32 and spec.shape is None:  # today's path beside: the file dequantized once into float32
+        dense = GrpcSystem(str(path), torch.device("cpu"), "float32", EngineConfig(), work / "llmserve-float32.log")
+        dense.name = "llmserve float32"
+        chosen[dense.name] = (dense, ())
+        starts[dense.name] = await start_timed(dense)
     server = binary(args, "llama-server")
     if server is None:
         notes.append(f"{spec.key}: llama.cpp skipped (no llama-server in --llama-bin / ${BIN_ENV})")
@@ -620,6 +626,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--llama-bin", default=None, help=f"llama.cpp's build/bin folder (default: ${BIN_ENV})")
     p.add_argument("--gguf-dir", default=None, help=f"where the random files are made (default: ${FILES_ENV})")
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 files the quantized ones were made from")
+    p.add_argument("--float32", action="store_true", help="the default file also as --dtype float32 (today's path)")
     p.add_argument("--perplexity", action="store_true", help="measure perplexity against llama-perplexity instead")
     args = p.parse_args(argv)
     args.file_keys = [k.strip() for k in args.files.split(",") if k.strip()]
