@@ -6,11 +6,13 @@ shape, at M = 1, 4, 32, 256 rows:
   scales (activation quantization included);
 - `int4pack` / `int4pack-bf16`: torch's `_weight_int4pack_mm_for_cpu` (4-bit weights, group-wise scales and zeros:
   represents Q4_0/Q4_1/Q4_K exactly in float32), float32 / bfloat16 activations (the conversions included);
-- `quant:TYPE[:LEVEL]`: QuantLinear on random blocks of TYPE (its bytes as a file holds them).
+- `quant:TYPE[:LEVEL]`: QuantLinear on random blocks of TYPE (its bytes as a file holds them); `quantf:...` the same
+  with float32 activations.
 
 Systems alternate within each round so that all see the same load; the figure is the median over rounds of the
 per-call time. On a machine shared with other work, `--clock cpu` (one thread) counts the calling thread's CPU time
-instead of wall time, so that time the scheduler gives to other processes is not counted. Reports ms per layer,
+instead of wall time, so that time the scheduler gives to other processes is not counted, and `--stat min` takes
+the least disturbed round. Reports ms per layer,
 GB/s of the weights' bytes (the bandwidth-bound figure at small M) and GFLOP/s (the compute-bound one at large
 M). Each call runs the next of `--layers` copies of the layer's weights,
 so that weights come from memory (or the last-level cache) as in a model, not from a core's own cache.
@@ -112,9 +114,11 @@ def layer(
             )
         nbytes = sum(n * k // 2 + n * k // 32 * 4 * dtype.itemsize for n, k in shapes)
     else:
-        _, kind, *level = name.split(":")
+        system_, kind, *level = name.split(":")
+        acts = "float32" if system_ == "quantf" else "int8"
         linears = [
-            q.QuantLinear(random_blocks(q.GGMLType[kind], n, k, rng), level[0] if level else None) for n, k in shapes
+            q.QuantLinear(random_blocks(q.GGMLType[kind], n, k, rng), level[0] if level else None, acts)
+            for n, k in shapes
         ]
         layers = linears
         nbytes = sum(lin.nbytes for lin in linears)
@@ -131,6 +135,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="copies of the layer's weights, called in turn")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--stat", choices=["median", "min"], default="median", help="over the rounds")
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu counts the calling thread only: use --threads 1")
@@ -140,7 +145,8 @@ def main() -> None:
     shapes = projections(args.shape)
     flops_per_row = sum(2 * n * k for n, k in shapes)
     built = {name: system(name, shapes, rng, args.layers) for name in args.systems}
-    print(f"# {args.shape} layer {shapes}, {args.threads} threads, {args.clock} clock, {args.layers} copies")
+    print(f"# {args.shape} layer {shapes}, {args.threads} threads, {args.layers} copies")
+    print(f"# {args.clock} clock, {args.stat} of {args.rounds} rounds")
     print(f"# kernel level {q.kernel_level()}, LLMSERVE_CPU_ISA={os.environ.get('LLMSERVE_CPU_ISA', '')}")
     print("| system | bytes/layer | " + " | ".join(f"M={m} ms (GB/s, GFLOP/s)" for m in args.rows) + " |")
     print("|---|---|" + "---|" * len(args.rows))
@@ -158,7 +164,7 @@ def main() -> None:
                         run(torch.empty(0), m)
                     times[name].append((clock() - start) / calls)
             for name, (_, nbytes) in built.items():
-                t = statistics.median(times[name])
+                t = min(times[name]) if args.stat == "min" else statistics.median(times[name])
                 table[name].append(f"{t * 1e3:.3f} ({nbytes / t / 1e9:.1f}, {flops_per_row * m / t / 1e9:.0f})")
     for name, (_, nbytes) in built.items():
         print(f"| {name} | {nbytes / 1e6:.2f} MB | " + " | ".join(table[name]) + " |")

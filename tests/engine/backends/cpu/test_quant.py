@@ -123,14 +123,28 @@ def test_the_levels_here_are_the_ones_the_cpu_reports() -> None:
     assert list(quant.levels_here()) == LEVELS_HERE
 
 
+@pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 4, 9, 300])
+def test_float_activations_equal_dequantize_then_matmul_within_float32_rounding(kind: GGMLType, m: int) -> None:
+    """activations="float32": the weights decoded exactly as `dequantize`, so float32 summation alone separates
+    the result from float64 (each output sums 1/4 of k in a chain: at most ~k/4 roundings of its running sum)."""
+    w = make_weight(kind, 37, cols_for(kind), seed=m)
+    x = torch.randn(m, w.cols, generator=torch.Generator().manual_seed(m))
+    dense = torch.from_numpy(reference(w)).double()
+    err = (QuantLinear(w, activations="float32")(x).double() - x.double() @ dense.T).abs()
+    bound = (x.double().abs() @ dense.abs().T) * (w.cols / 4 + 2) * 2.0**-24
+    assert bool((err <= bound).all()), f"worst error / bound {float((err / bound).max()):.3f}"
+
+
+@pytest.mark.parametrize("activations", quant.ACTIVATIONS)
 @pytest.mark.parametrize("level", LEVELS_HERE[1:])
 @pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda t: t.name)
-def test_every_level_gives_the_portable_kernels_bits(kind: GGMLType, level: str) -> None:
-    """Rows 1 to 11 cover every row tile of the vector kernels (8 and 2 rows) and their remainders; 45 columns a
-    partial last strip."""
-    w = make_weight(kind, 45, 2 * cols_for(kind), seed=7)
+def test_every_level_gives_the_portable_kernels_bits(kind: GGMLType, level: str, activations: str) -> None:
+    """Rows 1 to 11 cover every row tile of the vector kernels (8, 4 and 2 rows) and their remainders; 45 columns a
+    partial last strip; 3 blocks of 256 more than one group of decoded blocks (8 of 32)."""
+    w = make_weight(kind, 45, 768, seed=7)
     x = torch.randn(11, w.cols, generator=torch.Generator().manual_seed(2))
-    portable, vector = QuantLinear(w, "portable"), QuantLinear(w, level)
+    portable, vector = QuantLinear(w, "portable", activations), QuantLinear(w, level, activations)
     for m in range(1, 12):
         assert torch.equal(vector(x[:m]), portable(x[:m])), m
 
@@ -142,11 +156,13 @@ def _invariant(linear: QuantLinear, x: torch.Tensor) -> None:
         assert torch.equal(part, everything[start : start + count]), (start, count)
 
 
+@pytest.mark.parametrize("activations", quant.ACTIVATIONS)
 @pytest.mark.parametrize("level", LEVELS_HERE)
 @pytest.mark.parametrize("kind", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K])
-def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(kind: GGMLType, level: str) -> None:
+def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(kind: GGMLType, level: str, activations: str) -> None:
     w = make_weight(kind, 19, cols_for(kind))
-    _invariant(QuantLinear(w, level), torch.randn(300, w.cols, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(300, w.cols, generator=torch.Generator().manual_seed(1))
+    _invariant(QuantLinear(w, level, activations), x)
 
 
 @pytest.mark.parametrize("kind", [GGMLType.F32, GGMLType.F16, GGMLType.BF16])
@@ -155,10 +171,11 @@ def test_float_types_keep_batch_invariance_too(kind: GGMLType) -> None:
     _invariant(QuantLinear(w), torch.randn(300, w.cols, generator=torch.Generator().manual_seed(1)))
 
 
-def test_results_do_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("activations", quant.ACTIVATIONS)
+def test_results_do_not_depend_on_the_thread_count(activations: str) -> None:
     w = make_weight(GGMLType.Q4_K, 200, 512)  # 13 strips, split unevenly
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(3))
-    linear = QuantLinear(w)
+    linear = QuantLinear(w, activations=activations)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -191,6 +208,26 @@ def test_a_non_finite_input_reaches_only_its_own_row() -> None:
     assert torch.equal(y[[0, 2]], linear(x[[0, 2]]))
 
 
+def test_tiny_and_huge_inputs_stay_finite_and_within_the_bound() -> None:
+    """Blocks whose largest value is subnormal (the reciprocal of the activation scale overflows float32) or near
+    float32's largest; zero rows give zeros. Subnormal values carry few bits, so there the bound is absolute: far
+    below the smallest normal float32 (1.2e-38)."""
+    w = make_weight(GGMLType.Q8_0, 9, 96)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(8))
+    x[0] *= 1e-40
+    x[1] *= 1e36
+    x[2] = 0
+    y = QuantLinear(w)(x)
+    assert bool(y[[0, 1, 3]].isfinite().all()) and bool((y[2] == 0).all())
+    dense = torch.from_numpy(reference(w)).double()
+    err = (y.double() - x.double() @ dense.T).abs()
+    assert bool((err <= error_bound(dense, x.double()) + 1e-39).all())
+
+
+def test_no_rows_give_no_rows() -> None:
+    assert QuantLinear(make_weight(GGMLType.Q4_K, 5, 256))(torch.empty(0, 256)).shape == (0, 5)
+
+
 @pytest.mark.parametrize(
     ("cap", "level"),
     [("none", "portable"), ("avx2", "avx2"), ("avx512_core", "avx2"), ("avx512_core_vnni", "avx512-vnni")],
@@ -203,10 +240,12 @@ def test_the_level_follows_the_cpu_cap(monkeypatch: pytest.MonkeyPatch, cap: str
     assert QuantLinear(make_weight(GGMLType.Q4_0, 3, 32)).level == level
 
 
-def test_an_unknown_or_foreign_level_is_refused() -> None:
+def test_an_unknown_level_or_activation_scheme_is_refused() -> None:
     w = make_weight(GGMLType.Q4_0, 3, 32)
     with pytest.raises(QuantKernelError, match="'avx9'"):
         QuantLinear(w, "avx9")
+    with pytest.raises(ValueError, match="'int4'"):
+        QuantLinear(w, activations="int4")
 
 
 def test_the_torch_level_computes_in_float32_from_the_blocks() -> None:

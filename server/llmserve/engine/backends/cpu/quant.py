@@ -1,11 +1,63 @@
 """GGUF tensors kept as the file holds them (llama.cpp's block types), and linears computed from their blocks.
 
-The seam between the GGUF loader and the kernels: a `QuantWeight` is one 2-D tensor's bytes as the file stores
-them (llama.cpp's ggml-common.h layouts), `dequantize` is the float32 reference, `QuantLinear` computes x @ W.T.
+The seam between the GGUF loader and the kernels: a `QuantWeight` is one 2-D tensor's bytes as the file stores them
+(llama.cpp's ggml-common.h layouts), `dequantize` the float32 reference (bitwise equal to the `gguf` package's numpy
+decoders), `QuantLinear` computes x @ W.T from the blocks with the compiled kernels of csrc/quant*.c.
 
-This first version computes every linear by dequantizing the blocks on each call and multiplying one row at a
-time (a row's result is the same whatever the other rows of the call: batch invariance); the compiled kernels
-come behind the same API.
+How (csrc/quant.h has the layout and the exact arithmetic): at construction the blocks are packed once into strips
+of 16 output columns laid out for VNNI dot products (about the file's size: 4.5 bits a weight for Q4_0, 4.6 for
+Q4_K, 6.6 for Q6_K, 8.5 for Q8_0); on each call the activations are quantized per block of 32 to int8 with one
+float scale each (llama.cpp's Q8_0 scheme), each block's products are summed exactly in int32 (VPDPBUSD), and each
+output accumulates its blocks' sums, scaled, in one fixed sequence of float operations. Rows are split from the
+columns' side across threads. So a row's result is bitwise the same whatever M, whatever the other rows and the
+thread count (batch invariance), and at every level: `avx512-vnni`, `avx2-vnni` (AVX-VNNI), `avx2` (VPMADDUBSW),
+`portable` (C), compiled into one library with per-level target pragmas and picked at run time (`kernel_level`).
+
+Tolerance of the scheme: activations are rounded to a step of max|x| / 127 of their block of 32, so for each output
+|y - x @ W.T| <= sum over blocks of (step / 2) * sum |w| of the block, plus float32 rounding (tests/.../test_quant.py
+checks that bound against float64). On the default model's own weights and activations (probe
+benchmarks/probes/quant_activation_error.py, 256 tokens) the relative error of a linear is 0.6-1.7% (attn_v up to
+3%), float32 torch's 3e-7; the LM head's argmax is unchanged on 98% of tokens given the same hidden states. Greedy
+tokens therefore drift from the float32 path's after a while, as llama.cpp's do (it quantizes activations the same
+way; its K-type dot products use one scale per 256, coarser than ours).
+
+Why this scheme and our own kernels, measured (benchmarks/probes/quant_linear.py; one decoder layer's qkv, o,
+gate_up and down, copies of the layer in turn so that weights come from memory; 1 thread, CPU time of the calling
+thread, least of 7-9 rounds, on the shared 2-core Xeon with AVX512-VNNI and AMX, oneDNN capped at avx512_core_vnni
+for the int8 yardstick; ms per layer):
+
+    SmolLM2-135M (K = 576/1536)  M=1    M=4    M=32   M=256      Llama-3.2-1B shape   M=1    M=4    M=32   M=256
+    float32 oneDNN (yardstick)   1.49   1.50   3.19   15.6       float32 oneDNN       18.9   19.5   45.5   222
+    int8 oneDNN, per-row scales  0.61   0.67   1.39   6.2 (AMX)  int8 oneDNN (VNNI)   6.21   6.86   14.8   78.3
+    torch int4pack, bf16 acts    0.32   0.50   3.54   26.8       torch int4pack bf16  4.60   7.26   52.6   417
+    Q4_0                         0.235  0.337  1.41   11.7       Q4_0                 3.25   4.18   16.1   123
+    Q4_1                         0.261  0.345  1.51   12.1       Q4_K                 3.22   4.05   17.1   136
+    Q5_0                         0.278  0.370  1.47   11.9       Q5_K                 3.72   4.61   18.2   145
+    Q8_0                         0.354  0.435  1.52   11.1       Q6_K                 4.62   5.36   21.9   165
+                                                                 Q8_0                 5.18   6.61   18.6   125
+
+At one to four rows a call streams its weights: 8.5-12.5 GB/s on one core (float32's 9-13 GB/s moves 5-7x the
+bytes), 5-6x faster than float32 (a Llama-3-8B-shaped layer in Q4_K: 11.7 ms at one row, 10.8 GB/s). At 32 and 256
+rows it is compute-bound: 150-160 GFLOP/s on SmolLM2's narrow shapes, 180-250 on the 1B shape's, 1.3-2.7x float32.
+oneDNN's int8 (per-row activation scales, one float step per row instead of one per block of 32) is faster at 256
+rows, but per-row scales cost SmolLM2 8% perplexity and it has no block-quantized weights. The lower levels, same
+1B layer in Q4_K: avx2-vnni 3.49 / 5.28 / 26.9 / 202 ms, avx2 3.52 / 7.00 / 46.0 / 369 (at one row every level
+streams the same bytes). torch's `_weight_int4pack_mm_for_cpu` represents Q4_0/Q4_1/Q4_K exactly but is fast only
+with bfloat16 activations and then 2.3-3x slower than these kernels from 32 rows (with float32 activations 20-200x
+slower); `_weight_int8pack_mm` has per-channel scales only; torchao's CPU int4 layout (Int4CPULayout) calls that
+same aten op, and its other CPU kernels need its C++ extension built for the installed torch (not measured). With
+float activations our own kernel is bound by float FMAs from 32 rows (below).
+
+Float activations, for exactness (`QuantLinear(w, activations="float32")`): the blocks are decoded in the kernel to
+the float32 weights `dequantize` gives, bit for bit, and each output sums x * w in float32 in a fixed order (four
+partial sums by k mod 4), so the result is x @ dequantize(w).T up to float32 rounding, again the same at every level
+and row count. Measured as above (ms per layer, 1B shape, Q4_K, 1 thread): M=1 5.2, M=4 7.5, M=32 34.8 (112
+GFLOP/s), M=256 284 (110 GFLOP/s); float32 oneDNN 19.0 /
+20.9 / 45.1 / 213; int8 activations 3.3 / 4.3 / 16.9 / 133. So at one to four rows it still beats float32 3-4x,
+from 32 rows it is about float32's speed: int8 is the default, float32 the choice where tokens must equal the
+float32 path's.
+
+The float types (F32, F16, BF16) are widened once to float32 and run packed_linear's float32 linear.
 """
 
 from __future__ import annotations
@@ -14,6 +66,7 @@ import ctypes
 import enum
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -141,20 +194,38 @@ class QuantLinear:
     A row's result is bitwise the same whatever the other rows of the call, whatever M and whatever the thread
     count (batch invariance), and, for the block types, the same at every kernel level. Block types run the
     compiled kernel of `level` (default: kernel_level()) on a copy of the blocks packed for it (`nbytes` of
-    them; the QuantWeight's bytes are not kept, so a caller may release its mapping). The float types (F32, F16,
+    them; the QuantWeight's bytes are not kept, so a caller may release its mapping), with `activations` "int8"
+    (quantized per block of 32: the fast default) or "float32" (the weights decoded exactly as `dequantize`
+    gives them, float32 sums: x @ dequantize(w).T up to float32 rounding, at about half the speed; see the
+    module docstring). The float types (F32, F16,
     BF16) are widened once to float32 and run the float32 linear of packed_linear. Without the compiled library,
     the block types dequantize on each call and multiply one row at a time in float32 (level "torch").
     """
 
-    __slots__ = ("kind", "out_features", "in_features", "nbytes", "level", "_packed", "_dense", "_weight")
+    __slots__ = (
+        "kind",
+        "out_features",
+        "in_features",
+        "nbytes",
+        "level",
+        "_packed",
+        "_dense",
+        "_weight",
+        "_fn",
+        "_args",
+    )
 
-    def __init__(self, w: QuantWeight, level: str | None = None) -> None:
+    def __init__(self, w: QuantWeight, level: str | None = None, activations: str = "int8") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.kind = w.kind
         self.out_features = w.rows
         self.in_features = w.cols
         self._packed: torch.Tensor | None = None
         self._dense: Linear | None = None
         self._weight: QuantWeight | None = None
+        self._fn: Any = None  # the bound C function and its leading arguments: a decode step makes ~100 calls
+        self._args: tuple[int, ...] = ()
         if w.kind in FLOAT_TYPES:
             dense = dequantize(w)
             self._dense = make_linear(
@@ -183,6 +254,8 @@ class QuantLinear:
             raise QuantFormatError(f"{w.kind.name} {w.rows}x{w.cols}: the kernels cannot pack this tensor")
         self._packed = packed
         self.nbytes = size
+        self._fn = lib.quant_linear if activations == "int8" else lib.quant_linear_f32
+        self._args = (LEVELS.index(self.level), int(w.kind), packed.data_ptr(), w.rows, w.cols)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T, written into `out` when given (float32 [M, out_features] with contiguous rows, e.g. a column
@@ -190,20 +263,17 @@ class QuantLinear:
         _check_input(x, self.in_features)
         m = x.shape[0]
         if out is None:
+            if self._dense is not None:
+                return self._dense(x)
             out = torch.empty(m, self.out_features, dtype=torch.float32)
-        elif out.dtype != torch.float32 or tuple(out.shape) != (m, self.out_features) or out.stride(1) != 1:
+        elif out.dtype != torch.float32 or out.shape != (m, self.out_features) or out.stride(1) != 1:
             raise ValueError(f"out must be float32 [{m}, {self.out_features}] with contiguous rows")
-        if self._dense is not None:
-            out.copy_(self._dense(x))
-        elif self._packed is not None:
-            lib = _library()
-            assert lib is not None
-            failed = lib.quant_linear(
-                LEVELS.index(self.level), int(self.kind), self._packed.data_ptr(), self.out_features,
-                self.in_features, x.data_ptr(), m, out.data_ptr(), out.stride(0), torch.get_num_threads(),
-            )  # fmt: skip
+        if self._fn is not None:
+            failed = self._fn(*self._args, x.data_ptr(), m, out.data_ptr(), out.stride(0), torch.get_num_threads())
             if failed:
                 raise QuantKernelError(f"quant_linear failed ({_FAILURES.get(failed, failed)})")
+        elif self._dense is not None:
+            out.copy_(self._dense(x))
         else:
             assert self._weight is not None
             w = dequantize(self._weight)
@@ -248,6 +318,9 @@ class QuantKernelError(RuntimeError):
 LIBRARY = "_quant_ops"
 # Kernel levels, by csrc/quant.h's numbers.
 LEVELS = ("portable", "avx2", "avx2-vnni", "avx512-vnni")
+# How the block types' kernels take x: quantized per block of 32 (the default), or as float32 (see the module
+# docstring).
+ACTIVATIONS = ("int8", "float32")
 FLOAT_TYPES = frozenset((GGMLType.F32, GGMLType.F16, GGMLType.BF16))
 _FAILURES = {1: "level not compiled in or not supported by this CPU", 2: "out of memory", 3: "bad type or shape"}
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -256,6 +329,7 @@ _SIGNATURES = {
     "quant_packed_bytes": ([_I, _L, _L], _L),  # type, rows, cols
     "quant_pack": ([_I, _P, _L, _L, _L, _P, _I], _I),  # type, src, row bytes, rows, cols, dst, threads
     "quant_linear": ([_I, _I, _P, _L, _L, _P, _L, _P, _L, _I], _I),  # level, type, packed, n, k, x, m, y, ldy, threads
+    "quant_linear_f32": ([_I, _I, _P, _L, _L, _P, _L, _P, _L, _I], _I),  # the same
 }
 
 
@@ -276,7 +350,7 @@ def compiled() -> bool:
 
 
 def _check_input(x: torch.Tensor, cols: int) -> None:
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols or not x.is_cpu:
         raise ValueError(f"x must be CPU float32 [rows, {cols}], got {x.dtype} {list(x.shape)} on {x.device}")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")

@@ -23,6 +23,11 @@
  *   Q5_K   5       0    d * sc_j        -(dmin * m_j)
  *   Q6_K   6       32   (see above)
  *
+ * Float activations (quant_linear_f32): the weights are decoded from the packed blocks to exactly the float32 values
+ * llama.cpp's dequantize_row_* gives (ws * (q - z), or fma(ws, q, wm) with a min; Q6_K (d * sc) * (q - 32)), and each
+ * output sums x * w in float32 in order of k into four partial sums by k mod 4 (fma each), added at the end as
+ * (p0 + p1) + (p2 + p3). Again the same at every level and row count.
+ *
  * Packed layout (quant_pack): output columns in strips of 16 (the last strip padded with zero columns); a strip is
  * its payload (one part per block of 32, in order of k), then its metadata, then padding to 64 bytes.
  * A block's payload, for its 16 columns c and 32 k:
@@ -131,6 +136,15 @@ void q_kernel_portable(const qmat *w, const qact *x, long m, long s0, long s1, f
 void q_kernel_avx2(const qmat *w, const qact *x, long m, long s0, long s1, float *y, long ldy);
 void q_kernel_avx2_vnni(const qmat *w, const qact *x, long m, long s0, long s1, float *y, long ldy);
 void q_kernel_avx512_vnni(const qmat *w, const qact *x, long m, long s0, long s1, float *y, long ldy);
+#endif
+
+/* The float-activation kernels: x [m][k] float32 rows, `acc` scratch of m * 64 floats (the partial sums). */
+typedef void (*q_kernel_f32)(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
+void q_kernel_f32_portable(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
+#if defined(__x86_64__)
+void q_kernel_f32_avx2(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
+void q_kernel_f32_avx2_vnni(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
+void q_kernel_f32_avx512_vnni(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
 #endif
 
 #endif

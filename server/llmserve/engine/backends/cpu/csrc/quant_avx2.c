@@ -7,6 +7,7 @@
 #include "quant.h"
 
 #define AI static inline __attribute__((always_inline))
+#define PREFETCH_AHEAD 4096 /* as quant_avx512.c's */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")

@@ -62,6 +62,7 @@ AI void NAME(strip_rows)(const qmat *w, const qact *x, long r0, const int R, lon
   d[0] = d[1] = dmin[0] = dmin[1] = _mm256_setzero_ps();
   for (long b = 0; b < nb; ++b) {
     const uint8_t *p = strip + b * payload;
+    for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
     __m256 ws[2], wm[2];
     __m256i sc0[2], sc1[2];
     for (int h = 0; h < 2; ++h) {
@@ -162,6 +163,135 @@ AI void NAME(strips)(const qmat *w, const qact *x, long m, long s0, long s1, flo
       else
         NAME(strip_rows)(w, x, r0, 1, s, y, ldy, T);
     }
+}
+
+/* --- float activations (quant.h), as quant_avx512.c's: blocks decoded to float32 tiles, one row a pass ---------- */
+
+AI void NAME(tile_block)(const uint8_t *strip, const uint8_t *meta, long b, const int T, const __m256 *d,
+                         const __m256 *dmin, float *tile) {
+  const uint8_t *p = strip + b * q_payload(T);
+  for (long o = 0; o < q_payload(T); o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+  const __m256i low = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF), zero = _mm256_set1_epi32(q_zero(T));
+  for (int h = 0; h < 2; ++h) {
+    __m256 ws = _mm256_setzero_ps(), wm = _mm256_setzero_ps(), ws1 = _mm256_setzero_ps();
+    if (q_is_k(T)) {
+      const uint8_t *mu = meta + (b / 8) * q_meta(T);
+      const int j = (int)(b % 8);
+      if (T == Q_Q6_K) {
+        const __m128i s0 = _mm_loadl_epi64((const __m128i *)(mu + 32 + 16 * (2 * j) + 8 * h));
+        const __m128i s1 = _mm_loadl_epi64((const __m128i *)(mu + 32 + 16 * (2 * j + 1) + 8 * h));
+        ws = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s0)));
+        ws1 = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s1)));
+      } else {
+        ws = _mm256_mul_ps(d[h], NAME(bytes_u8)(mu + 64 + 16 * j + 8 * h));
+        wm = _mm256_mul_ps(dmin[h], NAME(bytes_u8)(mu + 192 + 16 * j + 8 * h));
+      }
+    } else {
+      const uint8_t *mb = meta + b * q_meta(T);
+      ws = NAME(halves)(mb + 16 * h);
+      if (q_has_min(T)) wm = NAME(halves)(mb + 32 + 16 * h);
+    }
+    if (T == Q_Q8_0) {
+      for (int g = 0; g < 8; ++g) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * g + 32 * h));
+        for (int j = 0; j < 4; ++j) {
+          const __m256i qi = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 8 * j), byte), zero);
+          _mm256_store_ps(tile + 16 * (4 * g + j) + 8 * h, _mm256_mul_ps(ws, _mm256_cvtepi32_ps(qi)));
+        }
+      }
+      continue;
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i + 32 * h));
+      __m256i part[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+      for (int pl = 0; pl < q_planes(T); ++pl) {
+        part[0] = NAME(plane)(part[0], p + 256 + 64 * pl + 16 * i + 4 * h, pl);
+        part[1] = NAME(plane)(part[1], p + 256 + 64 * pl + 16 * i + 8 + 4 * h, pl);
+      }
+      for (int lh = 0; lh < 2; ++lh)
+        for (int j = 0; j < 4; ++j) {
+          const __m256i qi = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(part[lh], 8 * j), byte), zero);
+          const __m256 q = _mm256_cvtepi32_ps(qi);
+          __m256 value;
+          if (T == Q_Q6_K)
+            value = _mm256_mul_ps(lh ? ws1 : ws, q);
+          else if (q_is_k(T))
+            value = _mm256_fmsub_ps(ws, q, wm);
+          else if (q_has_min(T))
+            value = _mm256_fmadd_ps(ws, q, wm);
+          else
+            value = _mm256_mul_ps(ws, q);
+          _mm256_store_ps(tile + 16 * (16 * lh + 4 * i + j) + 8 * h, value);
+        }
+    }
+  }
+}
+
+AI void NAME(strips_f32)(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc,
+                         const int T) {
+  const long k = w->k, nb = k / QBLOCK;
+  float tiles[8 * 512] __attribute__((aligned(32)));
+  for (long s = s0; s < s1; ++s) {
+    const uint8_t *strip = w->packed + s * q_strip_bytes(T, k), *meta = strip + q_meta_offset(T, k);
+    memset(acc, 0, sizeof(float) * 64 * (size_t)m);
+    __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (long b0 = 0; b0 < nb; b0 += 8) {
+      const long count = nb - b0 < 8 ? nb - b0 : 8;
+      for (long t = 0; t < count; ++t) {
+        if (q_is_k(T) && (b0 + t) % 8 == 0) {
+          const uint8_t *mu = meta + ((b0 + t) / 8) * q_meta(T);
+          for (int h = 0; h < 2; ++h) {
+            d[h] = NAME(halves)(mu + 16 * h);
+            if (T != Q_Q6_K) dmin[h] = NAME(halves)(mu + 32 + 16 * h);
+          }
+        }
+        NAME(tile_block)(strip, meta, b0 + t, T, d, dmin, tiles + 512 * t);
+      }
+      for (long r = 0; r < m; ++r) {
+        __m256 part[2][4];
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < 4; ++j) part[h][j] = _mm256_loadu_ps(acc + 64 * r + 16 * j + 8 * h);
+        for (long t = 0; t < count; ++t)
+          for (int k4 = 0; k4 < QBLOCK; k4 += 4)
+            for (int j = 0; j < 4; ++j) {  /* j a constant after unrolling: the partial sums stay in registers */
+              const __m256 xv = _mm256_set1_ps(x[r * k + (b0 + t) * QBLOCK + k4 + j]);
+              for (int h = 0; h < 2; ++h)
+                part[h][j] = _mm256_fmadd_ps(xv, _mm256_load_ps(tiles + 512 * t + 16 * (k4 + j) + 8 * h), part[h][j]);
+            }
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + 64 * r + 16 * j + 8 * h, part[h][j]);
+      }
+    }
+    const long cols = w->n - s * STRIP;
+    for (long r = 0; r < m; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const float *pr = acc + 64 * r + 8 * h;
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(pr), _mm256_loadu_ps(pr + 16)),
+                                         _mm256_add_ps(_mm256_loadu_ps(pr + 32), _mm256_loadu_ps(pr + 48)));
+        float *out = y + r * ldy + s * STRIP + 8 * h;
+        const long here = cols - 8 * h;
+        if (here >= 8) {
+          _mm256_storeu_ps(out, sum);
+        } else if (here > 0) {
+          const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)here), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          _mm256_maskstore_ps(out, mask, sum);
+        }
+      }
+  }
+}
+
+void NAME(q_kernel_f32)(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc) {
+  switch (w->type) {
+    case Q_Q4_0: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q4_0); break;
+    case Q_Q4_1: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q4_1); break;
+    case Q_Q5_0: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q5_0); break;
+    case Q_Q5_1: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q5_1); break;
+    case Q_Q8_0: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q8_0); break;
+    case Q_Q4_K: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q4_K); break;
+    case Q_Q5_K: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q5_K); break;
+    case Q_Q6_K: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q6_K); break;
+    default: break;
+  }
 }
 
 void NAME(q_kernel)(const qmat *w, const qact *x, long m, long s0, long s1, float *y, long ldy) {

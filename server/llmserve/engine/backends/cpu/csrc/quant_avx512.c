@@ -14,6 +14,11 @@
 
 #define AI static inline __attribute__((always_inline))
 #define MAX_ROWS 8
+/* How far ahead of the block being computed the payload is prefetched: at one row a call streams its weights
+ * from memory, and the hardware's prefetcher alone left ~10% on the table (gate/up of a 1B shape, Q4_K, one row,
+ * median of 5 alternated runs of CPU time on the shared 2-core machine: 2.02 ms without, 1.81 at 1 KiB ahead,
+ * 1.79 at 4 KiB). */
+#define PREFETCH_AHEAD 4096
 
 AI __m512i dot(__m512i acc, __m512i w, const int8_t *a) {
   int32_t v;
@@ -45,6 +50,7 @@ AI void strip_rows(const qmat *w, const qact *x, long r0, const int R, long s, f
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (long b = 0; b < nb; ++b) {
     const uint8_t *p = strip + b * payload;
+    for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
     __m512 ws = _mm512_setzero_ps(), wm = _mm512_setzero_ps();
     __m512i sc0 = _mm512_setzero_si512(), sc1 = _mm512_setzero_si512();
     if (q_is_k(T)) {
@@ -131,6 +137,134 @@ AI void strips(const qmat *w, const qact *x, long m, long s0, long s1, float *y,
         default: strip_rows(w, x, r0, 8, s, y, ldy, T); break;
       }
     }
+  }
+}
+
+/* --- float activations (quant.h): blocks decoded to float32 tiles, then FMAs with the rows ---------------------- */
+
+#define GROUP 8    /* blocks decoded at a time: 8 tiles of 2 KiB stay in L1 while every row runs over them */
+#define F_ROWS 4   /* rows a pass: 4 rows x 4 partial sums in registers */
+
+/* The float32 weights of block b, 32 k x 16 columns: tile[16 * k + c]. */
+AI void tile_block(const uint8_t *strip, const uint8_t *meta, long b, const int T, __m512 d, __m512 dmin, float *tile) {
+  const uint8_t *p = strip + b * q_payload(T);
+  for (long o = 0; o < q_payload(T); o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+  const __m512i low = _mm512_set1_epi8(0x0F), byte = _mm512_set1_epi32(0xFF), zero = _mm512_set1_epi32(q_zero(T));
+  __m512 ws = _mm512_setzero_ps(), wm = _mm512_setzero_ps(), ws1 = _mm512_setzero_ps();
+  if (q_is_k(T)) {
+    const uint8_t *mu = meta + (b / 8) * q_meta(T);
+    const int j = (int)(b % 8);
+    if (T == Q_Q6_K) {
+      ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(mu + 32 + 16 * (2 * j))))));
+      ws1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(mu + 32 + 16 * (2 * j + 1))))));
+    } else {
+      ws = _mm512_mul_ps(d, bytes_u8(mu + 64 + 16 * j));
+      wm = _mm512_mul_ps(dmin, bytes_u8(mu + 192 + 16 * j));
+    }
+  } else {
+    const uint8_t *mb = meta + b * q_meta(T);
+    ws = halves(mb);
+    if (q_has_min(T)) wm = halves(mb + 32);
+  }
+  if (T == Q_Q8_0) {
+    for (int g = 0; g < 8; ++g) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * g);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * j), byte), zero));
+        _mm512_store_ps(tile + 16 * (4 * g + j), _mm512_mul_ps(ws, q));
+      }
+    }
+    return;
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(p + 64 * i);
+    __m512i half[2] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+    for (int pl = 0; pl < q_planes(T); ++pl) {
+      half[0] = plane(half[0], p + 256 + 64 * pl + 16 * i, pl);
+      half[1] = plane(half[1], p + 256 + 64 * pl + 16 * i + 8, pl);
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j) {
+        const __m512i qi = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(half[h], 8 * j), byte), zero);
+        const __m512 q = _mm512_cvtepi32_ps(qi);
+        __m512 value;
+        if (T == Q_Q6_K)
+          value = _mm512_mul_ps(h ? ws1 : ws, q);
+        else if (q_is_k(T))
+          value = _mm512_fmsub_ps(ws, q, wm);
+        else if (q_has_min(T))
+          value = _mm512_fmadd_ps(ws, q, wm);
+        else
+          value = _mm512_mul_ps(ws, q);
+        _mm512_store_ps(tile + 16 * (16 * h + 4 * i + j), value);
+      }
+  }
+}
+
+/* Rows [r0, r0 + R) over `count` tiles from block b0: their partial sums (acc: 4 x 16 floats a row) updated. */
+AI void rows_f32(const float *tiles, long count, const float *x, long k, long b0, long r0, const int R, float *acc) {
+  __m512 part[F_ROWS][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) part[r][j] = _mm512_load_ps(acc + 64 * (r0 + r) + 16 * j);
+  for (long t = 0; t < count; ++t)
+    for (int k4 = 0; k4 < QBLOCK; k4 += 4)
+      for (int j = 0; j < 4; ++j) {  /* j a constant after unrolling: the partial sums stay in registers */
+        const __m512 wv = _mm512_load_ps(tiles + 512 * t + 16 * (k4 + j));
+        for (int r = 0; r < R; ++r)
+          part[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[(r0 + r) * k + (b0 + t) * QBLOCK + k4 + j]), wv, part[r][j]);
+      }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + 64 * (r0 + r) + 16 * j, part[r][j]);
+}
+
+AI void strips_f32(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc, const int T) {
+  const long k = w->k, nb = k / QBLOCK;
+  float tiles[GROUP * 512] __attribute__((aligned(64)));
+  for (long s = s0; s < s1; ++s) {
+    const uint8_t *strip = w->packed + s * q_strip_bytes(T, k), *meta = strip + q_meta_offset(T, k);
+    memset(acc, 0, sizeof(float) * 64 * (size_t)m);
+    __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
+    for (long b0 = 0; b0 < nb; b0 += GROUP) {
+      const long count = nb - b0 < GROUP ? nb - b0 : GROUP;
+      for (long t = 0; t < count; ++t) {
+        if (q_is_k(T) && (b0 + t) % 8 == 0) {
+          const uint8_t *mu = meta + ((b0 + t) / 8) * q_meta(T);
+          d = halves(mu);
+          if (T != Q_Q6_K) dmin = halves(mu + 32);
+        }
+        tile_block(strip, meta, b0 + t, T, d, dmin, tiles + 512 * t);
+      }
+      for (long r0 = 0; r0 < m; r0 += F_ROWS) {
+        switch (m - r0 < F_ROWS ? m - r0 : F_ROWS) {
+          case 1: rows_f32(tiles, count, x, k, b0, r0, 1, acc); break;
+          case 2: rows_f32(tiles, count, x, k, b0, r0, 2, acc); break;
+          case 3: rows_f32(tiles, count, x, k, b0, r0, 3, acc); break;
+          default: rows_f32(tiles, count, x, k, b0, r0, 4, acc); break;
+        }
+      }
+    }
+    const long cols = w->n - s * STRIP;
+    const __mmask16 mask = cols >= STRIP ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    for (long r = 0; r < m; ++r) {
+      const float *pr = acc + 64 * r;
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(pr), _mm512_load_ps(pr + 16)),
+                                       _mm512_add_ps(_mm512_load_ps(pr + 32), _mm512_load_ps(pr + 48)));
+      _mm512_mask_storeu_ps(y + r * ldy + s * STRIP, mask, sum);
+    }
+  }
+}
+
+void q_kernel_f32_avx512_vnni(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc) {
+  switch (w->type) {
+    case Q_Q4_0: strips_f32(w, x, m, s0, s1, y, ldy, acc, Q_Q4_0); break;
+    case Q_Q4_1: strips_f32(w, x, m, s0, s1, y, ldy, acc, Q_Q4_1); break;
+    case Q_Q5_0: strips_f32(w, x, m, s0, s1, y, ldy, acc, Q_Q5_0); break;
+    case Q_Q5_1: strips_f32(w, x, m, s0, s1, y, ldy, acc, Q_Q5_1); break;
+    case Q_Q8_0: strips_f32(w, x, m, s0, s1, y, ldy, acc, Q_Q8_0); break;
+    case Q_Q4_K: strips_f32(w, x, m, s0, s1, y, ldy, acc, Q_Q4_K); break;
+    case Q_Q5_K: strips_f32(w, x, m, s0, s1, y, ldy, acc, Q_Q5_K); break;
+    case Q_Q6_K: strips_f32(w, x, m, s0, s1, y, ldy, acc, Q_Q6_K); break;
+    default: break;
   }
 }
 

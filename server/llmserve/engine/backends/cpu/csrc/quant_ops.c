@@ -44,7 +44,7 @@ static void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
 }
 
 /* The 32 unsigned quants of block b (of 32) of one source row, as quant.h's table has them (Q8_0: + 128). */
-static void source_quants(int type, const uint8_t *row, long b, int q[QBLOCK]) {
+static void source_quants(int type, const uint8_t *row, long b, uint8_t q[QBLOCK]) {
   if (!q_is_k(type)) {
     const uint8_t *p = row + b * src_block_bytes(type);
     uint32_t qh = 0;
@@ -54,13 +54,13 @@ static void source_quants(int type, const uint8_t *row, long b, int q[QBLOCK]) {
       case Q_Q5_0: memcpy(&qh, p + 2, 4); qs = p + 6; break;
       case Q_Q5_1: memcpy(&qh, p + 4, 4); qs = p + 8; break;
       case Q_Q8_0:
-        for (int i = 0; i < QBLOCK; ++i) q[i] = (int)(int8_t)p[2 + i] + 128;
+        for (int i = 0; i < QBLOCK; ++i) q[i] = p[2 + i] ^ 0x80;  /* the int8 quant + 128 */
         return;
       default: break;
     }
     for (int i = 0; i < 16; ++i) {
-      q[i] = (qs[i] & 0xF) | (int)(((qh >> i) & 1) << 4);
-      q[i + 16] = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
+      q[i] = (uint8_t)((qs[i] & 0xF) | (((qh >> i) & 1) << 4));
+      q[i + 16] = (uint8_t)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
     }
     return;
   }
@@ -71,14 +71,14 @@ static void source_quants(int type, const uint8_t *row, long b, int q[QBLOCK]) {
     const uint8_t *ql = sp + 64 * half + 32 * (t & 1), *qh = sp + 128 + 32 * half;
     for (int l = 0; l < QBLOCK; ++l) {
       const int low = t & 2 ? ql[l] >> 4 : ql[l] & 0xF;
-      q[l] = low | (((qh[l] >> (2 * t)) & 3) << 4);
+      q[l] = (uint8_t)(low | (((qh[l] >> (2 * t)) & 3) << 4));
     }
     return;
   }
   const uint8_t *qs = sp + (type == Q_Q4_K ? 16 : 48) + 32 * (j / 2), *qh = sp + 16;
   for (int l = 0; l < QBLOCK; ++l) {
     q[l] = j & 1 ? qs[l] >> 4 : qs[l] & 0xF;
-    if (type == Q_Q5_K) q[l] |= ((qh[l] >> j) & 1) << 4;
+    if (type == Q_Q5_K) q[l] |= (uint8_t)(((qh[l] >> j) & 1) << 4);
   }
 }
 
@@ -87,43 +87,58 @@ long quant_packed_bytes(int type, long n, long k) {
   return (n + STRIP - 1) / STRIP * q_strip_bytes(type, k);
 }
 
-/* Writes column c (0..15) of one strip from source row `row` (quant.h's layout). */
-static void pack_column(int type, const uint8_t *row, long k, int c, uint8_t *strip) {
+/* Packs one strip: `cols` (1..16) source rows, `row_bytes` apart, into quant.h's layout (padding columns stay 0).
+ * Block by block for all 16 columns at once, each packed byte written once. */
+static void pack_strip(int type, const uint8_t *rows, long row_bytes, int cols, long k, uint8_t *strip) {
   const long nb = k / QBLOCK, payload = q_payload(type);
   uint8_t *meta = strip + q_meta_offset(type, k);
-  int q[QBLOCK];
+  uint8_t q[STRIP][QBLOCK];
   for (long b = 0; b < nb; ++b) {
+    memset(q, 0, sizeof q);
+    for (int c = 0; c < cols; ++c) source_quants(type, rows + c * row_bytes, b, q[c]);
     uint8_t *p = strip + b * payload;
-    source_quants(type, row, b, q);
-    for (int kk = 0; kk < QBLOCK; ++kk) {
-      if (type == Q_Q8_0) {
-        p[64 * (kk / 4) + 4 * c + kk % 4] = (uint8_t)q[kk];
-        continue;
-      }
-      const int chunk = (kk % 16) / 4, hi = kk / 16, bit = 4 * c + kk % 4;
-      p[64 * chunk + bit] |= (uint8_t)((q[kk] & 0xF) << (4 * hi));
+    if (type == Q_Q8_0) {
+      for (int g = 0; g < 8; ++g)
+        for (int c = 0; c < STRIP; ++c)
+          for (int j = 0; j < 4; ++j) p[64 * g + 4 * c + j] = q[c][4 * g + j];
+    } else {
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < STRIP; ++c)
+          for (int j = 0; j < 4; ++j)
+            p[64 * i + 4 * c + j] = (uint8_t)((q[c][4 * i + j] & 0xF) | (q[c][16 + 4 * i + j] << 4));
       for (int plane = 0; plane < q_planes(type); ++plane)
-        if ((q[kk] >> (4 + plane)) & 1) p[256 + 64 * plane + 16 * chunk + 8 * hi + bit / 8] |= (uint8_t)(1u << (bit % 8));
+        for (int i = 0; i < 4; ++i)
+          for (int h = 0; h < 2; ++h) {
+            uint64_t bits = 0;
+            for (int c = 0; c < STRIP; ++c)
+              for (int j = 0; j < 4; ++j)
+                bits |= (uint64_t)((q[c][16 * h + 4 * i + j] >> (4 + plane)) & 1) << (4 * c + j);
+            memcpy(p + 256 + 64 * plane + 16 * i + 8 * h, &bits, 8);
+          }
     }
     if (!q_is_k(type)) {
-      const uint8_t *src = row + b * src_block_bytes(type);
       uint8_t *mb = meta + b * q_meta(type);
-      memcpy(mb + 2 * c, src, 2);  /* d */
-      if (q_has_min(type)) memcpy(mb + 32 + 2 * c, src + 2, 2);  /* m */
+      for (int c = 0; c < cols; ++c) {
+        const uint8_t *src = rows + c * row_bytes + b * src_block_bytes(type);
+        memcpy(mb + 2 * c, src, 2);  /* d */
+        if (q_has_min(type)) memcpy(mb + 32 + 2 * c, src + 2, 2);  /* m */
+      }
     }
   }
   if (!q_is_k(type)) return;
   for (long u = 0; u < k / 256; ++u) {
-    const uint8_t *sp = row + u * src_block_bytes(type);
     uint8_t *mu = meta + u * q_meta(type);
-    if (type == Q_Q6_K) {
-      memcpy(mu + 2 * c, sp + 208, 2);
-      for (int sub = 0; sub < 16; ++sub) mu[32 + 16 * sub + c] = sp[192 + sub];
-      continue;
+    for (int c = 0; c < cols; ++c) {
+      const uint8_t *sp = rows + c * row_bytes + u * src_block_bytes(type);
+      if (type == Q_Q6_K) {
+        memcpy(mu + 2 * c, sp + 208, 2);
+        for (int sub = 0; sub < 16; ++sub) mu[32 + 16 * sub + c] = sp[192 + sub];
+        continue;
+      }
+      memcpy(mu + 2 * c, sp, 2);
+      memcpy(mu + 32 + 2 * c, sp + 2, 2);
+      for (int j = 0; j < 8; ++j) scale_min_k4(j, sp + 4, mu + 64 + 16 * j + c, mu + 192 + 16 * j + c);
     }
-    memcpy(mu + 2 * c, sp, 2);
-    memcpy(mu + 32 + 2 * c, sp + 2, 2);
-    for (int j = 0; j < 8; ++j) scale_min_k4(j, sp + 4, mu + 64 + 16 * j + c, mu + 192 + 16 * j + c);
   }
 }
 
@@ -137,7 +152,8 @@ int quant_pack(int type, const uint8_t *src, long row_bytes, long n, long k, uin
   for (long s = 0; s < strips; ++s) {
     uint8_t *strip = dst + s * sb;
     memset(strip, 0, (size_t)sb);
-    for (int c = 0; c < STRIP && s * STRIP + c < n; ++c) pack_column(type, src + (s * STRIP + c) * row_bytes, k, c, strip);
+    const int cols = n - s * STRIP < STRIP ? (int)(n - s * STRIP) : STRIP;
+    pack_strip(type, src + s * STRIP * row_bytes, row_bytes, cols, k, strip);
   }
   return 0;
 }
@@ -159,13 +175,15 @@ static void prepare(int type, const float *x, long m, long k, int8_t *a, float *
         bad |= !(f <= FLT_MAX);
         top = f > top ? f : top;
       }
-      /* A non-finite input makes the block's scale NaN, so that every output it reaches is NaN. */
+      /* A non-finite input makes the block's scale NaN (its quants 0), so that every output it reaches is NaN. */
       const float d = bad ? NAN : top / 127.0f, inv = bad || top == 0 ? 0.0f : 127.0f / top;
+      /* Below ~3.7e-37 the reciprocal overflows: such a block divides by its scale instead. */
+      const int tiny = !bad && !(inv <= FLT_MAX);
       int sum[2] = {0, 0};
       for (int i = 0; i < QBLOCK; ++i) {
-        float t = nearbyintf(v[i] * inv);
+        float t = tiny ? nearbyintf(v[i] / d) : nearbyintf(v[i] * inv);
         t = t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t);
-        q[i] = (int8_t)t;
+        q[i] = bad ? 0 : (int8_t)t;
         sum[i / 16] += q[i];
       }
       dx[r * nb + b] = d;
@@ -238,6 +256,40 @@ void q_kernel_portable(const qmat *w, const qact *x, long m, long s0, long s1, f
   }
 }
 
+/* The float32 value of weight kk of column c in block b, as llama.cpp's dequantize_row_* computes it. */
+static float packed_weight(int type, const uint8_t *strip, const uint8_t *meta, long b, int c, int kk) {
+  const float q = (float)(packed_quant(type, strip + b * q_payload(type), c, kk) - q_zero(type));
+  if (q_is_k(type)) {
+    const uint8_t *mu = meta + (b / 8) * q_meta(type);
+    const int j = (int)(b % 8);
+    const float d = q_half(q_load16(mu + 2 * c));
+    if (type == Q_Q6_K) return d * (float)(int8_t)mu[32 + 16 * (2 * j + kk / 16) + c] * q;
+    const float ws = d * (float)mu[64 + 16 * j + c], dm = q_half(q_load16(mu + 32 + 2 * c)) * (float)mu[192 + 16 * j + c];
+    return fmaf(ws, q, -dm);
+  }
+  const uint8_t *mb = meta + b * q_meta(type);
+  const float ws = q_half(q_load16(mb + 2 * c));
+  return q_has_min(type) ? fmaf(ws, q, q_half(q_load16(mb + 32 + 2 * c))) : ws * q;
+}
+
+void q_kernel_f32_portable(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc) {
+  (void)acc;
+  const int type = w->type;
+  const long k = w->k, nb = k / QBLOCK, sb = q_strip_bytes(type, k);
+  for (long s = s0; s < s1; ++s) {
+    const uint8_t *strip = w->packed + s * sb, *meta = strip + q_meta_offset(type, k);
+    for (int c = 0; c < STRIP && s * STRIP + c < w->n; ++c) {
+      for (long r = 0; r < m; ++r) {
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (long b = 0; b < nb; ++b)
+          for (int kk = 0; kk < QBLOCK; ++kk)
+            part[kk % 4] = fmaf(x[r * k + b * QBLOCK + kk], packed_weight(type, strip, meta, b, c, kk), part[kk % 4]);
+        y[r * ldy + s * STRIP + c] = (part[0] + part[1]) + (part[2] + part[3]);
+      }
+    }
+  }
+}
+
 /* --- levels and dispatch ------------------------------------------------------------------------------------ */
 
 /* Bit l set: this CPU runs level l. */
@@ -267,6 +319,49 @@ static q_kernel kernel_of(int level) {
   }
 }
 
+static q_kernel_f32 kernel_f32_of(int level) {
+  switch (level) {
+    case LEVEL_PORTABLE: return q_kernel_f32_portable;
+#if defined(__x86_64__)
+    case LEVEL_AVX2: return q_kernel_f32_avx2;
+    case LEVEL_AVX2_VNNI: return q_kernel_f32_avx2_vnni;
+    case LEVEL_AVX512_VNNI: return q_kernel_f32_avx512_vnni;
+#endif
+    default: return NULL;
+  }
+}
+
+#ifdef _OPENMP
+extern int omp_get_thread_num(void);
+extern int omp_get_num_threads(void);
+#endif
+
+/* quant_linear with float activations (quant.h): the same arguments and returns. */
+int quant_linear_f32(int level, int type, const uint8_t *packed, long n, long k, const float *x, long m, float *y,
+                     long ldy, int threads) {
+  const q_kernel_f32 kernel = kernel_f32_of(level);
+  if (kernel == NULL || !((quant_levels() >> level) & 1)) return 1;
+  if (quant_packed_bytes(type, n, k) < 0 || m < 0 || ldy < n || threads < 1) return 3;
+  if (m == 0) return 0;
+  const qmat w = {type, n, k, packed};
+  const long strips = (n + STRIP - 1) / STRIP;
+  const int parallel = threads > 1 && m * n * k >= QUANT_PARALLEL_MIN && strips > 1;
+  int failed = 0;
+#pragma omp parallel num_threads(threads) if (parallel) reduction(| : failed)
+  {
+#ifdef _OPENMP
+    const long t = omp_get_thread_num(), count = omp_get_num_threads();
+#else
+    const long t = 0, count = 1;
+#endif
+    float *acc = aligned_alloc(64, sizeof(float) * 64 * (size_t)m);
+    failed = acc == NULL;
+    if (acc != NULL) kernel(&w, x, m, strips * t / count, strips * (t + 1) / count, y, ldy, acc);
+    free(acc);
+  }
+  return failed ? 2 : 0;
+}
+
 /* y [m][n] = x [m][k] @ W.T for a packed W (quant_pack) with `level`'s kernel, y's rows `ldy` floats apart (a
  * column slice of a wider output: ldy > n). Returns 0; 1: the level is not
  * compiled in or this CPU lacks its instructions; 2: the scratch could not be allocated; 3: a bad type or shape.
@@ -291,8 +386,6 @@ int quant_linear(int level, int type, const uint8_t *packed, long n, long k, con
 #pragma omp parallel num_threads(threads) if (parallel)
     {
 #ifdef _OPENMP
-      extern int omp_get_thread_num(void);
-      extern int omp_get_num_threads(void);
       const long t = omp_get_thread_num(), count = omp_get_num_threads();
 #else
       const long t = 0, count = 1;
