@@ -86,6 +86,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     weights: str | None = None
     gguf: GGUFFile | None = None
+    activations: str = "int8"  # with `gguf`: how the kernels take the linears' rows (quant.QuantLinear's activations)
 
     @property
     def mapped_bytes(self) -> int:
@@ -118,6 +119,7 @@ def load_model(
     dtype: str = "auto",
     cache_root: Path | None = None,
     lora: bool = False,
+    gguf_activations: str = "int8",
 ) -> LoadedModel:
     """Load a model for serving.
 
@@ -128,6 +130,7 @@ def load_model(
     converted into float weights and cached on first use; "int8" (CPU only) loads the model in bfloat16 for the
     CPU backend to quantize its linears. `lora`: LoRA adapters will be served, which the CPU serves in float32
     only, so that "auto" picks float32 there (a GGUF's blocks take float32 rows: they serve adapters as they are).
+    `gguf_activations`: with a GGUF's blocks, "int8" (per block of 32, as llama.cpp) or "float32" input rows.
     Raises gguf_file.GGUFError, naming the file, for a GGUF that is truncated, corrupt, or holds block types or an
     architecture its blocks cannot be served in.
     """
@@ -148,7 +151,7 @@ def load_model(
     if dtype == GGUF or (dtype == "auto" and gguf_file is not None and dev.type == "cpu"):
         if gguf_file is None or dev.type != "cpu":
             raise ValueError(f"dtype gguf serves a .gguf file on the CPU (model {spec!r}, device {dev.type})")
-        return load_gguf_blocks(gguf_file, cache_root)
+        return load_gguf_blocks(gguf_file, cache_root, gguf_activations)
     dt = resolve_dtype(dtype, dev, lora=lora)
     weights = "int8" if dtype == INT8 else None
     if spec is not None and spec.startswith(RANDOM_PREFIX):
@@ -161,10 +164,13 @@ def load_model(
     return loaded
 
 
-def load_gguf_blocks(path: Path, cache_root: Path | None = None) -> LoadedModel:
+def load_gguf_blocks(path: Path, cache_root: Path | None = None, activations: str = "int8") -> LoadedModel:
     """A GGUF served from its own blocks on the CPU: the file mapped (nothing of its tensors read but the norms),
     the tokenizer and config from their cache folder (gguf.file_metadata, made on first use), the model built
-    over the blocks (gguf_model.build_model). `weights` "gguf", `dtype` float32 (the rows' and the KV cache's)."""
+    over the blocks (gguf_model.build_model). `weights` "gguf", `dtype` float32 (the rows' and the KV cache's);
+    `activations` as quant.QuantLinear takes them."""
+    if activations not in ("int8", "float32"):
+        raise ValueError(f"gguf activations must be int8 or float32, got {activations!r}")
     from llmserve.gguf_model import build_model
 
     file = GGUFFile.open(path)
@@ -179,6 +185,7 @@ def load_gguf_blocks(path: Path, cache_root: Path | None = None) -> LoadedModel:
     loaded = _finish(model, tokenizer, model_name(file.path), torch.float32, torch.device("cpu"))
     loaded.weights = GGUF
     loaded.gguf = file
+    loaded.activations = activations
     return loaded
 
 

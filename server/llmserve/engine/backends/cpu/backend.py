@@ -68,7 +68,7 @@ class CpuBackend(TorchPagedBackend):
                 paged_attention,
                 s,
                 mixed=native.load_mixed(),
-                weights=loaded.weights,
+                weights=_weights(loaded),
                 source=loaded.gguf,
             )
         # A GGUF's blocks also run in transformers' layers (gguf_model.QuantProjection), only slower.
@@ -108,7 +108,7 @@ class CpuBackend(TorchPagedBackend):
             every = isinstance(self.attention, KernelDecodeBuilder) and self.attention.every_token
             cache = str(self.kv.tensor.dtype).removeprefix("torch.")
             parts.append(f"compiled decode kernel over a {cache} KV cache{' for every token' if every else ''}")
-        if fused is not None and fused.precision.linears == "gguf":
+        if fused is not None and fused.precision.linears.startswith("gguf"):
             parts.append(_describe_blocks(fused))
         elif self.num_packed_linears:
             implementation = fused.onednn_kernel() if fused is not None else None
@@ -134,6 +134,11 @@ class CpuBackend(TorchPagedBackend):
         return super().forward(input_ids, position_ids, keep, batch, lora)
 
 
+def _weights(loaded: LoadedModel) -> str | None:
+    """The fused forward's weights: "gguf-float32" for a GGUF's blocks with float32 activations."""
+    return "gguf-float32" if loaded.weights == "gguf" and loaded.activations == "float32" else loaded.weights
+
+
 def _describe_blocks(fused: FusedForward) -> str:
     """How many kernel calls of each block type a forward makes, and the kernels' level."""
     kinds: dict[str, int] = {}
@@ -142,4 +147,5 @@ def _describe_blocks(fused: FusedForward) -> str:
         for kind in getattr(linear, "kinds", ()):
             kinds[kind.name] = kinds.get(kind.name, 0) + 1
     counts = ", ".join(f"{n} {name}" for name, n in sorted(kinds.items(), key=lambda item: -item[1]))
-    return f"linears from the GGUF's blocks ({counts}; {quant.kernel_level()} kernels)"
+    activations = "float32" if fused.precision.linears == "gguf-float32" else "int8"
+    return f"linears from the GGUF's blocks ({counts}; {quant.kernel_level()} kernels, {activations} activations)"

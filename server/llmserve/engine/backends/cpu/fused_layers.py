@@ -23,7 +23,8 @@ model's own rotary module, so every rope scaling type works) on the CPU, in one 
 - gguf (a model over a GGUF's blocks, gguf_model.py, `weights="gguf"`): float32 rows, residual and KV cache as
   float32's, every linear, the LM head included, computed from the file's blocks (gguf_linear.BlockLinear over
   quant.QuantLinear, whose kernels quantize each input row per block of 32 as llama.cpp does), the token
-  embedding decoded row by row (quant.dequantize_rows).
+  embedding decoded row by row (quant.dequantize_rows); gguf-float32 (`--gguf-activations float32`) the same with
+  the kernels' float32 activations: the float32 path's arithmetic up to float32 rounding.
 `build` returns None for anything else and the backend calls the model's own forward. The model itself is left
 as it is: `generate` on it still runs transformers' code.
 
@@ -81,8 +82,8 @@ class Precision:
         """The precision of a model of `dtype` (`weights`: "int8" for int8 linears on a bfloat16 model, "gguf" for a
         float32 model over a GGUF's blocks); None
         where the fused forward has none."""
-        if dtype == torch.float32 and weights == "gguf":
-            return cls("gguf", "gguf", dtype, dtype)
+        if dtype == torch.float32 and weights in ("gguf", "gguf-float32"):
+            return cls(weights, weights, dtype, dtype)
         if dtype in (torch.float32, torch.float64) and weights in (None, "float32"):
             return cls("float32", "float32", dtype, dtype)
         if dtype == torch.bfloat16 and weights in (None, "bfloat16"):
@@ -93,9 +94,10 @@ class Precision:
 
     @property
     def exact(self) -> bool:
-        """float32/float64 linears: every row in the model's dtype, through csrc/fused_ops.c, and the linears'
-        inputs as they are (a GGUF's kernels quantize theirs per block of 32, quant.py)."""
-        return self.linears == "float32"
+        """The linears take their input rows as they are (float32/float64, or a GGUF's blocks with float32
+        activations): every row in the model's dtype, through csrc/fused_ops.c, prompts attended as float32's are;
+        "gguf" kernels quantize their inputs per block of 32 (quant.py)."""
+        return self.linears in ("float32", "gguf-float32")
 
     @property
     def float_rows(self) -> bool:
@@ -179,8 +181,8 @@ def _linear(
 ) -> Linear:
     """One linear over the concatenated weights (and biases) of `linears` (nn.Linear, or QuantProjection for "gguf";
     `source` the file their blocks are mapped from)."""
-    if kind == "gguf":
-        return gguf_linear.fuse(linears, source)
+    if kind in ("gguf", "gguf-float32"):
+        return gguf_linear.fuse(linears, source, "float32" if kind == "gguf-float32" else "int8")
     weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
     bias = None
     if any(m.bias is not None for m in linears):
@@ -258,7 +260,8 @@ class FusedForward:
         oneDNN weights; `attention`: the backend's paged attention function; `shape`: the model's
         (LoadedModel.shape), read from its config when not given; `mixed`: the row operations a bfloat16 or int8
         precision needs; `weights`: "int8" for int8 linears on a bfloat16 model, "gguf" for a model over a GGUF's
-        blocks (gguf_model.build_model; `source`: the file, whose pages of copied blocks are released)."""
+        blocks (gguf_model.build_model; `source`: the file, whose pages of copied blocks are released), its kernels
+        quantizing activations per block, or "gguf-float32" with float32 activations."""
         param = next(model.parameters())
         config = model.config
         precision = Precision.of(param.dtype, weights)
@@ -274,7 +277,7 @@ class FusedForward:
         base: Any = getattr(model, "model", None)
         if not all(hasattr(base, n) for n in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return None
-        linear = QuantProjection if precision.linears == "gguf" else nn.Linear
+        linear = QuantProjection if precision.linears.startswith("gguf") else nn.Linear
         if not all(_fits(layer, linear) for layer in base.layers):
             return None
         rows: RowOps = ExactRows(ops) if precision.float_rows or mixed is None else MixedRows(mixed)

@@ -56,9 +56,10 @@ class BlockLinear:
         return out
 
 
-def fuse(projections: list[QuantProjection], source: GGUFFile | None) -> BlockLinear:
+def fuse(projections: list[QuantProjection], source: GGUFFile | None, activations: str = "int8") -> BlockLinear:
     """One linear over `projections` (outputs in their order, each in the Hugging Face row order), its kernels'
-    copies made; then `source`'s pages of every projection are released (see the module docstring)."""
+    copies made, taking `activations` as quant.QuantLinear does; then `source`'s pages of every projection are
+    released (see the module docstring)."""
     runs: list[list[QuantProjection]] = []
     for p in projections:
         if runs and runs[-1][0].weight_blocks.kind == p.weight_blocks.kind:
@@ -68,7 +69,7 @@ def fuse(projections: list[QuantProjection], source: GGUFFile | None) -> BlockLi
     parts, kinds = [], []
     for run in runs:
         weight = _concatenated(run)
-        parts.append(quant.QuantLinear(weight))
+        parts.append(quant.QuantLinear(weight, activations=activations))
         kinds.append(weight.kind)
         del weight  # the transient concatenation, before the next run's
     if source is not None:
