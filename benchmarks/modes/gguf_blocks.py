@@ -6,8 +6,8 @@ each system one window per round, the order reversed every other round, the same
 Files (`--files`): `default` (the shipped Q4_1 SmolLM2-135M-Instruct), and random-weight files of Llama-3.2-1B's and
 Llama-3-8B's shapes in Q4_K_M and Q8_0 (`1b-q4km`, `1b-q8`, `8b-q4km`, `8b-q8`), made once under --gguf-dir
 (default $LLMSERVE_GGUF_FILES or /work/gguf-files): an F16 file written with the `gguf` package one tensor at a time
-(the 8B file, 16 GB, is never whole in memory), the default model's tokenizer padded with control tokens to the
-shape's vocabulary, then `llama-quantize`d; the F16 file is deleted afterwards (--keep-f16 keeps it). The 8B shape
+(the 8B file, 16 GB, is never whole in memory), the default model's tokenizer padded with plain tokens to the
+shape's vocabulary (normal tokens no merge reaches), then `llama-quantize`d; the F16 file is deleted afterwards (--keep-f16 keeps it). The 8B shape
 runs at 1 and 4 clients only. Per file, system and client count: output tokens/s, TTFT P50/P99, peak resident
 memory (llmserve: the server and its engine process; llama.cpp: its process), and each server's start time (to
 SERVING / healthy; llmserve's tokenizer and config cache made before, its one-time cost reported apart). The
@@ -96,7 +96,7 @@ def files_root(flag: str | None = None) -> Path:
 
 def random_gguf(shape: Shape, tokenizer_source: Path, out: Path, seed: int = 0) -> Path:
     """An F16 GGUF of `shape` with random weights at `out`, written tensor by tensor; the tokenizer is the one of
-    `tokenizer_source` (a GGUF), its token list padded with control tokens up to the shape's vocabulary."""
+    `tokenizer_source` (a GGUF), its token list padded with plain tokens (no merge reaches them) up to the shape's vocabulary."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     source = GGUFReader(tokenizer_source)
@@ -120,7 +120,9 @@ def random_gguf(shape: Shape, tokenizer_source: Path, out: Path, seed: int = 0) 
         if key == "tokenizer.ggml.tokens":
             value = value + [f"<|pad_{i}|>" for i in range(shape.vocab - len(value))]
         elif key == "tokenizer.ggml.token_type":
-            value = value + [3] * (shape.vocab - len(value))  # control tokens: never produced by text
+            # normal tokens without merges: never produced by text, and plain vocabulary entries for transformers'
+            # tokenizer (as control tokens, 79,104 added tokens took its load 12 s)
+            value = value + [1] * (shape.vocab - len(value))
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, vtype, sub)
