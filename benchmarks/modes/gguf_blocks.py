@@ -6,11 +6,12 @@ each system one window per round, the order reversed every other round, the same
 Files (`--files`): `default` (the shipped Q4_1 SmolLM2-135M-Instruct), and random-weight files of Llama-3.2-1B's and
 Llama-3-8B's shapes in Q4_K_M and Q8_0 (`1b-q4km`, `1b-q8`, `8b-q4km`, `8b-q8`), made once under --gguf-dir
 (default $LLMSERVE_GGUF_FILES or /work/gguf-files): an F16 file written with the `gguf` package one tensor at a time
-(the 8B file, 16 GB, is never whole in memory), the default model's tokenizer padded with plain tokens to the
-shape's vocabulary (normal tokens no merge reaches), then `llama-quantize`d; the F16 file is deleted afterwards (--keep-f16 keeps it). The 8B shape
-runs at 1 and 4 clients only. Per file, system and client count: output tokens/s, TTFT P50/P99, peak resident
-memory (llmserve: the server and its engine process; llama.cpp: its process), and each server's start time (to
-SERVING / healthy; llmserve's tokenizer and config cache made before, its one-time cost reported apart). The
+(the 8B file, 16 GB, is never whole in memory), the default model's tokenizer padded with plain tokens (no merge
+reaches them) to the shape's vocabulary, then `llama-quantize`d; the F16 file is deleted afterwards (--keep-f16
+keeps it). The 8B shape runs at 1 and 4 clients only. Per file, system and client count: output tokens/s, TTFT
+P50/P99, peak resident memory (llmserve: the server and its engine process; llama.cpp: its process), and each
+server's start time (to SERVING / healthy; llmserve's tokenizer and config cache made before, its one-time cost
+reported apart). The
 issue's targets are checked on the page: >= 1.0x llama-server's tokens/s at 1 client and >= 2x at 32, resident
 memory <= the file + the KV pool + 1 GiB. `--float32` serves the default file also as `--dtype float32` (its
 dequantized copy: the path `make run` took before), a third system in the same alternation.
@@ -96,7 +97,8 @@ def files_root(flag: str | None = None) -> Path:
 
 def random_gguf(shape: Shape, tokenizer_source: Path, out: Path, seed: int = 0) -> Path:
     """An F16 GGUF of `shape` with random weights at `out`, written tensor by tensor; the tokenizer is the one of
-    `tokenizer_source` (a GGUF), its token list padded with plain tokens (no merge reaches them) up to the shape's vocabulary."""
+    `tokenizer_source` (a GGUF), its token list padded with plain tokens (no merge reaches them) up to the shape's
+    vocabulary."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     source = GGUFReader(tokenizer_source)
