@@ -270,14 +270,14 @@ async def start_timed(system: System) -> float:
     return time.monotonic() - started
 
 
-async def start_llama(system: LlamaCppSystem, notes: list[str]) -> float:
-    """Start llama-server; where it dies at start, again with --no-repack (noted)."""
+async def start_llama(system: LlamaCppSystem, key: str, notes: list[str]) -> float:
+    """Start llama-server; where it dies at start, again with --no-repack (noted under `key`)."""
     try:
         return await start_timed(system)
     except RuntimeError:
         await system.stop()
         system.command.append("--no-repack")
-        notes.append(f"{system.name}: llama-server died at start; served with --no-repack (no weight repacking)")
+        notes.append(f"{key}: llama-server died at start; served with --no-repack (no weight repacking)")
         return await start_timed(system)
 
 
@@ -312,8 +312,11 @@ async def serve_file(spec: FileSpec, path: Path, args: argparse.Namespace, work:
         context = workload.max_prompt + workload.max_new_tokens + 64
         theirs = LlamaCppSystem(server, path, spec.kind, max(clients), context, work / f"llama-{spec.key}.log")
         theirs.name = "llama.cpp"
+        if args.threads:  # the same thread count as llmserve's (OMP_NUM_THREADS, set in main)
+            for flag in ("-t", "-tb"):
+                theirs.command[theirs.command.index(flag) + 1] = str(args.threads)
         chosen["llama.cpp"] = (theirs, ())
-        starts["llama.cpp"] = await start_llama(theirs, notes)
+        starts["llama.cpp"] = await start_llama(theirs, spec.key, notes)
     try:
         windows = await alternate(chosen, clients, args, maker)
     finally:
@@ -374,7 +377,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(f"== {key}: {path}", flush=True)
             results[key] = await serve_file(spec, path, args, Path(tmp), notes)
     return {
-        "cpu": os.cpu_count(),
+        "cpu": args.threads or os.cpu_count(),
         "rounds": args.rounds,
         "window_s": args.window_s,
         "warmup_s": args.warmup_s,
@@ -631,6 +634,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gguf-dir", default=None, help=f"where the random files are made (default: ${FILES_ENV})")
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 files the quantized ones were made from")
     p.add_argument("--float32", action="store_true", help="the default file also as --dtype float32 (today's path)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of every server (default: the CPU's); 1 compares "
+        "systems on a machine others share, where 2-thread barriers wait on descheduled threads",
+    )
     p.add_argument("--perplexity", action="store_true", help="measure perplexity against llama-perplexity instead")
     args = p.parse_args(argv)
     args.file_keys = [k.strip() for k in args.files.split(",") if k.strip()]
@@ -646,6 +656,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # llmserve's servers inherit it (torch's and the kernels')
     run = writer.Run(options.command("gguf", argv))
     if args.perplexity:
         figures = perplexities(args)
