@@ -23,7 +23,7 @@ both sides (chunks, BOS first, the second half of each chunk scored, on the toke
 its --kl-divergence-base file).
 
     python benchmarks/run.py --mode gguf [--files default,1b-q4km,1b-q8,8b-q4km,8b-q8] [--clients 1,4,32]
-        [--rounds 2] [--window-s 30] [--warmup-s 10] [--llama-bin DIR] [--gguf-dir DIR] [--float32] [--quick]
+        [--rounds 2] [--window-s 30] [--warmup-s 20] [--llama-bin DIR] [--gguf-dir DIR] [--float32] [--quick]
     python benchmarks/run.py --mode gguf --perplexity
 
 llama.cpp's binaries are found in --llama-bin or $LLAMA_CPP_BIN (llama-server, llama-quantize, llama-perplexity);
@@ -627,7 +627,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--clients", default="1,4,32", help="client counts (each file runs those it lists)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--window-s", type=float, default=30.0)
-    p.add_argument("--warmup-s", type=float, default=10.0)
+    p.add_argument("--warmup-s", type=float, default=20.0)
     p.add_argument("--min-prompt", type=int, default=256)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--llama-bin", default=None, help=f"llama.cpp's build/bin folder (default: ${BIN_ENV})")
