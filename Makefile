@@ -37,7 +37,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora gateway image image-test docker nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora bench-gguf perplexity-gguf gateway image image-test docker nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -153,6 +153,18 @@ bench-spec: $(STAMP_MODEL)
 # python -m llmserve server; LoadAdapter time and memory per adapter. Results in benchmarks/results/<date>-cpu-lora.*.
 bench-lora: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --mode lora
+
+# GGUF files from their blocks vs llama.cpp's llama-server on the same files (issue 42; benchmarks/modes/gguf_blocks.py):
+# the default model and random-weight Llama-3.2-1B/Llama-3-8B-shaped Q4_K_M and Q8_0 files (made once under
+# $$LLMSERVE_GGUF_FILES, default /work/gguf-files). llama.cpp's binaries from LLAMA_CPP_BIN (its build/bin folder);
+# without them llama.cpp is skipped. Not in CI. Results in benchmarks/results/<date>-cpu-gguf.{md,json}.
+LLAMA_CPP_BIN ?=
+bench-gguf: $(STAMP_MODEL)
+	LLAMA_CPP_BIN=$(LLAMA_CPP_BIN) $(PY) benchmarks/run.py --mode gguf --float32
+
+# Perplexity of the default Q4_1 file and a Q8_0 made from it: llmserve vs llama-perplexity, within 1% (not in CI).
+perplexity-gguf: $(STAMP_MODEL)
+	LLAMA_CPP_BIN=$(LLAMA_CPP_BIN) $(PY) benchmarks/run.py --mode gguf --perplexity
 
 # Two images from one Dockerfile. The CPU image, $(IMAGE_CPU) (deploy/image/build.py): with docker where a daemon
 # answers, on python:3.11-slim-bookworm; else with podman (apt-get install podman runc debootstrap) on a Debian bookworm

@@ -273,6 +273,7 @@ async def run(config: Config) -> int:
         m.spec,
         device=m.device,
         dtype=m.dtype,
+        gguf_activations=m.gguf_activations,
         cache_root=cache_root,
         lora=config.engine.lora_enabled,
     )

@@ -178,7 +178,12 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--model", "model.spec", str, "model: a local transformers folder, a .gguf file or random:NAME; "
                   "unset: the default"),
             _flag("--device", "model.device", str, "device: auto, cpu, cuda, cuda:N"),
-            _flag("--dtype", "model.dtype", str, "weights' dtype: auto, float32, bfloat16, float16"),
+            _flag("--dtype", "model.dtype", str, "weights' dtype: auto, gguf, float32, bfloat16, float16, int8; gguf "
+                  "serves a .gguf file from its own blocks on the CPU (what auto does for a GGUF there), the others "
+                  "dequantize it once into a cached float copy"),
+            _flag("--gguf-activations", "model.gguf_activations", _one_of("int8", "float32"),
+                  "with a GGUF's blocks: the linears' input rows quantized to int8 per block of 32 as llama.cpp does "
+                  "(fastest), or kept float32 (the float32 path's tokens, about its speed from 32 rows)"),
             _flag("--cache-dir", "model.cache_dir", str, "where converted models are cached; unset: ~/.cache/llmserve"),
             _switch("--engine-in-process", "model.engine_process",
                     "run the engine core on a thread of the server's process, not in a process of its own",

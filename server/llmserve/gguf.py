@@ -1,8 +1,12 @@
-"""GGUF files: the bundled default, display names, and the one-time conversion into a safetensors folder.
+"""GGUF files: the bundled default, display names, and what is cached from a file under the cache root.
 
-Nothing here ever talks to a model hub. A GGUF is dequantized once (slow: tens of seconds) into a safetensors
-folder under the cache root, and every later load reads that folder (about a second; `models.load_model`). The
-cache folder appears in one atomic rename, so a conversion killed halfway leaves no half-written cache behind.
+Nothing here ever talks to a model hub. Two caches, each a folder that appears in one atomic rename (a conversion
+killed halfway leaves no half-written cache behind):
+- `file_metadata`: the tokenizer and the config only (`<stem>.config`, a few MB, ~10 s once for the default model
+  through transformers' GGUF reading, then read in well under a second): what serving a GGUF from its own blocks
+  needs besides the file itself (gguf_model.py);
+- `convert_gguf`: the whole model dequantized into a safetensors folder (`<stem>`, tens of seconds and the weights
+  as float32), for `--dtype float32/bfloat16/int8`.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +71,21 @@ def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
     being killed (the folder appears by one rename of a finished temporary folder) and against two
     processes converting at once (the loser discards its copy).
     """
+    return _cached(gguf, cache_root, "", _dequantize_into, "converted")
+
+
+def file_metadata(gguf: Path, cache_root: Path | None = None) -> Path:
+    """The tokenizer and config of `gguf` (config.json, generation_config.json, the tokenizer's files) in a folder
+    `<cache_root>/<file stem>.config`, made once as `convert_gguf`'s folder is (same guarantees); no weights."""
+    return _cached(gguf, cache_root, ".config", _metadata_into, "read the tokenizer and config of")
+
+
+def _cached(gguf: Path, cache_root: Path | None, suffix: str, fill: Callable[[Path, Path], None], verb: str) -> Path:
     gguf = Path(gguf).expanduser().resolve()
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf}")
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
-    target = root / gguf.name.removesuffix(".gguf")
+    target = root / (gguf.name.removesuffix(".gguf") + suffix)
     source_bytes = gguf.stat().st_size
     if _is_converted(target, source_bytes):
         return target
@@ -80,12 +95,12 @@ def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=root))
     try:
         started = time.monotonic()
-        _dequantize_into(gguf, partial)
+        fill(gguf, partial)
         marker = {"name": model_name(gguf), "source": str(gguf), "source_bytes": source_bytes}
         (partial / MARKER).write_text(json.dumps(marker, indent=2))
         partial.chmod(0o755)  # mkdtemp makes it private; a model cache is ordinary readable data
         _publish(partial, target, source_bytes)
-        logger.info("converted %s into %s in %.1f s", gguf.name, target, time.monotonic() - started)
+        logger.info("%s %s into %s in %.1f s", verb, gguf.name, target, time.monotonic() - started)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
@@ -125,6 +140,17 @@ def _dequantize_into(gguf: Path, out: Path) -> None:
     if getattr(model, "hf_quantizer", None) is not None:
         raise RuntimeError(f"{name}: transformers kept the weights quantized; cannot save them as safetensors")
     model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _metadata_into(gguf: Path, out: Path) -> None:
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    if tokenizer.chat_template is None:
+        logger.warning("%s carries no chat template; chat requests will need one from elsewhere", name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 @dataclass(slots=True, frozen=True)
 class ModelCard:
     """`dtype` as torch names it without the prefix ("float32", "bfloat16"), `device` as torch.device prints it
-    ("cpu", "cuda:0"); `weights` "int8" when the CPU backend quantized the linears; the rest as LoadedModel's."""
+    ("cpu", "cuda:0"); `weights` "int8" when the CPU backend quantized the linears, "gguf" when they compute from a
+    GGUF's blocks (which the engine process maps; the card carries none of them); the rest as LoadedModel's."""
 
     tokenizer: PreTrainedTokenizerBase | None
     name: str

@@ -1,8 +1,11 @@
 """Loading models for serving, from local files only: the bundled default GGUF, any GGUF, a saved folder, or
 random weights in a known shape.
 
-A GGUF is converted once into a safetensors folder (gguf.py); a model's dimensions are read once into its
-`ModelShape` (model_shape.py), which `LoadedModel.shape` carries to everything that sizes itself from them.
+A GGUF on the CPU is served from its own blocks by default (`--dtype auto` or `gguf`): the file is memory-mapped and
+its linears computed from the blocks (gguf_file.py, gguf_model.py), its tokenizer and config cached once under the
+cache root (gguf.file_metadata). `--dtype float32/bfloat16/int8`, and any GGUF on CUDA, convert it once into a
+safetensors folder of float weights (gguf.convert_gguf). A model's dimensions are read once into its `ModelShape`
+(model_shape.py), which `LoadedModel.shape` carries to everything that sizes itself from them.
 """
 
 from __future__ import annotations
@@ -15,15 +18,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from llmserve import cpu_features, packaged_models
 from llmserve.gguf import (
     MARKER,
     convert_gguf,
     default_gguf_path,
+    file_metadata,
     model_name,
 )
+from llmserve.gguf_file import GGUFFile
 from llmserve.model_card import ModelCard
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape
 
@@ -46,6 +58,7 @@ __all__ = [
 RANDOM_PREFIX = "random:"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 INT8 = "int8"  # --dtype int8: a bfloat16 model whose linears the CPU backend quantizes
+GGUF = "gguf"  # --dtype gguf: a GGUF served from its own blocks (the CPU's default for a GGUF: --dtype auto)
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -60,7 +73,8 @@ class LoadedModel:
 
     `shape` is the model's dimensions, read from its config once (model_shape.py). `eos_token_ids` is the union
     of the tokenizer's and the generation config's EOS ids, in that order. `weights`: "int8" when the CPU backend is
-    to quantize the linears (`--dtype int8`: the model itself is bfloat16), else None.
+    to quantize the linears (`--dtype int8`: the model itself is bfloat16), "gguf" when they compute from a GGUF's
+    blocks (`gguf`: that file, mapped; the model's rows and norms are float32), else None.
     """
 
     model: Any  # a transformers causal LM (PreTrainedModel); its attributes are dynamic
@@ -71,6 +85,14 @@ class LoadedModel:
     shape: ModelShape
     eos_token_ids: tuple[int, ...]
     weights: str | None = None
+    gguf: GGUFFile | None = None
+    activations: str = "int8"  # with `gguf`: how the kernels take the linears' rows (quant.QuantLinear's activations)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of weights mapped from a file and not yet read (a GGUF's blocks): what the memory check counts
+        beside the KV pool before the backend reads them (engine/backends/__init__.py)."""
+        return 0 if self.gguf is None else self.gguf.tensor_bytes
 
     @property
     def context_length(self) -> int:
@@ -97,30 +119,32 @@ def load_model(
     dtype: str = "auto",
     cache_root: Path | None = None,
     lora: bool = False,
+    gguf_activations: str = "int8",
 ) -> LoadedModel:
     """Load a model for serving.
 
-    `spec`: None for the default GGUF; a `.gguf` file (converted and cached on first use); a folder with a
-    config.json (loaded as is); a packaged model's name (packaged_models.py: extracted and cached on first use);
-    or `random:<shape>` (see `random_model`). Anything else raises ValueError.
-    `device`: "auto" is cuda when available, else cpu. `dtype`: see `resolve_dtype`; "int8" (CPU only) loads the
-    model in bfloat16 for the CPU backend to quantize its linears. `lora`: LoRA adapters will be served, which the
-    CPU serves in float32 only, so that "auto" picks float32 there.
+    `spec`: None for the default GGUF; a `.gguf` file; a folder with a config.json (loaded as is); a packaged
+    model's name (packaged_models.py: extracted and cached on first use); or `random:<shape>` (see `random_model`).
+    Anything else raises ValueError. `device`: "auto" is cuda when available, else cpu. `dtype`: "gguf" serves a
+    GGUF from its blocks on the CPU (memory-mapped; its tokenizer and config cached on first use), and so does
+    "auto" for a GGUF on the CPU; otherwise see `resolve_dtype`, a GGUF converted into float weights and cached on
+    first use; "int8" (CPU only) loads the model in bfloat16 for the CPU backend to quantize its linears. `lora`:
+    LoRA adapters will be served, which the CPU serves in float32 only, so that "auto" picks float32 there (a
+    GGUF's blocks take float32 rows: they serve adapters as they are).
+    `gguf_activations`: with a GGUF's blocks, "int8" (per block of 32, as llama.cpp) or "float32" input rows.
+    Raises gguf_file.GGUFError, naming the file, for a GGUF that is truncated, corrupt, or holds block types or an
+    architecture its blocks cannot be served in.
     """
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev, lora=lora)
-    weights = "int8" if dtype == INT8 else None
     spec = os.fspath(spec) if spec is not None else None
-    if spec is not None and spec.startswith(RANDOM_PREFIX):
-        loaded = random_model(spec[len(RANDOM_PREFIX) :], dtype=dt, device=dev)
-        loaded.weights = weights
-        return loaded
+    gguf_file: Path | None = None
+    folder: Path | None = None
     if spec is None:
-        folder = convert_gguf(default_gguf_path(), cache_root)
-    else:
+        gguf_file = default_gguf_path()
+    elif not spec.startswith(RANDOM_PREFIX):
         path = Path(spec).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            folder = convert_gguf(path, cache_root)
+            gguf_file = path
         elif path.is_dir() and (path / "config.json").is_file():
             folder = path
         elif (packaged := packaged_models.resolve(spec, cache_root)) is not None:
@@ -131,8 +155,47 @@ def load_model(
                 f"({', '.join(m.name for m in packaged_models.PACKAGED_MODELS)}), "
                 f"nor {RANDOM_PREFIX}<shape> (shapes: {', '.join(sorted(RANDOM_SHAPES))})"
             )
+    if dtype == GGUF or (dtype == "auto" and gguf_file is not None and dev.type == "cpu"):
+        if gguf_file is None or dev.type != "cpu":
+            raise ValueError(f"dtype gguf serves a .gguf file on the CPU (model {spec!r}, device {dev.type})")
+        return load_gguf_blocks(gguf_file, cache_root, gguf_activations)
+    dt = resolve_dtype(dtype, dev, lora=lora)
+    weights = "int8" if dtype == INT8 else None
+    if spec is not None and spec.startswith(RANDOM_PREFIX):
+        loaded = random_model(spec[len(RANDOM_PREFIX) :], dtype=dt, device=dev)
+        loaded.weights = weights
+        return loaded
+    if gguf_file is not None:
+        folder = convert_gguf(gguf_file, cache_root)
+    if folder is None:  # not reached: a spec that is neither random nor a GGUF named its folder above
+        raise ValueError(f"model spec {spec!r} names no model")
     loaded = _load_folder(folder, dt, dev)
     loaded.weights = weights
+    return loaded
+
+
+def load_gguf_blocks(path: Path, cache_root: Path | None = None, activations: str = "int8") -> LoadedModel:
+    """A GGUF served from its own blocks on the CPU: the file mapped (nothing of its tensors read but the norms),
+    the tokenizer and config from their cache folder (gguf.file_metadata, made on first use), the model built
+    over the blocks (gguf_model.build_model). `weights` "gguf", `dtype` float32 (the rows' and the KV cache's);
+    `activations` as quant.QuantLinear takes them."""
+    if activations not in ("int8", "float32"):
+        raise ValueError(f"gguf activations must be int8 or float32, got {activations!r}")
+    from llmserve.gguf_model import build_model
+
+    file = GGUFFile.open(path)
+    folder = file_metadata(file.path, cache_root)
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    model = build_model(file, config)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    tokenizer = None
+    if any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    loaded = _finish(model, tokenizer, model_name(file.path), torch.float32, torch.device("cpu"))
+    loaded.weights = GGUF
+    loaded.gguf = file
+    loaded.activations = activations
     return loaded
 
 
@@ -209,8 +272,10 @@ def resolve_dtype(dtype: str, device: torch.device, *, lora: bool = False) -> to
                 f"dtype int8 runs on CPUs with AVX512-VNNI or AMX (this one: {level}, device {device.type})"
             )
         return torch.bfloat16
+    if dtype == GGUF:
+        return torch.float32  # the rows' dtype beside a GGUF's blocks
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(_DTYPES)}, {INT8}")
+        raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(_DTYPES)}, {INT8}, {GGUF}")
     return _DTYPES[dtype]
 
 
@@ -267,19 +332,21 @@ def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m llmserve.models [SPEC]`: load (converting and caching a GGUF once) the model a server would.
+    """`python -m llmserve.models [SPEC] [--dtype D]`: load the model a CPU server would with `--dtype D`, making its
+    caches once: a GGUF's tokenizer and config (auto, gguf: seconds), or its float conversion (float32, bfloat16).
 
-    `make model` and the Dockerfile run it, so that the image holds the converted default model.
+    `make model` and the Dockerfile run it, so that a start finds the cache the default serves from.
     """
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m llmserve.models", description=main.__doc__)
     parser.add_argument("spec", nargs="?", default=None, help="model spec as for --model; default: the default model")
     parser.add_argument("--cache-dir", default=None, help="conversion cache; default: $LLMSERVE_CACHE_DIR or ~/.cache")
+    parser.add_argument("--dtype", default="auto", help="as the server's --dtype (default: auto)")
     args = parser.parse_args(argv)
     cache = Path(args.cache_dir) if args.cache_dir else None
-    loaded = load_model(args.spec, device="cpu", dtype="float32", cache_root=cache)
-    print(f"model ready: {loaded.name}")
+    loaded = load_model(args.spec, device="cpu", dtype=args.dtype, cache_root=cache)
+    print(f"model ready: {loaded.name} ({loaded.weights or loaded.dtype})")
     return 0
 
 

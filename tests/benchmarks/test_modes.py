@@ -87,3 +87,23 @@ def test_dtypes_mode_serves_each_dtype_over_grpc_and_skips_an_absent_llama_cpp(
     assert "--dtype int8" in " ".join(data["systems"]["llmserve int8"]["command"])
     assert set(data["peaks"]) == {"float32", "bfloat16", "int8"}
     assert "llama.cpp skipped: no llama-server" in page and "| llmserve int8 | 1 |" in page
+
+
+def test_gguf_mode_serves_the_default_file_from_its_blocks_and_skips_an_absent_llama_cpp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
+    args = ["--mode", "gguf", "--quick", "--files", "default", "--out-dir", str(tmp_path), "--name", "gguf"]
+    assert run.main(args) == 0
+    data = json.loads((tmp_path / "gguf.json").read_text())
+    page = (tmp_path / "gguf.md").read_text()
+    f = data["files"]["default"]
+    point = f["points"]["llmserve"]["1"]
+    assert point["median_output_tokens_per_s"] > 0 and point["errors"] == 0 and point["peak_memory_bytes"] > 0
+    assert "--dtype auto" in " ".join(f["commands"]["llmserve"]) and f["start_s"]["llmserve"] > 0
+    assert f["kind"] == "Q4_1" and f["kv_pool_bytes"] > 0
+    assert "default: llama.cpp skipped" in page and "| default | llmserve | 1 |" in page
+    assert "peak memory vs file + KV pool + 1 GiB" in page
+    # Perplexity needs llama.cpp's tools: without them the page says so.
+    assert run.main(["--mode", "gguf", "--perplexity", "--out-dir", str(tmp_path), "--name", "ppl"]) == 0
+    assert "skipped: no llama-perplexity" in (tmp_path / "ppl.md").read_text()

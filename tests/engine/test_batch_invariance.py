@@ -1,6 +1,6 @@
-"""bfloat16 and int8 on the CPU are batch-invariant: a request's greedy tokens alone equal its tokens among 32
-concurrent requests, whatever chunks its prompt was split into, whether it was preempted and recomputed, and
-whether its prompt came back from a session's cache.
+"""bfloat16, int8 and a GGUF's blocks on the CPU are batch-invariant: a request's greedy tokens alone equal its
+tokens among 32 concurrent requests, whatever chunks its prompt was split into, whether it was preempted and
+recomputed, and whether its prompt came back from a session's cache.
 
 Random weights in bfloat16 make near-ties of many logits, so that a prompt token attended otherwise than a
 decoded one (SDPA for prompt chunks, as the float32 path does) changes tokens here. The model's MLP is 1,536 wide,
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from llmserve.engine.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import TINY_VOCAB, tiny_config
 from tests.engine.engine_helpers import inner
+from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
 
 SESSIONS = 8  # of the 32 requests, 8 are the second turns of sessions whose first turn ran just before
 TIMEOUT_S = 120
@@ -30,6 +33,11 @@ TIMEOUT_S = 120
 def model(dtype: str) -> LoadedModel:
     config = tiny_config("llama")
     config.intermediate_size = 1536
+    if dtype == "gguf":  # a GGUF's blocks (q/k Q4_0, the rest Q8_0), whose kernels quantize activations per block
+        source = from_config(config, dtype=torch.float32, seed=3).model
+        kinds = {f"blk.{i}.{n}.weight": Q.Q4_0 for i in range(2) for n in ("attn_q", "attn_k")}
+        path = write_llama_gguf(Path(tempfile.mkdtemp(prefix="llmserve-gguf-")) / "tiny.gguf", source, kinds)
+        return gguf_loaded(path, config)
     loaded = from_config(config, dtype=torch.bfloat16, seed=3)
     loaded.weights = "int8" if dtype == "int8" else None
     return loaded
@@ -47,7 +55,7 @@ def request(rid: str, prompt: list[int], max_new: int, session: str | None = Non
     return GenerationRequest(rid, tuple(prompt), stopping=StoppingParams(max_new, ignore_eos=True), session_id=session)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "gguf"])
 async def test_greedy_tokens_alone_equal_those_among_32_concurrent_requests(dtype: str) -> None:
     loaded = model(dtype)
     rng = random.Random(5)

@@ -18,7 +18,10 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+import torch
+
 from llmserve.engine.backends.base import Backend, KVCache, kv_blocks
+from llmserve.engine.backends.memory_check import available_bytes, check_fits
 from llmserve.engine.config import EngineConfig
 from llmserve.models import LoadedModel
 
@@ -57,7 +60,8 @@ def create_backend(
     use it). `max_model_len` bounds the sequences it serves (default: the model's context).
 
     Raises when a part the config requires cannot be had (`--cpu-kernels require` without the compiled
-    kernels, a CUDA graph that cannot be captured).
+    kernels, a CUDA graph that cannot be captured), and memory_check.InsufficientMemory when weights mapped from a
+    file (a GGUF's blocks) and the KV pool would not fit in the host's available memory.
     """
     kind = kind or backend_kind(loaded, config)
     max_len = max_model_len or loaded.context_length
@@ -67,6 +71,10 @@ def create_backend(
 
         reserved = graph_reserve(loaded, config, max_len)
     num_blocks = kv_blocks(config, loaded.shape, loaded.dtype, loaded.device, reserved)
+    if loaded.mapped_bytes:  # weights mapped, not yet read: refuse now what cannot fit once they are
+        element = torch.empty((), dtype=loaded.dtype).element_size()
+        kv_bytes = num_blocks * config.block_size * loaded.shape.kv_bytes_per_token(element)
+        check_fits(loaded.name, loaded.mapped_bytes, kv_bytes, available_bytes())
     kv = KVCache(loaded.shape, num_blocks, config.block_size, loaded.dtype, loaded.device)
     if kind == "cpu":
         from llmserve.engine.backends.cpu.backend import CpuBackend

@@ -19,6 +19,7 @@ from torch import nn
 from llmserve.engine.lora.adapters import TARGET_MODULES
 from llmserve.engine.lora.ops import LoraRows, add_lora
 from llmserve.engine.lora.weights import LoraWeights, StackedProjection
+from llmserve.gguf_model import QuantProjection
 
 
 class LoraHooks:
@@ -31,7 +32,7 @@ class LoraHooks:
         for i, layer in enumerate(model.model.layers[: len(weights.layers)]):
             for name, parent in TARGET_MODULES.items():
                 module = getattr(getattr(layer, parent), name)
-                if not isinstance(module, nn.Linear):
+                if not isinstance(module, nn.Linear | QuantProjection):  # a GGUF's blocks: gguf_model.py
                     raise TypeError(f"layer {i}: {parent}.{name} is a {type(module).__name__}, not a Linear")
                 hook = partial(self._add, weights.projection(i, name))
                 self._handles.append(module.register_forward_hook(hook))

@@ -6,9 +6,10 @@
 - Long prompt chunks attend in blocks of QUERY_BLOCK query rows, each to the keys up to its last query.
 - float32 linears run on weights packed once for oneDNN (packed_linear).
 - Llama-family models run the fused forward (fused_layers): q/k/v and gate/up as one linear each, norms,
-  rotary and SiLU-and-multiply as single C passes; in float32, bfloat16 (a bfloat16 model) or int8 (`--dtype
-  int8`). In bfloat16 and int8 every token's attention goes through the decode kernel, so that a token's result
-  does not depend on the chunk or step that computed it (batch invariance; metadata.KernelDecodeBuilder).
+  rotary and SiLU-and-multiply as single C passes; in float32, bfloat16 (a bfloat16 model), int8 (`--dtype
+  int8`) or from a GGUF's blocks (`--dtype gguf`, float32 rows: gguf_linear.py over quant.py). In all but float32
+  every token's attention goes through the decode kernel, so that a token's result does not depend on the chunk or
+  step that computed it (batch invariance; metadata.KernelDecodeBuilder).
 
 The compiled parts are built at install time; `--cpu-kernels` says what happens without them. The description
 (start-up log, GetModelInfo) names the precision, the kernel oneDNN runs for the linears (its instruction set)
@@ -24,7 +25,7 @@ import torch
 from llmserve import cpu_features
 from llmserve.engine.backends.attention import AttentionMetadata, paged_attention
 from llmserve.engine.backends.base import KVCache
-from llmserve.engine.backends.cpu import native, packed_linear
+from llmserve.engine.backends.cpu import native, packed_linear, quant
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
 from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder
@@ -61,9 +62,17 @@ class CpuBackend(TorchPagedBackend):
         self.fused: FusedForward | None = None
         if kernels and config.fused_layers:
             self.fused = FusedForward.build(
-                model, native.load_fused(), pack, paged_attention, s, mixed=native.load_mixed(), weights=loaded.weights
+                model,
+                native.load_fused(),
+                pack,
+                paged_attention,
+                s,
+                mixed=native.load_mixed(),
+                weights=_weights(loaded),
+                source=loaded.gguf,
             )
-        if loaded.weights is not None and self.fused is None:
+        # A GGUF's blocks also run in transformers' layers (gguf_model.QuantProjection), only slower.
+        if loaded.weights not in (None, "gguf") and self.fused is None:
             raise ValueError(
                 f"--dtype {loaded.weights} needs the fused CPU forward (a Llama/Mistral/Qwen2/Qwen3 model, the CPU "
                 "kernels installed, --no-fused-layers off)"
@@ -72,7 +81,7 @@ class CpuBackend(TorchPagedBackend):
             self.attention = KernelDecodeBuilder(self.inputs, kv, self.kernel, self.chunks, every_token=True)
         if self.fused is not None and self.lora is not None:  # the fused forward applies the slots itself
             self.lora.close()
-            if not self.fused.precision.exact:
+            if not self.fused.precision.float_rows:
                 raise LoraUnsupported(
                     f"--dtype {self.fused.precision.linears} with LoRA adapters (--lora/--enable-lora): the fused CPU "
                     "forward adds adapter deltas in float32 only; serve adapters with --dtype float32"
@@ -99,7 +108,9 @@ class CpuBackend(TorchPagedBackend):
             every = isinstance(self.attention, KernelDecodeBuilder) and self.attention.every_token
             cache = str(self.kv.tensor.dtype).removeprefix("torch.")
             parts.append(f"compiled decode kernel over a {cache} KV cache{' for every token' if every else ''}")
-        if self.num_packed_linears:
+        if fused is not None and fused.precision.linears.startswith("gguf"):
+            parts.append(_describe_blocks(fused))
+        elif self.num_packed_linears:
             implementation = fused.onednn_kernel() if fused is not None else None
             parts.append(
                 f"{self.num_packed_linears} packed oneDNN linears" + (f" ({implementation})" if implementation else "")
@@ -121,3 +132,20 @@ class CpuBackend(TorchPagedBackend):
             weights = None if lora is None or self.lora is None else self.lora.weights
             return self.fused(input_ids, position_ids, keep, batch, lora, weights)
         return super().forward(input_ids, position_ids, keep, batch, lora)
+
+
+def _weights(loaded: LoadedModel) -> str | None:
+    """The fused forward's weights: "gguf-float32" for a GGUF's blocks with float32 activations."""
+    return "gguf-float32" if loaded.weights == "gguf" and loaded.activations == "float32" else loaded.weights
+
+
+def _describe_blocks(fused: FusedForward) -> str:
+    """How many kernel calls of each block type a forward makes, and the kernels' level."""
+    kinds: dict[str, int] = {}
+    linears = [fused.lm_head, *(lin for ly in fused.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))]
+    for linear in linears:
+        for kind in getattr(linear, "kinds", ()):
+            kinds[kind.name] = kinds.get(kind.name, 0) + 1
+    counts = ", ".join(f"{n} {name}" for name, n in sorted(kinds.items(), key=lambda item: -item[1]))
+    activations = "float32" if fused.precision.linears == "gguf-float32" else "int8"
+    return f"linears from the GGUF's blocks ({counts}; {quant.kernel_level()} kernels, {activations} activations)"

@@ -19,7 +19,12 @@ model's own rotary module, so every rope scaling type works) on the CPU, in one 
   q/k/v, the attention and the MLP's rows in bfloat16 (the KV cache too), while the residual stream, the norms'
   arithmetic, rotary, SiLU and the logits stay float32 (csrc/mixed_ops.c through native.MixedOps);
 - int8 (a bfloat16 model, `weights="int8"`): as bfloat16, with int8 weights and each input row quantized to int8
-  with its own scale (packed_linear.Int8Linear); the norms and SiLU write the quantized rows directly.
+  with its own scale (packed_linear.Int8Linear); the norms and SiLU write the quantized rows directly;
+- gguf (a model over a GGUF's blocks, gguf_model.py, `weights="gguf"`): float32 rows, residual and KV cache as
+  float32's, every linear, the LM head included, computed from the file's blocks (gguf_linear.BlockLinear over
+  quant.QuantLinear, whose kernels quantize each input row per block of 32 as llama.cpp does), the token
+  embedding decoded row by row (quant.dequantize_rows); gguf-float32 (`--gguf-activations float32`) the same with
+  the kernels' float32 activations: the float32 path's arithmetic up to float32 rounding.
 `build` returns None for anything else and the backend calls the model's own forward. The model itself is left
 as it is: `generate` on it still runs transformers' code.
 
@@ -39,7 +44,7 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from llmserve.engine.backends.cpu import native
+from llmserve.engine.backends.cpu import gguf_linear, native
 from llmserve.engine.backends.cpu.packed_linear import (
     Linear,
     RefinedHead,
@@ -50,19 +55,22 @@ from llmserve.engine.backends.cpu.packed_linear import (
 )
 from llmserve.engine.lora.ops import LoraRows, add_lora
 from llmserve.engine.lora.weights import LoraWeights
+from llmserve.gguf_file import GGUFFile
+from llmserve.gguf_model import QuantProjection
 from llmserve.model_shape import ModelShape
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # attention.paged_attention: (module, query [1, H, T, D], key, value [1, KVH, T, D], mask, scaling=, llmserve_batch=)
 Attention = Callable[..., tuple[torch.Tensor, None]]
 SILU_TYPES = (nn.SiLU, SiLUActivation)
-WEIGHTS = ("float32", "bfloat16", "int8")
+WEIGHTS = ("float32", "bfloat16", "int8", "gguf")
 
 
 @dataclass(slots=True, frozen=True)
 class Precision:
-    """How the fused forward computes (see the module docstring): `linears` and `head` are packed_linear KINDS;
-    `rows` is the dtype of q/k/v, the attention and the KV cache (the model's); `residual` the residual stream's."""
+    """How the fused forward computes (see the module docstring): `linears` and `head` are packed_linear KINDS or
+    "gguf"; `rows` is the dtype of q/k/v, the attention and the KV cache (the model's); `residual` the residual
+    stream's."""
 
     linears: str
     head: str
@@ -71,8 +79,11 @@ class Precision:
 
     @classmethod
     def of(cls, dtype: torch.dtype, weights: str | None = None) -> Precision | None:
-        """The precision of a model of `dtype` (`weights`: "int8" for int8 linears on a bfloat16 model); None
+        """The precision of a model of `dtype` (`weights`: "int8" for int8 linears on a bfloat16 model, "gguf" for a
+        float32 model over a GGUF's blocks); None
         where the fused forward has none."""
+        if dtype == torch.float32 and weights in ("gguf", "gguf-float32"):
+            return cls(weights, weights, dtype, dtype)
         if dtype in (torch.float32, torch.float64) and weights in (None, "float32"):
             return cls("float32", "float32", dtype, dtype)
         if dtype == torch.bfloat16 and weights in (None, "bfloat16"):
@@ -83,8 +94,16 @@ class Precision:
 
     @property
     def exact(self) -> bool:
-        """float32/float64: every row in the model's dtype, through csrc/fused_ops.c."""
-        return self.linears == "float32"
+        """The linears take their input rows as they are (float32/float64, or a GGUF's blocks with float32
+        activations): every row in the model's dtype, through csrc/fused_ops.c, prompts attended as float32's are;
+        "gguf" kernels quantize their inputs per block of 32 (quant.py)."""
+        return self.linears in ("float32", "gguf-float32")
+
+    @property
+    def float_rows(self) -> bool:
+        """Every row in the model's dtype (float32 or float64) through csrc/fused_ops.c: the exact precision and
+        a GGUF's blocks, whose linears read and give float32 rows; LoRA deltas add to such rows."""
+        return self.rows in (torch.float32, torch.float64)
 
 
 @dataclass(slots=True)
@@ -157,8 +176,13 @@ def _norm(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     return module.weight.detach().to(dtype).contiguous(), float(module.variance_epsilon)
 
 
-def _linear(linears: list[nn.Linear], kind: str, pack: bool, ops: native.MixedOps | None, gives: torch.dtype) -> Linear:
-    """One linear over the concatenated weights (and biases) of `linears`."""
+def _linear(
+    linears: list[Any], kind: str, pack: bool, ops: native.MixedOps | None, gives: torch.dtype, source: GGUFFile | None
+) -> Linear:
+    """One linear over the concatenated weights (and biases) of `linears` (nn.Linear, or QuantProjection for "gguf";
+    `source` the file their blocks are mapped from)."""
+    if kind in ("gguf", "gguf-float32"):
+        return gguf_linear.fuse(linears, source, "float32" if kind == "gguf-float32" else "int8")
     weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
     bias = None
     if any(m.bias is not None for m in linears):
@@ -167,14 +191,14 @@ def _linear(linears: list[nn.Linear], kind: str, pack: bool, ops: native.MixedOp
     return make_linear(weight, bias, kind, pack, ops, gives)
 
 
-def _fits(layer: Any) -> bool:
+def _fits(layer: Any, linear: type[nn.Module]) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
     norms += [m for m in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if m is not None]
     return (
-        all(type(m) is nn.Linear for m in linears)
+        all(type(m) is linear for m in linears)
         and all(hasattr(m, "weight") and hasattr(m, "variance_epsilon") for m in norms)
         and isinstance(getattr(mlp, "act_fn", None), SILU_TYPES)
         and hasattr(attn, "scaling")
@@ -194,8 +218,10 @@ class FusedForward:
         mixed: native.MixedOps | None,
         pack: bool,
         attention: Attention,
+        source: GGUFFile | None = None,
     ) -> None:
         base = model.model
+        self.source = source
         self.precision = precision
         self.ops = rows
         self.attention = attention
@@ -205,8 +231,8 @@ class FusedForward:
         norm_dtype = p.residual
         self.final_norm = _norm(base.norm, norm_dtype)
         head = model.get_output_embeddings()
-        self.lm_head: Linear = _linear([head], p.head, pack, mixed, torch.float32)
-        if not p.exact and mixed is not None:
+        self.lm_head: Linear = _linear([head], p.head, pack, mixed, torch.float32, source)
+        if not p.float_rows and mixed is not None:
             self.lm_head = RefinedHead(self.lm_head, head.weight.detach(), mixed)
         self.num_heads = shape.num_heads
         self.num_kv_heads = shape.num_kv_heads
@@ -226,19 +252,22 @@ class FusedForward:
         *,
         mixed: native.MixedOps | None = None,
         weights: str | None = None,
+        source: GGUFFile | None = None,
     ) -> FusedForward | None:
         """The fused forward of `model`, or None where it does not apply (another architecture, a device other
         than the CPU, a dtype without a Precision, no compiled kernels, or bfloat16 rows oneDNN cannot run on this
         CPU: below AVX-512, a bfloat16 model runs transformers' layers). `pack`: run float32 linears on packed
         oneDNN weights; `attention`: the backend's paged attention function; `shape`: the model's
         (LoadedModel.shape), read from its config when not given; `mixed`: the row operations a bfloat16 or int8
-        precision needs; `weights`: "int8" for int8 linears on a bfloat16 model."""
+        precision needs; `weights`: "int8" for int8 linears on a bfloat16 model, "gguf" for a model over a GGUF's
+        blocks (gguf_model.build_model; `source`: the file, whose pages of copied blocks are released), its kernels
+        quantizing activations per block, or "gguf-float32" with float32 activations."""
         param = next(model.parameters())
         config = model.config
         precision = Precision.of(param.dtype, weights)
         if ops is None or param.device.type != "cpu" or precision is None:
             return None
-        if not precision.exact and (mixed is None or not bf16_available()):
+        if not precision.float_rows and (mixed is None or not bf16_available()):
             return None
         if (
             getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES
@@ -248,10 +277,11 @@ class FusedForward:
         base: Any = getattr(model, "model", None)
         if not all(hasattr(base, n) for n in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return None
-        if not all(_fits(layer) for layer in base.layers):
+        linear = QuantProjection if precision.linears.startswith("gguf") else nn.Linear
+        if not all(_fits(layer, linear) for layer in base.layers):
             return None
-        rows: RowOps = ExactRows(ops) if precision.exact or mixed is None else MixedRows(mixed)
-        return cls(model, shape or ModelShape.of(config), precision, rows, mixed, pack, attention)
+        rows: RowOps = ExactRows(ops) if precision.float_rows or mixed is None else MixedRows(mixed)
+        return cls(model, shape or ModelShape.of(config), precision, rows, mixed, pack, attention, source)
 
     def _layer(self, layer: Any, pack: bool, mixed: native.MixedOps | None) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -263,10 +293,10 @@ class FusedForward:
             _norm(layer.input_layernorm, norms),
             _norm(layer.post_attention_layernorm, norms),
             # int8: q/k/v come out in the rows' dtype (rotary, the cache), o and down float32 (the residual's).
-            qkv=_linear([attn.q_proj, attn.k_proj, attn.v_proj], kind, pack, mixed, p.rows),
-            o=_linear([attn.o_proj], kind, pack, mixed, torch.float32),
-            gate_up=_linear([mlp.gate_proj, mlp.up_proj], kind, pack, mixed, torch.float32),
-            down=_linear([mlp.down_proj], kind, pack, mixed, torch.float32),
+            qkv=_linear([attn.q_proj, attn.k_proj, attn.v_proj], kind, pack, mixed, p.rows, self.source),
+            o=_linear([attn.o_proj], kind, pack, mixed, torch.float32, self.source),
+            gate_up=_linear([mlp.gate_proj, mlp.up_proj], kind, pack, mixed, torch.float32, self.source),
+            down=_linear([mlp.down_proj], kind, pack, mixed, torch.float32, self.source),
             q_norm=None if q_norm is None else _norm(q_norm, norms),
             k_norm=None if k_norm is None else _norm(k_norm, norms),
             scaling=float(attn.scaling),
