@@ -27,8 +27,8 @@ from benchmarks import options, writer
 from benchmarks.systems.grpc_e2e import free_port
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.history import HistoryConfig
 from llmserve.models import load_model
 from llmserve_client import NO_RETRY, AsyncClient, build_request

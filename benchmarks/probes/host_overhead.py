@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.backends import Backend, Kind, create_backend
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.core_process import ChildSpec, ProcessCore
-from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.core.process import ChildSpec, ProcessCore
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.output_processor import OutputProcessor
+from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
 

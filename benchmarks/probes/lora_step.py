@@ -22,8 +22,8 @@ import torch
 
 from benchmarks.modes.lora import ADAPTERS, make_adapters, prompts
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import load_model
 
 

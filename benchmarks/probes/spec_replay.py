@@ -38,7 +38,7 @@ MAX_NEW = 128
 def step_cost(repeats: int, batches: tuple[int, ...], ks: tuple[int, ...]) -> dict[str, Any]:
     """The engine's own step (schedule, forward, sampling, books) timed by calibrate.py's method, more repeats."""
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.core import EngineCore
+    from llmserve.engine.core.engine_core import EngineCore
     from llmserve.engine.spec.calibrate import calibrate, table_rows
     from llmserve.models import load_model
 
@@ -49,9 +49,9 @@ def step_cost(repeats: int, batches: tuple[int, ...], ks: tuple[int, ...]) -> di
 
 
 async def answers(count: int) -> dict[str, Any]:
-    from llmserve.engine.async_engine import AsyncEngine
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams
+    from llmserve.engine.frontend.async_engine import AsyncEngine
+    from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
     from llmserve.models import load_model
 
     loaded = load_model(None, device="cpu", dtype="float32")

@@ -11,13 +11,12 @@ from collections.abc import Callable
 
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine, build_engine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.core_client import ThreadCore
-from llmserve.engine.core_process import ChildSpec, ProcessCore
-from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.request import (
+from llmserve.engine.core.engine_core import EngineCore, ThreadCore
+from llmserve.engine.core.process import ChildSpec, ProcessCore
+from llmserve.engine.frontend.async_engine import AsyncEngine, build_engine
+from llmserve.engine.frontend.output_processor import OutputProcessor
+from llmserve.engine.frontend.request import (
     GenerationRequest,
     SamplingParams,
     StoppingParams,

@@ -17,14 +17,20 @@ import pytest
 import pytest_asyncio
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.delta import FinishReason, Usage
-from llmserve.engine.errors import EngineDead, InvalidRequest, QueueFull
-from llmserve.engine.kv_events import KvStored
-from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.frontend.output_processor import OutputProcessor
+from llmserve.engine.frontend.outputs import FinishReason, Usage
+from llmserve.engine.frontend.request import (
+    ConstraintKind,
+    ConstraintSpec,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
+from llmserve.engine.sched.kv_events import KvStored
 from llmserve.models import from_config
 from llmserve.testing import greedy_reference, tiny_config
 from tests.engine.engine_helpers import (
@@ -314,7 +320,7 @@ async def test_a_failed_forward_leaves_nothing_in_the_prefix_cache() -> None:
 async def test_a_sampling_failure_fails_its_request_alone(thread_engine: AsyncEngine, monkeypatch) -> None:  # noqa: ANN001
     """One row whose sampling raises ends ERROR; the rest of the batch gets exactly its tokens."""
     engine = thread_engine
-    import llmserve.engine.sampler as sampler_module
+    import llmserve.engine.sample.sampler as sampler_module
 
     real = sampler_module.sample
 

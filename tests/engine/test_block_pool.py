@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.engine.block_pool import BlockPool, NoFreeBlocks, chain_hash, prefix_root
+from llmserve.engine.sched.block_pool import BlockPool, NoFreeBlocks, chain_hash, prefix_root
 
 
 def test_sizes_must_be_positive() -> None:
@@ -240,7 +240,7 @@ def test_check_reports_a_free_block_with_a_hash() -> None:
 
 
 def test_evicted_hashed_blocks_are_listed_for_offload_and_loads_register_only_when_sound() -> None:
-    from llmserve.engine.block_pool import BlockContent
+    from llmserve.engine.sched.block_pool import BlockContent
 
     pool = BlockPool(2, 2, track_evictions=True)
     a, b = pool.allocate(2)

@@ -20,12 +20,18 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 from harness import tiny_engine  # noqa: E402
 
-from llmserve.engine.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.constraints import ConstraintChecker, ConstraintCompiler, Vocabulary  # noqa: E402
-from llmserve.engine.delta import Delta, FinishReason  # noqa: E402
-from llmserve.engine.errors import InvalidRequest  # noqa: E402
-from llmserve.engine.masks import TokenMasks  # noqa: E402
-from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
+from llmserve.engine.frontend.async_engine import AsyncEngine  # noqa: E402
+from llmserve.engine.frontend.errors import InvalidRequest  # noqa: E402
+from llmserve.engine.frontend.outputs import Delta, FinishReason  # noqa: E402
+from llmserve.engine.frontend.request import (  # noqa: E402
+    ConstraintKind,
+    ConstraintSpec,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
+from llmserve.engine.sample.constraints import ConstraintChecker, ConstraintCompiler, Vocabulary  # noqa: E402
+from llmserve.engine.sample.masks import TokenMasks  # noqa: E402
 
 SCHEMA = ConstraintKind.JSON_SCHEMA
 COMPLETE = (FinishReason.CONSTRAINT, FinishReason.EOS)
@@ -358,9 +364,9 @@ def test_the_sampler_picks_the_best_allowed_token_greedy_and_never_a_forbidden_o
 ) -> None:
     import torch
 
-    from llmserve.engine.generators import Generators
-    from llmserve.engine.sampler import sample
-    from llmserve.engine.sequence import SampleRow
+    from llmserve.engine.sample.sampler import sample
+    from llmserve.engine.sample.streams import Generators
+    from llmserve.engine.sched.sequence import SampleRow
 
     compiled = compiler.submit(ConstraintSpec(ConstraintKind.REGEX, "(cat|dog|[0-9]{2})")).result(60)
     logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(0))

@@ -9,12 +9,10 @@ import pytest
 import torch
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.core_client import ThreadCore
-from llmserve.engine.delta import FinishReason, Usage
-from llmserve.engine.errors import InvalidRequest
-from llmserve.engine.facts import validate
-from llmserve.engine.request import SamplingParams, StoppingParams
+from llmserve.engine.core.engine_core import EngineCore, ThreadCore
+from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.frontend.outputs import FinishReason, Usage
+from llmserve.engine.frontend.request import SamplingParams, StoppingParams, validate
 from llmserve.models import from_config
 from llmserve.testing import tiny_config
 from tests.engine.engine_helpers import RUN_TIMEOUT_S, PieceTokenizer, req, serve, stepped_core, with_text
@@ -23,7 +21,7 @@ from tests.engine.engine_helpers import RUN_TIMEOUT_S, PieceTokenizer, req, serv
 def test_context_is_capped_at_a_sliding_window() -> None:
     from transformers import MistralConfig
 
-    from llmserve.engine.core import EngineCore
+    from llmserve.engine.core.engine_core import EngineCore
 
     config = MistralConfig(
         vocab_size=64,

@@ -8,10 +8,10 @@ import threading
 import time
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.plan import PENDING, StepPlan
-from llmserve.engine.request import SamplingParams, StoppingParams
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.frontend.request import SamplingParams, StoppingParams
+from llmserve.engine.sched.plan import PENDING, StepPlan
 from tests.engine.engine_helpers import CONFIG, req, run, serve, start_engine, stepped_core, with_text
 
 SAMPLED = SamplingParams(temperature=1.0, seed=99)

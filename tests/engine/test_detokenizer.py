@@ -1,4 +1,4 @@
-"""Tests for llmserve.engine.detokenizer: exact incremental text, held-back UTF-8, stop strings."""
+"""Tests for llmserve.engine.frontend.detokenizer: exact incremental text, held-back UTF-8, stop strings."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from llmserve.engine.detokenizer import DetokenizedDelta, IncrementalDetokenizer
+from llmserve.engine.frontend.detokenizer import DetokenizedDelta, IncrementalDetokenizer
 from llmserve.models import convert_gguf, default_gguf_path
 
 CORPUS = [
@@ -111,7 +111,7 @@ SENTENCEPIECE = {"bpe-byte-fallback": _sentencepiece_bpe(), "unigram-metaspace":
 def test_fast_tokenizers_are_decoded_by_their_backend_and_others_by_their_own_decode(smol) -> None:
     """A transformers fast tokenizer without clean-up is decoded by its Rust backend (a quarter of the cost); one
     whose decode does more (clean-up, or an override) keeps its own decode, and the text follows it."""
-    from llmserve.engine.detokenizer import _tokenizer_facts
+    from llmserve.engine.frontend.detokenizer import _tokenizer_facts
 
     assert _tokenizer_facts(smol).decode.__name__ == "fast"
     for name in SENTENCEPIECE:
@@ -146,14 +146,14 @@ def _smol_decoding_specials_differently(skip: bool):  # noqa: ANN202
 def test_a_decode_that_differs_only_on_special_tokens_is_kept(skip: bool) -> None:
     """The probe puts a special token in every run and tries both ways of skipping them: a tokenizer whose own
     decode differs from its backend's only there keeps its own."""
-    from llmserve.engine.detokenizer import _tokenizer_facts
+    from llmserve.engine.frontend.detokenizer import _tokenizer_facts
 
     assert _tokenizer_facts(_smol_decoding_specials_differently(skip)).decode.__name__ == "slow"
 
 
 def test_tokenizers_the_probe_cannot_vouch_for_keep_their_own_decode(smol) -> None:
     """A backend but no clean-up setting (unknown: treated as cleaning up), or no vocabulary to probe with."""
-    from llmserve.engine.detokenizer import _tokenizer_facts
+    from llmserve.engine.frontend.detokenizer import _tokenizer_facts
 
     class Bare:
         backend_tokenizer = smol.backend_tokenizer

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
 

@@ -8,14 +8,13 @@ import asyncio
 
 import pytest
 
-from llmserve.engine.delta import Delta, FinishReason, Usage
-from llmserve.engine.errors import InvalidRequest
-from llmserve.engine.facts import validate
-from llmserve.engine.fanout import SEED_MODULUS, Merger, derive_seed, split
-from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.request import GenerationRequest, SamplingParams
-from llmserve.engine.sampler import RowFailed
-from llmserve.engine.sequence import SeqStatus
+from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.frontend.fanout import SEED_MODULUS, Merger, derive_seed, split
+from llmserve.engine.frontend.output_processor import OutputProcessor
+from llmserve.engine.frontend.outputs import Delta, FinishReason, Usage
+from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, validate
+from llmserve.engine.sample.sampler import RowFailed
+from llmserve.engine.sched.sequence import SeqStatus
 from tests.engine.engine_helpers import req, run, stepped_core
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)

@@ -1,4 +1,4 @@
-"""Tests for llmserve.engine.sampler: greedy exactness, per-request seeds, warpers against transformers."""
+"""Tests for llmserve.engine.sample.sampler: greedy exactness, per-request seeds, warpers against transformers."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from llmserve.engine import sampler
-from llmserve.engine.delta import TokenLogprob
-from llmserve.engine.generators import Generators
-from llmserve.engine.request import SamplingParams
-from llmserve.engine.sampler import (
+from llmserve.engine.frontend.outputs import TokenLogprob
+from llmserve.engine.frontend.request import SamplingParams
+from llmserve.engine.sample import sampler
+from llmserve.engine.sample.sampler import (
     RowFailed,
     Sampled,
     SampleRow,
@@ -29,6 +28,7 @@ from llmserve.engine.sampler import (
     nucleus_floor,
     warped_weights,
 )
+from llmserve.engine.sample.streams import Generators
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -222,7 +222,7 @@ def test_sample_each_samples_the_batch_at_once_or_fails_a_bad_row_alone(caplog) 
     expected_ids, expected_lps = sample(
         logits, [row(), row(SamplingParams(temperature=1.0), 7, logprobs=True, top_logprobs=2), row()]
     )
-    with caplog.at_level("ERROR", logger="llmserve.engine.sampler"):
+    with caplog.at_level("ERROR", logger="llmserve.engine.sample.sampler"):
         results = sample_each(logits, rows)
     assert not caplog.records  # sampled at once: no fallback to row by row
     assert [r.token_id for r in results] == expected_ids
@@ -239,7 +239,7 @@ def test_sample_each_samples_the_batch_at_once_or_fails_a_bad_row_alone(caplog) 
 def test_the_draw_is_the_inverse_cdf_of_the_kept_weights(monkeypatch, u: float, expected: int) -> None:  # noqa: ANN001
     """min_p leaves weights [0, .4, .4, 0] (total .8): u picks the first token whose running weight exceeds u * .8,
     never a token without weight, also at u = 0 and where u * total rounds up to the total."""
-    import llmserve.engine.sampler as sampler_module
+    import llmserve.engine.sample.sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "_uniform", lambda generator, device: torch.tensor(u))
     logits = torch.tensor([[0.1, 0.4, 0.4, 0.1]]).log()

@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine import sampler
-from llmserve.engine.delta import TokenLogprob
-from llmserve.engine.errors import InvalidRequest
-from llmserve.engine.generators import Generators
-from llmserve.engine.request import SamplingParams
-from llmserve.engine.sampler import _apply_additive, _apply_repetition_penalty
-from llmserve.engine.sequence import SampleRow
+from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.frontend.outputs import TokenLogprob
+from llmserve.engine.frontend.request import SamplingParams
+from llmserve.engine.sample import sampler
+from llmserve.engine.sample.sampler import _apply_additive, _apply_repetition_penalty
+from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sched.sequence import SampleRow
 
 _keys = itertools.count()  # each row its own sequence, hence its own stream
 

@@ -17,14 +17,14 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmserve.engine.block_pool import BlockContent, BlockPool, Evicted, chain_hash
-from llmserve.engine.delta import FinishReason
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.kv_tiers.index import TierIndex
-from llmserve.engine.plan import StepPlan
-from llmserve.engine.request import GenerationRequest, StoppingParams
-from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import SeqStatus, Sequence
-from llmserve.engine.sessions import SessionStore
+from llmserve.engine.sched.block_pool import BlockContent, BlockPool, Evicted, chain_hash
+from llmserve.engine.sched.plan import StepPlan
+from llmserve.engine.sched.scheduler import Scheduler
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
+from llmserve.engine.sched.sessions import SessionStore
 
 BLOCK_SIZE = 4
 MAX_SESSIONS = 3

@@ -4,13 +4,13 @@ same blocks and outputs as plain steps when each step lands one step late."""
 
 from __future__ import annotations
 
-from llmserve.engine.block_pool import BlockPool
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.plan import PENDING, StepPlan
-from llmserve.engine.request import GenerationRequest, StoppingParams
-from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import SeqStatus, Sequence
-from llmserve.engine.sessions import SessionStore
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.sched.plan import PENDING, StepPlan
+from llmserve.engine.sched.scheduler import Scheduler
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
+from llmserve.engine.sched.sessions import SessionStore
 
 BS = 4
 

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.real_model]
 
 
 def test_chat_capital_of_france_streams_paris() -> None:
-    from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.frontend.async_engine import AsyncEngine
 
     engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, cuda_graphs=False))
     srv = ServerThread(engine).start()

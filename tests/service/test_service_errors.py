@@ -332,7 +332,7 @@ def test_errors_map_to_statuses_with_their_details() -> None:
     from google.rpc import code_pb2
 
     from llmserve.api.errors import RETRY_DELAY_S, ServiceError, code_name, status_for
-    from llmserve.engine.errors import InvalidRequest, QueueFull
+    from llmserve.engine.frontend.errors import InvalidRequest, QueueFull
 
     status = status_for(InvalidRequest("sampling.top_p", "must be in (0, 1]"))
     assert status.code == code_pb2.INVALID_ARGUMENT
@@ -420,7 +420,7 @@ def test_chat_input_without_a_chat_template_is_named() -> None:
     from types import SimpleNamespace
 
     from llmserve.api.prompts import chat_token_ids as _chat_token_ids
-    from llmserve.engine.errors import InvalidRequest
+    from llmserve.engine.frontend.errors import InvalidRequest
 
     messages = [pb.ChatMessage(role="user", content="hi")]
     for tokenizer in (SimpleNamespace(chat_template=None), SimpleNamespace()):
@@ -437,7 +437,7 @@ def test_a_chat_template_renders_the_ids_without_extra_special_tokens() -> None:
     BOS by default adds none); a template that rejects the conversation is INVALID_ARGUMENT on chat.messages, its
     message clipped."""
     from llmserve.api.prompts import chat_token_ids as _chat_token_ids
-    from llmserve.engine.errors import InvalidRequest
+    from llmserve.engine.frontend.errors import InvalidRequest
 
     class Tokenizer:
         chat_template = "{{ messages }}"
@@ -467,8 +467,8 @@ def test_a_request_converts_to_the_engines_with_its_defaults() -> None:
 
     from llmserve.api.servicer import DEADLINE_MARGIN_S, GenerateServicer
     from llmserve.config import ServerConfig
-    from llmserve.engine.protocol import ModelInfo
-    from llmserve.engine.request import SamplingParams, StoppingParams
+    from llmserve.engine.frontend.protocol import ModelInfo
+    from llmserve.engine.frontend.request import SamplingParams, StoppingParams
 
     engine = SimpleNamespace(model_info=ModelInfo("m", 1000, 300, "float32", "cpu", 256))
     servicer = GenerateServicer(ServerConfig(default_max_new_tokens=200))
@@ -526,8 +526,8 @@ def test_endings_that_are_not_a_finish_end_the_stream_with_their_status(reason: 
     from llmserve.api.errors import ServiceError
     from llmserve.api.servicer import GenerateServicer
     from llmserve.config import ServerConfig
-    from llmserve.engine.delta import Delta, FinishReason, Usage
-    from llmserve.engine.request import GenerationRequest, StoppingParams
+    from llmserve.engine.frontend.outputs import Delta, FinishReason, Usage
+    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
     from llmserve.telemetry.call import CallRecord
 
     class OneDelta:
@@ -558,7 +558,7 @@ def test_attaching_an_engine_caps_histories_at_its_context_unless_configured() -
     """A servicer of its own (mutation testing maps a module fixture's start-up to that module's first test only)."""
     from llmserve.api.servicer import GenerateServicer
     from llmserve.config import ServerConfig
-    from llmserve.engine.errors import InvalidRequest
+    from llmserve.engine.frontend.errors import InvalidRequest
     from llmserve.history import HistoryConfig
 
     servicer = GenerateServicer(ServerConfig())

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from harness import CONTEXT_LENGTH, ServerThread, smollm2_tokenizer, tiny_engine, wait_until
 
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from tests.stepspy import StepSpy
@@ -214,7 +214,7 @@ def test_logprobs_and_the_logged_input_convert_exactly() -> None:
     """The edge's conversions on their own: every logprob value reaches the message; the log's input summary."""
     from llmserve.api.convert import input_text as _input_text
     from llmserve.api.convert import logprob_pb as _logprob_pb
-    from llmserve.engine.delta import TokenLogprob
+    from llmserve.engine.frontend.outputs import TokenLogprob
 
     message = _logprob_pb(TokenLogprob(7, -0.25, [(7, -0.25), (3, -1.5)]))
     assert (message.token_id, message.logprob) == (7, -0.25)

@@ -22,8 +22,8 @@ import grpc
 from smg_grpc_proto.generated import common_pb2
 
 from llmserve.api.errors import ServiceError
-from llmserve.engine.kv_events import UNKNOWN_SALT, KvEvent, KvStored
-from llmserve.engine.protocol import Engine
+from llmserve.engine.frontend.protocol import Engine
+from llmserve.engine.sched.kv_events import UNKNOWN_SALT, KvEvent, KvStored
 
 log = logging.getLogger("llmserve")
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmserve.engine.delta import Delta, FinishReason
+from llmserve.engine.frontend.outputs import Delta, FinishReason
 from llmserve.history.reasons import reason_tokens
 
 if TYPE_CHECKING:

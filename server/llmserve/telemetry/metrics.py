@@ -36,8 +36,8 @@ from llmserve.telemetry.call import CallRecord
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from llmserve.engine.frontend.protocol import Engine, EngineStats
     from llmserve.engine.lora.catalog import LoraStats
-    from llmserve.engine.protocol import Engine, EngineStats
     from llmserve.history import HistoryStore
 
 log = logging.getLogger("llmserve")

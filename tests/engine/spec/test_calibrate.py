@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.spec.calibrate import BATCHES, KS
 from llmserve.testing import tiny_model
 

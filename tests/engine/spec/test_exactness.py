@@ -19,10 +19,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.request import (
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from llmserve.engine.constraints import ConstraintCompiler, Vocabulary
-from llmserve.engine.generators import Generators
-from llmserve.engine.masks import TokenMasks
-from llmserve.engine.request import ConstraintKind, ConstraintSpec, SamplingParams
-from llmserve.engine.sampler import sample
-from llmserve.engine.sequence import SampleRow
+from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec, SamplingParams
+from llmserve.engine.sample.constraints import ConstraintCompiler, Vocabulary
+from llmserve.engine.sample.masks import TokenMasks
+from llmserve.engine.sample.sampler import sample
+from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sched.sequence import SampleRow
 from llmserve.engine.spec.forced import draft_bitmasks, forced_tokens, grammar_drafts
 from llmserve.engine.spec.verify import StreamMark, accept, position_rows
 

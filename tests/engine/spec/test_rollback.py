@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from llmserve.engine.block_pool import BlockPool, blocks_for, chain_hash
+from llmserve.engine.sched.block_pool import BlockPool, blocks_for, chain_hash
 from llmserve.engine.spec.rollback import settle
 
 BS = 4

@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.delta import TokenLogprob
-from llmserve.engine.generators import Generators
-from llmserve.engine.request import SamplingParams
-from llmserve.engine.sampler import sample
-from llmserve.engine.sequence import SampleRow
+from llmserve.engine.frontend.outputs import TokenLogprob
+from llmserve.engine.frontend.request import SamplingParams
+from llmserve.engine.sample.sampler import sample
+from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sched.sequence import SampleRow
 from llmserve.engine.spec.verify import StreamMark, Verdict, accept, accept_batch, position_rows
 
 VOCAB = 48

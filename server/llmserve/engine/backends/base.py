@@ -15,9 +15,9 @@ import torch
 
 from llmserve.engine.backends.slots import block_range, slot
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.generators import Generators
-from llmserve.engine.plan import StepPlan
-from llmserve.engine.sampler import RowFailed, Sampled
+from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sched.plan import StepPlan
 from llmserve.engine.spec.verify import Verified
 from llmserve.model_shape import ModelShape
 

@@ -23,10 +23,10 @@ from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
 from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.generators import Generators
 from llmserve.engine.lora.ops import LoraRows
-from llmserve.engine.plan import SeqStep, StepPlan
-from llmserve.engine.sampler import RowFailed, Sampled
+from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sched.plan import SeqStep, StepPlan
 from llmserve.engine.spec.verify import Verified, sample_entries
 from llmserve.models import LoadedModel
 

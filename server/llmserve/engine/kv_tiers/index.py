@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llmserve.engine.block_pool import BlockContent, BlockHash
+from llmserve.engine.sched.block_pool import BlockContent, BlockHash
 
 
 class TierLookup(Protocol):

@@ -44,13 +44,13 @@ from llmserve.engine.lora.registry import (
     UnknownAdapter,
 )
 from llmserve.engine.lora.slot_books import SlotBooks
-from llmserve.engine.plan import NO_ADAPTER, StepPlan
-from llmserve.engine.sequence import SeqStatus, Sequence
+from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.model_shape import ModelShape
 
 if TYPE_CHECKING:
-    from llmserve.engine.commands import ManageAdapters
-    from llmserve.engine.scheduler import Scheduler
+    from llmserve.engine.core.client import ManageAdapters
+    from llmserve.engine.sched.scheduler import Scheduler
 
 Held = Resident[LoraAdapter]
 
@@ -234,7 +234,7 @@ def manage(
 ) -> Future[AdapterAnswer]:
     """An AdapterService call on a core (`ask` queues its command): a load's files are read on a thread of its own
     (a slow disk holds up neither the caller nor the step loop), then the step thread changes the books."""
-    from llmserve.engine.commands import ManageAdapters
+    from llmserve.engine.core.client import ManageAdapters
 
     reply: Future[AdapterAnswer] = Future()
     if lora is None:

@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.spec.policy import CostTable
 
 if TYPE_CHECKING:
-    from llmserve.engine.core import EngineCore
+    from llmserve.engine.core.engine_core import EngineCore
 
 BATCHES = (1, 4, 16, 32)
 KS = (0, 1, 2, 4, 8, 16)

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.engine.constraints import ConstraintState
-from llmserve.engine.generators import Generators
-from llmserve.engine.plan import SeqStep
-from llmserve.engine.sampler import RowFailed, Sampled, sample_each
-from llmserve.engine.sequence import GrammarState, SampleRow
+from llmserve.engine.sample.constraints import ConstraintState
+from llmserve.engine.sample.sampler import RowFailed, Sampled, sample_each
+from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sched.plan import SeqStep
+from llmserve.engine.sched.sequence import GrammarState, SampleRow
 
 
 @dataclass(slots=True, frozen=True)

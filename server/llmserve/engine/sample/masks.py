@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import llguidance
 import torch
 
-from llmserve.engine.sequence import GrammarState
+from llmserve.engine.sched.sequence import GrammarState
 
 
 class TokenMasks:

@@ -13,10 +13,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from llmserve.engine.block_pool import prefix_root
-from llmserve.engine.delta import FinishReason, Timing, Usage
+from llmserve.engine.frontend.outputs import FinishReason, Timing, Usage
+from llmserve.engine.frontend.request import GenerationRequest, SamplingParams
 from llmserve.engine.lora.registry import Resident
-from llmserve.engine.request import GenerationRequest, SamplingParams
+from llmserve.engine.sched.block_pool import prefix_root
 
 if TYPE_CHECKING:
     import llguidance

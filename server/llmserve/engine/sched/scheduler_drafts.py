@@ -8,9 +8,9 @@ rejected drafts is dropped, their blocks freed, never hashed). A mixin of `Sched
 
 from __future__ import annotations
 
-from llmserve.engine.block_pool import BlockPool
-from llmserve.engine.plan import SeqStep
-from llmserve.engine.sequence import SeqStatus, Sequence
+from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.sched.plan import SeqStep
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.spec.rollback import settle
 
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmserve.engine.block_pool import BlockContent, Evicted
-from llmserve.engine.sequence import SampleRow, Sequence
+from llmserve.engine.sched.block_pool import BlockContent, Evicted
+from llmserve.engine.sched.sequence import SampleRow, Sequence
 
 if TYPE_CHECKING:
     from llmserve.engine.lora.adapters import LoraAdapter

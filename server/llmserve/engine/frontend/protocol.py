@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from llmserve.engine.delta import Delta
-from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.frontend.outputs import Delta
+from llmserve.engine.frontend.request import GenerationRequest
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, LoraStats
-from llmserve.engine.request import GenerationRequest
+from llmserve.engine.sched.kv_events import KvEvent
 
 if TYPE_CHECKING:
     from llmserve.engine.kv_tiers.worker import TierStats

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from llmserve.engine.block_pool import BlockPool
-from llmserve.engine.plan import SeqStep, StepPlan
-from llmserve.engine.sequence import Sequence
+from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.sched.plan import SeqStep, StepPlan
+from llmserve.engine.sched.sequence import Sequence
 
 
 class OverlapBooks:

@@ -22,29 +22,36 @@ from typing import TypeVar
 
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.base import BlockCopier
-from llmserve.engine.block_pool import BlockPool
-from llmserve.engine.commands import Abort, Add, Command, DeleteSession, Emit, GetSession, ManageAdapters
-from llmserve.engine.compiling import Compiling
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.constraints import ConstraintCompiler, ConstraintState, Vocabulary
-from llmserve.engine.core_overlap import OverlapSteps
-from llmserve.engine.core_stats import core_stats
-from llmserve.engine.core_tokens import build_drafter
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.errors import EngineDead
-from llmserve.engine.facts import CoreFacts, context_cap
-from llmserve.engine.kv_events import KvEvent, KvEventLog
+from llmserve.engine.core.client import (
+    Abort,
+    Add,
+    ClientRequests,
+    Command,
+    DeleteSession,
+    Emit,
+    GetSession,
+    ManageAdapters,
+)
+from llmserve.engine.core.compiling import Compiling
+from llmserve.engine.core.overlap_steps import OverlapSteps
+from llmserve.engine.core.stats import core_stats
+from llmserve.engine.core.step_worker import InFlight, StepRunner
+from llmserve.engine.core.token_steps import build_drafter
+from llmserve.engine.frontend.errors import EngineDead
+from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, ended, ended_unstarted
+from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
+from llmserve.engine.frontend.request import CoreFacts, GenerationRequest, StoppingParams
 from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters
 from llmserve.engine.lora.serving import LoraServing, answer, manage, unbind
-from llmserve.engine.outputs import EngineOutput, ended, ended_unstarted
-from llmserve.engine.overlap import InFlight, StepRunner
-from llmserve.engine.plan import StepPlan
-from llmserve.engine.protocol import EngineStats, SessionInfo
-from llmserve.engine.request import GenerationRequest, StoppingParams
-from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import SeqStatus, Sequence
-from llmserve.engine.sessions import SessionStore
+from llmserve.engine.sample.constraints import ConstraintCompiler, ConstraintState, Vocabulary
+from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.sched.kv_events import KvEvent, KvEventLog
+from llmserve.engine.sched.plan import StepPlan
+from llmserve.engine.sched.scheduler import Scheduler
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
+from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.spec.verify import Verified
 from llmserve.models import LoadedModel
 
@@ -398,3 +405,98 @@ class EngineCore(OverlapSteps):
             self._finish(seq, reason, error=error)
         for command in self.compiling.take_all():
             self._end_unstarted(command, reason, error)
+
+
+def context_cap(flag: int | None, model: int, sliding_window: int | None) -> int:
+    """The context a core serves: the model's, capped by --max-model-len (`flag`) and by the sliding window."""
+    cap = min(flag or model, model)
+    if sliding_window is not None and sliding_window < cap:
+        # The paged attention attends over the whole context: stay where that equals the window's.
+        log.warning(
+            "context capped at %d tokens by the model's sliding window (the paged attention attends to the "
+            "whole context, which equals the window's only up to there)",
+            sliding_window,
+        )
+        return sliding_window
+    return cap
+
+
+class ThreadCore:
+    """The `Core` on a thread of this process: `EngineCore` stepping on the thread `start` starts (after warming up on
+    the caller's). `engine_core` is the core itself, for the tests and probes that reach into its books."""
+
+    def __init__(self, engine_core: EngineCore) -> None:
+        self.engine_core = engine_core
+        self._requests: ClientRequests[str] = ClientRequests()  # handle -> request id
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def facts(self) -> CoreFacts:
+        return self.engine_core.facts
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.engine_core.dead_reason
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def num_running(self) -> int:
+        return self.engine_core.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._requests.waiting(self.engine_core.num_running)
+
+    def start(self, emit: Emit) -> None:
+        """Warm up (one short generation, on this thread), then start the step thread."""
+        self.engine_core.warm_up()
+
+        def counted(outputs: list[EngineOutput]) -> None:
+            self._requests.end(outputs)
+            emit(outputs)
+
+        self._thread = threading.Thread(
+            target=self.engine_core.run, args=(self._stop, counted), name="llmserve-engine", daemon=True
+        )
+        self._thread.start()
+
+    def add(self, request: GenerationRequest, *, after: int | None = None) -> int:
+        handle = self._requests.add(request.request_id)
+        try:
+            self.engine_core.submit(request, after=after, handle=handle)
+        except EngineDead:
+            self._requests.discard(handle)
+            raise
+        return handle
+
+    def abort(self, handle: int, keep_generated: int | None = None) -> None:
+        self.engine_core.abort(handle, keep_generated)
+
+    def get_session(self, session_id: str) -> Future[SessionInfo | None]:
+        return self.engine_core.get_session(session_id)
+
+    def delete_session(self, session_id: str) -> Future[bool]:
+        return self.engine_core.delete_session(session_id)
+
+    def manage_adapters(self, op: AdapterOp) -> Future[AdapterAnswer]:
+        return self.engine_core.manage_adapters(op)
+
+    def stats(self) -> EngineStats:
+        return self._requests.stats(self.engine_core.stats())
+
+    def take_kv_events(self) -> list[KvEvent]:
+        return self.engine_core.take_kv_events()
+
+    def stop(self) -> None:
+        """End the step loop (see EngineCore.run) and wait for it; a core never started ends on this thread, where
+        nobody listens to its outputs."""
+        self._stop.set()
+        if self._thread is None:
+            self.engine_core.run(self._stop, self._requests.end)
+            return
+        self.engine_core.wake()
+        self._thread.join()

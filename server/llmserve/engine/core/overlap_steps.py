@@ -30,11 +30,11 @@ from __future__ import annotations
 import time
 
 from llmserve.engine.backends.base import Backend
-from llmserve.engine.core_tokens import TokenSteps
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.overlap import InFlight, StepRunner
-from llmserve.engine.plan import StepPlan
-from llmserve.engine.sequence import SeqStatus, Sequence
+from llmserve.engine.core.step_worker import InFlight, StepRunner
+from llmserve.engine.core.token_steps import TokenSteps
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.sched.plan import StepPlan
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.spec.verify import Verified
 
 

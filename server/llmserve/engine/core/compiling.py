@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from llmserve.engine.commands import Add
-from llmserve.engine.constraints import Compiled, ConstraintCompiler, ConstraintState
-from llmserve.engine.request import ConstraintSpec
+from llmserve.engine.core.client import Add
+from llmserve.engine.frontend.request import ConstraintSpec
+from llmserve.engine.sample.constraints import Compiled, ConstraintCompiler, ConstraintState
 
 
 class Compiling:

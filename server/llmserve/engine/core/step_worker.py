@@ -18,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from llmserve.engine.backends.base import Backend
-from llmserve.engine.plan import PENDING, StepPlan
-from llmserve.engine.sampler import RowFailed, Sampled
+from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sched.plan import PENDING, StepPlan
 from llmserve.engine.spec.verify import Verified
 
 Results = list[Sampled | RowFailed | Verified]

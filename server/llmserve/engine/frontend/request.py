@@ -1,8 +1,11 @@
 """A generation request as the caller asks for it: `GenerationRequest` with its `SamplingParams`,
-`StoppingParams` and `ConstraintSpec`, and the one check of their values (`validate`, errors named by field).
+`StoppingParams` and `ConstraintSpec`, and the checks of a request, errors named by field: of its values
+(`GenerationRequest.validate`), and against the facts of the core that would serve it (`CoreFacts`, `validate`;
+the core states them once, a core in a process of its own sends them at start-up).
 
 Immutable and torch-free, so that the gRPC edge builds them from protobuf (api/convert.py) and they cross to an
-engine process as they are. What the engine keeps for a request is sequence.py's; what it hands back, delta.py's.
+engine process as they are. What the engine keeps for a request is sched/sequence.py's; what it hands back,
+outputs.py's.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import enum
 import math
 from dataclasses import dataclass
 
-from llmserve.engine.errors import InvalidRequest
-from llmserve.engine.lora.catalog import adapter_name_problem
+from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.lora.catalog import AdapterAnswer, adapter_name_problem
+from llmserve.engine.sched.block_pool import blocks_for
 
 MAX_TOP_LOGPROBS = 20
 # Sampling values past these act as the bound (see SamplingParams): beyond them float32 arithmetic would
@@ -210,3 +214,29 @@ class GenerationRequest:
             raise InvalidRequest("n", "must be 1 with session_id: a session continues one answer, not n")
         if self.adapter is not None and (problem := adapter_name_problem(self.adapter)) is not None:
             raise InvalidRequest("adapter", problem)
+
+
+@dataclass(slots=True, frozen=True)
+class CoreFacts:
+    max_model_len: int  # the context cap: the model's, the flag's or the sliding window's, whichever is least
+    sliding_window: int | None
+    vocab_size: int
+    num_blocks: int  # the KV pool's
+    block_size: int
+    max_top_logprobs: int
+    max_n: int
+    backend_name: str
+    backend_description: str
+    lora: AdapterAnswer | None = None  # the adapters at start and the LoRA limits; None when LoRA is off
+
+
+def validate(request: GenerationRequest, facts: CoreFacts) -> None:
+    """Raise InvalidRequest naming the field when `request` cannot be served by this core."""
+    request.validate(facts.vocab_size, facts.max_model_len, facts.max_top_logprobs, facts.max_n)
+    total = len(request.prompt_token_ids) + request.stopping.max_new_tokens
+    if blocks_for(total, facts.block_size) > facts.num_blocks:
+        raise InvalidRequest(
+            "stopping.max_new_tokens",
+            f"prompt + max_new_tokens = {total} tokens never fits the KV pool "
+            f"({facts.num_blocks * facts.block_size} tokens)",
+        )

@@ -16,10 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llmserve.engine.delta import Delta, FinishReason
-from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.engine.outputs import EngineOutput, RequestStart
-from llmserve.engine.request import GenerationRequest
+from llmserve.engine.frontend.detokenizer import IncrementalDetokenizer
+from llmserve.engine.frontend.outputs import Delta, EngineOutput, FinishReason, RequestStart
+from llmserve.engine.frontend.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from llmserve.engine.delta import Delta, Usage
-from llmserve.engine.request import GenerationRequest
+from llmserve.engine.frontend.outputs import Delta, Usage
+from llmserve.engine.frontend.request import GenerationRequest
 
 SEED_MODULUS = 2**63  # seeds are in [0, 2**63): the proto's int64, non-negative
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.engine.sequence import SampleRow
+from llmserve.engine.sched.sequence import SampleRow
 
 
 class Generators:

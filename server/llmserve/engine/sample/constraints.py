@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import llguidance
 
-from llmserve.engine.errors import InvalidRequest
-from llmserve.engine.request import ConstraintKind, ConstraintSpec
+from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -1,48 +1,63 @@
-"""The `Core` in an engine process of its own (`ProcessCore`), so that the step loop does not share an interpreter
-lock with the front end.
+"""The `Core` in an engine process of its own, so that the step loop does not share an interpreter lock with the
+front end: both ends of the two pipes, and the messages that cross them.
 
 In one process the event loop (gRPC, the output processor's detokenization, each stream's wake-up) and the step
 thread take turns on one GIL: each millisecond of front-end Python is a millisecond the step thread, and the
 device it feeds, waits (benchmarks/probes/host_overhead.py --front-end: at 256 streams a step's host work is
-2.7 ms alone and 7-10 ms beside the front end). `ProcessCore` starts `EngineCore` in a fresh interpreter (a fork
-would inherit the parent's threads and CUDA state: core_child.py) and talks to it over two pipes
-(core_messages.py). A constrained request travels with its spec: the engine process compiles it (the front end
-only checked it).
+2.7 ms alone and 7-10 ms beside the front end).
 
-The client numbers the requests (core_client.InFlight) and keeps, for each, what it has seen of it (its first
-token's accounts, the tokens since): when the child dies, every request it held ends with ERROR and its usage, the
-pending session queries fail, and the core is dead. After `Bye` (a stop) the same happens with CANCELLED to what the
-child never took in. Nothing here imports torch: the server starts its engine process before it loads torch.
+The parent's side is `ProcessCore` (a core_client.Core). It starts `python -m llmserve.engine.core.process` in a
+fresh interpreter (a fork would inherit the parent's threads and CUDA state) and talks to it over two pipes. A
+constrained request travels with its spec: the engine process compiles it (the front end only checked it). The
+client numbers the requests (client.ClientRequests) and keeps, for each, what it has seen of it (its first token's
+accounts, the tokens since): when the child dies, every request it held ends with ERROR and its usage, the pending
+session queries fail, and the core is dead. After `Bye` (a stop) the same happens with CANCELLED to what the child
+never took in. Nothing the parent runs imports torch: the server starts its engine process before it loads torch.
+
+The child's side (`_child_main`) reads its ChildSpec, builds the core (the model loads there), warms up, says Ready,
+then runs the core's step loop until the parent says Stop or goes away. Three threads: the step loop; the command
+thread, which puts each command from the parent into the core's inbox (the core compiles a request's constraint
+itself, off the step thread); the sender, which pickles and writes the messages, so that the step loop does not
+wait for the front end to read (unless the front end is OUTBOX_PASSES behind).
+
+The messages. Parent to child: the `ChildSpec` first, then client.Add, client.Abort, `SessionQuery`,
+`SessionDelete`, `AdapterCall` and `Stop`. Child to parent: `Ready` (or `Failed`), one `Outputs` per pass of the
+step loop, a `SessionAnswer`, `SessionDeleted` or `AdapterReply` per such command, `Bye` at the end. They travel
+pickled.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import pickle
+import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from llmserve.engine import core_messages as messages
-from llmserve.engine.commands import Abort, Add, Emit
-from llmserve.engine.core_client import InFlight
-from llmserve.engine.core_messages import ChildSpec
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.errors import EngineDead
-from llmserve.engine.facts import CoreFacts
-from llmserve.engine.kv_events import KvEvent, KvEventLog
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.core.client import Abort, Add, ClientRequests, Emit
+from llmserve.engine.frontend.errors import EngineDead
+from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, RequestStart, ended, ended_unstarted
+from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
+from llmserve.engine.frontend.request import CoreFacts, GenerationRequest
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
-from llmserve.engine.outputs import EngineOutput, RequestStart, ended, ended_unstarted
-from llmserve.engine.protocol import EngineStats, SessionInfo
-from llmserve.engine.request import GenerationRequest
+from llmserve.engine.sched.kv_events import KvEvent, KvEventLog
+from llmserve.model_card import ModelCard
+from llmserve.telemetry.request_log import configure_logging
 
 if TYPE_CHECKING:
-    from llmserve.model_card import ModelCard
+    from llmserve.engine.core.engine_core import EngineCore
     from llmserve.models import LoadedModel
 
 __all__ = ["ChildSpec", "ProcessCore", "load_served_model"]
@@ -59,7 +74,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True, eq=False)
-class _Seen:
+class _Accounts:
     """What the client has seen of one request: enough to end it with its usage if the child cannot."""
 
     request_id: str
@@ -90,7 +105,7 @@ class ProcessCore:
         # It imports what this process imports (as multiprocessing's spawn does): the ChildSpec's functions too.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.engine.core_child", str(commands_in), str(events_out)],
+            [sys.executable, "-m", "llmserve.engine.core.process", str(commands_in), str(events_out)],
             pass_fds=(commands_in, events_out),
             env=env,
         )
@@ -100,7 +115,7 @@ class ProcessCore:
         self._events = Connection(events_in, writable=False)
         self._commands.send(spec)
         self._send_lock = threading.Lock()
-        self._requests: InFlight[_Seen] = InFlight()
+        self._requests: ClientRequests[_Accounts] = ClientRequests()
         # Under _lock: why the core ended (None while it serves), and the session commands awaiting their answer,
         # so that none is registered after the core ended and left unanswered.
         self._lock = threading.Lock()
@@ -130,12 +145,12 @@ class ProcessCore:
         except (EOFError, OSError):
             self._join()
             raise self._exited_while_starting() from None
-        if isinstance(message, messages.Failed):
+        if isinstance(message, Failed):
             self._join()
             if message.exception is not None:
                 raise message.exception from RuntimeError(message.error)
             raise RuntimeError(message.error)
-        assert isinstance(message, messages.Ready)
+        assert isinstance(message, Ready)
         self.card, self._facts, self._stats = message.card, message.facts, message.stats
 
     # -- core_client.Core ------------------------------------------------------------------------
@@ -171,7 +186,7 @@ class ProcessCore:
         with self._lock:
             if self._ended is not None:
                 raise EngineDead(self._ended)
-            handle = self._requests.add(_Seen(request.request_id, len(request.prompt_token_ids), arrival))
+            handle = self._requests.add(_Accounts(request.request_id, len(request.prompt_token_ids), arrival))
         self._send(Add(handle, request, arrival, after))
         return handle
 
@@ -182,21 +197,21 @@ class ProcessCore:
         reply: Future[SessionInfo | None] = Future()
         number = self._register(self._queries, reply)
         if number is not None:
-            self._send(messages.SessionQuery(number, session_id))
+            self._send(SessionQuery(number, session_id))
         return reply
 
     def delete_session(self, session_id: str) -> Future[bool]:
         reply: Future[bool] = Future()
         number = self._register(self._deletes, reply)
         if number is not None:
-            self._send(messages.SessionDelete(number, session_id))
+            self._send(SessionDelete(number, session_id))
         return reply
 
     def manage_adapters(self, op: AdapterOp) -> Future[AdapterAnswer]:
         reply: Future[AdapterAnswer] = Future()
         number = self._register(self._adapter_calls, reply)
         if number is not None:
-            self._send(messages.AdapterCall(number, op))
+            self._send(AdapterCall(number, op))
         return reply
 
     def stop(self) -> None:
@@ -204,7 +219,7 @@ class ProcessCore:
         with self._lock:
             stopping, self._stopping = self._stopping, True
         if not stopping:
-            self._send(messages.Stop())
+            self._send(Stop())
         if self._reader is None:  # never started: nobody listens to its outputs
             self._read(self._requests.end)
         else:
@@ -242,7 +257,7 @@ class ProcessCore:
                 log.error("engine is dead: %s", reason)
                 self._end(emit, FinishReason.ERROR, reason)
                 return
-            if isinstance(message, messages.Outputs):
+            if isinstance(message, Outputs):
                 self.dead_reason, self._stats = message.dead_reason, message.stats
                 self._kv_events.extend(message.kv_events)
                 merged.extend(self._decode(message.items))
@@ -250,19 +265,19 @@ class ProcessCore:
             if merged:  # what came before an answer or the end goes out first
                 emit(merged)
                 merged = []
-            if isinstance(message, messages.SessionAnswer):
+            if isinstance(message, SessionAnswer):
                 self._answer(self._queries, message.number, message.info, message.refused)
-            elif isinstance(message, messages.SessionDeleted):
+            elif isinstance(message, SessionDeleted):
                 self._answer(self._deletes, message.number, message.deleted, message.refused)
-            elif isinstance(message, messages.AdapterReply):
+            elif isinstance(message, AdapterReply):
                 answer = cast(AdapterAnswer, message.answer)  # None only with an error or a refusal
                 self._answer(self._adapter_calls, message.number, answer, message.refused, message.error)
-            elif isinstance(message, messages.Bye):
+            elif isinstance(message, Bye):
                 self._join()
                 self._end(emit, FinishReason.CANCELLED, STOPPED)
                 return
 
-    def _decode(self, items: list[messages.Item]) -> list[EngineOutput]:
+    def _decode(self, items: list[Item]) -> list[EngineOutput]:
         """A pass's items as outputs, counting what each request was sent (one loop: it runs for every token)."""
         requests = self._requests
         seen_of = requests.get
@@ -362,3 +377,241 @@ def load_served_model(*args: Any, **kwargs: Any) -> LoadedModel:
     from llmserve.models import load_model
 
     return load_model(*args, **kwargs)
+
+
+# -- the messages -----------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class SessionQuery:
+    """commands.GetSession across the pipe: the answer comes back as SessionAnswer(number)."""
+
+    number: int
+    session_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class SessionDelete:
+    """commands.DeleteSession across the pipe: the answer comes back as SessionDeleted(number)."""
+
+    number: int
+    session_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterCall:
+    """commands.ManageAdapters across the pipe: the answer comes back as AdapterReply(number)."""
+
+    number: int
+    op: AdapterOp
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterReply:
+    """The core's answer to an AdapterCall, or the error it raised (pickled as it is: AdapterRefused names the
+    file), or why it did not answer (`refused`: it is dead)."""
+
+    number: int
+    answer: AdapterAnswer | None
+    error: BaseException | None = None
+    refused: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Stop:
+    """End the step loop: what still runs ends CANCELLED, then the child says Bye and exits."""
+
+
+@dataclass(slots=True, frozen=True)
+class Ready:
+    card: ModelCard  # the model without its weights: the tokenizer, the name, the shape, the EOS ids
+    facts: CoreFacts
+    stats: EngineStats
+
+
+@dataclass(slots=True, frozen=True)
+class Failed:
+    """The child could not load the model or build the core: why, with its traceback, and the exception itself
+    when it pickles (a DiskTierError stays one, so that the server exits as for bad settings)."""
+
+    error: str
+    exception: BaseException | None
+
+
+# A decode step's usual output (a token, nothing else) travels as (handle, token_ids): pickling 256 EngineOutputs
+# cost the step thread 0.85 ms, these 0.10 ms; the rest travel as they are.
+Item = tuple[int, list[int]] | EngineOutput
+
+
+@dataclass(slots=True, frozen=True)
+class Outputs:
+    items: list[Item]
+    dead_reason: str | None
+    stats: EngineStats  # its running count is the client's num_running
+    kv_events: list[KvEvent]  # the prefix cache's since the last pass (kv_events.py)
+
+
+@dataclass(slots=True, frozen=True)
+class SessionAnswer:
+    number: int
+    info: SessionInfo | None
+    refused: str | None = None  # why the core did not answer (it is dead): EngineDead(refused) for the caller
+
+
+@dataclass(slots=True, frozen=True)
+class SessionDeleted:
+    number: int
+    deleted: bool
+    refused: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Bye:
+    """The step loop has ended and the child exits; everything it answered came before this."""
+
+
+@dataclass(slots=True, frozen=True)
+class ChildSpec:
+    """What the child needs to build the core: `load` builds the model (picklable: a module-level function or a
+    functools.partial of one)."""
+
+    load: Callable[[], LoadedModel]
+    config: EngineConfig
+    log_level: str = "INFO"
+    log_format: str = "text"  # as the server's --log-format
+
+
+def encode(outputs: list[EngineOutput]) -> list[Item]:
+    """A pass's outputs as they travel (see `Item`)."""
+    return [
+        (o.handle, o.token_ids) if o.logprobs is None and o.start is None and o.finish_reason is None else o
+        for o in outputs
+    ]
+
+
+# -- the engine process -----------------------------------------------------------------------------------------
+
+# Messages the sender may hold before the step loop waits: a front end this far behind (seconds of passes) slows
+# the engine down to its own pace instead of buffering without end.
+OUTBOX_PASSES = 1024
+
+Send = Callable[[object], None]
+
+
+def _child_main(commands: Connection, events: Connection) -> None:
+    """The child's whole life: read its ChildSpec, build the core, say Ready, step until Stop (or until the
+    parent's pipe closes)."""
+    # Ctrl-C, and a supervisor's SIGTERM, may reach the whole process group: the parent decides when the engine
+    # stops, and tells it (or goes away, which closes the pipe). SIGKILL still ends it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The step thread does not wait for the front end (as on a thread of one process, where it hands each pass to
+    # the event loop and goes on): messages queue here and a sender thread pickles and writes them, so a pipe
+    # that the parent empties slowly blocks the sender, not the step loop, up to OUTBOX_PASSES messages.
+    outbox: queue.Queue[object] = queue.Queue(OUTBOX_PASSES)
+    send = outbox.put
+    sender = threading.Thread(target=_send_all, args=(outbox, events), name="llmserve-events", daemon=True)
+    sender.start()
+
+    try:
+        spec: ChildSpec = commands.recv()
+        configure_logging(spec.log_level, spec.log_format)
+        core = _build(spec)
+    except Exception as exc:
+        try:
+            pickle.dumps(exc)
+            picklable: BaseException | None = exc
+        except Exception:
+            picklable = None
+        send(Failed(f"the engine process could not start:\n{traceback.format_exc()}", picklable))
+        sender.join()
+        return
+    send(Ready(core.loaded.card(), core.facts, core.stats()))
+    stop = threading.Event()
+    receiver = threading.Thread(
+        target=_receive, args=(commands, core, stop, send), name="llmserve-commands", daemon=True
+    )
+    receiver.start()
+
+    core.run(stop, lambda outputs: send(_pass_message(core, outputs)))
+    send(Bye())
+    sender.join()
+    events.close()
+
+
+def _send_all(outbox: queue.Queue[object], events: Connection) -> None:
+    while True:
+        message = outbox.get()
+        try:
+            events.send(message)
+        except (BrokenPipeError, OSError):  # the parent is gone; the command thread stops the loop
+            return
+        if isinstance(message, (Bye, Failed)):
+            return
+
+
+def _pass_message(core: EngineCore, outputs: list[EngineOutput]) -> Outputs:
+    """A pass's outputs as they travel, with the core's state of that moment."""
+    return Outputs(encode(outputs), core.dead_reason, core.stats(), core.take_kv_events())
+
+
+def _build(spec: ChildSpec) -> EngineCore:
+    from llmserve.engine.core.engine_core import EngineCore
+
+    core = EngineCore(spec.load(), spec.config)
+    core.warm_up()
+    return core
+
+
+def _receive(commands: Connection, core: EngineCore, stop: threading.Event, send: Send) -> None:
+    """The command thread: each command from the parent into the core, until Stop or the parent goes away. A request
+    that comes after the core's last drain is not taken in (EngineDead): the parent ends it when the child says Bye
+    (so does a session command, whose refusal the sender drops once it has sent Bye)."""
+    while True:
+        try:
+            command = commands.recv()
+        except (EOFError, OSError):  # the parent is gone: stop
+            command = Stop()
+        if isinstance(command, Stop):
+            stop.set()
+            core.wake()
+            return
+        if isinstance(command, Add):
+            try:
+                core.submit(command.request, after=command.after, handle=command.handle)
+            except EngineDead:
+                pass
+        elif isinstance(command, Abort):
+            core.abort(command.handle, command.keep_generated)
+        elif isinstance(command, SessionQuery):
+            core.get_session(command.session_id).add_done_callback(functools.partial(_answer, send, command.number))
+        elif isinstance(command, SessionDelete):
+            reply = core.delete_session(command.session_id)
+            reply.add_done_callback(functools.partial(_deleted, send, command.number))
+        elif isinstance(command, AdapterCall):
+            core.manage_adapters(command.op).add_done_callback(functools.partial(_adapters, send, command.number))
+
+
+def _answer(send: Send, number: int, future: Future[SessionInfo | None]) -> None:
+    error = future.exception()
+    send(SessionAnswer(number, None, str(error)) if error is not None else SessionAnswer(number, future.result()))
+
+
+def _deleted(send: Send, number: int, future: Future[bool]) -> None:
+    error = future.exception()
+    send(SessionDeleted(number, False, str(error)) if error is not None else SessionDeleted(number, future.result()))
+
+
+def _adapters(send: Send, number: int, future: Future[AdapterAnswer]) -> None:
+    error = future.exception()
+    if isinstance(error, EngineDead):
+        send(AdapterReply(number, None, refused=str(error)))
+    else:
+        send(AdapterReply(number, None if error is not None else future.result(), error))
+
+
+if __name__ == "__main__":
+    # Through the module by its name: what this process pickles must name llmserve.engine's classes, not __main__'s.
+    from llmserve.engine.core import process
+
+    process._child_main(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))

@@ -10,16 +10,15 @@ from __future__ import annotations
 import logging
 import time
 
-from llmserve.engine.commands import Add
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.constraints import ConstraintState
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.outputs import EngineOutput, RequestStart
-from llmserve.engine.plan import SeqStep
-from llmserve.engine.request import GenerationRequest
-from llmserve.engine.sampler import RowFailed, Sampled
-from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import SeqStatus, Sequence
+from llmserve.engine.core.client import Add
+from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, RequestStart
+from llmserve.engine.frontend.request import GenerationRequest
+from llmserve.engine.sample.constraints import ConstraintState
+from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sched.plan import SeqStep
+from llmserve.engine.sched.scheduler import Scheduler
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.spec.drafter import Drafter
 from llmserve.engine.spec.verify import Verified
 

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from llmserve.engine.kv_events import UNKNOWN_SALT, KvEventLog
+from llmserve.engine.sched.kv_events import UNKNOWN_SALT, KvEventLog
 
 BlockHash = bytes  # 16 bytes: see chain_hash
 _DIGEST_BYTES = 16

@@ -16,20 +16,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.constraints import ConstraintChecker, Vocabulary
-from llmserve.engine.core_client import Core, ThreadCore
-from llmserve.engine.core_process import ProcessCore
-from llmserve.engine.delta import Delta, FinishReason
-from llmserve.engine.errors import EngineDead, InvalidRequest, QueueFull
-from llmserve.engine.facts import validate
-from llmserve.engine.fanout import Merger, split
-from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.core.client import Core
+from llmserve.engine.core.process import ProcessCore
+from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.frontend.fanout import Merger, split
+from llmserve.engine.frontend.output_processor import OutputProcessor
+from llmserve.engine.frontend.outputs import Delta, EngineOutput, FinishReason
+from llmserve.engine.frontend.protocol import EngineStats, ModelInfo, SessionInfo
+from llmserve.engine.frontend.request import ConstraintSpec, GenerationRequest, validate
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
 from llmserve.engine.lora.registry import UnknownAdapter
-from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.outputs import EngineOutput
-from llmserve.engine.protocol import EngineStats, ModelInfo, SessionInfo
-from llmserve.engine.request import ConstraintSpec, GenerationRequest
+from llmserve.engine.sample.constraints import ConstraintChecker, Vocabulary
+from llmserve.engine.sched.kv_events import KvEvent
 from llmserve.model_card import ModelCard
 
 if TYPE_CHECKING:
@@ -51,7 +49,8 @@ class AsyncEngine:
         if core is None:
             if isinstance(loaded, ModelCard):
                 raise TypeError("a core built here needs the LoadedModel, not its card")
-            from llmserve.engine.core import EngineCore  # the torch side: only where the core runs here
+            # The torch side: only where the core runs here (a LoadedModel, so torch is loaded already).
+            from llmserve.engine.core.engine_core import EngineCore, ThreadCore
 
             core = ThreadCore(EngineCore(loaded, config, vocabulary))
         self.core: Core = core

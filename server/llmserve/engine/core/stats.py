@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llmserve.engine.protocol import EngineStats
+from llmserve.engine.frontend.protocol import EngineStats
 
 if TYPE_CHECKING:
-    from llmserve.engine.core import EngineCore
+    from llmserve.engine.core.engine_core import EngineCore
 
 
 def core_stats(core: EngineCore) -> EngineStats:

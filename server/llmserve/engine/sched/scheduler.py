@@ -23,14 +23,14 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, chain_hash
-from llmserve.engine.delta import FinishReason
+from llmserve.engine.frontend.outputs import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
-from llmserve.engine.plan import StepPlan, step_of
-from llmserve.engine.scheduler_drafts import DraftBooks
-from llmserve.engine.scheduler_overlap import OverlapBooks
-from llmserve.engine.sequence import SeqStatus, Sequence
-from llmserve.engine.sessions import SessionStore
+from llmserve.engine.sched.block_pool import BlockContent, BlockHash, BlockPool, chain_hash
+from llmserve.engine.sched.plan import StepPlan, step_of
+from llmserve.engine.sched.scheduler_drafts import DraftBooks
+from llmserve.engine.sched.scheduler_overlap import OverlapBooks
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
+from llmserve.engine.sched.sessions import SessionStore
 
 
 @dataclass(slots=True)
