@@ -36,8 +36,6 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-# Until the engine moves into its rooms (issue 41): these fail on the flat engine of before, as they must.
-BEFORE_ROOMS = pytest.mark.xfail(strict=True, reason="issue 41: the engine before its rooms")
 
 
 def _module_level(tree: ast.Module) -> Iterator[ast.AST]:
@@ -122,7 +120,6 @@ def test_the_folders_are_the_engines_layers() -> None:
     assert loose == [], f"every engine module lives in its layer's folder: {loose}"
 
 
-@BEFORE_ROOMS
 def test_no_import_cycle_among_llmserves_modules_type_level_ones_included() -> None:
     graph = llmserve_graph(at_import_only=False)
     assert {"llmserve.api.servicer", "llmserve.engine.core.engine_core", "llmserve.config"} <= set(graph)
@@ -161,7 +158,6 @@ def _declares_only(node: ast.ClassDef) -> bool:
     return bool(bases & {"Protocol", "NamedTuple", "TypedDict", "Enum", "IntEnum"} or "dataclass" in decorators)
 
 
-@BEFORE_ROOMS
 def test_no_engine_class_is_split_across_files_by_inheritance() -> None:
     """No mixin among the engine's classes: no multiple inheritance, no method that only raises NotImplementedError
     (for a subclass elsewhere to fill in), and no attribute a class declares but never assigns itself (so that
@@ -253,7 +249,6 @@ def test_importing_the_front_end_and_the_edge_loads_no_tensor_library() -> None:
     assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
 
 
-@BEFORE_ROOMS
 def test_the_layers_import_only_what_the_readme_says() -> None:
     """README, Architecture: the books (sched/) and sampling (sample/) import no step loop, backend or front end;
     backends/ import no step loop or front end; the front end imports of the core only its client side; the core

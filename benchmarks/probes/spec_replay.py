@@ -43,8 +43,11 @@ def step_cost(repeats: int, batches: tuple[int, ...], ks: tuple[int, ...]) -> di
     from llmserve.models import load_model
 
     loaded = load_model(None, device="cpu", dtype="float32")
-    core = EngineCore(loaded, EngineConfig(speculative="ngram", max_num_batched_tokens=512))
-    runs = [table_rows(calibrate(core, batches, ks, repeats)) for _ in range(2)]
+    config = EngineConfig(speculative="ngram", max_num_batched_tokens=512)
+    core = EngineCore(loaded, config)
+    assert core.speculation is not None
+    drafter, seqs, tokens = core.speculation.drafter, config.max_num_seqs, config.max_num_batched_tokens
+    runs = [table_rows(calibrate(core, drafter, seqs, tokens, batches, ks, repeats)) for _ in range(2)]
     return {"batches": batches, "ks": ks, "repeats": repeats, "runs": runs}
 
 

@@ -324,10 +324,10 @@ async def test_a_sampling_failure_fails_its_request_alone(thread_engine: AsyncEn
 
     real = sampler_module.sample
 
-    def picky(logits, rows, generators):  # noqa: ANN001, ANN202
+    def picky(logits, rows, streams):  # noqa: ANN001, ANN202
         if any(row.params.seed == 666 for row in rows):
             raise RuntimeError("bad row")
-        return real(logits, rows, generators)
+        return real(logits, rows, streams)
 
     prompts = {f"ok{i}": list(range(i + 2, i + 12)) for i in range(4)}
     alone = {rid: (await run(engine, req(rid + "-alone", p, max_new=12)))[0] for rid, p in prompts.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve.engine.sched.block_pool import BlockPool, NoFreeBlocks, chain_hash, prefix_root
+from tests.engine.engine_helpers import clear_cache
 
 
 def test_sizes_must_be_positive() -> None:
@@ -147,14 +148,15 @@ def test_register_needs_an_owned_block_and_keeps_the_first_copy_of_a_prefix() ->
     pool.check([])
 
 
-def test_clear_cache_forgets_every_unreferenced_prefix_in_freeing_order() -> None:
+def test_allocating_every_unreferenced_block_forgets_every_cached_prefix_in_freeing_order() -> None:
+    """What the tests' clear_cache does: allocate() evicts the cached blocks oldest first; released, they are free."""
     pool = BlockPool(3, 2)
     a, b, c = pool.allocate(3)
     for block, token in ((a, 1), (b, 2), (c, 3)):
         put(pool, block, [token, token])
     pool.release([b])
     pool.release([a])  # c stays owned
-    pool.clear_cache()
+    clear_cache(pool)
     assert pool.num_cached == 0 and pool.num_free == 2
     assert find(pool, [1, 1]) is None and find(pool, [2, 2]) is None and find(pool, [3, 3]) == c
     assert pool.block_hash[a] is None and pool.block_hash[b] is None

@@ -365,7 +365,7 @@ def test_the_sampler_picks_the_best_allowed_token_greedy_and_never_a_forbidden_o
     import torch
 
     from llmserve.engine.sample.sampler import sample
-    from llmserve.engine.sample.streams import Generators
+    from llmserve.engine.sample.streams import RandomStreams
     from llmserve.engine.sched.sequence import SampleRow
 
     compiled = compiler.submit(ConstraintSpec(ConstraintKind.REGEX, "(cat|dog|[0-9]{2})")).result(60)
@@ -379,7 +379,7 @@ def test_the_sampler_picks_the_best_allowed_token_greedy_and_never_a_forbidden_o
         SampleRow(SamplingParams(), None, 1, [], (), False, 0),  # unconstrained beside it: its own argmax
         SampleRow(SamplingParams(), None, 2, [], tuple(allowed), False, 0, constraint=states[1]),  # all blocked
     ] + [SampleRow(SamplingParams(temperature=1.5), s, s, [], (), False, 0, constraint=states[s]) for s in range(3, 6)]
-    ids, _ = sample(logits, rows, Generators())
+    ids, _ = sample(logits, rows, RandomStreams())
     assert ids[0] == max(allowed, key=lambda t: logits[0, t].item())
     assert ids[1] == int(logits[1].argmax())
     assert ids[2] == max(allowed, key=lambda t: logits[2, t].item()), "blocked ids give way, the constraint does not"

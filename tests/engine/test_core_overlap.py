@@ -9,6 +9,7 @@ import time
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.core.steps import OverlapRunner
 from llmserve.engine.frontend.outputs import FinishReason
 from llmserve.engine.frontend.request import SamplingParams, StoppingParams
 from llmserve.engine.sched.plan import PENDING, StepPlan
@@ -63,17 +64,17 @@ def _assert_clean(core: EngineCore) -> None:
     """Once the commands left are drained and the step in flight has landed, nothing is held."""
     core.drain_inbox()
     assert not core.scheduler.has_work
-    if core.inflight is not None:
+    if core.runner.in_flight:
         core.step()  # nothing to plan: lands the step in flight, whose tokens all go nowhere
-    assert core.inflight is None
-    assert not core.scheduler.live and len(core.backend.generators) == 0
+    assert not core.runner.in_flight
+    assert not core.scheduler.live and len(core.backend.streams) == 0
     assert core.pool.num_free == core.pool.num_blocks
     assert core.scheduler.pinned() == []
 
 
 def test_overlapped_greedy_equals_plain_steps_under_concurrency() -> None:
     plain, overlapped, core = _both(_mixed)
-    assert core.runner is not None
+    assert isinstance(core.runner, OverlapRunner)
     for rid, (tokens, final) in plain.items():
         assert overlapped[rid][0] == tokens, rid
         assert overlapped[rid][1].finish_reason is final.finish_reason is FinishReason.LENGTH
@@ -157,9 +158,9 @@ def test_constrained_and_penalised_requests_make_the_step_wait_for_their_token()
 
 
 def test_speculative_decoding_and_kv_tiers_turn_overlap_off() -> None:
-    assert stepped_core(async_scheduling=True, speculative="ngram").runner is None
-    assert stepped_core(async_scheduling=True).runner is not None
-    assert stepped_core().runner is None
+    assert not isinstance(stepped_core(async_scheduling=True, speculative="ngram").runner, OverlapRunner)
+    assert isinstance(stepped_core(async_scheduling=True).runner, OverlapRunner)
+    assert not isinstance(stepped_core().runner, OverlapRunner)
 
 
 class Slow:
@@ -281,7 +282,7 @@ def test_a_failed_forward_fails_its_requests_and_the_step_launched_after_it() ->
 
 def test_a_random_stream_outlives_its_request_only_until_the_step_in_flight_lands() -> None:
     core = stepped_core(async_scheduling=True)
-    streams = core.backend.generators
+    streams = core.backend.streams
     aborted = core.submit(req("aborted", [1, 2, 3], max_new=50, sampling=SAMPLED))
     kept = core.submit(req("kept", [4, 5, 6], max_new=50, sampling=SAMPLED))
     core.drain_inbox()
@@ -290,11 +291,12 @@ def test_a_random_stream_outlives_its_request_only_until_the_step_in_flight_land
     core.abort(aborted)
     core.drain_inbox()
     assert core.take_outputs()[-1].finish_reason is FinishReason.CANCELLED  # its end is out at once
-    assert core.inflight is not None and aborted in core.inflight.releases  # the step in flight may still draw
+    launched = core.runner.launched  # type: ignore[attr-defined]  # an OverlapRunner's
+    assert launched is not None and aborted in launched.releases  # the step in flight may still draw
     core.step()
     assert aborted not in streams and kept in streams
     stop = threading.Event()
     stop.set()
     core.run(stop, lambda outputs: None)  # stops at once: cancels what is left, the step in flight dropped
-    assert len(streams) == 0 and core.inflight is None
+    assert len(streams) == 0 and not core.runner.in_flight
     assert core.pool.num_free == core.pool.num_blocks

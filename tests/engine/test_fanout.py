@@ -184,7 +184,7 @@ async def test_closing_the_stream_ends_all_n_and_leaks_no_block(engine) -> None:
 
 async def test_a_failed_completion_ends_the_call_and_the_others_with_it(engine) -> None:  # noqa: ANN001
     core = engine.core.engine_core
-    real_append = core._append
+    real_hand_out = core.hand_out
     failing: list[int] = []
 
     def append(seq, result, now):  # noqa: ANN001, ANN202
@@ -192,9 +192,9 @@ async def test_a_failed_completion_ends_the_call_and_the_others_with_it(engine) 
             failing.append(seq.seq_no)  # the first of completions 1..n-1 to sample
         if failing and seq.seq_no == failing[0] and seq.num_generated == 2:
             result = RowFailed("boom")
-        return real_append(seq, result, now)
+        return real_hand_out(seq, result, now)
 
-    core._append = append
+    core.hand_out = append
     try:
         deltas = []
         async with asyncio.timeout(30):
@@ -203,7 +203,7 @@ async def test_a_failed_completion_ends_the_call_and_the_others_with_it(engine) 
             while core.scheduler.live:
                 await asyncio.sleep(0.01)
     finally:
-        del core._append
+        del core.hand_out
     assert deltas[-1].finish_reason is FinishReason.ERROR and deltas[-1].error == "boom"
     assert not any(d.finished for d in deltas[:-1])  # the others never finished: they were stopped
     assert deltas[-1].total_usage is None

@@ -8,7 +8,7 @@ import torch
 
 from llmserve.engine.frontend.request import SamplingParams
 from llmserve.engine.sample.sampler import sample
-from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.sequence import SampleRow
 
 
@@ -16,7 +16,7 @@ def test_a_streams_draws_go_on_while_its_key_lives_and_start_afresh_once_release
     """The k-th call draws the stream's k-th uniform (eight equal logits: token floor(8u)); greedy rows hold none."""
     logits = torch.zeros(1, 8)
     first_four = torch.rand(4, generator=torch.Generator().manual_seed(11)).tolist()
-    streams = Generators()
+    streams = RandomStreams()
     sampled = SampleRow(SamplingParams(temperature=1.0), 11, 7, [], [], False, 0)
     assert [sample(logits, [sampled], streams)[0][0] for _ in range(4)] == [int(8 * u) for u in first_four]
     sample(logits, [SampleRow(SamplingParams(), None, 8, [], [], False, 0)], streams)
@@ -29,7 +29,7 @@ def test_a_streams_draws_go_on_while_its_key_lives_and_start_afresh_once_release
 
 def test_a_row_without_a_seed_fails_before_any_stream_moves_on() -> None:
     logits = torch.zeros(2, 8)
-    streams, good = Generators(), SampleRow(SamplingParams(temperature=1.0), 3, 1, [], [], False, 0)
+    streams, good = RandomStreams(), SampleRow(SamplingParams(temperature=1.0), 3, 1, [], [], False, 0)
     with pytest.raises(ValueError, match="sequence 2: sampled .* without a seed"):
         sample(logits, [good, SampleRow(SamplingParams(temperature=1.0), None, 2, [], [], False, 0)], streams)
     u = torch.rand((), generator=torch.Generator().manual_seed(3)).item()

@@ -28,7 +28,7 @@ from llmserve.engine.sample.sampler import (
     nucleus_floor,
     warped_weights,
 )
-from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sample.streams import RandomStreams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -53,15 +53,15 @@ def row(
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SampleRow], generators: Generators | None = None
+    logits: torch.Tensor, rows: list[SampleRow], streams: RandomStreams | None = None
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """The sampler with streams that start afresh, unless `generators` is given: a row's draws then go on from
+    """The sampler with streams that start afresh, unless `streams` is given: a row's draws then go on from
     one call to the next, as a sequence's do from step to step."""
-    return sampler.sample(logits, rows, Generators(logits.device) if generators is None else generators)
+    return sampler.sample(logits, rows, RandomStreams(logits.device) if streams is None else streams)
 
 
 def sample_each(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled | RowFailed]:
-    return sampler.sample_each(logits, rows, Generators(logits.device))
+    return sampler.sample_each(logits, rows, RandomStreams(logits.device))
 
 
 def hf_warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -173,13 +173,13 @@ def test_same_seed_same_tokens_whatever_the_batch(
     history = (1, 2, 2, 5)
     position = min(position, len(others))
 
-    alone, streams = row(target, seed, token_ids=history), Generators(device)
+    alone, streams = row(target, seed, token_ids=history), RandomStreams(device)
     alone_ids = [sample(logits[s, position : position + 1], [alone], streams)[0][0] for s in range(steps)]
 
     batched = row(target, seed, token_ids=history)
     batch_rows = [row(p, i, token_ids=(3,), blocked=(0,)) for i, p in enumerate(others)]
     batch_rows.insert(position, batched)
-    streams = Generators(device)
+    streams = RandomStreams(device)
     batch_ids = [sample(logits[s], batch_rows, streams)[0][position] for s in range(steps)]
     assert batch_ids == alone_ids
 

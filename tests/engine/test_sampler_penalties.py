@@ -14,7 +14,7 @@ from llmserve.engine.frontend.outputs import TokenLogprob
 from llmserve.engine.frontend.request import SamplingParams
 from llmserve.engine.sample import sampler
 from llmserve.engine.sample.sampler import _apply_additive, _apply_repetition_penalty
-from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.sequence import SampleRow
 
 _keys = itertools.count()  # each row its own sequence, hence its own stream
@@ -26,10 +26,10 @@ def _row(params: SamplingParams, token_ids: list[int], num_prompt: int = 0, seed
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SampleRow], generators: Generators | None = None
+    logits: torch.Tensor, rows: list[SampleRow], streams: RandomStreams | None = None
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """The sampler with fresh streams, unless `generators` is given (a row's draws go on from call to call)."""
-    return sampler.sample(logits, rows, Generators() if generators is None else generators)
+    """The sampler with fresh streams, unless `streams` is given (a row's draws go on from call to call)."""
+    return sampler.sample(logits, rows, RandomStreams() if streams is None else streams)
 
 
 def _reference(logits: list[float], params: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
@@ -124,12 +124,12 @@ def test_a_row_alone_or_in_a_batch_gets_the_same_tokens() -> None:
     target = SamplingParams(temperature=0.8, frequency_penalty=0.7, presence_penalty=0.4, logit_bias=((7, 2.0),))
     history = [1, 2, 2, 7, 9, 9, 9]
     lone = _row(target, history, 2, seed=11)
-    streams = Generators()
+    streams = RandomStreams()
     alone = [sample(logits[s, 2:3], [lone], streams)[0][0] for s in range(5)]
     others = [SamplingParams(presence_penalty=1.0), SamplingParams(temperature=1.0, logit_bias=((1, -5.0),))]
     batch_rows = [_row(others[0], [4, 4]), _row(others[1], [1], seed=1), _row(target, history, 2, seed=11)]
     batch_rows += [_row(SamplingParams(), [3]), _row(others[0], []), _row(SamplingParams(temperature=0.5), [0], seed=2)]
-    streams = Generators()
+    streams = RandomStreams()
     batched = [sample(logits[s], batch_rows, streams)[0][2] for s in range(5)]
     assert batched == alone
 

@@ -11,6 +11,7 @@ from llmserve.engine.sched.plan import PENDING, StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
+from tests.engine.engine_helpers import clear_cache
 
 BS = 4
 
@@ -103,7 +104,7 @@ def test_launching_ahead_ends_with_the_same_books_as_plain_steps() -> None:
                         books.finish(seq, FinishReason.LENGTH)
         assert all(seq.status is SeqStatus.FINISHED for seq in seqs)
         cached = books.pool.num_cached
-        books.pool.clear_cache()
+        clear_cache(books.pool)
         assert books.pool.num_free == books.pool.num_blocks
         return {seq.seq_no: seq.token_ids for seq in seqs}, cached
 

@@ -18,6 +18,7 @@ from llmserve.engine.sched.block_pool import BlockPool, prefix_root
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.models import from_config
 from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
+from tests.engine.engine_helpers import clear_cache
 
 BASE = dict(block_size=8, max_num_seqs=16, max_num_batched_tokens=128)
 ROOT = prefix_root(None)  # the root the base model's unsalted requests hash under
@@ -147,7 +148,7 @@ async def test_session_limits_ttl_and_delete() -> None:
         assert await eng.delete_session("m2") is False
         await asyncio.sleep(0.4)
         assert await eng.get_session("m1") is None  # idle past the TTL
-        pool.clear_cache()
+        clear_cache(pool)
         assert pool.num_free == pool.num_blocks
 
 

@@ -21,7 +21,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.outputs import FinishReason
 from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.lora.catalog import LoraUnsupported
-from llmserve.engine.lora.serving import Held, LoraServing
+from llmserve.engine.lora.serving import LoraServing, ResidentAdapter
 from llmserve.engine.sample.sampler import Sampled
 from llmserve.engine.sched.block_pool import BlockPool
 from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
@@ -88,7 +88,7 @@ def run_jobs(backend: Any, serving: LoraServing, made: Made, planted: bool = Fal
         pool, sessions, max_num_seqs=CONFIG.max_num_seqs, max_num_batched_tokens=CONFIG.max_num_batched_tokens,
         enable_prefix_caching=False,
     )  # fmt: skip
-    held: dict[int, Held | None] = {}
+    held: dict[int, ResidentAdapter | None] = {}
     seqs = []
     for i, ((name, _, new), prompt) in enumerate(zip(JOBS, made.prompts, strict=True)):
         request = GenerationRequest(

@@ -1,12 +1,21 @@
 """The engine's step loop: typed commands in, one step at a time, token outputs out.
 
-A step reads as its five parts: drain the inbox (`Add`, `Abort`), schedule (the scheduler's `StepPlan`), execute
-(the backend: one forward, the rows that sample), update the books, collect each request's `EngineOutput` (token
-ids, logprobs, finish facts; no text). `run()` hands each pass's outputs to its `emit`; the front end
-(async_engine.py, output_processor.py) owns text, stop strings and deltas. The step thread owns all engine state
-and takes no lock: other threads only put commands in the inbox (session queries answered through a future) and
-read `stats()`. A request's grammar is compiled on the compiler's workers while it waits in `compiling`. The loop
-runs on a thread (core_client.ThreadCore) or in an engine process of its own (core_process.ProcessCore).
+A step reads as its five parts: drain the inbox (`Add`, `Abort`, session and adapter queries), schedule (the
+scheduler's `StepPlan`), execute (the backend: one forward, the rows that sample), update the books, collect each
+request's `EngineOutput` (token ids, logprobs, finish facts; no text). `run()` hands each pass's outputs to its
+`emit`; the front end (frontend/async_engine.py, frontend/output_processor.py) owns text, stop strings and deltas.
+
+`EngineCore` owns the books (scheduler, sessions, block pool), the backend and the constraint compiler, and holds
+its collaborators, each chosen once at start: how a step runs (`runner`: core/steps.py's PlainRunner, or its
+OverlapRunner with --async-scheduling), where a step's tokens go (`sink`: steps.TokenSink, the stop checks), the
+LoRA adapters' books (`lora`, lora/serving.py), the lower KV tiers (`tiers`, kv_tiers/worker.py) and speculative
+decoding (`speculation`, spec/speculation.py), each None when off; and the metrics' snapshot (`stats`). The core
+itself admits requests, retires them (every way a request ends goes through `finish`) and collects outputs.
+
+The step thread owns all engine state and takes no lock: other threads only put commands in the inbox (queries
+answered through a future) and read `stats()`. A request's grammar is compiled on the compiler's workers while it
+waits in `compiling`. The loop runs on a thread (`ThreadCore`, below) or in an engine process of its own
+(core/process.py's ProcessCore).
 """
 
 from __future__ import annotations
@@ -34,25 +43,24 @@ from llmserve.engine.core.client import (
     ManageAdapters,
 )
 from llmserve.engine.core.compiling import Compiling
-from llmserve.engine.core.overlap_steps import OverlapSteps
-from llmserve.engine.core.stats import core_stats
-from llmserve.engine.core.step_worker import InFlight, StepRunner
-from llmserve.engine.core.token_steps import build_drafter
+from llmserve.engine.core.stats import CoreStats
+from llmserve.engine.core.steps import Appended, OverlapRunner, PlainRunner, StepRunner, TokenSink
 from llmserve.engine.frontend.errors import EngineDead
 from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, ended, ended_unstarted
 from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
 from llmserve.engine.frontend.request import CoreFacts, GenerationRequest, StoppingParams
 from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters
-from llmserve.engine.lora.serving import LoraServing, answer, manage, unbind
+from llmserve.engine.lora.serving import LoraServing, answer, manage
 from llmserve.engine.sample.constraints import ConstraintCompiler, ConstraintState, Vocabulary
+from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sched.block_pool import BlockPool
 from llmserve.engine.sched.kv_events import KvEvent, KvEventLog
 from llmserve.engine.sched.plan import StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
-from llmserve.engine.spec.verify import Verified
+from llmserve.engine.spec.speculation import Speculation
 from llmserve.models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -62,9 +70,10 @@ STOPPED = "the engine has stopped"
 Query = TypeVar("Query", GetSession, DeleteSession, ManageAdapters)
 
 
-class EngineCore(OverlapSteps):
-    """Owns scheduler, sessions, block pool, backend and constraint compiler; `step()` is one iteration. The step
-    thread alone calls step() and run(); other threads only submit, abort, ask about sessions, wake and read stats.
+class EngineCore:
+    """Owns scheduler, sessions, block pool, backend and constraint compiler, and holds its collaborators (see the
+    module docstring); `step()` is one iteration. The step thread alone calls step() and run(); other threads only
+    submit, abort, ask about sessions and adapters, wake and read stats.
     `vocabulary`: the grammar vocabulary to share with a front end in this process (built once per process); by
     default the model's own (none without a tokenizer)."""
 
@@ -97,16 +106,22 @@ class EngineCore(OverlapSteps):
         self.lora = LoraServing.of(config, loaded.shape)  # the adapters' books; None unless LoRA is on
         if self.tiers is not None:
             self.tiers.start()
-        self.drafter = build_drafter(config, self.max_model_len)  # speculative decoding (engine/spec), or None
-        self.runner: StepRunner | None = None  # overlap (--async-scheduling, core_overlap.py)
-        self.inflight: InFlight | None = None
+        self.speculation = Speculation.of(config, self.max_model_len)  # spec/; None when off
+        self.sink = TokenSink(self.max_model_len)
+        self.runner: StepRunner = PlainRunner(
+            self,
+            self.tiers,
+            self.lora,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
         if config.async_scheduling:
-            if self.drafter is not None or self.tiers is not None or self.lora is not None:
+            if self.speculation is not None or self.tiers is not None or self.lora is not None:
                 log.warning(
                     "--async-scheduling is off: speculative decoding, the KV tiers and LoRA step without overlap"
                 )
             else:
-                self.runner = StepRunner()
+                self.runner = OverlapRunner(self)
         vocabulary = vocabulary if vocabulary is not None else Vocabulary.for_model(loaded)
         compiler = None if vocabulary is None else ConstraintCompiler(vocabulary, config.constraint_cache_size)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -118,8 +133,9 @@ class EngineCore(OverlapSteps):
         self.compiling = Compiling(compiler, self._wake.set)  # constrained requests until their matcher exists
         self._failures = 0
         self.dead_reason: str | None = None
-        self.steps = 0
-        self.facts = CoreFacts(  # what the front end checks requests against (facts.validate)
+        self.steps = 0  # forwards that succeeded
+        self._stats = CoreStats(self.pool, self.sessions, self.scheduler, self.compiling, self.tiers, self.lora)
+        self.facts = CoreFacts(  # what the front end checks requests against (request.validate)
             self.max_model_len,
             self.sliding_window,
             loaded.vocab_size,
@@ -135,7 +151,7 @@ class EngineCore(OverlapSteps):
     # -- called from any thread ------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, *, after: int | None = None, handle: int | None = None) -> int:
-        """Queue a request (checked by facts.validate) under `handle` (a client numbers its own, increasing) or the
+        """Queue a request (checked by request.validate) under `handle` (a client numbers its own, increasing) or the
         next; returns it. `after`: the handle of completion 0 of the same n > 1 request, whose prompt KV this one
         waits for and shares. Raises EngineDead once the step loop has ended."""
         if handle is None:
@@ -164,7 +180,7 @@ class EngineCore(OverlapSteps):
         return len(self.scheduler.running)
 
     def stats(self) -> EngineStats:
-        return core_stats(self)  # read without a lock: a scrape never stalls a step
+        return self._stats.snapshot(self.speculation)  # read without a lock: a scrape never stalls a step
 
     def manage_adapters(self, op: AdapterOp) -> Future[AdapterAnswer]:
         return manage(self._ask, self.lora, op)  # an AdapterService call, answered when the inbox is next drained
@@ -175,11 +191,11 @@ class EngineCore(OverlapSteps):
         """Step until `stop` is set (then `wake()`), handing each pass's outputs to `emit` in one call; then end
         the rest: the inbox is closed and drained (every session query is answered), whatever is left ends
         CANCELLED, and the tiers and the compiler close."""
-        self.calibrate_speculation()
+        self._calibrate_speculation()
         while not stop.is_set():
             self.drain_inbox()
             self._emit_pending(emit)  # the final outputs of aborted requests, at once (none: nothing to do)
-            if not self.scheduler.has_work and self.inflight is None:
+            if not self.scheduler.has_work and not self.runner.in_flight:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -196,8 +212,7 @@ class EngineCore(OverlapSteps):
         self._emit_pending(emit)
         self.close_tiers()
         self.compiling.close()
-        if self.runner is not None:
-            self.runner.close()
+        self.runner.close()
 
     def warm_up(self) -> None:
         """One short generation stepped on this thread, before the step loop starts (its outputs are dropped)."""
@@ -206,7 +221,7 @@ class EngineCore(OverlapSteps):
         while not any(out.handle == 0 and out.finished for out in self.take_outputs()):
             self.drain_inbox()
             self.step()
-        self.calibrate_speculation()
+        self._calibrate_speculation()
 
     def close_tiers(self) -> None:
         """Write every hashed block still in the pool to the tiers and finish their writes (at shutdown, on the
@@ -226,44 +241,19 @@ class EngineCore(OverlapSteps):
         return outputs
 
     def step(self) -> None:
-        """One iteration: schedule, execute, update, collect outputs (overlapped: launch the next step, then take
-        the results of the one in flight, core_overlap.py)."""
-        if self.runner is not None:
-            self.overlap_step()
-            return
-        now = time.monotonic()
-        self._expire_deadlines(now)
-        if self.tiers is not None:
-            self.tiers.finish_loads(self.scheduler.load_done)
-        drafts = self._drafts()
-        plan = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
-        if self.lora is not None:  # each entry's adapter slot (drafts included), and the adapters to copy in
-            self.lora.assign(plan, [entry.seq.lora for entry in plan.seqs])
-        if self.tiers is not None:
-            self.tiers.begin(plan)  # before the forward, which may overwrite the blocks evicted for it
-        if not plan.seqs:
-            if self.tiers is not None:
-                self.tiers.wait(0.05)  # only loads to wait for (if any): sleep until one ends rather than spin
-            return
-        for entry in plan.seqs:
-            if entry.seq.first_scheduled is None:
-                entry.seq.first_scheduled = now
-        try:
-            results = self.backend.execute(plan)
-        except Exception as exc:  # a bad batch must not take the server down
-            self._fail_step(plan, exc)
-            return
-        self._failures = 0
-        self.steps += 1
-        emit_time = time.monotonic()
-        self.scheduler.update(plan)
-        if self.drafter is not None and any(entry.drafts for entry in plan.seqs):
-            self.drafter.step_verified()
-        for entry, result in zip(plan.sampling, results, strict=True):
-            if entry.drafts or isinstance(result, Verified):
-                self._verified(entry, result, emit_time)
-            else:
-                self._append(entry.seq, result, emit_time)
+        """One iteration, as the runner chosen at start runs it (core/steps.py)."""
+        self.runner.step()
+
+    def add_now(self, request: GenerationRequest, handle: int) -> None:
+        """Start an unconstrained request at once, past the inbox (the step thread only: the calibration's own
+        requests, which must not drain callers' commands; negative handles, which no client uses)."""
+        self._admit(Add(handle, request, time.monotonic()), None)
+
+    def cancel_now(self, handle: int) -> None:
+        """End a request started by add_now at once (the step thread only); its outputs are the caller's to drop."""
+        seq = self.scheduler.live.get(handle)
+        if seq is not None:
+            self.finish(seq, FinishReason.CANCELLED)
 
     def drain_inbox(self) -> None:
         """Apply every queued command, then admit the requests whose grammar has compiled meanwhile (on the step
@@ -293,6 +283,67 @@ class EngineCore(OverlapSteps):
                     self._end_unstarted(add, FinishReason.ERROR, state)
                 else:
                     self._admit(add, state)
+
+    # -- a step's part on the core (steps.StepHost) ----------------------------------------------
+
+    def expire_deadlines(self, now: float) -> None:
+        live = self.scheduler.live.values()
+        for seq in [s for s in live if s.request.deadline is not None and s.request.deadline <= now]:
+            self.finish(seq, FinishReason.DEADLINE)
+
+    def stepped(self) -> None:
+        """A forward succeeded."""
+        self._failures = 0
+        self.steps += 1
+
+    def fail_step(self, plan: StepPlan, exc: Exception) -> None:
+        """The shared forward raised: every request in it fails, and none of their KV may be reused."""
+        log.error("forward failed for %d requests", len(plan.seqs), exc_info=exc)
+        error = f"{type(exc).__name__}: {exc}"
+        self._failures += 1
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            # Set before the batch hears of its failure, so that callers see a dead engine at once.
+            self.dead_reason = f"{MAX_CONSECUTIVE_FAILURES} consecutive failed steps, last: {error}"
+        self.scheduler.abandon(plan)
+        for entry in plan.seqs:
+            if entry.seq.status is not SeqStatus.FINISHED:
+                self.finish(entry.seq, FinishReason.ERROR, error=error)
+        if self.dead_reason is not None:
+            self._die(self.dead_reason)
+
+    def hand_out(self, seq: Sequence, result: Sampled | RowFailed, now: float) -> None:
+        """A sampled token to its request, through the sink's stop checks; a failed row is that request's alone."""
+        if isinstance(result, RowFailed):
+            self.finish(seq, FinishReason.ERROR, error=result.error)
+        else:
+            self.deliver(seq, self.sink.append(seq, (result,), now))
+
+    def deliver(self, seq: Sequence, appended: Appended) -> None:
+        """Collect a request's output, or finish the request with it when a token ended it (a token its constraint
+        refused fails it: that output is dropped)."""
+        if appended.reason is None:
+            self._collected.append(appended.output)
+        elif appended.reason is FinishReason.ERROR:
+            self.finish(seq, FinishReason.ERROR, error=appended.error)
+        else:
+            self.finish(seq, appended.reason, output=appended.output)
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason, *, output: EngineOutput | None = None, error: str | None = None
+    ) -> None:
+        """Retire a live request (every way a request ends comes here) and collect its final output; its random
+        stream goes with it (once a step in flight that may draw from it is done, runner.retire)."""
+        in_flight = self.runner.retire(seq)
+        self.scheduler.finish(seq, reason)
+        if self.lora is not None:
+            self.lora.unbind(seq)
+        if not in_flight:
+            self.backend.streams.release(seq.seq_no)
+        if self.speculation is not None:
+            self.speculation.release(seq)
+        usage, timing = seq.ended(time.monotonic())
+        final = ended(seq.seq_no, seq.request_id, reason, usage, timing, seed=seq.seed, error=error, last=output)
+        self._collected.append(final)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -330,7 +381,7 @@ class EngineCore(OverlapSteps):
             seq.after = self.scheduler.live.get(command.after)
         seq.length_limit = min(self.max_model_len, seq.num_prompt + request.stopping.max_new_tokens)
         params = request.sampling
-        if not params.greedy:  # the seed its random stream starts from at its first sample (backend.generators)
+        if not params.greedy:  # the seed its random stream starts from at its first sample (backend.streams)
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
         refused = None if self.lora is None else self.lora.bind(seq)
         if refused is not None or (request.adapter is not None and self.lora is None):
@@ -345,53 +396,26 @@ class EngineCore(OverlapSteps):
             if parked is not None:
                 self._end_unstarted(parked, FinishReason.CANCELLED)
         elif command.keep_generated is None:
-            self._finish(seq, FinishReason.CANCELLED)
+            self.finish(seq, FinishReason.CANCELLED)
         else:
             # A new list, not one cut in place: a step in flight (overlap) may still read the old one.
             seq.token_ids = seq.token_ids[: seq.num_prompt + command.keep_generated]
             seq.num_computed = min(seq.num_computed, len(seq.token_ids))
-            self._finish(seq, FinishReason.STOP_SEQUENCE)
+            self.finish(seq, FinishReason.STOP_SEQUENCE)
 
     def _end_unstarted(self, command: Add, reason: FinishReason, error: str | None = None) -> None:
         request = command.request
         n = len(request.prompt_token_ids)
         self._collected.append(ended_unstarted(command.handle, request.request_id, n, command.arrival, reason, error))
 
-    def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
-        """The shared forward raised: every request in it fails, and none of their KV may be reused."""
-        log.error("forward failed for %d requests", len(plan.seqs), exc_info=exc)
-        error = f"{type(exc).__name__}: {exc}"
-        self._failures += 1
-        if self._failures >= MAX_CONSECUTIVE_FAILURES:
-            # Set before the batch hears of its failure, so that callers see a dead engine at once.
-            self.dead_reason = f"{MAX_CONSECUTIVE_FAILURES} consecutive failed steps, last: {error}"
-        self.scheduler.abandon(plan)
-        for entry in plan.seqs:
-            if entry.seq.status is not SeqStatus.FINISHED:
-                self._finish(entry.seq, FinishReason.ERROR, error=error)
-        if self.dead_reason is not None:
-            self._die(self.dead_reason)
-
-    def _finish(
-        self, seq: Sequence, reason: FinishReason, *, output: EngineOutput | None = None, error: str | None = None
-    ) -> None:
-        """Retire a live request and collect its final output; its random stream goes with it (once the step in
-        flight that may draw from it is done)."""
-        in_flight = self._ended_in_flight(seq)
-        self.scheduler.finish(seq, reason)
-        unbind(self.lora, seq)
-        if not in_flight:
-            self.backend.generators.release(seq.seq_no)
-        if self.drafter is not None:
-            self.drafter.release(seq)
-        usage, timing = seq.ended(time.monotonic())
-        final = ended(seq.seq_no, seq.request_id, reason, usage, timing, seed=seq.seed, error=error, last=output)
-        self._collected.append(final)
-
-    def _expire_deadlines(self, now: float) -> None:
-        live = self.scheduler.live.values()
-        for seq in [s for s in live if s.request.deadline is not None and s.request.deadline <= now]:
-            self._finish(seq, FinishReason.DEADLINE)
+    def _calibrate_speculation(self) -> None:
+        """Measure speculation's step cost on this core, once (off when that fails: serve without it)."""
+        speculation = self.speculation
+        config = self.config
+        if speculation is not None and not speculation.calibrate(
+            self, config.max_num_seqs, config.max_num_batched_tokens
+        ):
+            self.speculation = None
 
     def _die(self, reason: str) -> None:
         log.error("engine is dead: %s", reason)
@@ -400,9 +424,9 @@ class EngineCore(OverlapSteps):
 
     def _end_all(self, reason: FinishReason, error: str | None) -> None:
         """End every request the core holds: running, waiting, and waiting for its grammar."""
-        self.drop_inflight()
+        self.runner.drop()
         for seq in list(self.scheduler.live.values()):
-            self._finish(seq, reason, error=error)
+            self.finish(seq, reason, error=error)
         for command in self.compiling.take_all():
             self._end_unstarted(command, reason, error)
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from llmserve.engine.core.client import ManageAdapters
     from llmserve.engine.sched.scheduler import Scheduler
 
-Held = Resident[LoraAdapter]
+ResidentAdapter = Resident[LoraAdapter]  # an adapter in host memory, as a request holds it
 
 
 class LoraOff(RuntimeError):
@@ -102,6 +102,12 @@ class LoraServing:
         seq.prefix_root = adapter_root(seq.prefix_root, held.payload.digest)
         return None
 
+    def unbind(self, seq: Sequence) -> None:
+        """At the end of a request (every way it ends): let go of its adapter."""
+        if seq.lora is not None:
+            self.release(seq.lora)
+            seq.lora = None
+
     def stats_of(self, scheduler: Scheduler) -> LoraStats:
         """The metrics' snapshot, read from any thread: the step thread's lists and maps are copied in one C call
         each (under the interpreter lock) before they are walked, so that a step changing them cannot break it."""
@@ -148,7 +154,7 @@ class LoraServing:
         self.requests.pop(name, None)
         return held
 
-    def acquire(self, name: str) -> Held:
+    def acquire(self, name: str) -> ResidentAdapter:
         """Hold `name` for a request until `release`; read again if it was unloaded to make room. Raises
         UnknownAdapter, AdaptersBusy (no room to read it again), AdapterNotFound/AdapterRefused (its folder
         changed)."""
@@ -160,10 +166,10 @@ class LoraServing:
         self.requests[name] += 1
         return held
 
-    def release(self, held: Held) -> None:
+    def release(self, held: ResidentAdapter) -> None:
         self.registry.release(held.adapter_id)
 
-    def assign(self, plan: StepPlan, held: Seq[Held | None]) -> None:
+    def assign(self, plan: StepPlan, held: Seq[ResidentAdapter | None]) -> None:
         """Give the plan's adapters their slots: `held[i]` is the adapter of plan.seqs[i] (None: base). Sets each
         entry's lora_slot and the plan's lora_writes. Raises TooManyAdapters past --max-loras (the scheduler's
         bound keeps a step within it)."""
@@ -177,7 +183,7 @@ class LoraServing:
 
     # -- what the list RPC, GetModelInfo and the metrics read ------------------------------------
 
-    def stats(self, running: Iterable[Held | None], waiting: Iterable[Held | None]) -> LoraStats:
+    def stats(self, running: Iterable[ResidentAdapter | None], waiting: Iterable[ResidentAdapter | None]) -> LoraStats:
         """The metrics' snapshot, from the adapters of the running and of the waiting requests."""
         run = {h.name for h in running if h is not None and h.name is not None}
         wait = {h.name for h in waiting if h is not None and h.name is not None} - run
@@ -220,13 +226,6 @@ class LoraServing:
                 )
             )
         return out
-
-
-def unbind(lora: LoraServing | None, seq: Sequence) -> None:
-    """At the end of a request (every way it ends): let go of its adapter."""
-    if lora is not None and seq.lora is not None:
-        lora.release(seq.lora)
-        seq.lora = None
 
 
 def manage(

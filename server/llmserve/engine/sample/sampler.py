@@ -6,8 +6,8 @@ vLLM's order: repetition penalty, then the additive ones (frequency and presence
 tokens, logit bias), then blocked ids. Sampled rows then follow transformers' order: temperature, top-k,
 top-p, min-p, then an inverse-CDF draw with one uniform number from the row's own random stream.
 
-A row names its stream (the sequence's key and seed) and never holds it: the streams are in generators.py's
-`Generators`, which each backend owns and passes in, so that the request types stay torch-free.
+A row names its stream (the sequence's key and seed) and never holds it: the streams are in streams.py's
+`RandomStreams`, which each backend owns and passes in, so that the request types stay torch-free.
 
 Batch invariance is the point of the design: a seeded request gets the same tokens whatever else shares
 its batch. So randomness never comes from a shared RNG, and a row's arithmetic only uses kernels that
@@ -31,7 +31,7 @@ import torch
 from llmserve.engine.frontend.outputs import TokenLogprob
 from llmserve.engine.frontend.request import MAX_TEMPERATURE, PENALTY_RANGE, SamplingParams
 from llmserve.engine.sample.masks import constraint_masks
-from llmserve.engine.sample.streams import Generators
+from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.sequence import SampleRow
 
 __all__ = ["RowFailed", "SampleRow", "Sampled", "sample", "sample_each", "warped_weights", "nucleus_floor"]
@@ -59,18 +59,18 @@ class RowFailed:
     error: str
 
 
-def sample_each(logits: torch.Tensor, rows: list[SampleRow], generators: Generators) -> list[Sampled | RowFailed]:
+def sample_each(logits: torch.Tensor, rows: list[SampleRow], streams: RandomStreams) -> list[Sampled | RowFailed]:
     """`sample`, with each row's failure kept to that row: the batch is sampled at once, and should that raise,
     row by row, so that one request's parameters or penalties fail that request only."""
     try:
-        token_ids, logprobs = sample(logits, rows, generators)
+        token_ids, logprobs = sample(logits, rows, streams)
         return [Sampled(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
     except Exception:
         log.exception("batched sampling failed: sampling %d rows one by one", len(rows))
     results: list[Sampled | RowFailed] = []
     for i, row in enumerate(rows):
         try:
-            ids, lps = sample(logits[i : i + 1], [row], generators)
+            ids, lps = sample(logits[i : i + 1], [row], streams)
             results.append(Sampled(ids[0], lps[0]))
         except Exception as exc:
             results.append(RowFailed(f"sampling failed: {type(exc).__name__}: {exc}"))
@@ -78,13 +78,13 @@ def sample_each(logits: torch.Tensor, rows: list[SampleRow], generators: Generat
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SampleRow], generators: Generators
+    logits: torch.Tensor, rows: list[SampleRow], streams: RandomStreams
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of `logits` ([len(rows), vocab], any device and float dtype).
 
     Returns the chosen ids, and per row a TokenLogprob when `row.logprobs` (log-softmax of the raw logits:
     the chosen id's logprob and the `top_logprobs` best as (id, logprob), descending), else None.
-    Sampled rows draw from their streams in `generators`. Raises ValueError when the shapes disagree or a
+    Sampled rows draw from their streams in `streams`. Raises ValueError when the shapes disagree or a
     sampled row without a stream has no seed. `logits` is not modified.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -119,7 +119,7 @@ def sample(
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     sel = _select(sampled, len(rows), device)
     if sel is not None:
-        chosen[sel] = _draw(x[sel], [rows[i] for i in sampled], generators)
+        chosen[sel] = _draw(x[sel], [rows[i] for i in sampled], streams)
     if not bool(alive.all()):
         raw = logits.to(torch.float32, copy=True)
         if masked is not None and masks is not None:  # a constraint still holds: only blocked ids give way
@@ -216,12 +216,12 @@ def _apply_blocked(x: torch.Tensor, rows: list[SampleRow]) -> None:
     x[row_idx.to(x.device, non_blocking=True), cols.to(x.device, non_blocking=True)] = float("-inf")
 
 
-def _draw(x: torch.Tensor, rows: list[SampleRow], generators: Generators) -> torch.Tensor:
+def _draw(x: torch.Tensor, rows: list[SampleRow], streams: RandomStreams) -> torch.Tensor:
     """Sample one id per row of `x` ([m, vocab] float32, owned by us: modified in place)."""
     # Every stream before any draw, so that a row without a seed fails before another row's stream moves on
     # (sample_each then samples the others again, row by row); uniforms before the warping work.
-    streams = [generators.stream(row) for row in rows]
-    uniforms = torch.stack([_uniform(generator, x.device) for generator in streams])
+    drawn = [streams.stream(row) for row in rows]
+    uniforms = torch.stack([_uniform(generator, x.device) for generator in drawn])
     weights = warped_weights(x, [row.params for row in rows])
     # Inverse CDF over unnormalised weights: the first index whose running total exceeds u * total.
     cdf = weights.cumsum_(dim=-1)

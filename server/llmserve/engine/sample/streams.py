@@ -1,7 +1,7 @@
 """Each sampled sequence's own stream of random numbers, kept for the sampler between steps.
 
 The streams are not in the request types (`SampleRow` names its stream by key and seed, and stays torch-free);
-they live here. Each backend owns one `Generators`, on its device (`Backend.generators`), and passes it to
+they live here. Each backend owns one `RandomStreams`, on its device (`Backend.streams`), and passes it to
 `sampler.sample_each`; the engine core releases a sequence's stream when the sequence ends.
 """
 
@@ -12,7 +12,7 @@ import torch
 from llmserve.engine.sched.sequence import SampleRow
 
 
-class Generators:
+class RandomStreams:
     """Every live sampled sequence's random stream (a torch.Generator on `device`), by `SampleRow.key`.
 
     A stream starts from the row's seed the first time its key is sampled, and goes on from step to step while

@@ -247,13 +247,6 @@ class BlockPool:
             self.register(block, content.block_hash, content.parent, content.tokens)
         self.release([block])
 
-    def clear_cache(self) -> None:
-        """Forget all cached (unreferenced) prefixes, making their blocks free."""
-        while self._cached:
-            block, _ = self._cached.popitem(last=False)
-            self._forget_hash(block)
-            self._free.append(block)
-
     def _forget_hash(self, block: int) -> None:
         block_hash = self.block_hash[block]
         if block_hash is not None:

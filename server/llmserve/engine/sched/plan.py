@@ -29,9 +29,10 @@ class SeqStep:
     sequence's last token, whose logits pick the next one. `lora_slot` is the LoRA device slot whose adapter
     computes every one of its positions, drafts included (NO_ADAPTER: the base model).
 
-    `drafts` (speculative decoding, engine/spec): guesses at the tokens after the last one, computed in the same
-    step (`token_ids` is then [last token, *drafts]); every one of its positions is sampled, and the longest prefix
-    of drafts the sampler agrees with is accepted (`Scheduler.settle_drafts` keeps the books).
+    `drafts` (speculative decoding, spec/): guesses at the tokens after the last one, computed in the same step
+    (`token_ids` is then [last token, *drafts]); every one of its positions is sampled, each with its row of
+    `position_rows` (speculation gives them, spec/verify.py), and the longest prefix of drafts the sampler agrees
+    with is accepted (`Scheduler.settle_drafts` keeps the books).
     """
 
     seq: Sequence  # the engine's state, for the book-keeping after the step; backends read the fields below
@@ -41,6 +42,7 @@ class SeqStep:
     sample: SampleRow | None
     drafts: Seq[int] = ()
     lora_slot: int = NO_ADAPTER
+    position_rows: Seq[SampleRow] = ()
 
     @property
     def num_logits(self) -> int:
@@ -85,12 +87,27 @@ class StepPlan:
 
     @property
     def sampling(self) -> list[SeqStep]:
-        """The entries that sample a token this step, in plan order (the order of a backend's results)."""
+        """The entries that sample a token this step, in plan order."""
         return [s for s in self.seqs if s.sample is not None]
+
+    def sample_rows(self) -> list[SampleRow]:
+        """The rows the step samples, one per row of logits it keeps, in plan order (the order of a backend's
+        results): a sampling entry's row, or for an entry with drafts the row of each of its positions."""
+        rows: list[SampleRow] = []
+        for entry in self.seqs:
+            if entry.sample is None:
+                continue
+            if not entry.drafts:
+                rows.append(entry.sample)
+            elif len(entry.position_rows) == len(entry.drafts) + 1:
+                rows.extend(entry.position_rows)
+            else:
+                raise ValueError(f"sequence {entry.seq.seq_no}: {len(entry.drafts)} drafts without their position rows")
+        return rows
 
 
 # A token the plan computes before it is known: the one a step still in flight samples for the same sequence
-# (--async-scheduling). The step's runner puts the sampled id in its place before the forward (engine/overlap.py).
+# (--async-scheduling). The step's worker puts the sampled id in its place before the forward (core/steps.py).
 PENDING = -1
 
 

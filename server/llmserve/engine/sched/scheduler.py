@@ -12,6 +12,20 @@ full blocks, copies the partial one (copy-on-write: completion 0 goes on writing
 prompt's last token, whose logits pick its own first token; so the n completions compute the prompt once. (After
 completion 0 has finished, the prefix cache's full blocks are what is left to share, and the tail is recomputed.)
 
+Speculative decoding (spec/): `schedule(drafts)` gives a decoding sequence its drafts as extra positions of its step
+when they fit in the token budget and in blocks that are free now (a guess never preempts, evicts a session or a
+cached prefix); `settle_drafts` keeps the books once the sampler has accepted some of them (sched/rollback.py's rule:
+the KV of rejected drafts is dropped, their blocks freed, never hashed).
+
+Overlap (--async-scheduling, core/steps.py): a step launched before the previous one's tokens are known is accounted
+twice. `launched` right after the step is handed to the worker: its tokens count as computed and each sampling entry
+leaves one token pending (`Sequence.num_pending`), so that the next schedule plans that sequence's next position with
+a placeholder (plan.PENDING) while the step runs. `landed` once its results are in: the blocks it filled are hashed
+and registered for prefix caching (only now: the tokens are known, and the KV is written), and the copy sources it
+held are let go. A step whose forward failed is `abandon`ed instead: nothing it wrote is registered. Steps run in
+launch order on one device stream or worker, so a block freed while a step is in flight is only written again by a
+later step.
+
 With KV tiers (`tiers`), a waiting sequence whose prefix continues in a lower tier past what the pool holds
 gets blocks that load that KV back (`StepPlan.loads`); it pins the blocks it will reuse and stays in the queue,
 skipped without holding up the others, until every load is reported (`load_done`). A failed load leaves its
@@ -21,14 +35,14 @@ block anonymous: those tokens are recomputed.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmserve.engine.frontend.outputs import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.sched.block_pool import BlockContent, BlockHash, BlockPool, chain_hash
-from llmserve.engine.sched.plan import StepPlan, step_of
-from llmserve.engine.sched.scheduler_drafts import DraftBooks
-from llmserve.engine.sched.scheduler_overlap import OverlapBooks
+from llmserve.engine.sched.plan import SeqStep, StepPlan, step_of
+from llmserve.engine.sched.rollback import settle
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
 
@@ -41,7 +55,7 @@ class _Pending:
     waiting_on: set[int] = field(default_factory=set)
 
 
-class Scheduler(DraftBooks, OverlapBooks):
+class Scheduler:
     """Owns the waiting heap and the running list; asks the block pool and the session store."""
 
     def __init__(
@@ -78,10 +92,6 @@ class Scheduler(DraftBooks, OverlapBooks):
         self._load_waiters: dict[int, list[int]] = {}  # loading block -> seq_nos that wait for it
         self.num_tier_loads = 0  # admissions that started at least one load (for the metrics)
 
-    @property
-    def num_loads_in_flight(self) -> int:
-        return len(self._load_content)
-
     def pinned(self) -> list[list[int]]:
         """The blocks waiting sequences hold while their reloads run, for BlockPool.check()."""
         return [p.pins for p in self._pending.values()]
@@ -110,7 +120,7 @@ class Scheduler(DraftBooks, OverlapBooks):
     def schedule(self, drafts: dict[int, list[int]] | None = None) -> StepPlan:
         """The next step: running sequences first (oldest first), then waiting ones by priority and age.
 
-        `drafts`: by seq_no, tokens to verify after a decoding sequence's last one (scheduler_drafts.py).
+        `drafts`: by seq_no, tokens to verify after a decoding sequence's last one (see the module docstring).
         The plan's block tables are the sequences' own lists: read them before the next schedule().
         """
         out = StepPlan()
@@ -228,6 +238,64 @@ class Scheduler(DraftBooks, OverlapBooks):
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
+
+    # -- drafts (speculative decoding) -------------------------------------------------------------
+
+    def settle_drafts(self, step: SeqStep, kept: int) -> None:
+        """After `update`: `kept` of the step's drafts were accepted and appended to the sequence's tokens. Counts
+        them computed, registers the blocks they filled and frees the blocks past what the sequence now needs."""
+        seq = step.seq
+        bs = self.pool.block_size
+        settled = settle(step.block_table, step.start, len(step.drafts), kept, bs)
+        before = seq.num_computed
+        seq.num_computed = settled.num_computed
+        if self.enable_prefix_caching and seq.num_computed // bs > before // bs:
+            self._register_full_blocks(seq, before)
+        if settled.freed:
+            self.pool.release(settled.freed)
+            # A new list, not one cut in place: a backend's input batch keeps each row's table by identity and
+            # rewrites it only when the list is another (a table cut in place and grown again would look unchanged).
+            seq.block_table = seq.block_table[: settled.keep]
+
+    def waiting_tokens(self, limit: int) -> int:
+        """The prompt tokens that waiting sequences would compute, counted up to `limit` (what admission may take
+        of the next step's budget)."""
+        total = 0
+        for _, _, seq in self._waiting:
+            if seq.status is SeqStatus.WAITING:
+                total += seq.num_uncomputed
+                if total >= limit:
+                    return limit
+        return total
+
+    def _room_for_drafts(self, seq: Sequence, k: int, budget: int) -> bool:
+        """Whether a decoding seq can verify k drafts: within `budget` and blocks free now (no eviction)."""
+        if seq.num_uncomputed != 1 or 1 + k > budget:
+            return False
+        need = self.pool.blocks_for(seq.num_computed + 1 + k) - len(seq.block_table)
+        return need <= self.pool.num_free - self.pool.num_cached
+
+    # -- steps launched ahead (overlap) ------------------------------------------------------------
+
+    def launched(self, plan: StepPlan) -> None:
+        """The plan's step is on its way: count its tokens computed and one token pending per sampling entry."""
+        for step in plan.seqs:
+            if step.drafts:
+                raise ValueError("a step with drafts is not launched ahead (overlap is off for speculative steps)")
+            seq = step.seq
+            seq.num_computed += len(step.token_ids)
+            if step.sample is not None:
+                seq.num_pending += 1
+
+    def landed(self, plan: StepPlan, live: Iterable[SeqStep]) -> None:
+        """The plan's step is done and its tokens appended: register the blocks that the `live` entries (those
+        still running, not preempted since) filled; let the copy sources go."""
+        if self.enable_prefix_caching:
+            bs = self.pool.block_size
+            for step in live:
+                if step.end // bs > step.start // bs:
+                    self._register_full_blocks(step.seq, step.start, step.end)
+        self.pool.release(src for src, _ in plan.copies)
 
     # -- helpers ---------------------------------------------------------------------------------
 

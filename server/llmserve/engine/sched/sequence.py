@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from llmserve.engine.frontend.outputs import FinishReason, Timing, Usage
 from llmserve.engine.frontend.request import GenerationRequest, SamplingParams
@@ -20,6 +20,8 @@ from llmserve.engine.sched.block_pool import prefix_root
 
 if TYPE_CHECKING:
     import llguidance
+
+    from llmserve.engine.lora.adapters import LoraAdapter
 
 
 class GrammarState(Protocol):
@@ -44,7 +46,7 @@ class SampleRow:
 
     A sampled row (not `params.greedy`) names its random stream and never holds it, so this type is torch-free:
     `key` identifies the sequence (its handle, unique in an engine), `seed` is where its stream starts; the
-    backend keeps the streams (engine/generators.py). `token_ids` (prompt + generated) is only read for the
+    backend keeps the streams (engine/streams.py). `token_ids` (prompt + generated) is only read for the
     penalties: the repetition penalty reads all of it, frequency and presence penalties only `token_ids[num_prompt:]`.
     `blocked_token_ids` are forbidden this step, e.g. EOS while under min_new_tokens. `constraint` (the
     request's grammar state) allows only the tokens that keep the generated text within its language.
@@ -94,7 +96,7 @@ class Sequence:
     eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
     constraint: GrammarState | None = None  # the grammar state of a constrained request (generated tokens only)
     after: Sequence | None = None  # completion 0 of this n > 1 request: wait for its prompt's KV, then share it
-    lora: Resident[Any] | None = None  # the LoRA adapter it holds from admission to its end (lora/serving.py)
+    lora: Resident[LoraAdapter] | None = None  # the LoRA adapter it holds from admission to its end (lora/serving.py)
     prefix_root: bytes = b""  # its prefix hash chain's root: its cache salt's, and its adapter's (lora/cache_keys)
     # Overlap (--async-scheduling, engine/core_overlap.py): tokens sampled by steps in flight, not yet in token_ids
     # (each a placeholder the next step's plan computes: plan.PENDING), and the length at which the request ends
