@@ -13,7 +13,7 @@ fused forward on the CPU) with one that returns ready logits, and times `EngineC
 
 With --front-end every request is a stream of AsyncEngine.generate consumed on an event loop thread, as in the
 server, and a step's time includes handing its deltas to that loop. With --engine-process as well, the core runs
-in a child process (core_process.py, as `python -m llmserve` runs it) and the figure is the child's step loop:
+in a child process (core/process.py, as `python -m llmserve` runs it) and the figure is the child's step loop:
 the time from one step's start to the next's, its outputs' pickling and sending included.
 """
 

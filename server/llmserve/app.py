@@ -241,7 +241,7 @@ def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
 async def run(config: Config) -> int:
     """Serve until SIGTERM or SIGINT (return 0) or until the engine dies (return EXIT_ENGINE_DEAD),
     draining in-flight streams before returning."""
-    # Imported here so that `--help` and config errors answer without loading torch (core_process loads none).
+    # Imported here so that `--help` and config errors answer without loading torch (core/process.py loads none).
     from llmserve.engine.core.process import ChildSpec, ProcessCore, load_served_model
 
     loop = asyncio.get_running_loop()

@@ -34,7 +34,7 @@ class ModelConfig:
     device: str = "auto"
     dtype: str = "auto"
     cache_dir: str | None = None
-    # The engine core in a process of its own (engine/core_process.py), so that the step loop does not share the
+    # The engine core in a process of its own (engine/core/process.py), so that the step loop does not share the
     # front end's GIL; False: on a thread of the server's process.
     engine_process: bool = True
 

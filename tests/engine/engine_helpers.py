@@ -26,7 +26,7 @@ from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
-# The two implementations of core_client.Core: the step loop on a thread, and in an engine process of its own.
+# The two implementations of core/client.Core: the step loop on a thread, and in an engine process of its own.
 CORES = ("thread", "process")
 
 

@@ -1,4 +1,5 @@
-"""SubscribeKvEvents' publisher: the engine's prefix-cache events (engine/kv_events.py) as smg's KvEventBatch stream.
+"""SubscribeKvEvents' publisher: the engine's prefix-cache events (engine/sched/kv_events.py) as smg's KvEventBatch
+stream.
 
 The event loop polls the engine for what its pool stored and removed (every POLL_S, never waiting on the step
 loop) and publishes one batch per cache salt: each salt is a channel of its own, numbered 1, 2, 3... with the last

@@ -104,7 +104,7 @@ class Core(Protocol):
     implementation's, once per pass of the step loop, with that pass's outputs in order."""
 
     @property
-    def facts(self) -> CoreFacts: ...  # what requests are checked against (facts.validate)
+    def facts(self) -> CoreFacts: ...  # what requests are checked against (request.validate)
 
     @property
     def dead_reason(self) -> str | None: ...  # why the core cannot serve any more; None while it can

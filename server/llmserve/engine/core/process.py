@@ -6,7 +6,7 @@ thread take turns on one GIL: each millisecond of front-end Python is a millisec
 device it feeds, waits (benchmarks/probes/host_overhead.py --front-end: at 256 streams a step's host work is
 2.7 ms alone and 7-10 ms beside the front end).
 
-The parent's side is `ProcessCore` (a core_client.Core). It starts `python -m llmserve.engine.core.process` in a
+The parent's side is `ProcessCore` (a client.Core). It starts `python -m llmserve.engine.core.process` in a
 fresh interpreter (a fork would inherit the parent's threads and CUDA state) and talks to it over two pipes. A
 constrained request travels with its spec: the engine process compiles it (the front end only checked it). The
 client numbers the requests (client.ClientRequests) and keeps, for each, what it has seen of it (its first token's
@@ -92,7 +92,7 @@ class _Accounts:
 
 
 class ProcessCore:
-    """The front end's side of a core in a child process (core_client.Core).
+    """The front end's side of a core in a child process (client.Core).
 
     The constructor starts the child and returns at once; `wait_ready` (seconds: the child loads the model and warms
     up) raises RuntimeError when the child failed or exited, or the child's own exception when it pickled.
@@ -153,7 +153,7 @@ class ProcessCore:
         assert isinstance(message, Ready)
         self.card, self._facts, self._stats = message.card, message.facts, message.stats
 
-    # -- core_client.Core ------------------------------------------------------------------------
+    # -- client.Core -----------------------------------------------------------------------------
 
     @property
     def facts(self) -> CoreFacts:

@@ -1,7 +1,7 @@
 """The asyncio front end of the engine: `generate()` streams a request's deltas; the step loop runs elsewhere.
 
-The front end holds one `Core` (core_client.py): the core on a thread of this process (`ThreadCore`, the default
-here) or in an engine process of its own (core_process.ProcessCore, what `python -m llmserve` runs: see
+The front end holds one `Core` (core/client.py): the core on a thread of this process (core/engine_core.ThreadCore, the
+default here) or in an engine process of its own (core/process.ProcessCore, what `python -m llmserve` runs: see
 `build_engine`). It checks a request (its values against the core's facts, its constraint with the checker,
 constraints.py) before anything is queued, adds it, and turns the core's outputs into the caller's deltas: the core
 hands each pass's token outputs to the event loop in one call, where the output processor (output_processor.py)
@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.client import Core
 from llmserve.engine.core.process import ProcessCore
+from llmserve.engine.frontend.detokenizer import Decoder
 from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
-from llmserve.engine.frontend.fanout import Merger, split
+from llmserve.engine.frontend.fanout import split
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.outputs import Delta, EngineOutput, FinishReason
+from llmserve.engine.frontend.outputs import Delta, EngineOutput, FinishReason, Usage
 from llmserve.engine.frontend.protocol import EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.frontend.request import ConstraintSpec, GenerationRequest, validate
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
@@ -55,7 +56,9 @@ class AsyncEngine:
             core = ThreadCore(EngineCore(loaded, config, vocabulary))
         self.core: Core = core
         self.checker = None if vocabulary is None else ConstraintChecker.over(vocabulary, config)
-        self._processor = OutputProcessor(self.card.tokenizer)  # used on the event loop only
+        # Used on the event loop only. A transformers tokenizer decodes a list of ids to one str (its stubs say
+        # str | list[str], for batches).
+        self._processor = OutputProcessor(cast("Decoder | None", self.card.tokenizer))
         self._loop: asyncio.AbstractEventLoop | None = None
         # The LoRA adapters as the core last answered (at start, then after each AdapterService call): what a
         # request's adapter is checked against before it is queued. None when the core serves none.
@@ -162,14 +165,14 @@ class AsyncEngine:
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         handles: list[int] = []
         try:
-            for index, single in enumerate(split(request)):
+            for index, single in enumerate([request] if request.n == 1 else split(request)):
                 handle = self.core.add(single, after=handles[0] if handles else None)
                 self._processor.add(handle, single, deltas.put_nowait, index)  # before any output reaches the loop
                 handles.append(handle)
         except EngineDead:  # the core stopped between two completions: the ones added go too
             self._forget(handles)
             raise
-        merger = Merger(len(handles))
+        merger = DeltaStream(len(handles))
         try:
             while merger.open:
                 batch = [await deltas.get()]  # a completion's first token goes out alone, as soon as it exists
@@ -209,11 +212,56 @@ class AsyncEngine:
             self.core.abort(handle, keep_generated)
 
 
+class DeltaStream:
+    """Turns the deltas of a call's completions (n of them, 1 unless it asked for more), in the order they arrived,
+    into the stream a caller reads.
+
+    Per completion (`Delta.index`) the order is kept and the deltas that arrived together are joined into one
+    (Delta.then), except its first delta, which goes alone, as the first token always does. Completions interleave
+    in arrival order. When n > 1, the delta that finishes the last completion carries `total_usage`: prompt and
+    cached prompt tokens as completion 0 counted them (the prompt once), completion tokens summed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.open = set(range(n))  # completions whose final delta has not been taken yet
+        self._started: set[int] = set()
+        self._total = Usage(0, 0, 0)
+
+    def take(self, batch: list[Delta]) -> list[Delta]:
+        """The deltas to yield for those that arrived since the last call."""
+        out: list[Delta] = []
+        joinable: dict[int, int] = {}  # completion -> where in `out` its delta is that later ones join
+        for delta in batch:
+            index = delta.index
+            at = joinable.get(index)
+            if at is not None:
+                out[at] = out[at].then(delta)
+                continue
+            if index in self._started:
+                joinable[index] = len(out)
+            self._started.add(index)
+            out.append(delta)
+        for delta in out:
+            if delta.finished:
+                self._finish(delta)
+        return out
+
+    def _finish(self, delta: Delta) -> None:
+        self.open.discard(delta.index)
+        total, usage = self._total, delta.usage
+        if usage is not None:
+            if delta.index == 0:
+                total.prompt_tokens, total.cached_prompt_tokens = usage.prompt_tokens, usage.cached_prompt_tokens
+            total.completion_tokens += usage.completion_tokens
+        if not self.open and self.n > 1:
+            delta.total_usage = Usage(total.prompt_tokens, total.cached_prompt_tokens, total.completion_tokens)
+
+
 async def build_engine(
     load: Callable[[], LoadedModel], config: EngineConfig, core: ProcessCore | None = None
 ) -> AsyncEngine:
     """The engine over the model `load` builds: with `core` (an engine process started already,
-    core_process.ProcessCore), over that core once it is ready, which loads the model itself (`load` is then not
+    core/process.ProcessCore), over that core once it is ready, which loads the model itself (`load` is then not
     called here); else over a core on a thread of this process. Building takes seconds (loading, KV allocation,
     weight packing, graph capture): it runs off the event loop. Cancelling it kills the engine process."""
     if core is None:

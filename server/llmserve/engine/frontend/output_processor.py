@@ -14,9 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from llmserve.engine.frontend.detokenizer import IncrementalDetokenizer
+from llmserve.engine.frontend.detokenizer import Decoder, IncrementalDetokenizer
 from llmserve.engine.frontend.outputs import Delta, EngineOutput, FinishReason, RequestStart
 from llmserve.engine.frontend.request import GenerationRequest
 
@@ -41,7 +40,7 @@ class _Stream:
 class OutputProcessor:
     """Turns EngineOutputs into Deltas for the requests `add` registered. Not thread-safe: one thread calls it."""
 
-    def __init__(self, tokenizer: Any) -> None:  # a transformers tokenizer, or None: token ids only
+    def __init__(self, tokenizer: Decoder | None) -> None:  # a transformers tokenizer, or None: token ids only
         self.tokenizer = tokenizer
         self._streams: dict[int, _Stream] = {}
 

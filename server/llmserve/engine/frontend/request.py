@@ -130,7 +130,7 @@ class ConstraintKind(enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class ConstraintSpec:
-    """A constraint on the generated text, as the caller wrote it (compiled by engine/constraints.py).
+    """A constraint on the generated text, as the caller wrote it (compiled by sample/constraints.py).
 
     `text` is the schema, regex or grammar; `choices` the strings of a choice. Hashable: it is the key of
     the compile cache.
@@ -154,7 +154,7 @@ class GenerationRequest:
     `deadline` is on the `time.monotonic()` clock; `priority` orders the waiting queue (higher first).
     `cache_salt` scopes automatic prefix caching: only requests with the same salt share cached blocks.
     `adapter` names the LoRA adapter to generate with (None: the base model); cached KV is per adapter too.
-    `n` > 1: n completions of the prompt that share its KV (engine/fanout.py); never with a session (one answer).
+    `n` > 1: n completions of the prompt that share its KV (frontend/fanout.py); never with a session (one answer).
     `prompt_field` is the caller's name for the prompt, which errors about it name (the gRPC edge sets the
     input the prompt came from: `text`, `chat` or `token_ids.ids`).
 

@@ -50,7 +50,7 @@ class RandomStreams:
     def rewind(self, key: int, seed: int, draws: int) -> None:
         """Set a stream to where `draws` samples from `seed` leave it (one uniform float32 number per sampled row,
         as sampler.sample draws): for a sequence whose last sample was dropped (preempted while its step was in
-        flight, engine/core_overlap.py), so that the dropped position draws again what it drew."""
+        flight, core/steps.py's OverlapRunner), so that the dropped position draws again what it drew."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
         for _ in range(draws):
             torch.rand((), generator=generator, device=self.device)

@@ -1,9 +1,9 @@
 """The engine's own state for one request: `Sequence` (mutable, on the step thread only) and the `SampleRow` the
 sampler reads from it each step.
 
-Neither leaves the engine: the caller's types are request.py's (in) and delta.py's (out). A constrained request's
-grammar state is a `GrammarState`, the small protocol below, so that this module needs neither the constraint
-compiler (constraints.py) nor a tensor library.
+Neither leaves the engine: the caller's types are frontend/request.py's (in) and frontend/outputs.py's (out). A
+constrained request's grammar state is a `GrammarState`, the small protocol below, so that this module needs neither
+the constraint compiler (sample/constraints.py) nor a tensor library.
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ class Sequence:
     after: Sequence | None = None  # completion 0 of this n > 1 request: wait for its prompt's KV, then share it
     lora: Resident[LoraAdapter] | None = None  # the LoRA adapter it holds from admission to its end (lora/serving.py)
     prefix_root: bytes = b""  # its prefix hash chain's root: its cache salt's, and its adapter's (lora/cache_keys)
-    # Overlap (--async-scheduling, engine/core_overlap.py): tokens sampled by steps in flight, not yet in token_ids
-    # (each a placeholder the next step's plan computes: plan.PENDING), and the length at which the request ends
-    # at the latest (its max_new_tokens or the context), so that a step is never planned past it.
+    # Overlap (--async-scheduling, core/steps.py's OverlapRunner): tokens sampled by steps in flight, not yet in
+    # token_ids (each a placeholder the next step's plan computes: plan.PENDING), and the length at which the request
+    # ends at the latest (its max_new_tokens or the context), so that a step is never planned past it.
     num_pending: int = 0
     length_limit: int = 1 << 62
     _row: SampleRow | None = None  # sample_row() once nothing is blocked any more: it no longer changes

@@ -1,4 +1,4 @@
-"""The engine's asyncio front end (AsyncEngine with its output processor) over either core (core_client.Core: on a
+"""The engine's asyncio front end (AsyncEngine with its output processor) over either core (core/client.Core: on a
 thread, or in an engine process): seeds, validation, cancellation, failures, deadlines, coalescing, the waiting
 count, session queries however the core ends, a core's death, text and stop strings.
 

@@ -1,5 +1,7 @@
-"""The overlapped step (--async-scheduling, engine/core_overlap.py): the same tokens as plain steps, and nothing from
-a step planned before a sequence left; a slow backend shows the next step planned while the previous one runs."""
+"""How a step runs (core/steps.py). The overlapped step (--async-scheduling, OverlapRunner): the same tokens as plain
+steps, and nothing from a step planned before a sequence left; a slow backend shows the next step planned while the
+previous one runs. The token sink (TokenSink): each token joins its request through the stop checks, up to the first
+that ends it. (The plain step, PlainRunner, runs every core's tests: core/test_engine_core.py and the rest.)"""
 
 from __future__ import annotations
 
@@ -7,12 +9,23 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.engine.core.steps import OverlapRunner
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import SamplingParams, StoppingParams
+from llmserve.engine.core.steps import OverlapRunner, TokenSink
+from llmserve.engine.frontend.outputs import FinishReason, RequestStart, TokenLogprob
+from llmserve.engine.frontend.request import (
+    ConstraintKind,
+    ConstraintSpec,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
+from llmserve.engine.sample.constraints import ConstraintCompiler, Vocabulary
+from llmserve.engine.sample.sampler import Sampled
 from llmserve.engine.sched.plan import PENDING, StepPlan
+from llmserve.engine.sched.sequence import Sequence
 from tests.engine.engine_helpers import CONFIG, req, run, serve, start_engine, stepped_core, with_text
 
 SAMPLED = SamplingParams(temperature=1.0, seed=99)
@@ -300,3 +313,72 @@ def test_a_random_stream_outlives_its_request_only_until_the_step_in_flight_land
     core.run(stop, lambda outputs: None)  # stops at once: cancels what is left, the step in flight dropped
     assert len(streams) == 0 and not core.runner.in_flight
     assert core.pool.num_free == core.pool.num_blocks
+
+
+# -- the token sink (steps.TokenSink): a token joins its request here, through the stop checks -------------------
+
+
+def _seq(prompt: list[int], **stopping: object) -> Sequence:
+    stopping.setdefault("max_new_tokens", 8)
+    request = GenerationRequest("sink", tuple(prompt), stopping=StoppingParams(**stopping))  # type: ignore[arg-type]
+    seq = Sequence.of(request, 7, 1.0, [2], None)
+    seq.first_scheduled = 1.5
+    return seq
+
+
+def _picked(*tokens: int) -> list[Sampled]:
+    return [Sampled(t, TokenLogprob(t, -0.5)) for t in tokens]
+
+
+def test_the_sink_appends_tokens_one_by_one_up_to_the_first_that_ends_the_request() -> None:
+    sink = TokenSink(max_model_len=64)
+    seq = _seq([1, 1, 1], stop_token_ids=(9,))
+    first = sink.append(seq, _picked(4, 5), now=3.0)
+    assert first.reason is None and first.output.token_ids == [4, 5] and seq.token_ids == [1, 1, 1, 4, 5]
+    assert first.output.logprobs == [TokenLogprob(4, -0.5), TokenLogprob(5, -0.5)]
+    assert first.output.start == RequestStart(3, 0, None, 1.0, 0.5, 2.0)  # the accounts at its first token
+    ended = sink.append(seq, _picked(6, 9, 8), now=4.0)
+    assert ended.reason is FinishReason.STOP_TOKEN and ended.output.token_ids == [6, 9]  # 8 is never appended
+    assert ended.output.start is None and seq.token_ids[-1] == 9
+
+
+@pytest.mark.parametrize(
+    ("stopping", "tokens", "reason", "kept"),
+    [
+        ({}, [4, 2, 5], FinishReason.EOS, [4, 2]),  # the model's EOS (2)
+        ({"ignore_eos": True}, [4, 2, 5], None, [4, 2, 5]),
+        ({"stop_token_ids": (2,)}, [4, 2], FinishReason.STOP_TOKEN, [4, 2]),  # a stop token before EOS
+        ({"max_new_tokens": 2}, [4, 5, 6], FinishReason.LENGTH, [4, 5]),
+    ],
+)
+def test_each_stop_check_ends_the_request_at_its_token(
+    stopping: dict[str, object], tokens: list[int], reason: FinishReason | None, kept: list[int]
+) -> None:
+    appended = TokenSink(max_model_len=64).append(_seq([1], **stopping), _picked(*tokens), now=2.0)
+    assert appended.reason is reason and appended.output.token_ids == kept
+
+
+def test_the_context_ends_a_request_at_max_model_len() -> None:
+    seq = _seq([1, 1, 1], max_new_tokens=100)
+    appended = TokenSink(max_model_len=5).append(seq, _picked(4, 5, 6), now=2.0)
+    assert appended.reason is FinishReason.LENGTH and len(seq.token_ids) == 5
+
+
+def test_a_constraint_ends_its_request_when_complete_and_fails_it_on_a_token_it_refuses(smollm_tokenizer) -> None:
+    vocab = len(smollm_tokenizer)
+    compiler = ConstraintCompiler(Vocabulary(smollm_tokenizer, vocab, [smollm_tokenizer.eos_token_id]))
+    try:
+        grammar = compiler.submit(ConstraintSpec(ConstraintKind.CHOICE, choices=("yes", "no"))).result()
+    finally:
+        compiler.close()
+    yes = smollm_tokenizer.encode("yes", add_special_tokens=False)
+    sink = TokenSink(max_model_len=64)
+    seq = _seq([1], max_new_tokens=8)
+    seq.constraint = grammar.start()
+    done = sink.append(seq, _picked(*yes, 5), now=2.0)
+    assert done.reason is FinishReason.CONSTRAINT and done.output.token_ids == yes
+    refused = _seq([1])
+    refused.constraint = grammar.start()
+    failed = sink.append(refused, _picked(*smollm_tokenizer.encode("maybe", add_special_tokens=False)), now=2.0)
+    assert failed.reason is FinishReason.ERROR and failed.error is not None
+    assert failed.error.startswith("the constraint rejected token")

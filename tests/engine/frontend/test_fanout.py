@@ -1,4 +1,4 @@
-"""n completions of one prompt (engine/fanout.py, and the scheduler's `after`): the prompt's KV is computed once and
+"""n completions of one prompt (frontend/fanout.py, and the scheduler's `after`): the prompt's KV is computed once and
 its full blocks are shared, seeds follow the documented derivation, and the merged stream keeps each completion's
 order."""
 
@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
+from llmserve.engine.frontend.async_engine import DeltaStream
 from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.frontend.fanout import SEED_MODULUS, Merger, derive_seed, split
+from llmserve.engine.frontend.fanout import SEED_MODULUS, derive_seed, split
 from llmserve.engine.frontend.output_processor import OutputProcessor
 from llmserve.engine.frontend.outputs import Delta, FinishReason, Usage
 from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, validate
@@ -90,7 +91,7 @@ def test_n_is_validated() -> None:
 
 
 def test_the_merged_stream_keeps_each_completions_order_and_adds_the_total() -> None:
-    merger = Merger(2)
+    merger = DeltaStream(2)
     first = merger.take([Delta("r", [1], index=0), Delta("r", [2], index=0), Delta("r", [5], index=1)])
     assert [(d.index, d.token_ids) for d in first] == [(0, [1]), (0, [2]), (1, [5])]  # each first token alone
     done0 = Delta("r", [3], index=0, finish_reason=FinishReason.LENGTH, usage=Usage(10, 0, 3))

@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (core_process.py, core_child.py, core_messages.py) behind AsyncEngine: the
+"""The engine core in a process of its own (core/process.py) behind AsyncEngine: the
 same tokens and books as the core on a thread, stop strings and constraints across the pipe, the child's failure at
 start, a clean exit, a front end that falls behind, and a session command that races the child's loss. What both
 cores promise alike (death, stop, session queries, counts) is tested over both in test_async_engine.py."""

@@ -1,4 +1,4 @@
-"""engine/constraints.py: the front end's check (refusals name the field and the library's reason, the cache, the
+"""sample/constraints.py: the front end's check (refusals name the field and the library's reason, the cache, the
 time bound) and the engine's compile (what the check lets through compiles), and constrained generation checked by
 independent validators (jsonschema, re.fullmatch, membership) on a tiny random model that speaks SmolLM2's
 vocabulary, greedy and sampled, alone and batched."""

@@ -1,4 +1,4 @@
-"""The block pool's KV events (engine/kv_events.py): what is stored and removed, with parents and salts, numbered and
+"""The block pool's KV events (sched/kv_events.py): what is stored and removed, with parents and salts, numbered and
 bounded; and the front end's publisher of them (api/kv_publisher.py), per salt, with replay and its bounds."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The scheduler's books for steps launched ahead (scheduler_overlap.py), over integers: placeholders for the tokens
-in flight, no step past a length they reach, prefix blocks registered only once their step has landed, and the
-same blocks and outputs as plain steps when each step lands one step late."""
+"""The scheduler's books for steps launched ahead (sched/scheduler.py's launched/landed), over integers: placeholders
+for the tokens in flight, no step past a length they reach, prefix blocks registered only once their step has landed,
+and the same blocks and outputs as plain steps when each step lands one step late."""
 
 from __future__ import annotations
 
