@@ -250,9 +250,10 @@ def test_importing_the_front_end_and_the_edge_loads_no_tensor_library() -> None:
 
 
 def test_the_layers_import_only_what_the_readme_says() -> None:
-    """README, Architecture: the books (sched/) and sampling (sample/) import no step loop, backend or front end;
-    backends/ import no step loop or front end; the front end imports of the core only its client side; the core
-    imports nothing of the front end's asyncio side. Type-level imports count."""
+    """README, Architecture: the books (sched/) and sampling (sample/) import no step loop, backend, speculation or
+    asyncio front end; backends/ import no step loop, speculation or front end; speculation, LoRA and the KV tiers,
+    each reached through one object the core holds, import no step loop; the front end imports of the core only its
+    client side; the core imports nothing of the front end's asyncio side. Type-level imports count."""
     graph = llmserve_graph(at_import_only=False)
     front_async = {
         f"llmserve.engine.frontend.{m}" for m in ("async_engine", "output_processor", "detokenizer", "fanout")
@@ -265,6 +266,9 @@ def test_the_layers_import_only_what_the_readme_says() -> None:
         "llmserve.engine.sched": core | backends | front_async | spec,
         "llmserve.engine.sample": core | backends | front_async | spec,
         "llmserve.engine.backends": core | front_async | spec,
+        "llmserve.engine.spec": core | front_async,
+        "llmserve.engine.lora": core | front_async | spec,
+        "llmserve.engine.kv_tiers": core | front_async | spec,
         "llmserve.engine.frontend": core - client_side,
         "llmserve.engine.core.": front_async,
     }

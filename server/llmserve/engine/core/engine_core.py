@@ -50,8 +50,8 @@ from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, ended, 
 from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
 from llmserve.engine.frontend.request import CoreFacts, GenerationRequest, StoppingParams
 from llmserve.engine.kv_tiers.worker import build_tiers
-from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters
-from llmserve.engine.lora.serving import LoraServing, answer, manage
+from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters, LoadAdapter
+from llmserve.engine.lora.serving import LoraOff, LoraServing
 from llmserve.engine.sample.constraints import ConstraintCompiler, ConstraintState, Vocabulary
 from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sched.block_pool import BlockPool
@@ -183,7 +183,28 @@ class EngineCore:
         return self._stats.snapshot(self.speculation)  # read without a lock: a scrape never stalls a step
 
     def manage_adapters(self, op: AdapterOp) -> Future[AdapterAnswer]:
-        return manage(self._ask, self.lora, op)  # an AdapterService call, answered when the inbox is next drained
+        """An AdapterService call, answered when the inbox is next drained: a load's files are read first on a
+        thread of its own (a slow disk holds up neither the caller nor the step loop), then the step thread changes
+        the books."""
+        lora = self.lora
+        reply: Future[AdapterAnswer] = Future()
+        if lora is None:
+            reply.set_exception(LoraOff())
+            return reply
+
+        def read_then_ask() -> None:
+            try:
+                adapter = lora.prepare(op)
+            except Exception as exc:  # AdapterNotFound, AdapterRefused: the caller's answer
+                reply.set_exception(exc)
+                return
+            self._ask(ManageAdapters(op, adapter, reply))
+
+        if isinstance(op, LoadAdapter):
+            threading.Thread(target=read_then_ask, name="llmserve-lora-read", daemon=True).start()
+        else:
+            self._ask(ManageAdapters(op, None, reply))
+        return reply
 
     # -- the step thread -------------------------------------------------------------------------
 
@@ -272,7 +293,7 @@ class EngineCore:
             elif isinstance(command, DeleteSession):
                 command.reply.set_result(self.sessions.delete(command.session_id))
             elif isinstance(command, ManageAdapters):
-                answer(command, self.lora)
+                self._apply_adapters(command)
             else:
                 self._abort(command)
         if self.compiling:
@@ -402,6 +423,16 @@ class EngineCore:
             seq.token_ids = seq.token_ids[: seq.num_prompt + command.keep_generated]
             seq.num_computed = min(seq.num_computed, len(seq.token_ids))
             self.finish(seq, FinishReason.STOP_SEQUENCE)
+
+    def _apply_adapters(self, command: ManageAdapters) -> None:
+        """An AdapterService call on the books, answered (AdapterExists, AdaptersBusy, UnknownAdapter: the caller's
+        answer too)."""
+        try:
+            if self.lora is None:
+                raise LoraOff()
+            command.reply.set_result(self.lora.apply(command.op, command.adapter))
+        except Exception as exc:
+            command.reply.set_exception(exc)
 
     def _end_unstarted(self, command: Add, reason: FinishReason, error: str | None = None) -> None:
         request = command.request

@@ -14,12 +14,10 @@ reads it before the books hand it to another adapter, which is copied in first.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,7 +47,6 @@ from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.model_shape import ModelShape
 
 if TYPE_CHECKING:
-    from llmserve.engine.core.client import ManageAdapters
     from llmserve.engine.sched.scheduler import Scheduler
 
 ResidentAdapter = Resident[LoraAdapter]  # an adapter in host memory, as a request holds it
@@ -226,40 +223,3 @@ class LoraServing:
                 )
             )
         return out
-
-
-def manage(
-    ask: Callable[[ManageAdapters], ManageAdapters], lora: LoraServing | None, op: AdapterOp
-) -> Future[AdapterAnswer]:
-    """An AdapterService call on a core (`ask` queues its command): a load's files are read on a thread of its own
-    (a slow disk holds up neither the caller nor the step loop), then the step thread changes the books."""
-    from llmserve.engine.core.client import ManageAdapters
-
-    reply: Future[AdapterAnswer] = Future()
-    if lora is None:
-        reply.set_exception(LoraOff())
-        return reply
-
-    def read_then_ask() -> None:
-        try:
-            adapter = lora.prepare(op)
-        except Exception as exc:  # AdapterNotFound, AdapterRefused: the caller's answer
-            reply.set_exception(exc)
-            return
-        ask(ManageAdapters(op, adapter, reply))
-
-    if isinstance(op, LoadAdapter):
-        threading.Thread(target=read_then_ask, name="llmserve-lora-read", daemon=True).start()
-    else:
-        ask(ManageAdapters(op, None, reply))
-    return reply
-
-
-def answer(command: ManageAdapters, lora: LoraServing | None) -> None:
-    """Apply an AdapterService call on the step thread and answer it."""
-    try:
-        if lora is None:
-            raise LoraOff()
-        command.reply.set_result(lora.apply(command.op, command.adapter))
-    except Exception as exc:  # AdapterExists, AdaptersBusy, UnknownAdapter: the caller's answer
-        command.reply.set_exception(exc)
