@@ -115,7 +115,7 @@ def run_jobs(backend: Any, serving: LoraServing, made: Made, planted: bool = Fal
                 scheduler.finish(seq, FinishReason.LENGTH)
                 if held[seq.seq_no] is not None:
                     serving.release(held[seq.seq_no])  # type: ignore[arg-type]
-    assert serving.registry.num_held == 0
+    assert len(serving.registry._held) == 0
     return [s.token_ids[s.num_prompt :] for s in seqs], scheduler.num_preemptions
 
 

@@ -259,7 +259,7 @@ def test_evicted_hashed_blocks_are_listed_for_offload_and_loads_register_only_wh
     assert pool.take_evicted() == [] and not pool.holds(h)
     pool.release([first, second])
     ok, bad = pool.begin_load(2)
-    assert pool.num_loading == 2 and pool.is_loading(ok)
+    assert len(pool._loading) == 2 and pool.is_loading(ok)
     pool.check([])  # the loads' own references balance the books
     pool.end_load(ok, BlockContent(h, root, (1, 2)))
     pool.end_load(bad, None)

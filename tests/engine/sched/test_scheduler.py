@@ -324,7 +324,7 @@ class EngineBooks(RuleBasedStateMachine):
             return
         owners = [seq.block_table for seq in self.scheduler.running] + self.sessions.owners()
         self.pool.check(owners + self.scheduler.pinned())
-        assert self.pool.num_loading == len(self.loads) == len(self.scheduler._load_content)
+        assert len(self.pool._loading) == len(self.loads) == len(self.scheduler._load_content)
         if self.tier is not None:
             assert len(self.tier) <= self.tier.capacity_blocks
             assert all(self.tier.get(block_hash) is not None for block_hash in self.tier_kv)

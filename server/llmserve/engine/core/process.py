@@ -43,7 +43,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.client import Abort, Add, ClientRequests, Emit
@@ -371,12 +372,19 @@ class ProcessCore:
             pass  # the child is gone: the reader sees its pipe close and ends what it held
 
 
-def load_served_model(*args: Any, **kwargs: Any) -> LoadedModel:
+def load_served_model(
+    spec: str | os.PathLike[str] | None = None,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    cache_root: Path | None = None,
+    lora: bool = False,
+) -> LoadedModel:
     """llmserve.models.load_model, imported when called: a ChildSpec's `load` that this process can name without
     loading torch (the server starts its engine process before it imports the rest)."""
     from llmserve.models import load_model
 
-    return load_model(*args, **kwargs)
+    return load_model(spec, device=device, dtype=dtype, cache_root=cache_root, lora=lora)
 
 
 # -- the messages -----------------------------------------------------------------------------------------------

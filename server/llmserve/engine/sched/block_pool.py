@@ -223,10 +223,6 @@ class BlockPool:
         out, self._evicted = self._evicted, []
         return out
 
-    @property
-    def num_loading(self) -> int:
-        return len(self._loading)
-
     def is_loading(self, block: int) -> bool:
         return block in self._loading
 
