@@ -267,15 +267,7 @@ async def run(config: Config) -> int:
         await server.stop(0)
         return EXIT_STORE_UNAVAILABLE
     m = config.model
-    cache_root = Path(m.cache_dir) if m.cache_dir else None
-    load = functools.partial(
-        load_served_model,
-        m.spec,
-        device=m.device,
-        dtype=m.dtype,
-        cache_root=cache_root,
-        lora=config.engine.lora_enabled,
-    )
+    load = functools.partial(load_served_model, m, config.engine.lora_enabled)
     # The engine process starts first; with it, this process never imports torch (the child sends the model's card).
     child = ChildSpec(load, config.engine, config.server.log_level, config.server.log_format)
     core = ProcessCore(child) if m.engine_process else None

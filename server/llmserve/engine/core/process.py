@@ -58,6 +58,7 @@ from llmserve.model_card import ModelCard
 from llmserve.telemetry.request_log import configure_logging
 
 if TYPE_CHECKING:
+    from llmserve.config import ModelConfig
     from llmserve.engine.core.engine_core import EngineCore
     from llmserve.models import LoadedModel
 
@@ -372,19 +373,13 @@ class ProcessCore:
             pass  # the child is gone: the reader sees its pipe close and ends what it held
 
 
-def load_served_model(
-    spec: str | os.PathLike[str] | None = None,
-    *,
-    device: str = "auto",
-    dtype: str = "auto",
-    cache_root: Path | None = None,
-    lora: bool = False,
-) -> LoadedModel:
-    """llmserve.models.load_model, imported when called: a ChildSpec's `load` that this process can name without
-    loading torch (the server starts its engine process before it imports the rest)."""
+def load_served_model(model: ModelConfig, lora: bool) -> LoadedModel:
+    """The served model (llmserve.models.load_model, imported when called): a ChildSpec's `load` that this process
+    can name without loading torch (the server starts its engine process before it imports the rest)."""
     from llmserve.models import load_model
 
-    return load_model(spec, device=device, dtype=dtype, cache_root=cache_root, lora=lora)
+    cache_root = Path(model.cache_dir) if model.cache_dir else None
+    return load_model(model.spec, device=model.device, dtype=model.dtype, cache_root=cache_root, lora=lora)
 
 
 # -- the messages -----------------------------------------------------------------------------------------------
