@@ -108,20 +108,6 @@ class EngineCore:
             self.tiers.start()
         self.speculation = Speculation.of(config, self.max_model_len)  # spec/; None when off
         self.sink = TokenSink(self.max_model_len)
-        self.runner: StepRunner = PlainRunner(
-            self,
-            self.tiers,
-            self.lora,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
-        if config.async_scheduling:
-            if self.speculation is not None or self.tiers is not None or self.lora is not None:
-                log.warning(
-                    "--async-scheduling is off: speculative decoding, the KV tiers and LoRA step without overlap"
-                )
-            else:
-                self.runner = OverlapRunner(self)
         vocabulary = vocabulary if vocabulary is not None else Vocabulary.for_model(loaded)
         compiler = None if vocabulary is None else ConstraintCompiler(vocabulary, config.constraint_cache_size)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -135,6 +121,21 @@ class EngineCore:
         self.dead_reason: str | None = None
         self.steps = 0  # forwards that succeeded
         self._stats = CoreStats(self.pool, self.sessions, self.scheduler, self.compiling, self.tiers, self.lora)
+        # How a step runs, chosen once: overlapped (--async-scheduling) unless a feature that steps without it is on.
+        overlap = config.async_scheduling and self.speculation is None and self.tiers is None and self.lora is None
+        if config.async_scheduling and not overlap:
+            log.warning("--async-scheduling is off: speculative decoding, the KV tiers and LoRA step without overlap")
+        self.runner: StepRunner = (
+            OverlapRunner(self)
+            if overlap
+            else PlainRunner(
+                self,
+                self.tiers,
+                self.lora,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            )
+        )
         self.facts = CoreFacts(  # what the front end checks requests against (request.validate)
             self.max_model_len,
             self.sliding_window,
