@@ -28,20 +28,31 @@ SERVICE_TESTS = "tests/service"
 # module -> (its file under server/llmserve, the pytest arguments that select the tests that exercise it). The
 # book-keeping runs without a model: its engine-level tests would only make each mutant slower.
 MODULES: dict[str, tuple[str, list[str]]] = {
-    "block_pool": ("engine/block_pool.py", [f"{ENGINE_TESTS}/test_block_pool.py", f"{ENGINE_TESTS}/test_scheduler.py"]),
-    "sessions": (
-        "engine/sessions.py",
-        [f"{ENGINE_TESTS}/test_sessions.py", f"{ENGINE_TESTS}/test_scheduler.py", "-k", "scheduler or test_store_"],
+    "block_pool": (
+        "engine/sched/block_pool.py",
+        [f"{ENGINE_TESTS}/sched/test_block_pool.py", f"{ENGINE_TESTS}/sched/test_scheduler.py"],
     ),
-    "scheduler": ("engine/scheduler.py", [f"{ENGINE_TESTS}/test_scheduler.py"]),
-    "fanout": ("engine/fanout.py", [f"{ENGINE_TESTS}/test_fanout.py"]),
-    "sampler": ("engine/sampler.py", [f"{ENGINE_TESTS}/test_sampler.py"]),
+    "sessions": (
+        "engine/sched/sessions.py",
+        [
+            f"{ENGINE_TESTS}/sched/test_sessions.py",
+            f"{ENGINE_TESTS}/sched/test_scheduler.py",
+            "-k",
+            "scheduler or test_store_",
+        ],
+    ),
+    "scheduler": ("engine/sched/scheduler.py", [f"{ENGINE_TESTS}/sched/test_scheduler.py"]),
+    "fanout": ("engine/frontend/fanout.py", [f"{ENGINE_TESTS}/frontend/test_fanout.py"]),
+    "sampler": ("engine/sample/sampler.py", [f"{ENGINE_TESTS}/sample/test_sampler.py"]),
     # Its real_model tests need only the default model's tokenizer.
-    "detokenizer": ("engine/detokenizer.py", [f"{ENGINE_TESTS}/test_detokenizer.py"]),
-    "core": ("engine/core.py", [f"{ENGINE_TESTS}/test_core.py", f"{ENGINE_TESTS}/test_async_engine.py"]),
+    "detokenizer": ("engine/frontend/detokenizer.py", [f"{ENGINE_TESTS}/frontend/test_detokenizer.py"]),
+    "core": (
+        "engine/core/engine_core.py",
+        [f"{ENGINE_TESTS}/core/test_engine_core.py", f"{ENGINE_TESTS}/frontend/test_async_engine.py"],
+    ),
     "output_processor": (
-        "engine/output_processor.py",
-        [f"{ENGINE_TESTS}/test_output_processor.py", f"{ENGINE_TESTS}/test_core.py"],
+        "engine/frontend/output_processor.py",
+        [f"{ENGINE_TESTS}/frontend/test_output_processor.py", f"{ENGINE_TESTS}/core/test_engine_core.py"],
     ),
     "servicer": (
         "api/servicer.py",

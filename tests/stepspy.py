@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from llmserve.engine.outputs import EngineOutput
+from llmserve.engine.frontend.outputs import EngineOutput
 
 
 class StepSpy:

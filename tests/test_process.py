@@ -26,10 +26,15 @@ def test_importing_llmserve_changes_nothing() -> None:
     code = (
         "import os, torch, transformers, grpc; mine = lambda: {k: v for k, v in os.environ.items() "
         "if not k.startswith('TORCH')}; before = mine(); "
-        "import llmserve.engine.core, llmserve.engine.backends.cpu.backend, llmserve.app, llmserve.api.servicer; "
+        "import llmserve.engine.core.engine_core, llmserve.engine.backends.cpu.backend, llmserve.app, "
+        "llmserve.api.servicer; "
         "print(before == mine())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": "/usr/bin"})
+    import os
+
+    # Nothing of this process's environment but PATH, and where it finds llmserve (a checkout's server/ folder).
+    env = {"PATH": "/usr/bin", **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 

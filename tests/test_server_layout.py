@@ -1,65 +1,33 @@
-"""The server's layout holds across its packages: no import cycle among llmserve's modules, none of them past
-400 lines, the engine knows nothing of gRPC, and the edge (the api package, config, history, auth, request log)
-imports no tensor library itself.
+"""The server's layout holds: the folders draw the engine's layers (README, Architecture), no import cycle among
+llmserve's modules (those made for type checking and inside functions included), no engine class split across files
+by inheritance (no mixin, no multiple inheritance, no NotImplementedError stub, no attribute declared in one class
+and assigned in another), the engine knows nothing of gRPC, and the front end runs without a tensor library: no
+torch import is reachable from engine/frontend/ and the edge the server process runs.
 
-The engine's own rules (the backend seam, device checks) are in tests/engine/test_layout.py.
+Module length is no rule here: a module holds one role, whatever its length (STYLE.md).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import llmserve
-from tests.engine.test_layout import MAX_LINES, assert_acyclic
 
 PACKAGE = Path(llmserve.__file__).parent
-# Modules the gRPC edge and the flags are made of: they must load without torch (the served process makes its
-# process settings before torch loads; see tests/test_process.py for the import itself).
-TORCH_FREE = (
-    "config",
-    "api/__init__",
-    "api/admission",
-    "api/convert",
-    "api/errors",
-    "api/limits",
-    "api/prompts",
-    "api/servicer",
-    "api/adapter_servicer",
-    "flags",
-    "history/__init__",
-    "history/codec",
-    "history/config",
-    "history/errors",
-    "history/reasons",
-    "history/records",
-    "history/store",
-    "history/lease",
-    "history/memory",
-    "history/sqlite_store",
-    "history/redis_store",
-    "auth",
-    "telemetry/request_log",
-    "telemetry/call",
-    "telemetry/histogram",
-    "process",
-    "__main__",
-    "engine/request",
-    "engine/errors",
-    "engine/delta",
-    "engine/sequence",
-    "engine/outputs",
-    "engine/commands",
-    "engine/protocol",
-    "engine/facts",
-    "engine/constraints",
-    "engine/compiling",
-    "engine/core_client",
-    "engine/core_messages",
-    "engine/core_process",
-)
+ENGINE = PACKAGE / "engine"
+TENSOR_LIBRARIES = {"torch", "numpy", "transformers", "triton", "safetensors", "peft"}
+# The engine's layers, one folder each (README, Architecture).
+LAYERS = ("frontend", "core", "sched", "sample", "spec", "lora", "kv_tiers", "backends")
+# The modules the server process runs besides engine/frontend/ (the engine in a process of its own): the flags,
+# the gRPC edge, its stores and its telemetry, and the torch-free side of the core it talks to.
+SERVER_PROCESS = ("__main__", "app", "config", "flags", "process", "auth", "model_card", "api", "history", "telemetry")
+CORE_CLIENT_SIDE = ("engine.core.client", "engine.core.process")
 
 
 def module_name(path: Path) -> str:
@@ -67,75 +35,288 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, *, module_level_only: bool = False) -> set[str]:
-    """The modules a file imports (inside functions too unless module_level_only; not under TYPE_CHECKING)."""
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _module_level(tree: ast.Module) -> Iterator[ast.AST]:
+    """The nodes that run when the module is imported: not inside functions, not under `if TYPE_CHECKING:`."""
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imported(path: Path, *, at_import_only: bool) -> set[str]:
+    """The modules a file names in its imports, llmserve's resolved to a module of MODULES (`from pkg import mod`
+    names mod), others by their full dotted name. `at_import_only`: what runs when the module is imported (not inside
+    functions, not for type checking); else every import, type-level and lazy ones included."""
     tree = ast.parse(path.read_text())
-    nodes: list[ast.AST] = []
-    if module_level_only:
-        for node in tree.body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            nodes.extend(ast.walk(node))
-    else:
-        nodes = list(ast.walk(tree))
+    nodes = _module_level(tree) if at_import_only else ast.walk(tree)
     found: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in MODULES else node.module)
     return found
 
 
-def test_no_import_cycle_among_the_servers_modules() -> None:
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {
-        name: {m for m in imports(path, module_level_only=True) if m in modules and m != name}
-        for name, path in modules.items()
-    }
-    assert {"llmserve.api.servicer", "llmserve.engine.core", "llmserve.config"} <= set(graph)
-    assert_acyclic(graph)
+def llmserve_graph(*, at_import_only: bool) -> dict[str, set[str]]:
+    """Every llmserve module -> the llmserve modules it imports."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        owners = {_owner(m) for m in imported(path, at_import_only=at_import_only)}
+        graph[name] = {m for m in owners if m is not None and m != name}
+    return graph
 
 
-def test_every_module_is_at_most_400_lines() -> None:
-    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
+def _owner(name: str) -> str | None:
+    """The llmserve module that `name` is or is in (an attribute path resolves to its module), or None."""
+    while name and name not in MODULES:
+        if "." not in name:
+            return None
+        name = name.rsplit(".", 1)[0]
+    return name or None
+
+
+def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """The first import cycle found in a module -> imported modules graph, or None."""
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(name: str) -> list[str] | None:
+        if name in done:
+            return None
+        if name in visiting:
+            return [*visiting[visiting.index(name) :], name]
+        visiting.append(name)
+        for dep in sorted(graph[name]):
+            cycle = visit(dep)
+            if cycle is not None:
+                return cycle
+        visiting.pop()
+        done.add(name)
+        return None
+
+    for name in sorted(graph):
+        cycle = visit(name)
+        if cycle is not None:
+            return cycle
+    return None
+
+
+def test_the_folders_are_the_engines_layers() -> None:
+    folders = {p.name for p in ENGINE.iterdir() if (p / "__init__.py").exists()}
+    assert set(LAYERS) <= folders, sorted(set(LAYERS) - folders)
+    loose = sorted(p.name for p in ENGINE.glob("*.py") if p.name not in {"__init__.py", "config.py"})
+    assert loose == [], f"every engine module lives in its layer's folder: {loose}"
+
+
+def test_no_import_cycle_among_llmserves_modules_type_level_ones_included() -> None:
+    graph = llmserve_graph(at_import_only=False)
+    assert {"llmserve.api.servicer", "llmserve.engine.core.engine_core", "llmserve.config"} <= set(graph)
+    cycle = first_cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_first_cycle_finds_a_cycle() -> None:
+    assert first_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert first_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _engine_classes() -> Iterator[tuple[str, ast.ClassDef]]:
+    for name, path in MODULES.items():
+        if name.startswith("llmserve.engine"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    yield name, node
+
+
+def _is_stub(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    body = [s for s in function.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    return (
+        len(body) == 1
+        and isinstance(body[0], ast.Raise)
+        and body[0].exc is not None
+        and "NotImplementedError" in ast.unparse(body[0].exc)
+    )
+
+
+def _declares_only(node: ast.ClassDef) -> bool:
+    """Whether the class's annotations are its fields or its interface (a dataclass, a protocol, a named tuple, an
+    enum, a typed dict): there an annotation without a value is no promise that another class assigns it."""
+    bases = {ast.unparse(b).split("[")[0].rsplit(".", 1)[-1] for b in node.bases}
+    decorators = {ast.unparse(d).split("(")[0].rsplit(".", 1)[-1] for d in node.decorator_list}
+    return bool(bases & {"Protocol", "NamedTuple", "TypedDict", "Enum", "IntEnum"} or "dataclass" in decorators)
+
+
+def test_no_engine_class_is_split_across_files_by_inheritance() -> None:
+    """No mixin among the engine's classes: no multiple inheritance, no method that only raises NotImplementedError
+    (for a subclass elsewhere to fill in), and no attribute a class declares but never assigns itself (so that
+    another class, mixed in with it, must)."""
+    several, stubs, declared = [], [], []
+    for module, node in _engine_classes():
+        bases = [ast.unparse(b) for b in node.bases if ast.unparse(b).split("[")[0] not in {"Generic", "Protocol"}]
+        if len(bases) > 1:
+            several.append(f"{module}.{node.name}({', '.join(bases)})")
+        for item in node.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_stub(item):
+                stubs.append(f"{module}.{node.name}.{item.name}")
+        if _declares_only(node):
+            continue
+        annotated = {
+            item.target.id
+            for item in node.body
+            if isinstance(item, ast.AnnAssign) and item.value is None and isinstance(item.target, ast.Name)
+        }
+        assigned = {
+            target.attr
+            for item in ast.walk(node)
+            if isinstance(item, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            for target in (item.targets if isinstance(item, ast.Assign) else [item.target])
+            for target in ([target] if not isinstance(target, ast.Tuple) else target.elts)
+            if isinstance(target, ast.Attribute) and ast.unparse(target.value) in {"self", "cls"}
+        }
+        declared += [f"{module}.{node.name}.{attr}" for attr in sorted(annotated - assigned)]
+    found = {"multiple inheritance": several, "NotImplementedError stubs": stubs, "declared, never assigned": declared}
+    assert found == {kind: [] for kind in found}
 
 
 def test_the_engine_imports_no_grpc() -> None:
     offenders = {
-        str(p.relative_to(PACKAGE)): sorted(m for m in imports(p) if m.split(".")[0] in {"grpc", "google"})
-        for p in (PACKAGE / "engine").rglob("*.py")
+        name: sorted(m for m in imported(path, at_import_only=False) if m.split(".")[0] in {"grpc", "google"})
+        for name, path in MODULES.items()
+        if name.startswith("llmserve.engine")
     }
     assert not {k: v for k, v in offenders.items() if v}
 
 
-def test_the_edge_and_the_flags_import_no_tensor_library() -> None:
-    offenders = {}
-    for name in TORCH_FREE:
-        found = imports(PACKAGE / f"{name}.py", module_level_only=True)
-        heavy = sorted(m for m in found if m.split(".")[0] in {"torch", "numpy", "transformers"})
-        if heavy:
-            offenders[name] = heavy
-    assert not offenders
+def _server_process_roots() -> list[str]:
+    roots = [n for n in MODULES if n.startswith("llmserve.engine.frontend")]
+    roots += [f"llmserve.{n}" for n in CORE_CLIENT_SIDE]
+    for part in SERVER_PROCESS:
+        roots += [n for n in MODULES if n == f"llmserve.{part}" or n.startswith(f"llmserve.{part}.")]
+    return roots
 
 
-@pytest.mark.parametrize("module", ["request", "constraints", "core_process"])
+def test_no_tensor_library_is_reachable_from_the_front_end_and_the_edge() -> None:
+    """Following the imports that run at import time (not those inside functions, which a LoadedModel's holder
+    runs, nor those made for type checking), from every module of engine/frontend/, the core's client side and the
+    edge the server process runs: no tensor library is reached. Names the first path to one."""
+    roots = _server_process_roots()
+    assert "llmserve.engine.frontend.async_engine" in roots and "llmserve.api.servicer" in roots
+    seen: dict[str, list[str]] = {root: [root] for root in roots}
+    queue = list(roots)
+    reached: dict[str, list[str]] = {}
+    while queue:
+        name = queue.pop()
+        for found in imported(MODULES[name], at_import_only=True):
+            top = found.split(".")[0]
+            if top in TENSOR_LIBRARIES:
+                reached.setdefault(top, [*seen[name], found])
+            owner = _owner(found)
+            # Importing a module imports its parent packages first.
+            for module in _with_parents(owner):
+                if module not in seen:
+                    seen[module] = [*seen[name], module]
+                    queue.append(module)
+    assert reached == {}, {lib: " -> ".join(path) for lib, path in reached.items()}
+
+
+def _with_parents(name: str | None) -> list[str]:
+    if name is None:
+        return []
+    parts = name.split(".")
+    return [m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in MODULES]
+
+
+def test_importing_the_front_end_and_the_edge_loads_no_tensor_library() -> None:
+    """The same in a fresh interpreter: every such module imported, none of the tensor libraries is loaded."""
+    roots = [m for m in _server_process_roots() if m != "llmserve.__main__"]
+    code = (
+        f"import importlib, sys; [importlib.import_module(m) for m in {sorted(roots)!r}]; "
+        f"print(sorted(m for m in {sorted(TENSOR_LIBRARIES)!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+def test_the_layers_import_only_what_the_readme_says() -> None:
+    """README, Architecture: the books (sched/) and sampling (sample/) import no step loop, backend, speculation or
+    asyncio front end; backends/ import no step loop, speculation or front end; speculation, LoRA and the KV tiers,
+    each reached through one object the core holds, import no step loop; the front end imports of the core only its
+    client side; the core imports nothing of the front end's asyncio side. Type-level imports count."""
+    graph = llmserve_graph(at_import_only=False)
+    front_async = {
+        f"llmserve.engine.frontend.{m}" for m in ("async_engine", "output_processor", "detokenizer", "fanout")
+    }
+    core = {n for n in MODULES if n.startswith("llmserve.engine.core.")}
+    client_side = {f"llmserve.{n}" for n in CORE_CLIENT_SIDE}
+    backends = {n for n in MODULES if n.startswith("llmserve.engine.backends")}
+    spec = {n for n in MODULES if n.startswith("llmserve.engine.spec")}
+    forbidden = {
+        "llmserve.engine.sched": core | backends | front_async | spec,
+        "llmserve.engine.sample": core | backends | front_async | spec,
+        "llmserve.engine.backends": core | front_async | spec,
+        "llmserve.engine.spec": core | front_async,
+        "llmserve.engine.lora": core | front_async | spec,
+        "llmserve.engine.kv_tiers": core | front_async | spec,
+        "llmserve.engine.frontend": core - client_side,
+        "llmserve.engine.core.": front_async,
+    }
+    # The one lazy import across: AsyncEngine handed a LoadedModel (torch is loaded already) builds its core here.
+    composed = {"llmserve.engine.frontend.async_engine": {"llmserve.engine.core.engine_core"}}
+    broken = {
+        name: sorted(graph[name] & never - composed.get(name, set()))
+        for prefix, never in forbidden.items()
+        for name in graph
+        if name.startswith(prefix) and graph[name] & never - composed.get(name, set())
+    }
+    assert broken == {}
+
+
+def test_the_seam_is_where_a_reader_looks() -> None:
+    from llmserve.engine.backends.base import Backend
+    from llmserve.engine.sched.plan import SeqStep, StepPlan
+
+    assert {"execute", "num_blocks", "name", "description"} <= set(dir(Backend)) | set(Backend.__annotations__)
+    assert {"start", "token_ids", "block_table", "sample"} <= set(SeqStep.__slots__)
+    assert {"seqs", "copies"} <= set(StepPlan.__slots__)
+    backends = {p.stem for p in (ENGINE / "backends").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert {"base", "torch_paged", "cpu", "cuda"} <= backends
+
+
+def test_only_the_backends_and_the_sampler_ask_which_device_they_are_on() -> None:
+    """`device.type` and `is_cuda` checks live in backends/ (the factory picks one; each knows its own) and in the
+    sampler (which picks its top-p method by device)."""
+    askers = {
+        str(p.relative_to(ENGINE))
+        for p in ENGINE.rglob("*.py")
+        if ".type ==" in p.read_text() or "is_cuda" in p.read_text() or "cuda.is_available" in p.read_text()
+    }
+    assert all(a.startswith("backends/") or a == "sample/sampler.py" for a in askers), askers
+
+
+@pytest.mark.parametrize("module", ["frontend.request", "sample.constraints", "core.process"])
 def test_the_request_types_the_constraints_and_the_core_client_import_no_tensor_library_at_all(module: str) -> None:
-    """engine/request.py names no tensor type, not even for type checking (the sampler keeps the random streams,
-    engine/generators.py); the constraint checker and compiler are torch-free (the masks are the sampler's); the
+    """frontend/request.py names no tensor type, not even for type checking (the sampler keeps the random streams,
+    sample/streams.py); the constraint checker and compiler are torch-free (the masks are the sampler's); the
     engine process's client loads none (the server starts it before torch). Importing each in a fresh interpreter
     loads no tensor library."""
-    import subprocess
-    import sys
-
-    if module == "request":
-        found = imports(PACKAGE / "engine" / "request.py")
-        assert not sorted(m for m in found if m.split(".")[0] in {"torch", "numpy", "transformers"})
+    if module == "frontend.request":
+        found = imported(ENGINE / "frontend" / "request.py", at_import_only=False)
+        assert not sorted(m for m in found if m.split(".")[0] in TENSOR_LIBRARIES)
     code = (
         f"import sys, llmserve.engine.{module}; "
-        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+        f"print(sorted(m for m in {sorted(TENSOR_LIBRARIES)!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

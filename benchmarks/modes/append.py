@@ -27,8 +27,8 @@ from benchmarks.settings import BenchSettings
 from benchmarks.writer import seconds
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.models import LoadedModel, load_model
 from llmserve_client import AsyncClient, build_request
 

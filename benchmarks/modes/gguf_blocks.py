@@ -505,7 +505,7 @@ def llmserve_perplexity(gguf: Path, tokens: list[int], ctx: int, dtype: str = "a
     tokens alone, its first token replaced by BOS where the tokenizer adds one, the second half scored; every
     token's attention through the decode kernel, as the engine computes it."""
     from llmserve.engine.backends.attention import KernelDecodeAttention
-    from llmserve.engine.core import EngineCore
+    from llmserve.engine.core.engine_core import EngineCore
     from llmserve.models import load_model
 
     loaded = load_model(str(gguf), device="cpu", dtype=dtype)

@@ -29,8 +29,8 @@ from benchmarks import options, writer
 from benchmarks.chat import ChatBuilder, Turn, call
 from benchmarks.metrics import percentile
 from benchmarks.writer import seconds
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.models import LoadedModel, load_model
 
 

@@ -23,10 +23,10 @@ import time
 from typing import Any
 
 from benchmarks import options, writer
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.fanout import derive_seed
-from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.fanout import derive_seed
+from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import LoadedModel, load_model
 
 TITLE = "n = 4 completions vs four separate calls (issue 22)"

@@ -32,7 +32,7 @@ from benchmarks.modes import append
 from benchmarks.paths import ROOT, child_env
 from benchmarks.settings import BenchSettings
 from benchmarks.writer import seconds
-from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.models import LoadedModel, load_model
 
 TITLE = "Session reuse (issues 4 and 15)"

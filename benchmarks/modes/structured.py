@@ -29,11 +29,17 @@ import torch
 from benchmarks import options, writer
 from benchmarks.metrics import percentile, ratio
 from benchmarks.window import Window, window_ratios
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.constraints import Compiled, ConstraintCompiler, Vocabulary
-from llmserve.engine.masks import constraint_masks
-from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.request import (
+    ConstraintKind,
+    ConstraintSpec,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
+from llmserve.engine.sample.constraints import Compiled, ConstraintCompiler, Vocabulary
+from llmserve.engine.sample.masks import constraint_masks
 from llmserve.models import LoadedModel, load_model
 
 TITLE = "Structured output: a JSON schema vs unconstrained (issue 22)"

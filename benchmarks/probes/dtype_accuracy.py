@@ -68,7 +68,7 @@ def load(dtype: str, swaps: dict[str, str]) -> Any:
     from llmserve.engine.backends.cpu import native
     from llmserve.engine.backends.cpu.packed_linear import RefinedHead, make_linear
     from llmserve.engine.config import EngineConfig
-    from llmserve.engine.core import EngineCore
+    from llmserve.engine.core.engine_core import EngineCore
     from llmserve.models import load_model
 
     loaded = load_model(None, device="cpu", dtype=dtype)
@@ -106,7 +106,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def greedy(core: Any, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    from llmserve.engine.request import GenerationRequest, StoppingParams
+    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 
     handle_tokens: list[int] = []
     core.submit(GenerationRequest("g", tuple(prompt), stopping=StoppingParams(new_tokens, ignore_eos=True)))

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config, random_model
 from llmserve.testing import greedy_reference, tiny_config
 

@@ -33,12 +33,12 @@ from typing import Any
 import torch
 
 from benchmarks.serve import Server, engine_flags
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.backends.piecewise import MixedSteps
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.model_shape import RANDOM_SHAPES
 from llmserve.models import LoadedModel, random_model
 from llmserve_client import AsyncClient, pb

@@ -13,7 +13,7 @@ fused forward on the CPU) with one that returns ready logits, and times `EngineC
 
 With --front-end every request is a stream of AsyncEngine.generate consumed on an event loop thread, as in the
 server, and a step's time includes handing its deltas to that loop. With --engine-process as well, the core runs
-in a child process (core_process.py, as `python -m llmserve` runs it) and the figure is the child's step loop:
+in a child process (core/process.py, as `python -m llmserve` runs it) and the figure is the child's step loop:
 the time from one step's start to the next's, its outputs' pickling and sending included.
 """
 
@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.metrics import percentile
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.backends import Backend, Kind, create_backend
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.core_process import ChildSpec, ProcessCore
-from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.core.process import ChildSpec, ProcessCore
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.output_processor import OutputProcessor
+from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
 

@@ -7,10 +7,10 @@ import time
 from benchmarks.loadgen import RequestRecord
 from benchmarks.systems.base import System
 from benchmarks.workload import BenchRequest
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel
 
 _OK = {FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE, FinishReason.STOP_TOKEN}

@@ -41,7 +41,7 @@ from llmserve.telemetry.tracing import from_env as tracing_from_env
 from llmserve_client.pb.llmserve.v1 import adapters_pb2_grpc, generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.protocol import Engine
+    from llmserve.engine.frontend.protocol import Engine
 
 log = logging.getLogger("llmserve")
 
@@ -241,8 +241,8 @@ def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
 async def run(config: Config) -> int:
     """Serve until SIGTERM or SIGINT (return 0) or until the engine dies (return EXIT_ENGINE_DEAD),
     draining in-flight streams before returning."""
-    # Imported here so that `--help` and config errors answer without loading torch (core_process loads none).
-    from llmserve.engine.core_process import ChildSpec, ProcessCore, load_served_model
+    # Imported here so that `--help` and config errors answer without loading torch (core/process.py loads none).
+    from llmserve.engine.core.process import ChildSpec, ProcessCore, load_served_model
 
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
@@ -267,22 +267,13 @@ async def run(config: Config) -> int:
         await server.stop(0)
         return EXIT_STORE_UNAVAILABLE
     m = config.model
-    cache_root = Path(m.cache_dir) if m.cache_dir else None
-    load = functools.partial(
-        load_served_model,
-        m.spec,
-        device=m.device,
-        dtype=m.dtype,
-        gguf_activations=m.gguf_activations,
-        cache_root=cache_root,
-        lora=config.engine.lora_enabled,
-    )
+    load = functools.partial(load_served_model, m, config.engine.lora_enabled)
     # The engine process starts first; with it, this process never imports torch (the child sends the model's card).
     child = ChildSpec(load, config.engine, config.server.log_level, config.server.log_format)
     core = ProcessCore(child) if m.engine_process else None
     # The engine's modules load off the event loop (torch with them for a core on a thread: seconds), meanwhile
     # health answers NOT_SERVING.
-    engines = await asyncio.to_thread(importlib.import_module, "llmserve.engine.async_engine")
+    engines = await asyncio.to_thread(importlib.import_module, "llmserve.engine.frontend.async_engine")
     log.info("loading model %s on %s%s", m.spec or "(default)", m.device, " in the engine process" if core else "")
     building = asyncio.ensure_future(engines.build_engine(load, config.engine, core))
     stopping = asyncio.ensure_future(stop.wait())

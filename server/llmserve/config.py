@@ -37,7 +37,7 @@ class ModelConfig:
     # the fastest), or "float32" (the float32 path's tokens; as fast at 1-4 rows, about float32's speed from 32).
     gguf_activations: str = "int8"
     cache_dir: str | None = None
-    # The engine core in a process of its own (engine/core_process.py), so that the step loop does not share the
+    # The engine core in a process of its own (engine/core/process.py), so that the step loop does not share the
     # front end's GIL; False: on a thread of the server's process.
     engine_process: bool = True
 

@@ -2,7 +2,7 @@
 
 With the engine core in a process of its own (the default), the front end never runs the model: it tokenizes,
 renders chat templates, checks grammars and detokenizes. The child sends it this card once the model is loaded
-(core_messages.Ready), so that the front end needs neither torch nor the model's transformers classes: importing
+(core/process.py's Ready), so that the front end needs neither torch nor the model's transformers classes: importing
 this module imports neither (the tokenizer, a transformers tokenizer, comes with the card and imports only its
 own module when it is unpickled).
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
@@ -17,6 +17,9 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfi
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
 from llmserve.models import LoadedModel, from_config
+
+if TYPE_CHECKING:
+    from llmserve.engine.frontend.protocol import Engine
 
 T = TypeVar("T")
 
@@ -55,7 +58,7 @@ def tiny_config(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positio
 
 def tiny_model(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positions: int = 2048) -> LoadedModel:
     """A float32 tiny model on the CPU, random weights from seed 0 (a module-level function, so that a
-    functools.partial of it builds the same model in an engine process: core_process.ChildSpec.load)."""
+    functools.partial of it builds the same model in an engine process: core/process.ChildSpec.load)."""
     return from_config(tiny_config(family, vocab_size, max_positions), dtype=torch.float32)
 
 
@@ -78,7 +81,7 @@ def greedy_reference(model: Any, prompt: list[int], max_new: int) -> list[int]:
 class ServerThread:
     """An LLMServer on 127.0.0.1:<free port>, with its own event loop on a daemon thread."""
 
-    def __init__(self, engine: Any, **config: Any) -> None:
+    def __init__(self, engine: Engine, **config: Any) -> None:
         self.engine = engine
         self.config = ServerConfig(address="127.0.0.1:0", **config)
         self.loop = asyncio.new_event_loop()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from llmserve.api.convert import constraint_spec, input_text, logprob_pb, to_generation_request, to_response
-from llmserve.engine.delta import Delta, FinishReason, Timing, TokenLogprob, Usage
-from llmserve.engine.protocol import ModelInfo
-from llmserve.engine.request import ConstraintKind, ConstraintSpec
+from llmserve.engine.frontend.outputs import Delta, FinishReason, Timing, TokenLogprob, Usage
+from llmserve.engine.frontend.protocol import ModelInfo
+from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec
 from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS
 from llmserve_client import build_request, pb
 

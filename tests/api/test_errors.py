@@ -16,7 +16,7 @@ from llmserve.api.errors import (
     code_name,
     status_for,
 )
-from llmserve.engine.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
 from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused
 from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
 from llmserve.history import LeaseLost, StoreUnavailable

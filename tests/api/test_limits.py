@@ -16,7 +16,7 @@ from llmserve.api.limits import (
     quote_prefix,
 )
 from llmserve.config import InputLimits
-from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.frontend.errors import InvalidRequest
 from llmserve_client import build_request, pb
 
 LIMITS = InputLimits(

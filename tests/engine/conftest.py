@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.models import from_config
 from llmserve.testing import mend_triton_interpreter, tiny_config
 from tests.engine.engine_helpers import CONFIG

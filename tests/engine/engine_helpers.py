@@ -11,23 +11,30 @@ from collections.abc import Callable
 
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine, build_engine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.core_client import ThreadCore
-from llmserve.engine.core_process import ChildSpec, ProcessCore
-from llmserve.engine.output_processor import OutputProcessor
-from llmserve.engine.request import (
+from llmserve.engine.core.engine_core import EngineCore, ThreadCore
+from llmserve.engine.core.process import ChildSpec, ProcessCore
+from llmserve.engine.frontend.async_engine import AsyncEngine, build_engine
+from llmserve.engine.frontend.output_processor import OutputProcessor
+from llmserve.engine.frontend.request import (
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
+from llmserve.engine.sched.block_pool import BlockPool
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
-# The two implementations of core_client.Core: the step loop on a thread, and in an engine process of its own.
+# The two implementations of core/client.Core: the step loop on a thread, and in an engine process of its own.
 CORES = ("thread", "process")
+
+
+def clear_cache(pool: BlockPool) -> None:
+    """Forget every cached (unreferenced) prefix, its blocks free: allocating every block allocate() can hand out
+    evicts the cached ones, oldest first, and releasing them frees them unhashed (the pool has no call of its own
+    for this: only tests want it)."""
+    pool.release(pool.allocate(pool.num_free))
 
 
 def tiny64(max_positions: int = 512) -> LoadedModel:

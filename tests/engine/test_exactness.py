@@ -12,12 +12,13 @@ import random
 import pytest
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.delta import FinishReason
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
+from tests.engine.engine_helpers import clear_cache
 
 
 async def run_all(
@@ -91,7 +92,7 @@ async def test_greedy_equals_generate(concurrency: int, kv_tokens: int, native: 
     assert not mismatched, f"{len(mismatched)} of {len(prompts)} differ, first: prompt of {len(prompts[mismatched[0]])}"
     if concurrency == 64:
         assert engine.core.engine_core.scheduler.num_preemptions > 0
-    engine.core.engine_core.pool.clear_cache()
+    clear_cache(engine.core.engine_core.pool)
     assert engine.core.engine_core.pool.num_free == engine.core.engine_core.pool.num_blocks
 
 

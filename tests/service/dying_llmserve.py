@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from llmserve.__main__ import main
-from llmserve.engine import core
+from llmserve.engine.core import engine_core as core
 
 TRIGGER = Path(os.environ["LLMSERVE_TEST_KILL_FILE"])
 _step = core.EngineCore.step

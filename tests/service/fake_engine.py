@@ -1,4 +1,4 @@
-"""A stand-in for llmserve.engine.core.AsyncEngine with the same interface and no model.
+"""A stand-in for llmserve.engine.core.engine_core.AsyncEngine with the same interface and no model.
 
 It lets the service tests force what the real engine rarely does on demand: a full queue, a dead engine,
 a failed forward. Each request "generates" token ids prompt[-1]+1, +2, ... (mod vocab), one per step.
@@ -10,12 +10,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from llmserve.engine.delta import Delta, FinishReason, Timing, TokenLogprob, Usage
-from llmserve.engine.errors import EngineDead, QueueFull
-from llmserve.engine.kv_events import KvEvent
+from llmserve.engine.frontend.errors import EngineDead, QueueFull
+from llmserve.engine.frontend.outputs import Delta, FinishReason, Timing, TokenLogprob, Usage
+from llmserve.engine.frontend.protocol import Engine, EngineStats, ModelInfo, SessionInfo
+from llmserve.engine.frontend.request import GenerationRequest
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
-from llmserve.engine.protocol import Engine, EngineStats, ModelInfo, SessionInfo
-from llmserve.engine.request import GenerationRequest
+from llmserve.engine.sched.kv_events import KvEvent
 
 
 class FakeTokenizer:

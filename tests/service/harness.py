@@ -56,8 +56,8 @@ def tiny_engine(*, in_process: bool = False, **overrides: Any) -> Any:
     """A real AsyncEngine (not started) over tiny_model(): its core in an engine process of its own, as
     `python -m llmserve` runs it, or with `in_process` on a thread of this process (`--engine-in-process`), for the
     tests that reach into the core's books."""
-    from llmserve.engine.async_engine import AsyncEngine
-    from llmserve.engine.core_process import ChildSpec, ProcessCore
+    from llmserve.engine.core.process import ChildSpec, ProcessCore
+    from llmserve.engine.frontend.async_engine import AsyncEngine
 
     settings = dict(kv_cache_tokens=32768, max_num_seqs=16, max_num_batched_tokens=512, cuda_graphs=False)
     settings.update(overrides)

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from test_service_errors import _empty_token_ids, _status
 
 from llmserve.api.limits import quote_prefix
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.history import HistoryConfig
 from llmserve_client import Client, build_request, pb
 
@@ -355,8 +355,8 @@ def test_limits_end_histories_and_name_their_flags() -> None:
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[tuple[Client, ServerThread]]:
-    from llmserve.engine.async_engine import AsyncEngine
     from llmserve.engine.config import EngineConfig
+    from llmserve.engine.frontend.async_engine import AsyncEngine
     from llmserve.models import load_model
 
     # The same 1,024-token pool as the tiny model's: the filler evicts every idle session.

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.real_model]
 
 
 def test_chat_capital_of_france_streams_paris() -> None:
-    from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.frontend.async_engine import AsyncEngine
 
     # float32: greedy from the Q4_1 file's own blocks (the default, --dtype gguf) answers "L'Étoile, la Marseillaise,
     # ..." here, token for token what llama.cpp's llama-server answers on the same file (its best two first tokens are

@@ -39,7 +39,7 @@ def test_turn_two_reports_cached_prompt_tokens_for_turn_one() -> None:
 
 @pytest.mark.real_model
 def test_real_model_chat_turn_two_reuses_the_conversation() -> None:
-    from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.frontend.async_engine import AsyncEngine
 
     engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=8192, max_num_seqs=4, cuda_graphs=False))
     srv = ServerThread(engine).start()

@@ -346,3 +346,30 @@ def _drain(stream) -> list:
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.CANCELLED
     return out
+
+
+def test_kv_events_tell_a_subscriber_of_the_blocks_the_cache_removed() -> None:
+    """As smg's cache-aware router follows a replica: blocks the pool evicts to make room reach the subscriber as
+    removed (KvBlocksRemoved, by the ids it was told when they were stored), so that it stops sending turns to KV that
+    is gone. A pool of 8 blocks: a second request that needs all 8 evicts the first one's cached blocks."""
+    srv = ServerThread(tiny_engine(kv_cache_tokens=8 * 16, max_num_seqs=2)).start()
+    first = list(range(1000, 1040))  # 2 full blocks cached once it ends
+    second = list(range(2000, 2124))  # 8 blocks with its answer: the free ones, then the first's cached ones
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            stream = vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30)
+            time.sleep(0.3)  # subscribed
+            list(vllm.Generate(generate("a", ids=first, max_tokens=2, ignore_eos=True), timeout=30))
+            stored: set[int] = set()
+            while len(stored) < 2:
+                batch = next(stream)
+                stored |= {e.stored.blocks[0].block_hash for e in batch.events if e.HasField("stored")}
+            list(vllm.Generate(generate("b", ids=second, max_tokens=2, ignore_eos=True), timeout=30))
+            removed: set[int] = set()
+            while not stored <= removed:
+                batch = next(stream)  # DEADLINE_EXCEEDED (a failure) if the removals never come
+                removed |= {h for e in batch.events if e.HasField("removed") for h in e.removed.block_hashes}
+            stream.cancel()
+    finally:
+        srv.stop()

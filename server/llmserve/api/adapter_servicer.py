@@ -10,6 +10,7 @@ use ALREADY_EXISTS, no room RESOURCE_EXHAUSTED.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -17,14 +18,14 @@ import grpc
 from llmserve.api.errors import FieldNotFound, ServiceError
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
-from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.frontend.errors import InvalidRequest
 from llmserve.engine.lora.catalog import AdapterInfo, ListAdapters, LoadAdapter, UnloadAdapter, adapter_name_problem
 from llmserve.engine.lora.registry import UnknownAdapter
 from llmserve_client.pb.llmserve.v1 import adapters_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import adapters_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.protocol import Engine
+    from llmserve.engine.frontend.protocol import Engine
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterService"].full_name
 MAX_PATH_CHARS = 4096
@@ -34,9 +35,9 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
     """Serves llmserve.v1.AdapterService over the engine the GenerateServicer holds (`engine()`: None until the
     model has loaded)."""
 
-    def __init__(self, config: ServerConfig, engine: Any) -> None:
+    def __init__(self, config: ServerConfig, engine: Callable[[], Engine | None]) -> None:
         self._config = config
-        self._engine = engine  # a callable returning the attached Engine or None
+        self._engine = engine  # the attached Engine, or None while the model loads
 
     def _ready(self) -> Engine:
         if self._config.auth_enabled and caller_identity() not in self._config.admin_identities:

@@ -10,13 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llmserve.engine.delta import Delta, TokenLogprob
-from llmserve.engine.request import ConstraintKind, ConstraintSpec, GenerationRequest, SamplingParams, StoppingParams
+from llmserve.engine.frontend.outputs import Delta, TokenLogprob
+from llmserve.engine.frontend.request import (
+    ConstraintKind,
+    ConstraintSpec,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
 from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS, clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
-    from llmserve.engine.protocol import ModelInfo
+    from llmserve.engine.frontend.protocol import ModelInfo
 
 # The field an error about the prompt names, per input kind.
 _PROMPT_FIELDS = {"text": "text", "chat": "chat", "token_ids": "token_ids.ids"}

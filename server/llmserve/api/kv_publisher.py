@@ -1,4 +1,5 @@
-"""SubscribeKvEvents' publisher: the engine's prefix-cache events (engine/kv_events.py) as smg's KvEventBatch stream.
+"""SubscribeKvEvents' publisher: the engine's prefix-cache events (engine/sched/kv_events.py) as smg's KvEventBatch
+stream.
 
 The event loop polls the engine for what its pool stored and removed (every POLL_S, never waiting on the step
 loop) and publishes one batch per cache salt: each salt is a channel of its own, numbered 1, 2, 3... with the last
@@ -22,8 +23,8 @@ import grpc
 from smg_grpc_proto.generated import common_pb2
 
 from llmserve.api.errors import ServiceError
-from llmserve.engine.kv_events import UNKNOWN_SALT, KvEvent, KvStored
-from llmserve.engine.protocol import Engine
+from llmserve.engine.frontend.protocol import Engine
+from llmserve.engine.sched.kv_events import UNKNOWN_SALT, KvEvent, KvStored
 
 log = logging.getLogger("llmserve")
 

@@ -10,7 +10,7 @@ to check (`GenerationRequest.validate`), each in one place.
 from __future__ import annotations
 
 from llmserve.config import InputLimits
-from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.frontend.errors import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 PREFIX_CHARS = 32

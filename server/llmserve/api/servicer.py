@@ -28,9 +28,9 @@ from llmserve.api.limits import check_generate, check_input, is_valid_id, prompt
 from llmserve.api.prompts import SessionPrompts, prompt_token_ids
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
-from llmserve.engine.delta import Delta, FinishReason
-from llmserve.engine.errors import EngineDead, InvalidRequest, QueueFull
-from llmserve.engine.request import GenerationRequest
+from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.frontend.outputs import Delta, FinishReason
+from llmserve.engine.frontend.request import GenerationRequest
 from llmserve.history import HistoryInput, HistoryStore, Turn, open_store
 from llmserve.telemetry.call import CallObserver, CallRecord
 from llmserve.telemetry.request_log import log_call
@@ -38,7 +38,7 @@ from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.protocol import Engine
+    from llmserve.engine.frontend.protocol import Engine
 
 log = logging.getLogger("llmserve.requests")
 

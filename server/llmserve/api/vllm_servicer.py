@@ -31,10 +31,10 @@ from llmserve.api.kv_publisher import KvEventPublisher
 from llmserve.api.servicer import Call, GenerateServicer
 from llmserve.api.vllm_convert import Completion, chunk, complete, in_vllm_terms, to_llmserve_request
 from llmserve.auth import caller_identity
-from llmserve.engine.errors import InvalidRequest
+from llmserve.engine.frontend.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from llmserve.engine.protocol import Engine
+    from llmserve.engine.frontend.protocol import Engine
 
 log = logging.getLogger("llmserve")
 

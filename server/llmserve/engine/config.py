@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmserve.engine.request import MAX_TOP_LOGPROBS
+from llmserve.engine.frontend.request import MAX_TOP_LOGPROBS
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,7 +44,7 @@ class EngineConfig:
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 4 << 30
     fused_layers: bool = True  # CPU Llama-family models through the fused forward (backends/cpu/fused_layers.py)
-    # Constraints (engine/constraints.py): compiled off the step thread within this bound, cached per kind and text.
+    # Constraints (sample/constraints.py): compiled off the step thread within this bound, cached per kind and text.
     constraint_compile_timeout_s: float = 10.0
     constraint_cache_size: int = 256
     max_top_logprobs: int = MAX_TOP_LOGPROBS  # the most alternatives a request may ask for per token
@@ -65,7 +65,7 @@ class EngineConfig:
     # benchmarks/README.md), so long guesses pay there; the load rule gives fewer as the batch grows.
     speculative_max_k: int = 16
     speculative_cost_table: str | None = None
-    # Overlap (engine/core_overlap.py): plan and launch step N+1 while step N runs. Off until a GPU measures it;
+    # Overlap (core/steps.py's OverlapRunner): plan and launch step N+1 while step N runs. Off until a GPU measures it;
     # on a CPU the forward holds the cores, so little is to be gained there.
     async_scheduling: bool = False
 

@@ -8,13 +8,10 @@ import enum
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from llmserve.engine.delta import Delta, FinishReason
+from llmserve.engine.frontend.outputs import Delta, FinishReason
 from llmserve.history.reasons import reason_tokens
-
-if TYPE_CHECKING:
-    from llmserve.history.store import HistoryStore
 
 # A turn is recorded only when the call produced a whole answer.
 NORMAL_FINISH = frozenset(
@@ -79,6 +76,14 @@ class Finished:
     end_reason: str | None = None
 
 
+class TurnStore(Protocol):
+    """What a turn asks of the store it began in (store.HistoryStore): to commit it, and to release its lease."""
+
+    async def commit(self, turn: Turn) -> None: ...
+
+    async def release(self, turn: Turn) -> None: ...
+
+
 @dataclass(slots=True, eq=False)
 class Turn:
     """One call with a session id, from its start to its end; it writes the history when it finishes normally.
@@ -89,7 +94,7 @@ class Turn:
     answer from the engine's deltas and commits the history before the final delta goes out.
     """
 
-    store: HistoryStore
+    store: TurnStore
     key: str
     request_id: str
     held: History | None

@@ -16,7 +16,7 @@ import platform
 import threading
 from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import (
@@ -36,8 +36,10 @@ from llmserve.telemetry.call import CallRecord
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from llmserve.engine.frontend.protocol import Engine, EngineStats
+    from llmserve.engine.kv_tiers.worker import TierStats
     from llmserve.engine.lora.catalog import LoraStats
-    from llmserve.engine.protocol import Engine, EngineStats
+    from llmserve.engine.spec.drafter import SpecStats
     from llmserve.history import HistoryStore
 
 log = logging.getLogger("llmserve")
@@ -311,7 +313,7 @@ _TIER_COUNTERS = (
 )
 
 
-def _tier_metrics(t: Any) -> Iterator[Metric]:
+def _tier_metrics(t: TierStats) -> Iterator[Metric]:
     """kv_tiers.worker.TierStats as metric families."""
     p = PREFIX
     for field, doc in _TIER_COUNTERS:
@@ -368,7 +370,7 @@ class HistoryCollector(Collector):
         yield errors
 
 
-def _spec_metrics(t: Any) -> Iterator[Metric]:
+def _spec_metrics(t: SpecStats) -> Iterator[Metric]:
     """engine.spec.drafter.SpecStats as metric families (speculative decoding, --speculative)."""
     p = PREFIX
     yield _counter(f"{p}_spec_steps", "Engine steps in which some sequence verified drafts", t.steps)

@@ -80,8 +80,8 @@ async def test_every_step_reads_the_buffers_allocated_at_start() -> None:
     the step, and those buffers are never replaced."""
     import asyncio
 
-    from llmserve.engine.async_engine import AsyncEngine
-    from llmserve.engine.request import GenerationRequest, StoppingParams
+    from llmserve.engine.frontend.async_engine import AsyncEngine
+    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 
     loaded = from_config(tiny_config(max_positions=256), dtype=torch.float32)
     config = EngineConfig(

@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass, field
 
 from llmserve.engine.backends.input_batch import InputBatch
-from llmserve.engine.plan import SeqStep
+from llmserve.engine.sched.plan import SeqStep
 
 BS = 4
 MAX_BLOCKS = 32

@@ -17,17 +17,17 @@ import torch
 
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.cpu.packed_linear import bf16_available
-from llmserve.engine.block_pool import BlockPool
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.delta import FinishReason
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.lora.catalog import LoraUnsupported
-from llmserve.engine.lora.serving import Held, LoraServing
-from llmserve.engine.plan import NO_ADAPTER, StepPlan
-from llmserve.engine.request import GenerationRequest, StoppingParams
-from llmserve.engine.sampler import Sampled
-from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import Sequence
-from llmserve.engine.sessions import SessionStore
+from llmserve.engine.lora.serving import LoraServing, ResidentAdapter
+from llmserve.engine.sample.sampler import Sampled
+from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
+from llmserve.engine.sched.scheduler import Scheduler
+from llmserve.engine.sched.sequence import Sequence
+from llmserve.engine.sched.sessions import SessionStore
 from llmserve.models import LoadedModel, load_model
 from llmserve.testing import greedy_reference, tiny_model
 from tests.engine.lora.peft_adapters import make_adapter
@@ -88,7 +88,7 @@ def run_jobs(backend: Any, serving: LoraServing, made: Made, planted: bool = Fal
         pool, sessions, max_num_seqs=CONFIG.max_num_seqs, max_num_batched_tokens=CONFIG.max_num_batched_tokens,
         enable_prefix_caching=False,
     )  # fmt: skip
-    held: dict[int, Held | None] = {}
+    held: dict[int, ResidentAdapter | None] = {}
     seqs = []
     for i, ((name, _, new), prompt) in enumerate(zip(JOBS, made.prompts, strict=True)):
         request = GenerationRequest(
@@ -115,7 +115,7 @@ def run_jobs(backend: Any, serving: LoraServing, made: Made, planted: bool = Fal
                 scheduler.finish(seq, FinishReason.LENGTH)
                 if held[seq.seq_no] is not None:
                     serving.release(held[seq.seq_no])  # type: ignore[arg-type]
-    assert serving.registry.num_held == 0
+    assert len(serving.registry._held) == 0
     return [s.token_ids[s.num_prompt :] for s in seqs], scheduler.num_preemptions
 
 

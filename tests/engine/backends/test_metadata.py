@@ -15,7 +15,7 @@ from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.attention import GatheredAttention, KernelDecodeAttention, paged_attention
 from llmserve.engine.backends.base import kv_blocks
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.plan import SeqStep, StepPlan
+from llmserve.engine.sched.plan import SeqStep, StepPlan
 from llmserve.models import from_config
 from llmserve.testing import tiny_config
 

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.step_buffers import StepBuffers, StepInputs
-from llmserve.engine.plan import SeqStep
+from llmserve.engine.sched.plan import SeqStep
 from llmserve.model_shape import ModelShape
 
 BS = 4

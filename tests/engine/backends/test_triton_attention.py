@@ -92,7 +92,7 @@ def _one_seq() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 async def _generate_all(engine, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:  # noqa: ANN001
-    from llmserve.engine.request import GenerationRequest, StoppingParams
+    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 
     async def one(i: int) -> list[int]:
         request = GenerationRequest(f"r{i}", tuple(prompts[i]), stopping=StoppingParams(max_new[i], ignore_eos=True))
@@ -113,10 +113,10 @@ async def _generate_all(engine, prompts: list[list[int]], max_new: list[int]) ->
 async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> None:
     """The torch backend with the Triton kernel for every step (chunks and decodes in one launch), and the CUDA
     backend's graph path (buckets by batch size alone, replayed eagerly here): greedy output equals generate."""
-    from llmserve.engine.async_engine import AsyncEngine
     from llmserve.engine.backends import create_backend
     from llmserve.engine.backends.cuda import CudaBackend
     from llmserve.engine.config import EngineConfig
+    from llmserve.engine.frontend.async_engine import AsyncEngine
     from llmserve.models import from_config
     from llmserve.testing import greedy_reference, tiny_config
 

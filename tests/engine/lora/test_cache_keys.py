@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.engine.block_pool import BlockPool, chain_hash, prefix_root
 from llmserve.engine.lora.cache_keys import adapter_root
+from llmserve.engine.sched.block_pool import BlockPool, chain_hash, prefix_root
 
 X, Y = bytes(range(32)), bytes(range(1, 33))
 

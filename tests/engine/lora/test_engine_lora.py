@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused, ListAdapters, LoadAdapter, UnloadAdapter
 from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
 from llmserve.engine.spec.calibrate import table_rows

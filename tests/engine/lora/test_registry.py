@@ -25,9 +25,9 @@ def test_load_acquire_release_unload() -> None:
     assert reg.load("a", "/x/a", "A") == []
     held = reg.acquire("a")
     assert (held.name, held.payload, held.pins) == ("a", "A", 1)
-    assert reg.states() == [AdapterState("a", "/x/a", True, 1)] and reg.num_held == 1
+    assert reg.states() == [AdapterState("a", "/x/a", True, 1)] and len(reg._held) == 1
     assert reg.release(held.adapter_id) is None  # still registered: stays resident, idle
-    assert reg.num_held == 0 and reg.num_resident == 1
+    assert len(reg._held) == 0 and reg.num_resident == 1
     assert reg.unload("a") == "A"  # idle: freed at once
     assert "a" not in reg and reg.num_resident == 0
     reg.check()

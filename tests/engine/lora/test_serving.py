@@ -13,7 +13,7 @@ from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused, ListAd
 from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
 from llmserve.engine.lora.serving import LoraServing
 from llmserve.engine.lora.slot_books import TooManyAdapters
-from llmserve.engine.plan import NO_ADAPTER, SeqStep, StepPlan
+from llmserve.engine.sched.plan import NO_ADAPTER, SeqStep, StepPlan
 from llmserve.models import LoadedModel
 from tests.engine.lora.peft_adapters import make_adapter
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.spec.calibrate import BATCHES, KS
 from llmserve.testing import tiny_model
 
@@ -23,8 +23,10 @@ def core() -> EngineCore:  # one per test: each test sees a core just calibrated
 
 
 def test_the_table_follows_the_cores_limits(core: EngineCore) -> None:
-    assert core.drafter is not None and core.drafter.cost is not None and core.drafter.policy is not None
-    table = core.drafter.cost
+    assert core.speculation is not None
+    drafter = core.speculation.drafter
+    assert drafter.cost is not None and drafter.policy is not None
+    table = drafter.cost
     assert table.batches == tuple(b for b in BATCHES if b <= 8) == (1, 4)
     assert table.ks == KS
     assert all(ms > 0 for row in table.ms for ms in row)
@@ -34,11 +36,11 @@ def test_the_table_follows_the_cores_limits(core: EngineCore) -> None:
 
 
 def test_the_calibration_leaves_nothing_behind(core: EngineCore) -> None:
-    assert core.drafter is not None
+    assert core.speculation is not None
     assert not core.scheduler.live and not core.scheduler.running and not core.scheduler.has_work
     assert core.pool.num_free == core.pool.num_blocks  # every block of the throwaway requests freed
-    assert core.drafter.forced_k is None
-    stats = core.drafter.stats
+    assert core.speculation.drafter.forced_k is None
+    stats = core.speculation.drafter.stats
     assert (stats.steps, stats.proposed, stats.verifying, stats.off_steps) == (0, 0, 0, 0)
     assert core.take_outputs() == []
 
@@ -56,7 +58,7 @@ def test_a_calibrated_core_serves_and_asks_the_rule(core: EngineCore) -> None:
             tokens += out.token_ids
             done = done or out.finished
     assert 1 <= len(tokens) <= 12
-    assert core.drafter is not None
-    stats = core.drafter.stats
+    assert core.speculation is not None
+    stats = core.speculation.drafter.stats
     assert stats.steps + stats.off_steps > 0  # every decoding step was put to the rule
     assert core.pool.num_free == core.pool.num_blocks

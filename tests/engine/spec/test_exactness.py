@@ -19,10 +19,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
-from llmserve.engine.request import (
+from llmserve.engine.core.engine_core import EngineCore
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
@@ -217,14 +217,14 @@ def test_a_proposer_that_is_always_wrong_costs_no_token(free_table: str) -> None
     def run(spec: str, wrong: bool) -> tuple[list[int], int]:
         core = EngineCore(loaded, config(spec, free_table))
         if wrong:
-            assert core.drafter is not None
+            assert core.speculation is not None
 
             class Wrong:
                 def propose(self, key: int, tokens: Any, k: int | None = None) -> list[int]:
                     return [(tokens[-1] + 1 + j) % TINY_VOCAB for j in range(k or 4)]
 
-            core.drafter.proposer = Wrong()
-            core.drafter._suffix = None
+            core.speculation.drafter.proposer = Wrong()
+            core.speculation.drafter._suffix = None
         core.submit(request)
         tokens: list[int] = []
         steps = 0

@@ -1,19 +1,24 @@
-"""Grammar drafts and per-position masks, with llguidance over SmolLM2's real tokenizer."""
+"""Grammar drafts and per-position masks, with llguidance over SmolLM2's real tokenizer.
+
+`draft_bitmasks` (here: the engine masks each position through verify.grammar_positions) fills every position's mask
+in one batched call of the library: an independent reference for what a position may take."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
+import llguidance
 import pytest
 import torch
 
-from llmserve.engine.constraints import ConstraintCompiler, Vocabulary
-from llmserve.engine.generators import Generators
-from llmserve.engine.masks import TokenMasks
-from llmserve.engine.request import ConstraintKind, ConstraintSpec, SamplingParams
-from llmserve.engine.sampler import sample
-from llmserve.engine.sequence import SampleRow
-from llmserve.engine.spec.forced import draft_bitmasks, forced_tokens, grammar_drafts
+from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec, SamplingParams
+from llmserve.engine.sample.constraints import ConstraintCompiler, Vocabulary
+from llmserve.engine.sample.masks import TokenMasks
+from llmserve.engine.sample.sampler import sample
+from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sched.sequence import SampleRow
+from llmserve.engine.spec.forced import forced_tokens, grammar_drafts
 from llmserve.engine.spec.verify import StreamMark, accept, position_rows
 
 SCHEMA = {
@@ -22,6 +27,26 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+
+
+def draft_bitmasks(rows: Sequence[tuple[llguidance.LLMatcher, Sequence[int]]], vocab_size: int) -> torch.Tensor:
+    """The allowed tokens at every position of each (matcher, drafts) in `rows`: an int32 CPU bitmask
+    [sum(len(drafts) + 1), ceil(vocab / 32)], sequence by sequence, position 0 (the state as it is) first.
+
+    Positions after a draft the grammar refuses allow nothing (all bits clear): they are never accepted."""
+    total = sum(len(drafts) + 1 for _, drafts in rows)
+    bitmask = torch.zeros((total, (vocab_size + 31) // 32), dtype=torch.int32)
+    work = []
+    at = 0
+    for matcher, drafts in rows:
+        work.append((matcher, at, list(drafts)))
+        at += len(drafts) + 1
+    # Imported here: llguidance.torch compiles a kernel with torch.compile at import (seconds), which the engine's
+    # own path (the drafter and the sampler) never needs.
+    import llguidance.torch
+
+    llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(llguidance.LLExecutor(), work, bitmask)
+    return bitmask
 
 
 @pytest.fixture(scope="module")
@@ -111,15 +136,15 @@ def test_constrained_verification_with_position_masks_emits_what_constrained_sam
         return torch.randn(vocab, generator=g) * 4.0
 
     for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=5)):
-        generators, state, context = Generators(), template.start(), [1]
+        streams, state, context = RandomStreams(), template.start(), [1]
         while len(context) - 1 < n and not state.done:
             row = SampleRow(params, params.seed, 3, context, (), False, 0, num_prompt=1, constraint=state)
-            ids, _ = sample(logits_at(context)[None], [row], generators)
+            ids, _ = sample(logits_at(context)[None], [row], streams)
             assert state.accept(ids[0])
             context.append(ids[0])
         expected = context[1:]
 
-        generators, state, context, flips = Generators(), template.start(), [1], 0
+        streams, state, context, flips = RandomStreams(), template.start(), [1], 0
         while len(context) - 1 < len(expected) and not state.done:
             done = len(context) - 1
             drafts = list(expected[done : done + k])[: len(expected) - done - 1]
@@ -129,8 +154,8 @@ def test_constrained_verification_with_position_masks_emits_what_constrained_sam
             masks = additive_mask(draft_bitmasks([(state.matcher, drafts)], vocab), vocab, torch.device("cpu"))
             logits = torch.stack([logits_at(context + drafts[:j]) for j in range(len(drafts) + 1)]) + masks
             base = SampleRow(params, params.seed, 3, context, (), False, 0, num_prompt=1)
-            mark = None if params.greedy else StreamMark(generators, base)
-            picks, _ = sample(logits, position_rows(base, drafts), generators)
+            mark = None if params.greedy else StreamMark(streams, base)
+            picks, _ = sample(logits, position_rows(base, drafts), streams)
             verdict = accept(picks, drafts)
             if mark is not None:
                 mark.settle(len(verdict.emitted))

@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.delta import TokenLogprob
-from llmserve.engine.generators import Generators
-from llmserve.engine.request import SamplingParams
-from llmserve.engine.sampler import sample
-from llmserve.engine.sequence import SampleRow
-from llmserve.engine.spec.verify import StreamMark, Verdict, accept, accept_batch, position_rows
+from llmserve.engine.frontend.outputs import TokenLogprob
+from llmserve.engine.frontend.request import SamplingParams
+from llmserve.engine.sample.sampler import sample
+from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sched.sequence import SampleRow
+from llmserve.engine.spec.verify import StreamMark, Verdict, accept, position_rows
 
 VOCAB = 48
 KEY = 7
@@ -38,12 +38,12 @@ def row_for(params: SamplingParams, context: list[int], num_prompt: int, blocked
 
 def reference(params: SamplingParams, prompt: list[int], n: int, min_new: int = 0) -> tuple[list[int], list]:
     """n tokens, one sampler call per token, as the engine samples without speculation."""
-    generators = Generators()
+    streams = RandomStreams()
     context = list(prompt)
     logprobs = []
     for _ in range(n):
         blocked = (0, 1) if len(context) - len(prompt) < min_new else ()
-        ids, lps = sample(toy_logits(context)[None], [row_for(params, context, len(prompt), blocked)], generators)
+        ids, lps = sample(toy_logits(context)[None], [row_for(params, context, len(prompt), blocked)], streams)
         context.append(ids[0])
         logprobs.append(lps[0])
     return context[len(prompt) :], logprobs
@@ -53,7 +53,7 @@ def speculative(
     params: SamplingParams, prompt: list[int], n: int, drafts_at, min_new: int = 0
 ) -> tuple[list[int], list, int]:
     """n tokens with drafts from `drafts_at(i)` verified k + 1 positions per sampler call; also the steps taken."""
-    generators = Generators()
+    streams = RandomStreams()
     context = list(prompt)
     logprobs: list[TokenLogprob | None] = []
     steps = 0
@@ -64,8 +64,8 @@ def speculative(
         base = row_for(params, context, len(prompt), blocked)
         rows = position_rows(base, drafts, blocked_positions=max(0, min_new - generated))
         logits = torch.stack([toy_logits(context + drafts[:j]) for j in range(len(drafts) + 1)])
-        mark = None if params.greedy else StreamMark(generators, base)
-        picks, lps = sample(logits, rows, generators)
+        mark = None if params.greedy else StreamMark(streams, base)
+        picks, lps = sample(logits, rows, streams)
         verdict = accept(picks, drafts)
         if mark is not None:
             mark.settle(len(verdict.emitted))
@@ -132,15 +132,15 @@ def test_greedy_with_perfect_drafts_takes_a_step_per_k_plus_one_tokens_and_bad_d
 
 def test_a_sampled_stream_moves_on_by_the_emitted_positions_only() -> None:
     params = SamplingParams(temperature=1.0, seed=11)
-    generators = Generators()
+    streams = RandomStreams()
     base = row_for(params, [1, 2], 2)
-    mark = StreamMark(generators, base)
-    sample(torch.randn(5, VOCAB), position_rows(base, [1, 2, 3, 4]), generators)  # draws 5
+    mark = StreamMark(streams, base)
+    sample(torch.randn(5, VOCAB), position_rows(base, [1, 2, 3, 4]), streams)  # draws 5
     mark.settle(2)
-    again = Generators()
+    again = RandomStreams()
     stream = again.stream(base)
     torch.rand((), generator=stream), torch.rand((), generator=stream)
-    assert torch.equal(generators.stream(base).get_state(), stream.get_state())
+    assert torch.equal(streams.stream(base).get_state(), stream.get_state())
 
 
 def test_position_rows_read_the_drafts_before_each_position() -> None:
@@ -163,21 +163,6 @@ def test_accept_takes_the_longest_matching_prefix_and_the_next_pick() -> None:
         accept([4, 5], [4, 5])
 
 
-@given(
-    st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=5), st.lists(st.integers(0, 3), min_size=6, max_size=6)))
-)
-def test_accept_batch_is_accept_per_sequence(cases) -> None:
-    drafts = [d for d, _ in cases]
-    picks = [p[: len(d) + 1] for d, p in cases]
-    flat = torch.tensor([t for p in picks for t in p], dtype=torch.long)
-    assert accept_batch(flat, drafts) == [accept(p, d) for p, d in zip(picks, drafts, strict=True)]
-
-
-def test_accept_batch_checks_the_shape() -> None:
-    with pytest.raises(ValueError, match=r"picks must be \[5\], got \[4\]"):
-        accept_batch(torch.zeros(4, dtype=torch.long), [[1], [2, 3]])
-
-
 def chi_square_p(counts: list[int], probs: list[float]) -> float:
     """The p-value of Pearson's chi-square test of `counts` against `probs` (chi2's survival function)."""
     total = sum(counts)
@@ -197,7 +182,7 @@ def test_sampled_verification_follows_the_rejection_rule_over_many_seeds() -> No
     firsts, bonus, rejected = [0] * vocab, [0] * vocab, [0] * vocab
     for seed in range(trials):
         base = SampleRow(SamplingParams(temperature=1.0, seed=seed), seed, KEY, [1], (), False, 0)
-        picks, _ = sample(logits, position_rows(base, [draft]), Generators())
+        picks, _ = sample(logits, position_rows(base, [draft]), RandomStreams())
         verdict = accept(picks, [draft])
         firsts[verdict.emitted[0]] += 1
         if verdict.accepted:

@@ -15,10 +15,9 @@ import torch
 
 from llmserve.engine.backends.slots import block_range, slot
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.generators import Generators
-from llmserve.engine.plan import StepPlan
-from llmserve.engine.sampler import RowFailed, Sampled
-from llmserve.engine.spec.verify import Verified
+from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sched.plan import StepPlan
 from llmserve.model_shape import ModelShape
 
 
@@ -26,9 +25,10 @@ class Backend(Protocol):
     """Runs steps for the engine: owns the model, the KV cache and whatever is compiled or captured for them.
 
     `execute` does the plan's block copies, one forward over every scheduled token, and samples the rows that
-    ask for it. It returns one result per `plan.sampling` entry, in that order: the picked token, or the
-    failure of that row's sampling alone. It raises when the shared forward fails (every request of the step
-    fails then). Built once, by `create_backend`, before the engine serves anything.
+    ask for it (`plan.sample_rows()`: a sampling entry's row, or one per position of an entry with drafts). It
+    returns one result per row, in that order: the picked token, or the failure of that row's sampling alone. It
+    raises when the shared forward fails (every request of the step fails then). Built once, by `create_backend`,
+    before the engine serves anything.
     """
 
     name: str  # which path serves: "cpu", "torch", "cuda"
@@ -38,9 +38,9 @@ class Backend(Protocol):
     num_blocks: int  # KV blocks the block pool may hand out (the cache has one scratch block more)
     block_size: int
     kv: KVCache  # the paged cache; the KV tiers copy whole blocks out of it and back (read_block, write_block)
-    generators: Generators  # the sampled sequences' random streams, on `device`; the core releases ended ones
+    streams: RandomStreams  # the sampled sequences' random streams, on `device`; the core releases ended ones
 
-    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Verified]: ...
+    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]: ...
 
 
 def zeroed(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

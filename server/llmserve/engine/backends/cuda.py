@@ -35,7 +35,7 @@ from llmserve.engine.backends.piecewise import MixedSteps
 from llmserve.engine.backends.step_buffers import StepBuffers, StepInputs
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.plan import NO_ADAPTER, StepPlan
+from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
 from llmserve.models import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from llmserve.engine.backends.slots import position_slots, slot
-from llmserve.engine.plan import SeqStep
+from llmserve.engine.sched.plan import SeqStep
 
 
 @dataclass(slots=True, eq=False)

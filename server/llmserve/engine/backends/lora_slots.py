@@ -24,7 +24,7 @@ from llmserve.engine.lora.adapters import LoraAdapter
 from llmserve.engine.lora.hooks import LoraHooks
 from llmserve.engine.lora.ops import NO_ADAPTER, LoraRows
 from llmserve.engine.lora.weights import FUSED_GROUPS, MODULE_GROUPS, LoraWeights
-from llmserve.engine.plan import SeqStep
+from llmserve.engine.sched.plan import SeqStep
 from llmserve.model_shape import ModelShape
 
 

@@ -29,7 +29,7 @@ import torch
 
 from llmserve.engine.backends.attention import AttentionMetadata
 from llmserve.engine.backends.step_buffers import StepBuffers
-from llmserve.engine.plan import StepPlan
+from llmserve.engine.sched.plan import StepPlan
 
 MODES = ("eager", "compile", "compile-graphs")
 

@@ -43,7 +43,7 @@ from llmserve.engine.backends.attention import VarlenAttention, VarlenKernel
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.slots import slot
-from llmserve.engine.plan import SeqStep
+from llmserve.engine.sched.plan import SeqStep
 
 
 @dataclass(slots=True, frozen=True)

@@ -23,11 +23,10 @@ from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
 from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.generators import Generators
 from llmserve.engine.lora.ops import LoraRows
-from llmserve.engine.plan import SeqStep, StepPlan
-from llmserve.engine.sampler import RowFailed, Sampled
-from llmserve.engine.spec.verify import Verified, sample_entries
+from llmserve.engine.sample.sampler import RowFailed, Sampled, sample_each
+from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sched.plan import SeqStep, StepPlan
 from llmserve.models import LoadedModel
 
 
@@ -60,7 +59,7 @@ class TorchPagedBackend:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.kv = kv
         self.num_blocks = kv.num_blocks
-        self.generators = Generators(self.device)  # each sampled sequence's stream, from step to step
+        self.streams = RandomStreams(self.device)  # each sampled sequence's stream, from step to step
         pin = self.device.type == "cuda"  # page-locked: the copies to the device run asynchronously
         max_blocks = -(-max_model_len // self.block_size)
         self.inputs = InputBatch(
@@ -80,13 +79,13 @@ class TorchPagedBackend:
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Verified]:
+    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]:
         self.kv.copy_blocks(plan.copies)
         if plan.lora_writes:
             assert self.lora is not None, "a plan with LoRA writes for a backend without LoRA slots"
             self.lora.write(plan.lora_writes)
         logits = self.logits(plan)
-        return sample_entries(logits, plan.sampling, self.generators)
+        return sample_each(logits, plan.sample_rows(), self.streams)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """One forward over the plan; logits [sum of num_logits, vocab] as float32, in plan.sampling order (every

@@ -20,8 +20,8 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from llmserve.engine.block_pool import BlockContent, BlockHash
 from llmserve.engine.kv_tiers.index import TierIndex
+from llmserve.engine.sched.block_pool import BlockContent, BlockHash
 
 log = logging.getLogger(__name__)
 

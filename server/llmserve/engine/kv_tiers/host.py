@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 
 from llmserve.engine.backends.base import BlockData
-from llmserve.engine.block_pool import BlockContent, BlockHash
 from llmserve.engine.kv_tiers.index import TierIndex
+from llmserve.engine.sched.block_pool import BlockContent, BlockHash
 
 
 class HostTier:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llmserve.engine.block_pool import BlockContent, BlockHash
+from llmserve.engine.sched.block_pool import BlockContent, BlockHash
 
 
 class TierLookup(Protocol):
@@ -89,7 +89,3 @@ class TierIndex:
     def remove(self, block_hash: BlockHash) -> bool:
         with self._lock:
             return self._entries.pop(block_hash, None) is not None
-
-    def oldest_first(self) -> list[BlockHash]:
-        with self._lock:
-            return list(self._entries)

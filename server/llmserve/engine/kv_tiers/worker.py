@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmserve.engine.backends.base import BlockCopier, BlockData
-from llmserve.engine.block_pool import BlockContent, BlockHash, BlockPool, Evicted
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.kv_tiers.disk import DiskTier, DiskTierError
 from llmserve.engine.kv_tiers.host import HostTier
 from llmserve.engine.kv_tiers.index import TierCounters
-from llmserve.engine.plan import StepPlan
+from llmserve.engine.sched.block_pool import BlockContent, BlockHash, BlockPool, Evicted
+from llmserve.engine.sched.plan import StepPlan
 from llmserve.telemetry.histogram import LatencyHistogram
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 
-from llmserve.engine.block_pool import BlockHash
+from llmserve.engine.sched.block_pool import BlockHash
 
 _TAG = b"llmserve.prefix.v1.lora\x00"  # prefix_root's inputs are b"llmserve.prefix.v1" and that + b"\x00salt\x00.."
 ADAPTER_DIGEST_BYTES = 32

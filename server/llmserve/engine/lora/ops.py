@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmserve.engine.lora.weights import StackedProjection
-from llmserve.engine.plan import NO_ADAPTER  # a base row's slot
+from llmserve.engine.sched.plan import NO_ADAPTER  # a base row's slot
 
 __all__ = ["NO_ADAPTER", "LoraRows", "add_lora"]
 # Rows of one adapter in a row from which they form a segment (sliced, not gathered). A decode step's groups are

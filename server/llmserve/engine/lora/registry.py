@@ -126,11 +126,6 @@ class AdapterRegistry(Generic[T]):
     def num_resident(self) -> int:
         return len(self._idle) + len(self._held)
 
-    @property
-    def num_held(self) -> int:
-        """Resident adapters that some request holds (the running adapters of the metrics)."""
-        return len(self._held)
-
     def states(self) -> list[AdapterState]:
         """Every registered adapter, by name."""
         return [

@@ -14,12 +14,10 @@ reads it before the books hand it to another adapter, which is copied in first.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,15 +42,14 @@ from llmserve.engine.lora.registry import (
     UnknownAdapter,
 )
 from llmserve.engine.lora.slot_books import SlotBooks
-from llmserve.engine.plan import NO_ADAPTER, StepPlan
-from llmserve.engine.sequence import SeqStatus, Sequence
+from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.model_shape import ModelShape
 
 if TYPE_CHECKING:
-    from llmserve.engine.commands import ManageAdapters
-    from llmserve.engine.scheduler import Scheduler
+    from llmserve.engine.sched.scheduler import Scheduler
 
-Held = Resident[LoraAdapter]
+ResidentAdapter = Resident[LoraAdapter]  # an adapter in host memory, as a request holds it
 
 
 class LoraOff(RuntimeError):
@@ -102,6 +99,12 @@ class LoraServing:
         seq.prefix_root = adapter_root(seq.prefix_root, held.payload.digest)
         return None
 
+    def unbind(self, seq: Sequence) -> None:
+        """At the end of a request (every way it ends): let go of its adapter."""
+        if seq.lora is not None:
+            self.release(seq.lora)
+            seq.lora = None
+
     def stats_of(self, scheduler: Scheduler) -> LoraStats:
         """The metrics' snapshot, read from any thread: the step thread's lists and maps are copied in one C call
         each (under the interpreter lock) before they are walked, so that a step changing them cannot break it."""
@@ -148,7 +151,7 @@ class LoraServing:
         self.requests.pop(name, None)
         return held
 
-    def acquire(self, name: str) -> Held:
+    def acquire(self, name: str) -> ResidentAdapter:
         """Hold `name` for a request until `release`; read again if it was unloaded to make room. Raises
         UnknownAdapter, AdaptersBusy (no room to read it again), AdapterNotFound/AdapterRefused (its folder
         changed)."""
@@ -160,10 +163,10 @@ class LoraServing:
         self.requests[name] += 1
         return held
 
-    def release(self, held: Held) -> None:
+    def release(self, held: ResidentAdapter) -> None:
         self.registry.release(held.adapter_id)
 
-    def assign(self, plan: StepPlan, held: Seq[Held | None]) -> None:
+    def assign(self, plan: StepPlan, held: Seq[ResidentAdapter | None]) -> None:
         """Give the plan's adapters their slots: `held[i]` is the adapter of plan.seqs[i] (None: base). Sets each
         entry's lora_slot and the plan's lora_writes. Raises TooManyAdapters past --max-loras (the scheduler's
         bound keeps a step within it)."""
@@ -177,7 +180,7 @@ class LoraServing:
 
     # -- what the list RPC, GetModelInfo and the metrics read ------------------------------------
 
-    def stats(self, running: Iterable[Held | None], waiting: Iterable[Held | None]) -> LoraStats:
+    def stats(self, running: Iterable[ResidentAdapter | None], waiting: Iterable[ResidentAdapter | None]) -> LoraStats:
         """The metrics' snapshot, from the adapters of the running and of the waiting requests."""
         run = {h.name for h in running if h is not None and h.name is not None}
         wait = {h.name for h in waiting if h is not None and h.name is not None} - run
@@ -220,47 +223,3 @@ class LoraServing:
                 )
             )
         return out
-
-
-def unbind(lora: LoraServing | None, seq: Sequence) -> None:
-    """At the end of a request (every way it ends): let go of its adapter."""
-    if lora is not None and seq.lora is not None:
-        lora.release(seq.lora)
-        seq.lora = None
-
-
-def manage(
-    ask: Callable[[ManageAdapters], ManageAdapters], lora: LoraServing | None, op: AdapterOp
-) -> Future[AdapterAnswer]:
-    """An AdapterService call on a core (`ask` queues its command): a load's files are read on a thread of its own
-    (a slow disk holds up neither the caller nor the step loop), then the step thread changes the books."""
-    from llmserve.engine.commands import ManageAdapters
-
-    reply: Future[AdapterAnswer] = Future()
-    if lora is None:
-        reply.set_exception(LoraOff())
-        return reply
-
-    def read_then_ask() -> None:
-        try:
-            adapter = lora.prepare(op)
-        except Exception as exc:  # AdapterNotFound, AdapterRefused: the caller's answer
-            reply.set_exception(exc)
-            return
-        ask(ManageAdapters(op, adapter, reply))
-
-    if isinstance(op, LoadAdapter):
-        threading.Thread(target=read_then_ask, name="llmserve-lora-read", daemon=True).start()
-    else:
-        ask(ManageAdapters(op, None, reply))
-    return reply
-
-
-def answer(command: ManageAdapters, lora: LoraServing | None) -> None:
-    """Apply an AdapterService call on the step thread and answer it."""
-    try:
-        if lora is None:
-            raise LoraOff()
-        command.reply.set_result(lora.apply(command.op, command.adapter))
-    except Exception as exc:  # AdapterExists, AdaptersBusy, UnknownAdapter: the caller's answer
-        command.reply.set_exception(exc)

@@ -18,31 +18,52 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.frontend.outputs import EngineOutput
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.spec.policy import CostTable
 
 if TYPE_CHECKING:
-    from llmserve.engine.core import EngineCore
+    from llmserve.engine.sched.scheduler import Scheduler
+    from llmserve.engine.spec.drafter import Drafter
 
 BATCHES = (1, 4, 16, 32)
 KS = (0, 1, 2, 4, 8, 16)
 PROMPT = 16
 
 
+class CalibrationTarget(Protocol):
+    """What the measurement drives: a core's own step, and requests started and ended past its inbox (the engine
+    core, on its step thread, before it serves)."""
+
+    scheduler: Scheduler
+    max_model_len: int
+
+    def add_now(self, request: GenerationRequest, handle: int) -> None: ...
+
+    def cancel_now(self, handle: int) -> None: ...
+
+    def step(self) -> None: ...
+
+    def take_outputs(self) -> list[EngineOutput]: ...
+
+
 def calibrate(
-    core: EngineCore, batches: tuple[int, ...] = BATCHES, ks: tuple[int, ...] = KS, repeats: int = 3
+    core: CalibrationTarget,
+    drafter: Drafter,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    batches: tuple[int, ...] = BATCHES,
+    ks: tuple[int, ...] = KS,
+    repeats: int = 3,
 ) -> CostTable:
-    """Time the core's step at each (batch, k) that fits its limits; returns the table (ms)."""
-    drafter = core.drafter
-    if drafter is None:
-        raise ValueError("calibrate needs a core with speculation on")
-    config = core.config
-    sizes = tuple(b for b in batches if b <= config.max_num_seqs) or (1,)
+    """Time the core's step at each (batch, k) that fits its limits, every decoding sequence verifying k drafts from
+    `drafter` (the core's); returns the table (ms)."""
+    sizes = tuple(b for b in batches if b <= max_num_seqs) or (1,)
     rows: list[list[float]] = []
     for b in sizes:
-        fitting = [k for k in ks if b * (k + 1) <= config.max_num_batched_tokens]
+        fitting = [k for k in ks if b * (k + 1) <= max_num_batched_tokens]
         handles = [_start(core, f"calibrate-{b}-{i}", -1 - i) for i in range(b)]
         try:
             while any(seq.num_uncomputed != 1 for seq in core.scheduler.running) or len(core.scheduler.running) < b:
@@ -50,7 +71,7 @@ def calibrate(
             samples: dict[int, list[float]] = {k: [] for k in fitting}
             for turn in range(repeats + 1):  # turn 0 untimed: the first step at each new shape
                 for k in fitting:
-                    ms = _step_ms(core, k)
+                    ms = _step_ms(core, drafter, k)
                     if turn:
                         samples[k].append(ms)
             times = {k: statistics.median(v) for k, v in samples.items()}
@@ -63,7 +84,7 @@ def calibrate(
     return CostTable(sizes, ks, tuple(tuple(row) for row in rows))
 
 
-def _start(core: EngineCore, name: str, handle: int) -> int:
+def _start(core: CalibrationTarget, name: str, handle: int) -> int:
     prompt = tuple((7 * handle + j) % 97 + 3 for j in range(PROMPT))
     limit = max(8, core.max_model_len - PROMPT - 1)
     request = GenerationRequest(name, prompt, stopping=StoppingParams(max_new_tokens=limit, ignore_eos=True))
@@ -71,10 +92,9 @@ def _start(core: EngineCore, name: str, handle: int) -> int:
     return handle
 
 
-def _step_ms(core: EngineCore, k: int) -> float:
+def _step_ms(core: CalibrationTarget, drafter: Drafter, k: int) -> float:
     """One step's wall time (ms) with every decoding sequence verifying k drafts."""
-    assert core.drafter is not None
-    core.drafter.forced_k = k
+    drafter.forced_k = k
     start = time.perf_counter()
     core.step()
     return (time.perf_counter() - start) * 1000.0

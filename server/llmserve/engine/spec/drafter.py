@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from llmserve.engine.sequence import Sequence as Seq
+from llmserve.engine.sched.sequence import Sequence as Seq
 from llmserve.engine.spec.forced import grammar_drafts
 from llmserve.engine.spec.policy import Acceptance, Candidate, CostTable, Policy
 

@@ -92,15 +92,6 @@ class SuffixProposer:
     def __len__(self) -> int:
         return len(self._live)
 
-    @property
-    def num_identities(self) -> int:
-        return len(self._identities)
-
-    def answers_of(self, salt: str | None) -> int:
-        """How many answers the identity's tree holds (0 for an unknown one)."""
-        identity = self._identities.get(salt)
-        return 0 if identity is None else len(identity.answers)
-
     def start(self, key: int, salt: str | None, prompt: Sequence[int]) -> None:
         """A sequence begins: its own tree gets its prompt, its identity's tree a place for its answer."""
         if key in self._live:

@@ -22,8 +22,13 @@ it missed d_j's share, is uniform over the rest); the output distribution is unc
 both the replay (token for token, hypothesis over sampling parameters and drafts) and the distribution (chi-square).
 
 A constraint's mask at position j is the grammar's state after the first j drafts, not the state the row holds:
-`sample_entries` gives position j a copy of the grammar advanced over drafts[:j] (the sampler fills every row's
-mask in one batched call, as for any constrained row), and the request's own state is left as it was.
+position j's row carries a copy of the grammar advanced over drafts[:j] (`grammar_positions`; the sampler fills every
+row's mask in one batched call, as for any constrained row), and the request's own state is left as it was.
+
+A verification is a use of the sampler, not a path of its own: speculation.py gives each position its row
+(`SeqStep.position_rows`) before the forward and notes each sampled stream (`Verification.mark`); the backend samples
+the plan's rows as it samples any (`StepPlan.sample_rows`); `Verification.verdicts` then reads each verifying
+entry's span of those results, accepts, and rewinds its stream.
 """
 
 from __future__ import annotations
@@ -34,11 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.engine.constraints import ConstraintState
-from llmserve.engine.generators import Generators
-from llmserve.engine.plan import SeqStep
-from llmserve.engine.sampler import RowFailed, Sampled, sample_each
-from llmserve.engine.sequence import GrammarState, SampleRow
+from llmserve.engine.sample.constraints import ConstraintState
+from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sched.plan import SeqStep
+from llmserve.engine.sched.sequence import GrammarState, SampleRow
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,6 +55,48 @@ class Verdict:
     accepted: int
 
 
+class Verification:
+    """A step's verifying entries' random streams as they were before the sampler drew (`mark`), and the reading of
+    the step's results by entry (`verdicts`)."""
+
+    __slots__ = ("_marks",)
+
+    def __init__(self) -> None:
+        self._marks: dict[int, StreamMark] = {}
+
+    def mark(self, streams: RandomStreams, row: SampleRow) -> None:
+        """Note a sampled verifying row's stream before the sampler draws for its positions."""
+        self._marks[row.key] = StreamMark(streams, row)
+
+    def verdicts(
+        self, entries: Sequence[SeqStep], results: Sequence[Sampled | RowFailed]
+    ) -> list[tuple[SeqStep, Sampled | RowFailed | Verified]]:
+        """Each sampling entry's result, from the step's results (`entry.num_logits` each, in order): a plain entry
+        its Sampled (or RowFailed), an entry with drafts its Verified (or RowFailed when any position failed). A
+        verified sampled stream is left as if only the emitted positions had drawn."""
+        out: list[tuple[SeqStep, Sampled | RowFailed | Verified]] = []
+        at = 0
+        for entry in entries:
+            span = results[at : at + entry.num_logits]
+            at += entry.num_logits
+            if not entry.drafts:
+                out.append((entry, span[0]))
+                continue
+            failed = next((r for r in span if isinstance(r, RowFailed)), None)
+            if failed is not None:
+                out.append((entry, failed))
+                continue
+            samples = [r for r in span if isinstance(r, Sampled)]
+            verdict = accept([r.token_id for r in samples], entry.drafts)
+            mark = self._marks.get(entry.seq.seq_no)
+            if mark is not None:
+                mark.settle(len(verdict.emitted))
+            out.append((entry, Verified(samples[: verdict.accepted + 1], verdict.accepted)))
+        if at != len(results):
+            raise ValueError(f"{len(results)} results for {at} rows of logits")
+        return out
+
+
 @dataclass(slots=True, frozen=True)
 class Verified:
     """A verifying entry's result: the tokens it emits (the accepted drafts, then the sampler's own pick), each
@@ -57,52 +104,6 @@ class Verified:
 
     samples: list[Sampled]
     accepted: int
-
-
-def sample_entries(
-    logits: torch.Tensor, entries: Sequence[SeqStep], generators: Generators
-) -> list[Sampled | RowFailed | Verified]:
-    """Sample a step's sampling entries from their logits rows (`entry.num_logits` each, in order): a plain entry
-    gives its Sampled (or RowFailed), an entry with drafts its Verified (or RowFailed when any position failed)."""
-    if not any(entry.drafts for entry in entries):
-        return list(sample_each(logits, [entry.sample for entry in entries if entry.sample is not None], generators))
-    rows: list[SampleRow] = []
-    marks: dict[int, StreamMark] = {}
-    for i, entry in enumerate(entries):
-        row = entry.sample
-        if row is None:
-            raise ValueError("sample_entries takes sampling entries only")
-        if not entry.drafts:
-            rows.append(row)
-            continue
-        if not row.params.greedy:
-            marks[i] = StreamMark(generators, row)
-        seq = entry.seq
-        blocked = seq.request.stopping.min_new_tokens - seq.num_generated
-        positions = position_rows(row, entry.drafts, blocked_positions=blocked)
-        if row.constraint is not None:
-            states = grammar_positions(row.constraint, entry.drafts)
-            positions = [dataclasses.replace(p, constraint=c) for p, c in zip(positions, states, strict=True)]
-        rows.extend(positions)
-    picked = sample_each(logits, rows, generators)
-    out: list[Sampled | RowFailed | Verified] = []
-    at = 0
-    for i, entry in enumerate(entries):
-        span = picked[at : at + entry.num_logits]
-        at += entry.num_logits
-        if not entry.drafts:
-            out.append(span[0])
-            continue
-        failed = next((r for r in span if isinstance(r, RowFailed)), None)
-        if failed is not None:
-            out.append(failed)
-            continue
-        samples = [r for r in span if isinstance(r, Sampled)]
-        verdict = accept([r.token_id for r in samples], entry.drafts)
-        if i in marks:
-            marks[i].settle(len(verdict.emitted))
-        out.append(Verified(samples[: verdict.accepted + 1], verdict.accepted))
-    return out
 
 
 def grammar_positions(state: GrammarState, drafts: Sequence[int]) -> list[GrammarState]:
@@ -127,7 +128,7 @@ def position_rows(row: SampleRow, drafts: Sequence[int], *, blocked_positions: i
     Row j reads `row.token_ids` followed by drafts[:j] (a new list only where a penalty reads the tokens); the first
     `blocked_positions` rows keep `row.blocked_token_ids` (min_new_tokens - tokens generated: the drafts before a
     position count as generated), later ones block nothing. Every row names the same random stream. The rows carry
-    no constraint: position masks come from the grammar advanced over the drafts (forced.draft_bitmasks)."""
+    no constraint: position masks come from the grammar advanced over the drafts (grammar_positions)."""
     params = row.params
     reads_tokens = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
     rows = []
@@ -149,35 +150,14 @@ def accept(picks: Sequence[int], drafts: Sequence[int]) -> Verdict:
     return Verdict(list(picks[: m + 1]), m)
 
 
-def accept_batch(picks: torch.Tensor, drafts: Sequence[Sequence[int]]) -> list[Verdict]:
-    """`accept` for a step's sequences at once: `picks` [sum(len(d) + 1)] holds each sequence's positions in turn."""
-    counts = [len(d) + 1 for d in drafts]
-    if picks.shape != (sum(counts),):
-        raise ValueError(f"picks must be [{sum(counts)}], got {list(picks.shape)}")
-    width = max(counts, default=1)
-    n = len(drafts)
-    padded = torch.full((n, width), -1, dtype=torch.long)
-    proposed = torch.full((n, width), -2, dtype=torch.long)  # never equal to a pick, nor to the padding
-    lengths = torch.tensor(counts, dtype=torch.long)
-    mask = torch.arange(width)[None, :] < lengths[:, None]
-    padded[mask] = picks.to(torch.long).cpu()
-    for i, d in enumerate(drafts):
-        if d:
-            proposed[i, : len(d)] = torch.tensor(list(d), dtype=torch.long)
-    # Accepted: the run of matches from position 0 (cumprod stops at the first mismatch).
-    accepted = (padded == proposed).to(torch.long).cumprod(dim=1).sum(dim=1).tolist()
-    rows = padded.tolist()
-    return [Verdict(rows[i][: a + 1], a) for i, a in enumerate(accepted)]
-
-
 class StreamMark:
     """A sampled sequence's random stream as it was before the sampler drew for its positions; `settle` leaves
     it as if only the emitted positions had drawn."""
 
     __slots__ = ("generator", "state")
 
-    def __init__(self, generators: Generators, row: SampleRow) -> None:
-        self.generator = generators.stream(row)  # started from the row's seed if it has no stream yet
+    def __init__(self, streams: RandomStreams, row: SampleRow) -> None:
+        self.generator = streams.stream(row)  # started from the row's seed if it has no stream yet
         self.state = self.generator.get_state()
 
     def settle(self, emitted: int) -> None:

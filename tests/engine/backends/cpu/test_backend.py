@@ -19,7 +19,7 @@ import torch
 from llmserve import cpu_features
 from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
+from llmserve.engine.core.engine_core import EngineCore
 from llmserve.models import from_config
 from llmserve.testing import tiny_config
 
@@ -29,7 +29,7 @@ from llmserve.process import configure_process
 configure_process()
 import torch
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
+from llmserve.engine.core.engine_core import EngineCore
 from llmserve.models import load_model, resolve_dtype
 auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 try:

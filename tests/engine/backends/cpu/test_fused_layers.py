@@ -17,7 +17,7 @@ from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
 from llmserve.engine.backends.cpu.packed_linear import Int8Linear, PackedBF16, RefinedHead
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core import EngineCore
+from llmserve.engine.core.engine_core import EngineCore
 from llmserve.models import from_config
 from llmserve.testing import TINY_VOCAB, tiny_config
 

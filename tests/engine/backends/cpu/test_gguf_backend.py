@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.request import GenerationRequest, StoppingParams
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.models import from_config, load_model
 from llmserve.testing import TINY_VOCAB, tiny_config
 from tests.engine.engine_helpers import inner

@@ -1,0 +1,467 @@
+"""Iteration-level scheduling: which sequences run in the next forward, and with how many tokens.
+
+There is no separate prefill or decode phase: each sequence's computed-token count catches up with its token count,
+at most `max_num_batched_tokens` tokens per step across the batch, so a long prompt is read in chunks while running
+streams keep getting one token per step. Running sequences are served first, oldest first; when blocks run out, idle
+sessions are evicted, then the newest running sequence is preempted (its blocks freed, recomputed later). Waiting
+sequences are admitted by priority, then age, reusing session and prefix-cached blocks.
+
+A sequence with `after` (completions 1..n-1 of an n > 1 request) stays in the queue, skipped without holding up
+the others, until its completion 0 has computed the prompt (or finished); admitted then, it shares that prompt's
+full blocks, copies the partial one (copy-on-write: completion 0 goes on writing there) and recomputes only the
+prompt's last token, whose logits pick its own first token; so the n completions compute the prompt once. (After
+completion 0 has finished, the prefix cache's full blocks are what is left to share, and the tail is recomputed.)
+
+Speculative decoding (spec/): `schedule(drafts)` gives a decoding sequence its drafts as extra positions of its step
+when they fit in the token budget and in blocks that are free now (a guess never preempts, evicts a session or a
+cached prefix); `settle_drafts` keeps the books once the sampler has accepted some of them (sched/rollback.py's rule:
+the KV of rejected drafts is dropped, their blocks freed, never hashed).
+
+Overlap (--async-scheduling, core/steps.py): a step launched before the previous one's tokens are known is accounted
+twice. `launched` right after the step is handed to the worker: its tokens count as computed and each sampling entry
+leaves one token pending (`Sequence.num_pending`), so that the next schedule plans that sequence's next position with
+a placeholder (plan.PENDING) while the step runs. `landed` once its results are in: the blocks it filled are hashed
+and registered for prefix caching (only now: the tokens are known, and the KV is written), and the copy sources it
+held are let go. A step whose forward failed is `abandon`ed instead: nothing it wrote is registered. Steps run in
+launch order on one device stream or worker, so a block freed while a step is in flight is only written again by a
+later step.
+
+With KV tiers (`tiers`), a waiting sequence whose prefix continues in a lower tier past what the pool holds
+gets blocks that load that KV back (`StepPlan.loads`); it pins the blocks it will reuse and stays in the queue,
+skipped without holding up the others, until every load is reported (`load_done`). A failed load leaves its
+block anonymous: those tokens are recomputed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.kv_tiers.index import TierLookup
+from llmserve.engine.sched.block_pool import BlockContent, BlockHash, BlockPool, chain_hash
+from llmserve.engine.sched.plan import SeqStep, StepPlan, step_of
+from llmserve.engine.sched.rollback import settle
+from llmserve.engine.sched.sequence import SeqStatus, Sequence
+from llmserve.engine.sched.sessions import SessionStore
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A waiting sequence's reloads: the blocks it holds a reference on, and those still loading."""
+
+    pins: list[int]
+    waiting_on: set[int] = field(default_factory=set)
+
+
+class Scheduler:
+    """Owns the waiting heap and the running list; asks the block pool and the session store."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        sessions: SessionStore,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        tiers: TierLookup | None = None,
+        max_loras: int = 0,
+    ) -> None:
+        self.pool = pool
+        self.sessions = sessions
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_loras = max_loras  # the most distinct LoRA adapters among the running sequences
+        self.running: list[Sequence] = []
+        self.live: dict[int, Sequence] = {}  # every sequence not yet finished, waiting or running, by seq_no
+        self._waiting: list[tuple[int, int, Sequence]] = []
+        self._num_waiting = 0
+        self.num_preemptions = 0
+        # Counted once per request, at its first admission (for the metrics): requests with a session id
+        # that found it cached or not, and requests without a cached session that reused prefix-cached KV.
+        self.num_session_hits = 0
+        self.num_session_misses = 0
+        self.num_prefix_cache_hits = 0
+        self.tiers = tiers if enable_prefix_caching else None
+        self._pending: dict[int, _Pending] = {}  # seq_no -> its reloads
+        self._loading: dict[BlockHash, int] = {}  # digest -> the block it is loading into
+        self._load_content: dict[int, BlockContent] = {}  # loading block -> what it will hold
+        self._load_waiters: dict[int, list[int]] = {}  # loading block -> seq_nos that wait for it
+        self.num_tier_loads = 0  # admissions that started at least one load (for the metrics)
+
+    def pinned(self) -> list[list[int]]:
+        """The blocks waiting sequences hold while their reloads run, for BlockPool.check()."""
+        return [p.pins for p in self._pending.values()]
+
+    def is_loading(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence still waits for blocks to load."""
+        pending = self._pending.get(seq.seq_no)
+        return pending is not None and bool(pending.waiting_on)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    def add(self, seq: Sequence) -> None:
+        self.live[seq.seq_no] = seq
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (-seq.request.priority, seq.seq_no, seq))
+        self._num_waiting += 1
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> StepPlan:
+        """The next step: running sequences first (oldest first), then waiting ones by priority and age.
+
+        `drafts`: by seq_no, tokens to verify after a decoding sequence's last one (see the module docstring).
+        The plan's block tables are the sequences' own lists: read them before the next schedule().
+        """
+        out = StepPlan()
+        budget = self.max_num_batched_tokens
+        if self.enable_prefix_caching or len(self.sessions):
+            self.sessions.expire()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.ends_by_length:  # its tokens in flight end it (overlap): nothing more to compute
+                i += 1
+                continue
+            guess = drafts.get(seq.seq_no, ()) if drafts else ()
+            if guess and not self._room_for_drafts(seq, len(guess), budget - (len(self.running) - i - 1)):
+                guess = ()
+            n = 1 + len(guess) if guess else min(seq.num_uncomputed, budget)
+            if not self._grow(seq, n, out):
+                break  # seq itself was preempted: nothing newer is left
+            out.seqs.append(step_of(seq, n, guess))
+            budget -= n
+            i += 1
+
+        parked = []  # KV loading, or one LoRA adapter too many (--max-loras): they keep their place, hold up no one
+        adapters = {s.adapter_id for s in self.running} - {None}
+        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            _, _, seq = self._waiting[0]
+            if seq.status is not SeqStatus.WAITING:
+                heapq.heappop(self._waiting)  # aborted while waiting
+                continue
+            adapter = seq.adapter_id
+            if adapter is not None and adapter not in adapters and len(adapters) >= self.max_loras:
+                parked.append(heapq.heappop(self._waiting))
+                continue
+            n = self._admit(seq, budget, out)
+            if n < 0:
+                parked.append(heapq.heappop(self._waiting))
+                continue
+            if n == 0:
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(step_of(seq, n))
+            budget -= n
+            if adapter is not None:
+                adapters.add(adapter)
+        for entry in parked:
+            heapq.heappush(self._waiting, entry)
+        if self.pool.track_evictions:
+            out.offloads = self.pool.take_evicted()
+        return out
+
+    def load_done(self, block: int, ok: bool) -> None:
+        """A load from `StepPlan.loads` is over; `ok`: the KV was written into the block and checked sound."""
+        content = self._load_content.pop(block)
+        del self._loading[content.block_hash]
+        self.pool.end_load(block, content if ok else None)
+        for seq_no in self._load_waiters.pop(block, []):
+            pending = self._pending.get(seq_no)
+            if pending is not None:
+                pending.waiting_on.discard(block)
+
+    def update(self, plan: StepPlan) -> list[Sequence]:
+        """Account the computed tokens; returns the sequences that caught up and need a new token."""
+        ready = []
+        bs = self.pool.block_size
+        for step in plan.seqs:
+            seq = step.seq
+            before = seq.num_computed
+            seq.num_computed += len(step.token_ids) - len(step.drafts)  # drafts: settle_drafts
+            if self.enable_prefix_caching and seq.num_computed // bs > before // bs:  # a block was filled
+                self._register_full_blocks(seq, before)
+            if seq.num_computed == len(seq.token_ids):
+                ready.append(seq)
+        # The copies are done: drop the references that kept their sources alive.
+        self.pool.release(src for src, _ in plan.copies)
+        return ready
+
+    def abandon(self, out: StepPlan) -> None:
+        """A step whose forward failed: nothing was computed, so no block is registered as holding a prefix
+        (its KV may be unwritten or half-written); only the copy sources are let go."""
+        self.pool.release(src for src, _ in out.copies)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Retire a sequence: its blocks go to its session (if any, and the KV is sound) or back to the pool."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.WAITING:
+            self._num_waiting -= 1  # its heap entry is dropped lazily
+            pending = self._pending.pop(seq.seq_no, None)
+            if pending is not None:  # aborted while loading: the loads run on, holding their own references
+                self.pool.release(pending.pins)
+        else:
+            self.running.remove(seq)
+        del self.live[seq.seq_no]
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        session_id = seq.request.session_id
+        if session_id is not None and reason is not FinishReason.ERROR and seq.num_computed > 0:
+            keep = self.pool.blocks_for(seq.num_computed)
+            self.pool.release(seq.block_table[keep:])
+            self.sessions.retain(session_id, seq.token_ids[: seq.num_computed], seq.block_table[:keep], seq.prefix_root)
+        else:
+            self.pool.release(seq.block_table)
+        seq.block_table = []
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and put it back at the head of its priority class."""
+        self.running.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = seq.num_pending = 0  # pending: what steps in flight sample for it is dropped (overlap)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    # -- drafts (speculative decoding) -------------------------------------------------------------
+
+    def settle_drafts(self, step: SeqStep, kept: int) -> None:
+        """After `update`: `kept` of the step's drafts were accepted and appended to the sequence's tokens. Counts
+        them computed, registers the blocks they filled and frees the blocks past what the sequence now needs."""
+        seq = step.seq
+        bs = self.pool.block_size
+        settled = settle(step.block_table, step.start, len(step.drafts), kept, bs)
+        before = seq.num_computed
+        seq.num_computed = settled.num_computed
+        if self.enable_prefix_caching and seq.num_computed // bs > before // bs:
+            self._register_full_blocks(seq, before)
+        if settled.freed:
+            self.pool.release(settled.freed)
+            # A new list, not one cut in place: a backend's input batch keeps each row's table by identity and
+            # rewrites it only when the list is another (a table cut in place and grown again would look unchanged).
+            seq.block_table = seq.block_table[: settled.keep]
+
+    def waiting_tokens(self, limit: int) -> int:
+        """The prompt tokens that waiting sequences would compute, counted up to `limit` (what admission may take
+        of the next step's budget)."""
+        total = 0
+        for _, _, seq in self._waiting:
+            if seq.status is SeqStatus.WAITING:
+                total += seq.num_uncomputed
+                if total >= limit:
+                    return limit
+        return total
+
+    def _room_for_drafts(self, seq: Sequence, k: int, budget: int) -> bool:
+        """Whether a decoding seq can verify k drafts: within `budget` and blocks free now (no eviction)."""
+        if seq.num_uncomputed != 1 or 1 + k > budget:
+            return False
+        need = self.pool.blocks_for(seq.num_computed + 1 + k) - len(seq.block_table)
+        return need <= self.pool.num_free - self.pool.num_cached
+
+    # -- steps launched ahead (overlap) ------------------------------------------------------------
+
+    def launched(self, plan: StepPlan) -> None:
+        """The plan's step is on its way: count its tokens computed and one token pending per sampling entry."""
+        for step in plan.seqs:
+            if step.drafts:
+                raise ValueError("a step with drafts is not launched ahead (overlap is off for speculative steps)")
+            seq = step.seq
+            seq.num_computed += len(step.token_ids)
+            if step.sample is not None:
+                seq.num_pending += 1
+
+    def landed(self, plan: StepPlan, live: Iterable[SeqStep]) -> None:
+        """The plan's step is done and its tokens appended: register the blocks that the `live` entries (those
+        still running, not preempted since) filled; let the copy sources go."""
+        if self.enable_prefix_caching:
+            bs = self.pool.block_size
+            for step in live:
+                if step.end // bs > step.start // bs:
+                    self._register_full_blocks(step.seq, step.start, step.end)
+        self.pool.release(src for src, _ in plan.copies)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _grow(self, seq: Sequence, n: int, out: StepPlan) -> bool:
+        """Give a running seq blocks for n more tokens, evicting sessions then preempting the newest."""
+        need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        if need <= 0:
+            return True  # most decode steps: the last block has room
+        while not self.pool.can_allocate(need):
+            if self.sessions.evict_one():
+                continue
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, out: StepPlan) -> int:
+        """Reuse cached KV for a waiting seq and give it blocks for its first chunk; 0 if it must wait, -1 if its
+        KV is loading from a lower tier or its completion 0 has not computed the prompt yet (it waits, the next one
+        may go)."""
+        after = seq.after
+        if after is not None and after.status is not SeqStatus.FINISHED and after.num_computed < after.num_prompt:
+            return -1
+        pending = self._pending.pop(seq.seq_no, None)
+        if pending is not None and pending.waiting_on:
+            self._pending[seq.seq_no] = pending
+            return -1
+        if pending is None and self.tiers is not None and self._start_loads(seq, out, self.tiers):
+            return -1
+        tokens = seq.token_ids
+        session_id = seq.request.session_id
+        had_session = session_id is not None and session_id in self.sessions
+        reused, shared, cow_src = self._find_reuse(seq)
+        # Hold the blocks to reuse (and the copy source) before anything can be evicted; then the pins of the
+        # reloads can go (whatever of them is reused is held again).
+        held = shared + ([cow_src] if cow_src is not None else [])
+        self.pool.acquire(held)
+        if pending is not None:
+            self.pool.release(pending.pins)
+        n = min(len(tokens) - reused, budget)
+        need = self.pool.blocks_for(reused + n) - len(shared)
+        if not self.pool.can_allocate(need) and not self.sessions.evict_until_free(need):
+            self.pool.release(held)
+            return 0
+        fresh = self.pool.allocate(need)
+        if cow_src is not None:
+            out.copies.append((cow_src, fresh[0]))
+        seq.block_table = shared + fresh
+        seq.num_computed = reused
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt = reused
+            if session_id is not None:
+                self.num_session_hits += had_session
+                self.num_session_misses += not had_session
+            if reused and not had_session:
+                self.num_prefix_cache_hits += 1
+        return n
+
+    def _find_reuse(self, seq: Sequence) -> tuple[int, list[int], int | None]:
+        """(tokens whose KV can be reused, full blocks to share, block to copy for a partial last block).
+
+        At least one token is always left to compute, since its logits pick the next token.
+        """
+        tokens = seq.token_ids
+        bs = self.pool.block_size
+        limit = len(tokens) - 1
+        shared: list[int] = []
+        if self.enable_prefix_caching:
+            self._hash_blocks(seq, limit // bs)
+            parent = seq.prefix_root
+            for i, block_hash in enumerate(seq.block_hashes[: limit // bs]):
+                block = self.pool.lookup(block_hash, parent, tokens[i * bs : (i + 1) * bs])
+                if block is None:
+                    break
+                shared.append(block)
+                parent = block_hash
+        after = seq.after
+        if after is not None and after.status is SeqStatus.RUNNING:
+            # Completion 0's KV of the prompt, all but its last token (recomputed here: its logits pick this
+            # completion's first token): its full blocks shared, and the block that holds the rest copied, since
+            # completion 0 goes on writing its generated tokens there (copy-on-write).
+            ready = min(after.num_computed, limit, seq.num_prompt)
+            if ready > len(shared) * bs:
+                full = ready // bs
+                cow = after.block_table[full] if ready % bs else None
+                return ready, after.block_table[:full], cow
+        session_id = seq.request.session_id
+        if session_id is not None:
+            matched, blocks = self.sessions.match(session_id, tokens, seq.prefix_root)
+            matched = min(matched, limit)
+            if matched > len(shared) * bs:
+                full = matched // bs
+                cow = blocks[full] if matched % bs else None
+                return matched, blocks[:full], cow
+        return len(shared) * bs, shared, None
+
+    def _start_loads(self, seq: Sequence, out: StepPlan, tiers: TierLookup) -> bool:
+        """Start loading the blocks of seq's prefix that a lower tier holds past the pool's; True if it must wait.
+
+        Loads start only where they extend the reuse past what the pool or the seq's session holds, and only into
+        blocks that are free now (after evicting idle sessions); otherwise the seq recomputes."""
+        tokens = seq.token_ids
+        bs = self.pool.block_size
+        num_full = (len(tokens) - 1) // bs
+        self._hash_blocks(seq, num_full)
+        hashes = seq.block_hashes
+        parent = seq.prefix_root
+        pins: list[int] = []
+        waits: list[int] = []
+        loads: list[BlockContent] = []
+        i = 0
+        # Block by block: the pool, else a load already running, else a tier. The pool may have kept the later
+        # blocks of a prefix whose first ones it evicted.
+        while i < num_full:
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(hashes[i], parent, block_tokens)
+            loading = self._loading.get(hashes[i])
+            if block is not None:
+                pins.append(block)
+            elif loading is not None and self._load_content[loading] == BlockContent(hashes[i], parent, block_tokens):
+                waits.append(loading)
+            elif loading is None and tiers.has(hashes[i], parent, block_tokens):
+                loads.append(BlockContent(hashes[i], parent, block_tokens))
+            else:
+                break
+            parent = hashes[i]
+            i += 1
+        if not waits and not loads:
+            return False
+        session_id = seq.request.session_id
+        if session_id is not None and self.sessions.covered(session_id, tokens, seq.prefix_root) >= i * bs:
+            return False  # the session in the pool covers as much: no load needed
+        self.pool.acquire(pins + waits)  # before anything is evicted for the new blocks
+        if not self.pool.can_allocate(len(loads)) and not self.sessions.evict_until_free(len(loads)):
+            self.pool.release(pins + waits)
+            return False
+        blocks = self.pool.begin_load(len(loads))
+        self.pool.acquire(blocks)  # the seq's own reference, beside the load's
+        for block, content in zip(blocks, loads, strict=True):
+            self._loading[content.block_hash] = block
+            self._load_content[block] = content
+            out.loads.append((block, content))
+        for block in waits + blocks:
+            self._load_waiters.setdefault(block, []).append(seq.seq_no)
+        self._pending[seq.seq_no] = _Pending(pins + waits + blocks, set(waits + blocks))
+        self.num_tier_loads += 1
+        return True
+
+    def _hash_blocks(self, seq: Sequence, num_full: int) -> None:
+        bs = self.pool.block_size
+        hashes = seq.block_hashes
+        # The salt is the root of the chain, so every block inherits it through its parents.
+        root = seq.prefix_root if len(hashes) < num_full else b""
+        while len(hashes) < num_full:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def _register_full_blocks(self, seq: Sequence, computed_before: int, upto: int | None = None) -> None:
+        bs = self.pool.block_size
+        num_full = (seq.num_computed if upto is None else upto) // bs
+        self._hash_blocks(seq, num_full)
+        for i in range(computed_before // bs, num_full):
+            if self.pool.block_hash[seq.block_table[i]] is None:
+                parent = seq.block_hashes[i - 1] if i else seq.prefix_root
+                tokens = seq.token_ids[i * bs : (i + 1) * bs]
+                self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens, seq.request.cache_salt)
