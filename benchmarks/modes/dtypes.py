@@ -30,12 +30,12 @@ import torch
 
 from benchmarks import analysis, options, writer
 from benchmarks import roofline as roofline_mod
-from benchmarks.loadgen import Schedule
+from benchmarks.alternation import alternate
 from benchmarks.metrics import summarize
 from benchmarks.systems.base import System
 from benchmarks.systems.grpc_e2e import GrpcSystem
 from benchmarks.systems.llama_cpp import LlamaCppSystem, find_binary
-from benchmarks.workload import PromptMaker, RequestStream, WorkloadSpec
+from benchmarks.workload import PromptMaker, WorkloadSpec
 from llmserve.engine.config import EngineConfig
 from llmserve.models import load_model
 
@@ -45,7 +45,6 @@ LLMSERVE = {"float32": (4, 4, "float32"), "bfloat16": (2, 2, "bfloat16"), "int8"
 # llama.cpp's formats: bytes per weight (Q8_0: 34 bytes per 32; Q4_1: 20 per 32), its f16 cache, the nearest peak.
 LLAMA_CPP = {"F32": (4, 2, "float32"), "BF16": (2, 2, "bfloat16"), "Q8_0": (34 / 32, 2, "int8"),
              "Q4_1": (20 / 32, 2, "int8")}  # fmt: skip
-ROOM_S = 2.0  # after each window: the aborted requests leave the server before the next window starts
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -136,27 +135,6 @@ async def measure(args: argparse.Namespace, run: writer.Run) -> dict[str, Any]:
 
 def _peak_dtype(dtype: str) -> torch.dtype | str:
     return roofline_mod.INT8 if dtype == "int8" else getattr(torch, dtype)
-
-
-async def alternate(
-    chosen: dict[str, tuple[System, tuple]], clients: list[int], args: argparse.Namespace, maker: PromptMaker
-) -> dict[str, dict[int, list[Any]]]:
-    """One window per system per round at each client count, the systems' order reversed every other round;
-    within a round every system gets the same requests. Returns each system's measurements per client count."""
-    names = list(chosen)
-    out: dict[str, dict[int, list[Any]]] = {n: {c: [] for c in clients} for n in names}
-    start = 0
-    for c in clients:
-        for r in range(args.rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                schedule = Schedule(c, args.warmup_s, args.window_s, 1)
-                measurement = await chosen[name][0].run(RequestStream(maker, start), schedule)
-                out[name][c].append(measurement)
-                rate = summarize(name, measurement).mean["output_tokens_per_s"] or 0.0
-                print(f"{c} clients, round {r + 1}: {name} {rate:.1f} output tok/s", flush=True)
-                await asyncio.sleep(ROOM_S)
-            start += 10_000  # the next round's prompts are new to every server's cache
-    return out
 
 
 def summary(measurements: list[Any], roof: roofline_mod.Roofline) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """GGUF files served from their blocks (issue 42): llmserve as `make run` starts it (`python -m llmserve --model
 FILE`, the default flags: `--dtype auto` is the file's own blocks on the CPU) beside llama.cpp's `llama-server` on
-the same file, both with the machine's threads, in alternated windows (benchmarks/modes/dtypes.py's `alternate`:
+the same file, both with the machine's threads, in alternated windows (benchmarks/alternation.py's `alternate`:
 each system one window per round, the order reversed every other round, the same token prompts in a round).
 
 Files (`--files`): `default` (the shipped Q4_1 SmolLM2-135M-Instruct), and random-weight files of Llama-3.2-1B's and
@@ -51,8 +51,8 @@ import numpy as np
 import torch
 
 from benchmarks import options, writer
+from benchmarks.alternation import alternate
 from benchmarks.metrics import summarize
-from benchmarks.modes.dtypes import alternate
 from benchmarks.systems.base import System
 from benchmarks.systems.grpc_e2e import GrpcSystem
 from benchmarks.systems.llama_cpp import LlamaCppSystem

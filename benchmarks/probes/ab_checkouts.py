@@ -4,7 +4,7 @@ code measured in a process of its own, the checkouts alternated round by round (
 machine's drift falls on all alike.
 
     git worktree add /tmp/old <commit before a change>
-    python benchmarks/run.py --mode ab /tmp/old . [--system llmserve_grpc] [--rounds 2]
+    python benchmarks/run.py --mode ab /tmp/old . [--system llmserve_grpc] [--rounds 2] [--clients 1]
 
 Each measurement runs `python -m benchmarks.runner SYSTEM SETTINGS OUT` in the checkout (a command every
 checkout since the benchmark ladder has; the settings are this checkout's `BenchSettings` JSON), with that
@@ -53,7 +53,8 @@ def section(result: dict[str, Any]) -> list[str]:
         [i + 1, m["root"], ", ".join(f"{w:.1f}" for w in m["windows"]), m["error"] or ""]
         for i, m in enumerate(result["measurements"])
     ]
-    lines = [f"System `{result['system']}`, checkouts alternated round by round.", ""]
+    clients = result.get("clients", 32)
+    lines = [f"System `{result['system']}` at {clients} clients, checkouts alternated round by round.", ""]
     lines += writer.table(["#", "checkout", "output tok/s per window", "error"], rows) + [""]
     medians = [[root, writer.num(median, 1)] for root, median in result["median_window"].items()]
     return lines + writer.table(["checkout", "median window tok/s"], medians)
@@ -64,6 +65,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("roots", nargs="+", type=Path, help="the checkouts (one or more folders)")
     p.add_argument("--system", default="llmserve", help="a system of the ladder (llmserve, llmserve_grpc, ...)")
     p.add_argument("--rounds", type=int, default=1, help="rounds over all checkouts, order reversed every other")
+    p.add_argument("--clients", type=int, default=None, help="concurrent clients (default: the plan's main point, 32)")
+    p.add_argument("--warmup-s", type=float, default=None, help="warm-up before the windows (default: the plan's)")
+    p.add_argument("--window-s", type=float, default=None, help="each window's length (default: the plan's)")
     args = p.parse_args(argv)
     run = writer.Run(options.command("ab", argv))
     roots = [root.resolve() for root in args.roots]
@@ -71,6 +75,16 @@ def main(argv: list[str]) -> int:
     settings = replace(settings, sweep_systems=())
     if args.quick:
         settings = replace(settings, plan=QUICK_PLAN, workload=QUICK_WORKLOAD)
+    main = settings.plan.main
+    if args.clients is not None and args.clients < 1:
+        p.error("--clients must be at least 1")
+    main = replace(
+        main,
+        concurrency=args.clients or main.concurrency,
+        warmup_s=main.warmup_s if args.warmup_s is None else args.warmup_s,
+        window_s=main.window_s if args.window_s is None else args.window_s,
+    )
+    settings = replace(settings, plan=replace(settings.plan, main=main))
     settings = settings.sized()
     measurements = []
     with tempfile.TemporaryDirectory(prefix="llmserve-ab-") as tmp:
@@ -82,6 +96,7 @@ def main(argv: list[str]) -> int:
     for root in roots:
         windows = [w for m in measurements if m["root"] == str(root) for w in m["windows"]]
         median[str(root)] = statistics.median(windows) if windows else None
-    figures = {"system": args.system, "measurements": measurements, "median_window": median}
+    clients = settings.plan.main.concurrency
+    figures = {"system": args.system, "clients": clients, "measurements": measurements, "median_window": median}
     writer.publish(run, args.out_dir, options.result_name(args, f"ab-{args.system}"), TITLE, figures, section)
     return 0 if all(not m["error"] for m in measurements) else 1

@@ -11,18 +11,19 @@ for the base model. `LoraRows` is built once per step from those slots and serve
 Base rows take part in neither, so they cost nothing; a step without adapter rows has no `LoraRows` (`of` returns
 None) and its forward adds nothing; a linear that no adapter of the step targets is skipped.
 
-Chosen by measurement (benchmarks/probes/lora_ops.py; figures in benchmarks/README.md, Lab notebook: LoRA ops), at
-SmolLM2-135M's projections with 4 adapters of rank 16, against three other ways over the same rows: gathering each
-row's A and B and a bmm per row (vLLM's torch `bgmv_shrink/expand`), per-adapter segments over gathered rows
-(`sgmv` on an unsorted batch), and one masked matmul over every slot's stacked factors. Grouped rows were the
-fastest for 32 decode rows, contiguous segments for prompt chunks; a short group pads to the largest one, which a
+Chosen by measurement (benchmarks/probes/lora_ops.py, retired, last at 8f85198; figures in benchmarks/README.md, Lab
+notebook: LoRA ops), at SmolLM2-135M's projections with 4 adapters of rank 16, against three other ways over the same
+rows: gathering each row's A and B and a bmm per row (vLLM's torch `bgmv_shrink/expand`), per-adapter segments over
+gathered rows (`sgmv` on an unsorted batch), and one masked matmul over every slot's stacked factors. Grouped rows were
+the fastest for 32 decode rows, contiguous segments for prompt chunks; a short group pads to the largest one, which a
 long chunk would make costly, hence the split.
 
 Padding entries of a group read a real row of their own group (or, for a slot without rows inside the span, the
 first grouped row) and their outputs are never read back: each real entry's output is gathered back to its row
 (`y += out[back]` when every row of the step is grouped, else an index_add of the real entries alone), so a
 non-finite row can spoil only its own output. Gathering back beat the padded index_add with its padding zeroed by a
-multiply (one scatter_add over every entry, ~30 us a call at 32 decode rows; benchmarks/probes/lora_step.py).
+multiply (one scatter_add over every entry, ~30 us a call at 32 decode rows; benchmarks/probes/lora_step.py, retired,
+last at 8f85198).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class SuffixConfig:
     docstring); `k`: the most tokens proposed. `max_spec_factor` 4 rather than Arctic's and vLLM's 1: replayed over
     SmolLM2's answers to the editing prompts at one stream, 1 gave mostly 1-token guesses (2.58 tokens per step at
     k <= 15), 2 gave 2.78 and 4 gave 2.87; chat 1.30 -> 1.33; `min_token_prob` 0-0.1 and depth 24 or 64 changed
-    nothing there (benchmarks/probes/spec_replay.py, benchmarks/README.md)."""
+    nothing there (benchmarks/probes/spec_replay.py, retired, last at 8f85198; benchmarks/README.md)."""
 
     max_depth: int = 24
     max_answers: int = 256
