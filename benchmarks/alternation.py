@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 from typing import Any
 
 from benchmarks.loadgen import Schedule
@@ -35,3 +36,24 @@ async def alternate(
                 await asyncio.sleep(ROOM_S)
             start += 10_000  # the next round's prompts are new to every server's cache
     return out
+
+
+def point(measurements: list[Any]) -> dict[str, Any]:
+    """A system at one client count, from its windows: each window's output tokens/s, the medians of throughput and
+    TTFT, the errors and the peak resident memory."""
+    windows = [summarize("", m).windows[0] for m in measurements]
+
+    def median(figure: str) -> float | None:
+        values = [getattr(w, figure) for w in windows if getattr(w, figure) is not None]
+        return statistics.median(values) if values else None
+
+    peaks = [m.peak_memory_bytes for m in measurements if m.peak_memory_bytes is not None]
+    return {
+        "output_tokens_per_s": [round(w.output_tokens_per_s, 2) for w in windows],
+        "median_output_tokens_per_s": median("output_tokens_per_s"),
+        "ttft_p50_s": median("ttft_p50_s"),
+        "ttft_p99_s": median("ttft_p99_s"),
+        "ttft_samples": sum(w.ttft_samples for w in windows),
+        "errors": sum(w.errors for w in windows),
+        "peak_memory_bytes": max(peaks) if peaks else None,
+    }

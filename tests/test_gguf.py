@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from llmserve import gguf as llm_gguf
-from llmserve.gguf import MARKER, convert_gguf, default_gguf_path, model_name
+from llmserve.gguf import convert_gguf, default_gguf_path, model_name
+from llmserve.model_cache import MARKER
 
 # --- the default GGUF and its conversion ------------------------------------------------------------------
 

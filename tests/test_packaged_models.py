@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmserve import packaged_models
-from llmserve.gguf import MARKER
+from llmserve.model_cache import MARKER
 from llmserve.models import load_model
 from llmserve.packaged_models import PackagedModel, archive_path, extract, find_packaged, resolve
 

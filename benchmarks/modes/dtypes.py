@@ -30,7 +30,7 @@ import torch
 
 from benchmarks import analysis, options, writer
 from benchmarks import roofline as roofline_mod
-from benchmarks.alternation import alternate
+from benchmarks.alternation import alternate, point
 from benchmarks.metrics import summarize
 from benchmarks.systems.base import System
 from benchmarks.systems.grpc_e2e import GrpcSystem
@@ -138,25 +138,10 @@ def _peak_dtype(dtype: str) -> torch.dtype | str:
 
 
 def summary(measurements: list[Any], roof: roofline_mod.Roofline) -> dict[str, Any]:
-    """A system at one client count: each window's figures, their medians, the peak memory, the roofline share."""
+    """A system at one client count: alternation.point's figures and the median roofline share."""
     windows = [summarize("", m).windows[0] for m in measurements]
-
-    def median(figure: str) -> float | None:
-        values = [getattr(w, figure) for w in windows if getattr(w, figure) is not None]
-        return statistics.median(values) if values else None
-
     shares = [s for s in (analysis.floor_share(roof, w) for w in windows) if s is not None]
-    peaks = [m.peak_memory_bytes for m in measurements if m.peak_memory_bytes is not None]
-    return {
-        "output_tokens_per_s": [round(w.output_tokens_per_s, 2) for w in windows],
-        "median_output_tokens_per_s": median("output_tokens_per_s"),
-        "ttft_p50_s": median("ttft_p50_s"),
-        "ttft_p99_s": median("ttft_p99_s"),
-        "ttft_samples": sum(w.ttft_samples for w in windows),
-        "errors": sum(w.errors for w in windows),
-        "peak_memory_bytes": max(peaks) if peaks else None,
-        "roofline_share": statistics.median(shares) if shares else None,
-    }
+    return point(measurements) | {"roofline_share": statistics.median(shares) if shares else None}
 
 
 def ratios(data: dict[str, Any]) -> list[list[object]]:

@@ -51,8 +51,7 @@ import numpy as np
 import torch
 
 from benchmarks import options, writer
-from benchmarks.alternation import alternate
-from benchmarks.metrics import summarize
+from benchmarks.alternation import alternate, point
 from benchmarks.systems.base import System
 from benchmarks.systems.grpc_e2e import GrpcSystem
 from benchmarks.systems.llama_cpp import LlamaCppSystem
@@ -342,27 +341,6 @@ async def serve_file(spec: FileSpec, path: Path, args: argparse.Namespace, work:
     }
 
 
-def point(measurements: list[Any]) -> dict[str, Any]:
-    """A system at one client count: each window's throughput, the medians, the peak memory."""
-    import statistics
-
-    windows = [summarize("", m).windows[0] for m in measurements]
-
-    def median(figure: str) -> float | None:
-        values = [getattr(w, figure) for w in windows if getattr(w, figure) is not None]
-        return statistics.median(values) if values else None
-
-    peaks = [m.peak_memory_bytes for m in measurements if m.peak_memory_bytes is not None]
-    return {
-        "output_tokens_per_s": [round(w.output_tokens_per_s, 2) for w in windows],
-        "median_output_tokens_per_s": median("output_tokens_per_s"),
-        "ttft_p50_s": median("ttft_p50_s"),
-        "ttft_p99_s": median("ttft_p99_s"),
-        "errors": sum(w.errors for w in windows),
-        "peak_memory_bytes": max(peaks) if peaks else None,
-    }
-
-
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     quantizer = binary(args, "llama-quantize")
     notes: list[str] = []
@@ -504,9 +482,9 @@ def llmserve_perplexity(gguf: Path, tokens: list[int], ctx: int, dtype: str = "a
     """llama-perplexity's protocol over the served forward (`--dtype auto`: the file's blocks): each chunk of `ctx`
     tokens alone, its first token replaced by BOS where the tokenizer adds one, the second half scored; every
     token's attention through the decode kernel, as the engine computes it."""
-    from llmserve.engine.backends.attention import KernelDecodeAttention
     from llmserve.engine.core.engine_core import EngineCore
     from llmserve.models import load_model
+    from llmserve.testing import one_prompt_attention
 
     loaded = load_model(str(gguf), device="cpu", dtype=dtype)
     core = EngineCore(loaded, EngineConfig(kv_cache_tokens=4 * ctx, max_num_batched_tokens=ctx))
@@ -514,22 +492,11 @@ def llmserve_perplexity(gguf: Path, tokens: list[int], ctx: int, dtype: str = "a
     tokenizer = loaded.tokenizer
     bos = tokenizer.bos_token_id if tokenizer is not None and getattr(tokenizer, "add_bos_token", False) else None
     first, nll, count = ctx // 2, 0.0, 0
-    blocks = -(-ctx // backend.block_size)
     for start in range(0, len(tokens) - ctx + 1, ctx):
         ids = tokens[start : start + ctx]
         if bos is not None:
             ids = [bos, *ids[1:]]
-        batch = KernelDecodeAttention(
-            kv=backend.kv.tensor,
-            slot_mapping=torch.arange(ctx),
-            kernel=backend.kernel,
-            num=ctx,
-            tables=torch.arange(blocks, dtype=torch.int32).repeat(ctx, 1),
-            lens=torch.arange(1, ctx + 1, dtype=torch.int32),
-            max_len=ctx,
-            block_size=backend.block_size,
-            chunks=[],
-        )
+        batch = one_prompt_attention(backend, ctx)
         with torch.inference_mode():
             logits = backend.forward(torch.tensor([ids]), torch.arange(ctx)[None], None, batch).double()
         logprobs = torch.log_softmax(logits[first : ctx - 1], dim=-1)

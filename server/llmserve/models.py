@@ -29,13 +29,13 @@ from transformers import (
 
 from llmserve import cpu_features, packaged_models
 from llmserve.gguf import (
-    MARKER,
     convert_gguf,
     default_gguf_path,
     file_metadata,
     model_name,
 )
 from llmserve.gguf_file import GGUFFile
+from llmserve.model_cache import MARKER
 from llmserve.model_card import ModelCard
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape
 

@@ -16,9 +16,11 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfi
 
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
+from llmserve.engine.backends.attention import KernelDecodeAttention
 from llmserve.models import LoadedModel, from_config
 
 if TYPE_CHECKING:
+    from llmserve.engine.backends.cpu.backend import CpuBackend
     from llmserve.engine.frontend.protocol import Engine
 
 T = TypeVar("T")
@@ -136,3 +138,22 @@ def mend_triton_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
+def one_prompt_attention(backend: CpuBackend, tokens: int) -> KernelDecodeAttention:
+    """The attention of one prompt of `tokens` tokens in blocks 0.. of `backend`'s KV cache, every token a query of
+    the CPU decode kernel over the context up to itself: how the bfloat16, int8 and GGUF-block paths attend a prompt
+    (the tests' and probes' way to run a whole prompt through `backend.forward` without a scheduler)."""
+    assert backend.kernel is not None, "the CPU backend without its decode kernel"
+    blocks = -(-tokens // backend.block_size)
+    return KernelDecodeAttention(
+        kv=backend.kv.tensor,
+        slot_mapping=torch.arange(tokens),
+        kernel=backend.kernel,
+        num=tokens,
+        tables=torch.arange(blocks, dtype=torch.int32).repeat(tokens, 1),
+        lens=torch.arange(1, tokens + 1, dtype=torch.int32),
+        max_len=tokens,
+        block_size=backend.block_size,
+        chunks=[],
+    )

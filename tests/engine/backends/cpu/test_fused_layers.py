@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from llmserve.engine.backends import create_backend
-from llmserve.engine.backends.attention import Chunk, GatheredAttention, KernelDecodeAttention, paged_attention
+from llmserve.engine.backends.attention import Chunk, GatheredAttention, paged_attention
 from llmserve.engine.backends.cpu import native
 from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
@@ -19,7 +19,7 @@ from llmserve.engine.backends.cpu.packed_linear import Int8Linear, PackedBF16, R
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.models import from_config
-from llmserve.testing import TINY_VOCAB, tiny_config
+from llmserve.testing import TINY_VOCAB, one_prompt_attention, tiny_config
 
 OPS = native.load_fused()
 assert OPS is not None, "the CPU kernels are not installed: run `make kernels`"
@@ -111,18 +111,7 @@ def kernel_prefill_logits(runner: CpuBackend, ids: torch.Tensor) -> torch.Tensor
     query of the decode kernel over the context up to itself."""
     tokens = ids.shape[1]
     assert runner.kernel is not None and runner.fused is not None
-    blocks = -(-tokens // runner.block_size)
-    batch = KernelDecodeAttention(
-        kv=runner.kv.tensor,
-        slot_mapping=torch.arange(tokens),
-        kernel=runner.kernel,
-        num=tokens,
-        tables=torch.arange(blocks, dtype=torch.int32).repeat(tokens, 1),
-        lens=torch.arange(1, tokens + 1, dtype=torch.int32),
-        max_len=tokens,
-        block_size=runner.block_size,
-        chunks=[],
-    )
+    batch = one_prompt_attention(runner, tokens)
     with torch.inference_mode():
         return runner.fused(ids, torch.arange(tokens)[None], None, batch)
 
