@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "service"))
 from harness import tiny_engine  # noqa: E402
 
 from llmserve.engine.frontend.async_engine import AsyncEngine  # noqa: E402

@@ -13,7 +13,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "service"))
 from harness import tiny_engine  # noqa: E402
 
 from llmserve.engine.frontend.async_engine import AsyncEngine  # noqa: E402
@@ -28,7 +28,7 @@ from llmserve.engine.frontend.request import (  # noqa: E402
 )
 from llmserve.engine.sample.constraints import ConstraintChecker, ConstraintCompiler, Vocabulary  # noqa: E402
 
-CORPUS: dict[str, Any] = json.loads((Path(__file__).resolve().parents[1] / "data" / "schema_corpus.json").read_text())
+CORPUS: dict[str, Any] = json.loads((Path(__file__).resolve().parents[2] / "data" / "schema_corpus.json").read_text())
 REFUSED = {"unenforceable_unique_tags": "uniqueItems", "unenforceable_if_then": "if"}
 
 
