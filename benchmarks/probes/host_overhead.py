@@ -188,14 +188,14 @@ def measure_engine_process(
         spec = ChildSpec(functools.partial(timed_child_model, tokenizer, backend, batch, steps, out), config)
         client = ProcessCore(spec)
         client.wait_ready()
-        assert client.loaded is not None
-        engine = AsyncEngine(client.loaded, config, core=client)
+        assert client.card is not None
+        engine = AsyncEngine(client.card, config, core=client)
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True).start()
         asyncio.run_coroutine_threadsafe(engine.start(), loop).result()
         # The tokenizer's facts first (a scan of its vocabulary, once): the child steps while requests arrive, and
         # the first must not run alone to its end while that scan holds up the others.
-        OutputProcessor(client.loaded.tokenizer).add(0, requests[0], lambda delta: None)
+        OutputProcessor(client.card.tokenizer).add(0, requests[0], lambda delta: None)
         stop = submit_through_front_end(engine, requests, loop)
         deadline = time.monotonic() + 300
         while not out.exists():

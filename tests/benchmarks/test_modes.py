@@ -107,3 +107,14 @@ def test_gguf_mode_serves_the_default_file_from_its_blocks_and_skips_an_absent_l
     # Perplexity needs llama.cpp's tools: without them the page says so.
     assert run.main(["--mode", "gguf", "--perplexity", "--out-dir", str(tmp_path), "--name", "ppl"]) == 0
     assert "skipped: no llama-perplexity" in (tmp_path / "ppl.md").read_text()
+
+
+def test_host_overhead_times_the_engine_process_through_the_front_end(tmp_path: Path) -> None:
+    """The probe the engine-process figures came from: the core in its child process, every request streamed
+    through the front end, the child's pass times read back (it broke once unnoticed when the front end came to
+    hold the model's card instead of the model)."""
+    out = tmp_path / "times.json"
+    argv = ["--mode", "host-overhead", "--front-end", "--engine-process", "--backends", "cpu", "--batches", "4"]
+    assert run.main([*argv, "--steps", "10", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["cpu/4"]
+    assert 0 < figures["median_ms"] <= figures["p90_ms"]
