@@ -60,6 +60,7 @@ class InputLimits:
     max_prompt_bytes: int | None = None
     max_logit_bias: int = 300  # entries of sampling.logit_bias (OpenAI's limit)
     max_constraint_chars: int = 65536  # characters of a constraint's schema, regex or grammar, or all its choices
+    max_embed_inputs: int = 256  # inputs of one Embed call
 
 
 @dataclass(slots=True, frozen=True)

@@ -263,6 +263,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "entries of sampling.logit_bias per request"),
             _flag("--max-constraint-chars", "server.limits.max_constraint_chars", _positive_int,
                   "characters of a request's constraint (JSON schema, regex, grammar, or all choices together)"),
+            _flag("--max-embed-inputs", "server.limits.max_embed_inputs", _positive_int, "inputs of one Embed call"),
         ),
     ),
     (

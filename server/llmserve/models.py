@@ -38,6 +38,7 @@ from llmserve.gguf import (
 from llmserve.gguf_file import GGUFFile
 from llmserve.model_card import ModelCard
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape
+from llmserve.pooling_config import PoolingConfig, read_pooling_config
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class LoadedModel:
     weights: str | None = None
     gguf: GGUFFile | None = None
     activations: str = "int8"  # with `gguf`: how the kernels take the linears' rows (quant.QuantLinear's activations)
+    # Pooling (Embed): the folder's sentence-transformers pipeline, or the --pooling of a generative model; None
+    # when the model serves no Embed. `generates`: False for an encoder, whose `model` is then a BertEncoder.
+    pooling: PoolingConfig | None = None
+    generates: bool = True
 
     @property
     def mapped_bytes(self) -> int:
@@ -108,7 +113,15 @@ class LoadedModel:
         """This model as the front end knows it: all but the weights, in plain types (model_card.py)."""
         dtype = str(self.dtype).removeprefix("torch.")
         return ModelCard(
-            self.tokenizer, self.name, dtype, str(self.device), self.shape, self.eos_token_ids, self.weights
+            self.tokenizer,
+            self.name,
+            dtype,
+            str(self.device),
+            self.shape,
+            self.eos_token_ids,
+            self.weights,
+            self.pooling,
+            self.generates,
         )
 
 
@@ -169,9 +182,60 @@ def load_model(
         folder = convert_gguf(gguf_file, cache_root)
     if folder is None:  # not reached: a spec that is neither random nor a GGUF named its folder above
         raise ValueError(f"model spec {spec!r} names no model")
+    if _is_encoder(folder):
+        # An encoder runs in float32 unless asked otherwise: its vectors are compared with the library's.
+        return load_encoder(folder, torch.float32 if dtype == "auto" else dt, dev)
     loaded = _load_folder(folder, dt, dev)
     loaded.weights = weights
     return loaded
+
+
+def _is_encoder(folder: Path) -> bool:
+    from llmserve.engine.backends.encoder import ENCODER_TYPES
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in ENCODER_TYPES
+
+
+def load_encoder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """A BERT-family encoder folder with its sentence-transformers pipeline (modules.json): served for Embed only,
+    its `model` the engine's BertEncoder over the folder's weights (no transformers model is built). ValueError for
+    an encoder folder without a pipeline the server reproduces (pooling_config.py)."""
+    from llmserve.engine.backends.encoder import BertEncoder, EncoderConfig
+
+    pooling = read_pooling_config(folder)
+    if pooling is None:
+        raise ValueError(f"{folder}: an encoder without sentence-transformers' modules.json (no pooling to serve)")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    encoder = BertEncoder(EncoderConfig.of(config), _read_state(folder), dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    try:
+        shape = ModelShape.of(config)
+    except ValueError as exc:
+        raise ValueError(f"{folder}: {exc}") from exc
+    return LoadedModel(
+        model=encoder,
+        tokenizer=tokenizer,
+        name=model_name(folder),
+        dtype=dtype,
+        device=device,
+        shape=shape,
+        eos_token_ids=(),
+        pooling=pooling,
+        generates=False,
+    )
+
+
+def _read_state(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(folder / "model.safetensors"))
+    state: dict[str, torch.Tensor] = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    return state
 
 
 def load_gguf_blocks(path: Path, cache_root: Path | None = None, activations: str = "int8") -> LoadedModel:

@@ -46,22 +46,22 @@ import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, RequestStart
 from llmserve.engine.sample.sampler import RowFailed, Sampled
-from llmserve.engine.sched.plan import PENDING, SeqStep, StepPlan
+from llmserve.engine.sched.plan import PENDING, Pooled, SeqStep, StepPlan
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.spec.verify import Verified
 
 if TYPE_CHECKING:
-    from llmserve.engine.backends.base import Backend
+    from llmserve.engine.backends.base import Backend, StepResult
     from llmserve.engine.kv_tiers.worker import KVTiers
     from llmserve.engine.lora.serving import LoraServing
     from llmserve.engine.sched.scheduler import Scheduler
     from llmserve.engine.spec.speculation import Speculation
 
-Results = list[Sampled | RowFailed]
+Results: TypeAlias = "Seq[StepResult]"
 
 
 class StepHost(Protocol):
@@ -81,7 +81,7 @@ class StepHost(Protocol):
 
     def stepped(self) -> None: ...  # a forward succeeded
 
-    def hand_out(self, seq: Sequence, result: Sampled | RowFailed, now: float) -> None: ...
+    def hand_out(self, seq: Sequence, result: StepResult, now: float) -> None: ...
 
     def deliver(self, seq: Sequence, appended: Appended) -> None: ...
 
@@ -235,7 +235,9 @@ class PlainRunner:
             return
         assert speculation is not None
         speculation.step_verified()
-        for entry, verdict in verification.verdicts(plan.sampling, results):
+        # A step with drafts holds no pooling request (speculation drafts for generating sequences only).
+        sampled = [r for r in results if not isinstance(r, Pooled)]
+        for entry, verdict in verification.verdicts(plan.sampling, sampled):
             if entry.drafts:
                 self._hand_out_verified(entry, verdict, emit_time, speculation)
             else:

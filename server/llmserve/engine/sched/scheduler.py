@@ -68,8 +68,12 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         tiers: TierLookup | None = None,
         max_loras: int = 0,
+        whole_prompts: bool = False,
     ) -> None:
+        """`whole_prompts`: a prompt is admitted only when all of it fits in the step's budget, never in chunks (an
+        encoder's bidirectional attention needs every token of an input in one forward)."""
         self.pool = pool
+        self.whole_prompts = whole_prompts
         self.sessions = sessions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -339,6 +343,9 @@ class Scheduler:
         if pending is not None:
             self.pool.release(pending.pins)
         n = min(len(tokens) - reused, budget)
+        if self.whole_prompts and n < len(tokens) - reused:
+            self.pool.release(held)
+            return 0
         need = self.pool.blocks_for(reused + n) - len(shared)
         if not self.pool.can_allocate(need) and not self.sessions.evict_until_free(need):
             self.pool.release(held)
