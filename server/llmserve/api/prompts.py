@@ -176,14 +176,31 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[pb.ChatMessage]) -> list[i
     return ids
 
 
+def special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer adds before and after a text's own (BERT: [CLS] and [SEP])."""
+    whole: list[int] = tokenizer.encode("a")
+    own: list[int] = tokenizer.encode("a", add_special_tokens=False)
+    for at in range(len(whole) - len(own) + 1):
+        if whole[at : at + len(own)] == own:
+            return whole[:at], whole[at + len(own) :]
+    return [], []
+
+
 def embed_token_ids(
-    tokenizer: Any, item: pb.EmbedInput, field: str, limit: int, truncate: int, lower: bool
+    tokenizer: Any,
+    item: pb.EmbedInput,
+    field: str,
+    limit: int,
+    truncate: int,
+    lower: bool,
+    specials: tuple[list[int], list[int]] = ([], []),
 ) -> tuple[list[int], bool]:
     """One Embed input's token ids (on a worker thread: it tokenizes), and whether it was cut. At most `limit`
     tokens: a longer input is InvalidRequest naming `field` unless `truncate` (pb.Truncation) keeps its start or
     its end; a text keeps its special tokens then (its content alone is cut, as the tokenizer's own truncation
     does). A text is lowercased first where the model's folder says so (`lower`: sentence-transformers'
-    do_lower_case); a conversation is rendered without the prompt for an assistant's turn."""
+    do_lower_case) and framed by `specials` (special_tokens: what the tokenizer adds by default); a conversation is
+    rendered without the prompt for an assistant's turn."""
     kind = item.WhichOneof("input")
     if kind == "token_ids":
         return _fit(list(item.token_ids.ids), field, limit, truncate)
@@ -203,10 +220,9 @@ def embed_token_ids(
         return _fit(tokenizer.encode(text, add_special_tokens=False), field, limit, truncate)
     text = item.text.lower() if lower else item.text
     content: list[int] = tokenizer.encode(text, add_special_tokens=False)
-    room = limit - tokenizer.num_special_tokens_to_add(pair=False)
-    content, cut = _fit(content, field, room, truncate, limit)
-    ids: list[int] = tokenizer.build_inputs_with_special_tokens(content)
-    return ids, cut
+    head, tail = specials
+    content, cut = _fit(content, field, limit - len(head) - len(tail), truncate, limit)
+    return head + content + tail, cut
 
 
 def _fit(ids: list[int], field: str, room: int, truncate: int, limit: int | None = None) -> tuple[list[int], bool]:

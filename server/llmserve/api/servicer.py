@@ -40,7 +40,7 @@ from llmserve.api.limits import (
     prompt_byte_limit,
     quote_prefix,
 )
-from llmserve.api.prompts import SessionPrompts, embed_token_ids, prompt_token_ids
+from llmserve.api.prompts import SessionPrompts, embed_token_ids, prompt_token_ids, special_tokens
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
 from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
@@ -419,11 +419,11 @@ def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> 
     """Every input's token ids and whether truncation cut it (on a worker thread: it tokenizes); InvalidRequest
     naming the first input that is too long or holds ids outside the vocabulary."""
     prompts = []
+    specials = ([], []) if tokenizer is None else special_tokens(tokenizer)
+    limit = info.max_embed_input_tokens
     for i, item in enumerate(request.inputs):
         field = f"inputs[{i}]"
-        ids, cut = embed_token_ids(
-            tokenizer, item, field, info.max_embed_input_tokens, request.truncate, info.do_lower_case
-        )
+        ids, cut = embed_token_ids(tokenizer, item, field, limit, request.truncate, info.do_lower_case, specials)
         if any(t < 0 or t >= info.vocab_size for t in ids):
             raise InvalidRequest(f"{field}.token_ids.ids", f"ids must be in [0, {info.vocab_size})")
         prompts.append((ids, cut))

@@ -126,6 +126,7 @@ class ServerMetrics:
         self.embed_requests = Counter(
             f"{p}_embed_requests", "Embed calls ended, by gRPC status code", ["code"], registry=r
         )
+        self.embed_requests.labels("OK")  # a series from the start: a scrape before any Embed call reads 0
         self.embed_inputs = Counter(f"{p}_embed_inputs", "Inputs of Embed calls the engine took", registry=r)
         self.embed_tokens = Counter(f"{p}_embed_tokens", "Tokens of Embed calls' inputs the engine read", registry=r)
         self.embed_latency = Histogram(
