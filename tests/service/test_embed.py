@@ -20,6 +20,8 @@ import torch
 from harness import ServerThread, bad_request_fields
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from llmserve import packaged_models
 from llmserve.config import ModelConfig
@@ -267,3 +269,23 @@ def test_the_cli_prints_the_servers_vectors(
     want = _vectors(_embed(stub, TEXTS[:2], dimensions=64))
     assert [line["index"] for line in lines] == [0, 1]
     _assert_close(torch.tensor([line["values"] for line in lines]), want)
+
+
+def test_the_vllm_protocols_embed_gives_llmserves_vector(
+    server: ServerThread, stub: generate_pb2_grpc.GenerateServiceStub, library: Any
+) -> None:
+    """What smg sends /v1/embeddings to: one tokenized input per call, the model's own pooling and normalization."""
+    with grpc.insecure_channel(server.address) as channel:
+        vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        info = vllm.GetModelInfo(vpb.GetModelInfoRequest(), timeout=30)
+        assert not info.is_generation and info.max_req_input_len == 256
+        ids = library.tokenizer(TEXTS[7])["input_ids"]
+        request = vpb.EmbedRequest(request_id="v1", tokenized=vpb.TokenizedInput(original_text=TEXTS[7], input_ids=ids))
+        answer = vllm.Embed(request, timeout=60)
+        assert (answer.prompt_tokens, answer.embedding_dim) == (len(ids), 384)
+        _assert_close(torch.tensor([list(answer.embedding)]), _vectors(_embed(stub, [TEXTS[7]])))
+        too_long = vpb.EmbedRequest(request_id="v2", tokenized=vpb.TokenizedInput(input_ids=[1000] * 300))
+        with pytest.raises(grpc.RpcError) as err:
+            vllm.Embed(too_long, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad_request_fields(err.value) == ["tokenized.input_ids"]
