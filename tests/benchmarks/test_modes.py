@@ -107,3 +107,14 @@ def test_gguf_mode_serves_the_default_file_from_its_blocks_and_skips_an_absent_l
     # Perplexity needs llama.cpp's tools: without them the page says so.
     assert run.main(["--mode", "gguf", "--perplexity", "--out-dir", str(tmp_path), "--name", "ppl"]) == 0
     assert "skipped: no llama-perplexity" in (tmp_path / "ppl.md").read_text()
+
+
+def test_embed_mode_measures_the_library_and_both_call_shapes(tmp_path: Path) -> None:
+    args = ["--mode", "embed", "--quick", "--out-dir", str(tmp_path), "--name", "embed"]
+    assert run.main(args) == 0
+    data = json.loads((tmp_path / "embed.json").read_text())
+    page = (tmp_path / "embed.md").read_text()
+    for system in ("sentence-transformers", "llmserve 1/call", "llmserve 32/call"):
+        (window,) = data["runs"][system]
+        assert window["embeddings_per_s"] > 0 and window["calls"] > 0 and window["peak_rss_bytes"] > 0
+    assert data["run"]["model"] == "all-minilm-l6-v2" and "| llmserve 32/call |" in page
