@@ -10,6 +10,7 @@ safetensors folder of float weights (gguf.convert_gguf). A model's dimensions ar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from llmserve.gguf import (
 from llmserve.gguf_file import GGUFFile
 from llmserve.model_card import ModelCard
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape
-from llmserve.pooling_config import PoolingConfig, read_pooling_config
+from llmserve.pooling_config import PoolingConfig, PoolingMode, read_pooling_config
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ def load_model(
     cache_root: Path | None = None,
     lora: bool = False,
     gguf_activations: str = "int8",
+    pooling: str | None = None,
 ) -> LoadedModel:
     """Load a model for serving.
 
@@ -145,9 +147,55 @@ def load_model(
     LoRA adapters will be served, which the CPU serves in float32 only, so that "auto" picks float32 there (a
     GGUF's blocks take float32 rows: they serve adapters as they are).
     `gguf_activations`: with a GGUF's blocks, "int8" (per block of 32, as llama.cpp) or "float32" input rows.
+    `pooling` ("last", "mean", "cls", "max"): a generative model serves Embed too, its final hidden states pooled
+    so (unnormalized by default); None: a folder's sentence-transformers pooling where it has one (an encoder folder
+    always serves its own; `pooling` then only changes its mode).
     Raises gguf_file.GGUFError, naming the file, for a GGUF that is truncated, corrupt, or holds block types or an
     architecture its blocks cannot be served in.
     """
+    loaded = _load(spec, device, dtype, cache_root, lora, gguf_activations)
+    return with_pooling(loaded, folder_of(spec, cache_root), pooling)
+
+
+def folder_of(spec: str | os.PathLike[str] | None, cache_root: Path | None) -> Path | None:
+    """The model folder a spec names (a folder, or a packaged model's), else None (a GGUF, random weights)."""
+    if spec is None:
+        return None
+    text = os.fspath(spec)
+    path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if text.startswith(RANDOM_PREFIX) or path.suffix == ".gguf":
+        return None
+    return packaged_models.resolve(text, cache_root)
+
+
+def with_pooling(loaded: LoadedModel, folder: Path | None, pooling: str | None) -> LoadedModel:
+    """`loaded` serving Embed as `pooling` says (see load_model): its pooling config set, from the folder's
+    sentence-transformers files or the flag."""
+    if loaded.pooling is None and folder is not None and loaded.generates:
+        loaded.pooling = read_pooling_config(folder)
+    if pooling is None:
+        return loaded
+    mode = PoolingMode.parse(pooling)
+    if loaded.pooling is not None:
+        loaded.pooling = dataclasses.replace(loaded.pooling, mode=mode)
+        return loaded
+    hidden = loaded.shape.hidden_size
+    if hidden is None:
+        raise ValueError(f"{loaded.name}: --pooling needs the model's hidden size, which its config does not give")
+    loaded.pooling = PoolingConfig(mode=mode, normalize=False, hidden_size=hidden)
+    return loaded
+
+
+def _load(
+    spec: str | os.PathLike[str] | None,
+    device: str,
+    dtype: str,
+    cache_root: Path | None,
+    lora: bool,
+    gguf_activations: str,
+) -> LoadedModel:
     dev = resolve_device(device)
     spec = os.fspath(spec) if spec is not None else None
     gguf_file: Path | None = None

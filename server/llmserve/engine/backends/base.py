@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from llmserve.engine.backends.pooling import PoolingStates
 from llmserve.engine.backends.slots import block_range, slot
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
@@ -43,6 +44,7 @@ class Backend(Protocol):
     block_size: int
     kv: KVCache  # the paged cache; the KV tiers copy whole blocks out of it and back (read_block, write_block)
     streams: RandomStreams  # the sampled sequences' random streams, on `device`; the core releases ended ones
+    pooling: PoolingStates  # pooling requests' states between prompt chunks; the core releases ended ones
 
     def execute(self, plan: StepPlan) -> Sequence[StepResult]: ...
 

@@ -18,7 +18,7 @@ import torch
 
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch
-from llmserve.engine.backends.pooling import DenseStack, finish, pool
+from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pool
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sample.streams import RandomStreams
@@ -39,7 +39,7 @@ class EncoderBackend:
         if not isinstance(loaded.model, BertEncoder) or loaded.pooling is None:
             raise ValueError(f"{loaded.name}: the encoder backend serves an encoder with its pooling configured")
         self.encoder: BertEncoder = loaded.model
-        self.pooling = loaded.pooling
+        self.pipeline = loaded.pooling
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.block_size = config.block_size
@@ -47,11 +47,12 @@ class EncoderBackend:
         self.num_blocks = config.max_num_seqs * blocks_for(max_model_len, config.block_size)
         self.kv = KVCache(loaded.shape, 0, config.block_size, self.dtype, self.device)
         self.streams = RandomStreams(self.device)
-        self.dense = DenseStack.load(self.pooling.dense, torch.float32, self.device)
+        self.pooling = PoolingStates()  # unused: an encoder reads each input whole, in one step
+        self.dense = DenseStack.load(self.pipeline.dense, torch.float32, self.device)
         packed = "oneDNN-packed linears" if self.encoder.packed else "torch linears"
         self.description = (
             f"encoder forward over packed rows ({loaded.dtype}, {packed}), "
-            f"{self.pooling.mode.value} pooling, no KV cache"
+            f"{self.pipeline.mode.value} pooling, no KV cache"
         )
 
     def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:

@@ -130,7 +130,7 @@ class EngineCore:
             and self.speculation is None
             and self.tiers is None
             and self.lora is None
-            and not encoder  # an encoder step samples nothing a next step would wait for
+            and loaded.pooling is None  # a pooling request ends at its last chunk: no next position to plan ahead
         )
         if config.async_scheduling and not overlap:
             log.warning("--async-scheduling is off: speculative decoding, the KV tiers and LoRA step without overlap")
@@ -381,6 +381,7 @@ class EngineCore:
             self.lora.unbind(seq)
         if not in_flight:
             self.backend.streams.release(seq.seq_no)
+        self.backend.pooling.release(seq.seq_no)
         if self.speculation is not None:
             self.speculation.release(seq)
         usage, timing = seq.ended(time.monotonic())

@@ -46,11 +46,11 @@ import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
 from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, RequestStart
 from llmserve.engine.sample.sampler import RowFailed, Sampled
-from llmserve.engine.sched.plan import PENDING, Pooled, SeqStep, StepPlan
+from llmserve.engine.sched.plan import PENDING, SeqStep, StepPlan
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.spec.verify import Verified
 
@@ -235,9 +235,8 @@ class PlainRunner:
             return
         assert speculation is not None
         speculation.step_verified()
-        # A step with drafts holds no pooling request (speculation drafts for generating sequences only).
-        sampled = [r for r in results if not isinstance(r, Pooled)]
-        for entry, verdict in verification.verdicts(plan.sampling, sampled):
+        # A pooling request never has drafts: its Pooled passes through as a plain entry's result, to hand_out.
+        for entry, verdict in verification.verdicts(plan.sampling, cast("Seq[Sampled | RowFailed]", results)):
             if entry.drafts:
                 self._hand_out_verified(entry, verdict, emit_time, speculation)
             else:
