@@ -121,7 +121,7 @@ def test_load_model_finds_a_packaged_model_by_name(cache: Path, monkeypatch: pyt
 
     def load_folder(folder: Path, dtype: object, device: object) -> SimpleNamespace:
         opened.append(folder)
-        return SimpleNamespace()
+        return SimpleNamespace(pooling=None, generates=True)
 
     monkeypatch.setattr("llmserve.models._load_folder", load_folder)
     local = cache / "here" / "all-minilm-l6-v2"

@@ -67,7 +67,7 @@ def embed(stub: generate_pb2_grpc.GenerateServiceStub, texts: list[str]) -> torc
 
 
 def generate(stub: generate_pb2_grpc.GenerateServiceStub, text: str) -> list[int]:
-    request = pb.GenerateRequest(text=text, stopping=pb.StoppingParams(max_new_tokens=24, ignore_eos=True))
+    request = pb.GenerateRequest(text=text, stopping=pb.StoppingCriteria(max_new_tokens=24, ignore_eos=True))
     return [t for response in stub.Generate(request, timeout=120) for t in response.token_ids]
 
 
