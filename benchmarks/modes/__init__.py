@@ -43,6 +43,7 @@ MODES = {
         Mode("gateway", "benchmarks.modes.gateway", "smg's OpenAI HTTP vs llmserve's gRPC (make bench-gateway)"),
         Mode("speculative", "benchmarks.modes.speculative", "speculative decoding on vs off (make bench-spec)"),
         Mode("lora", "benchmarks.modes.lora", "32 clients over 4 rank-16 LoRA adapters vs base (make bench-lora)"),
+        Mode("embed", "benchmarks.modes.embed", "the library vs Embed, 1 and 32 texts a call (make bench-embed)"),
         Mode("gguf", "benchmarks.modes.gguf_blocks", "GGUF blocks vs llama-server on the same files (make bench-gguf)"),
         Mode("host-overhead", "benchmarks.probes.host_overhead", "host work per step, model call stubbed", True),
         Mode("frontend", "benchmarks.probes.frontend", "the serving path's ceiling, model call stubbed", True),

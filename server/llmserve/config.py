@@ -37,6 +37,9 @@ class ModelConfig:
     # the fastest), or "float32" (the float32 path's tokens; as fast at 1-4 rows, about float32's speed from 32).
     gguf_activations: str = "int8"
     cache_dir: str | None = None
+    # Embed from a generative model: how its final hidden states are pooled ("last", "mean", "cls", "max"); None:
+    # the folder's sentence-transformers pooling if it has one (an encoder folder always has its own).
+    pooling: str | None = None
     # The engine core in a process of its own (engine/core/process.py), so that the step loop does not share the
     # front end's GIL; False: on a thread of the server's process.
     engine_process: bool = True
@@ -60,6 +63,7 @@ class InputLimits:
     max_prompt_bytes: int | None = None
     max_logit_bias: int = 300  # entries of sampling.logit_bias (OpenAI's limit)
     max_constraint_chars: int = 65536  # characters of a constraint's schema, regex or grammar, or all its choices
+    max_embed_inputs: int = 256  # inputs of one Embed call
 
 
 @dataclass(slots=True, frozen=True)

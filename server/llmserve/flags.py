@@ -185,6 +185,10 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "with a GGUF's blocks: the linears' input rows quantized to int8 per block of 32 as llama.cpp does "
                   "(fastest), or kept float32 (the float32 path's tokens, about its speed from 32 rows)"),
             _flag("--cache-dir", "model.cache_dir", str, "where converted models are cached; unset: ~/.cache/llmserve"),
+            _flag("--pooling", "model.pooling", _one_of("last", "mean", "cls", "max"),
+                  "serve Embed from a generative model too: its final hidden states pooled over each input's tokens "
+                  "(last token, mean, first token, maximum); unset: the model folder's sentence-transformers pooling, "
+                  "if any"),
             _switch("--engine-in-process", "model.engine_process",
                     "run the engine core on a thread of the server's process, not in a process of its own",
                     invert=True),
@@ -263,6 +267,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "entries of sampling.logit_bias per request"),
             _flag("--max-constraint-chars", "server.limits.max_constraint_chars", _positive_int,
                   "characters of a request's constraint (JSON schema, regex, grammar, or all choices together)"),
+            _flag("--max-embed-inputs", "server.limits.max_embed_inputs", _positive_int, "inputs of one Embed call"),
         ),
     ),
     (

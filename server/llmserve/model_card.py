@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmserve.model_shape import ModelShape
+from llmserve.pooling_config import PoolingConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,6 +32,8 @@ class ModelCard:
     shape: ModelShape
     eos_token_ids: tuple[int, ...]
     weights: str | None = None
+    pooling: PoolingConfig | None = None  # what Embed serves; None: no Embed
+    generates: bool = True  # False for an encoder (Embed only)
 
     @property
     def vocab_size(self) -> int:

@@ -10,6 +10,7 @@ safetensors folder of float weights (gguf.convert_gguf). A model's dimensions ar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from llmserve.gguf_file import GGUFFile
 from llmserve.model_cache import MARKER
 from llmserve.model_card import ModelCard
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape
+from llmserve.pooling_config import PoolingConfig, PoolingMode, read_pooling_config
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,10 @@ class LoadedModel:
     weights: str | None = None
     gguf: GGUFFile | None = None
     activations: str = "int8"  # with `gguf`: how the kernels take the linears' rows (quant.QuantLinear's activations)
+    # Pooling (Embed): the folder's sentence-transformers pipeline, or the --pooling of a generative model; None
+    # when the model serves no Embed. `generates`: False for an encoder, whose `model` is then a BertEncoder.
+    pooling: PoolingConfig | None = None
+    generates: bool = True
 
     @property
     def mapped_bytes(self) -> int:
@@ -108,7 +114,15 @@ class LoadedModel:
         """This model as the front end knows it: all but the weights, in plain types (model_card.py)."""
         dtype = str(self.dtype).removeprefix("torch.")
         return ModelCard(
-            self.tokenizer, self.name, dtype, str(self.device), self.shape, self.eos_token_ids, self.weights
+            self.tokenizer,
+            self.name,
+            dtype,
+            str(self.device),
+            self.shape,
+            self.eos_token_ids,
+            self.weights,
+            self.pooling,
+            self.generates,
         )
 
 
@@ -120,6 +134,7 @@ def load_model(
     cache_root: Path | None = None,
     lora: bool = False,
     gguf_activations: str = "int8",
+    pooling: str | None = None,
 ) -> LoadedModel:
     """Load a model for serving.
 
@@ -132,9 +147,55 @@ def load_model(
     LoRA adapters will be served, which the CPU serves in float32 only, so that "auto" picks float32 there (a
     GGUF's blocks take float32 rows: they serve adapters as they are).
     `gguf_activations`: with a GGUF's blocks, "int8" (per block of 32, as llama.cpp) or "float32" input rows.
+    `pooling` ("last", "mean", "cls", "max"): a generative model serves Embed too, its final hidden states pooled
+    so (unnormalized by default); None: a folder's sentence-transformers pooling where it has one (an encoder folder
+    always serves its own; `pooling` then only changes its mode).
     Raises gguf_file.GGUFError, naming the file, for a GGUF that is truncated, corrupt, or holds block types or an
     architecture its blocks cannot be served in.
     """
+    loaded = _load(spec, device, dtype, cache_root, lora, gguf_activations)
+    return with_pooling(loaded, folder_of(spec, cache_root), pooling)
+
+
+def folder_of(spec: str | os.PathLike[str] | None, cache_root: Path | None) -> Path | None:
+    """The model folder a spec names (a folder, or a packaged model's), else None (a GGUF, random weights)."""
+    if spec is None:
+        return None
+    text = os.fspath(spec)
+    path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if text.startswith(RANDOM_PREFIX) or path.suffix == ".gguf":
+        return None
+    return packaged_models.resolve(text, cache_root)
+
+
+def with_pooling(loaded: LoadedModel, folder: Path | None, pooling: str | None) -> LoadedModel:
+    """`loaded` serving Embed as `pooling` says (see load_model): its pooling config set, from the folder's
+    sentence-transformers files or the flag."""
+    if loaded.pooling is None and folder is not None and loaded.generates:
+        loaded.pooling = read_pooling_config(folder)
+    if pooling is None:
+        return loaded
+    mode = PoolingMode.parse(pooling)
+    if loaded.pooling is not None:
+        loaded.pooling = dataclasses.replace(loaded.pooling, mode=mode)
+        return loaded
+    hidden = loaded.shape.hidden_size
+    if hidden is None:
+        raise ValueError(f"{loaded.name}: --pooling needs the model's hidden size, which its config does not give")
+    loaded.pooling = PoolingConfig(mode=mode, normalize=False, hidden_size=hidden)
+    return loaded
+
+
+def _load(
+    spec: str | os.PathLike[str] | None,
+    device: str,
+    dtype: str,
+    cache_root: Path | None,
+    lora: bool,
+    gguf_activations: str,
+) -> LoadedModel:
     dev = resolve_device(device)
     spec = os.fspath(spec) if spec is not None else None
     gguf_file: Path | None = None
@@ -169,9 +230,60 @@ def load_model(
         folder = convert_gguf(gguf_file, cache_root)
     if folder is None:  # not reached: a spec that is neither random nor a GGUF named its folder above
         raise ValueError(f"model spec {spec!r} names no model")
+    if _is_encoder(folder):
+        # An encoder runs in float32 unless asked otherwise: its vectors are compared with the library's.
+        return load_encoder(folder, torch.float32 if dtype == "auto" else dt, dev)
     loaded = _load_folder(folder, dt, dev)
     loaded.weights = weights
     return loaded
+
+
+def _is_encoder(folder: Path) -> bool:
+    from llmserve.engine.backends.encoder import ENCODER_TYPES
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in ENCODER_TYPES
+
+
+def load_encoder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """A BERT-family encoder folder with its sentence-transformers pipeline (modules.json): served for Embed only,
+    its `model` the engine's BertEncoder over the folder's weights (no transformers model is built). ValueError for
+    an encoder folder without a pipeline the server reproduces (pooling_config.py)."""
+    from llmserve.engine.backends.encoder import BertEncoder, EncoderConfig
+
+    pooling = read_pooling_config(folder)
+    if pooling is None:
+        raise ValueError(f"{folder}: an encoder without sentence-transformers' modules.json (no pooling to serve)")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    encoder = BertEncoder(EncoderConfig.of(config), _read_state(folder), dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    try:
+        shape = ModelShape.of(config)
+    except ValueError as exc:
+        raise ValueError(f"{folder}: {exc}") from exc
+    return LoadedModel(
+        model=encoder,
+        tokenizer=tokenizer,
+        name=model_name(folder),
+        dtype=dtype,
+        device=device,
+        shape=shape,
+        eos_token_ids=(),
+        pooling=pooling,
+        generates=False,
+    )
+
+
+def _read_state(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(folder / "model.safetensors"))
+    state: dict[str, torch.Tensor] = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    return state
 
 
 def load_gguf_blocks(path: Path, cache_root: Path | None = None, activations: str = "int8") -> LoadedModel:

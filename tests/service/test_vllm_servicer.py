@@ -229,9 +229,16 @@ def test_get_tokenizer_streams_a_zip_that_tokenizes_as_the_server_does(
     assert loaded.encode("Ünïcode and spaces  ok") == served.encode("Ünïcode and spaces  ok")
 
 
+def test_embed_on_a_model_without_pooling_is_failed_precondition(vllm: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    request = vpb.EmbedRequest(request_id="e", tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]))
+    with pytest.raises(grpc.RpcError) as err:
+        vllm.Embed(request, timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "serves no Embed" in err.value.details()
+
+
 def test_unimplemented_rpcs_say_so(vllm: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
     calls = [
-        lambda: vllm.Embed(vpb.EmbedRequest(), timeout=10),
         lambda: vllm.FlushCache(common_pb2.FlushCacheRequest(), timeout=10),
         lambda: vllm.StartProfile(common_pb2.StartProfileRequest(), timeout=10),
         lambda: vllm.StopProfile(common_pb2.StopProfileRequest(), timeout=10),

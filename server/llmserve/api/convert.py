@@ -15,9 +15,11 @@ from llmserve.engine.frontend.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
+    PoolingParams,
     SamplingParams,
     StoppingParams,
 )
+from llmserve.pooling_config import PoolingMode
 from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS, clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
@@ -144,3 +146,53 @@ def input_text(request: pb.GenerateRequest) -> str:
     if kind == "chat":
         return clip(" | ".join(f"{m.role}: {m.content}" for m in request.chat.messages), MAX_LOGGED_PROMPT_CHARS)
     return f"<{len(request.token_ids.ids)} token ids>"
+
+
+# EmbedRequest.pooling to the engine's modes (POOLING_UNSPECIFIED: the model's).
+_POOLING = {
+    pb.POOLING_CLS: PoolingMode.CLS,
+    pb.POOLING_MEAN: PoolingMode.MEAN,
+    pb.POOLING_LAST: PoolingMode.LAST,
+    pb.POOLING_MAX: PoolingMode.MAX,
+}
+POOLING_NAMES = {mode.value: value for value, mode in _POOLING.items()}  # ModelInfo.pooling -> pb.Pooling
+
+
+def to_pooling_params(request: pb.EmbedRequest, info: ModelInfo) -> PoolingParams:
+    """The engine's pooling for every input of an Embed call: the request's choices, else the model's defaults."""
+    mode = _POOLING.get(request.pooling) or PoolingMode(info.pooling)
+    normalize = request.normalize if request.HasField("normalize") else info.normalize
+    dimensions = request.dimensions if request.HasField("dimensions") else None
+    return PoolingParams(mode, normalize, dimensions)
+
+
+def to_pooling_request(
+    request: pb.EmbedRequest,
+    index: int,
+    prompt_ids: Sequence[int],
+    *,
+    request_id: str,
+    pooling: PoolingParams,
+    deadline: float | None = None,
+) -> GenerationRequest:
+    """The engine's request for input `index` of an Embed call (its own id: `request_id/index`): prefill only."""
+    return GenerationRequest(
+        deadline=deadline,
+        request_id=f"{request_id}/{index}",
+        prompt_token_ids=tuple(prompt_ids),
+        stopping=StoppingParams(max_new_tokens=1),
+        priority=request.priority,
+        prompt_field=f"inputs[{index}]",
+        pooling=pooling,
+    )
+
+
+def to_embedding(index: int, delta: Delta, truncated: bool) -> pb.Embedding:
+    """One input's final delta as its Embedding."""
+    usage = delta.usage
+    return pb.Embedding(
+        index=index,
+        values=delta.embedding or [],
+        prompt_tokens=0 if usage is None else usage.prompt_tokens,
+        truncated=truncated,
+    )

@@ -9,6 +9,8 @@ to check (`GenerationRequest.validate`), each in one place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from llmserve.config import InputLimits
 from llmserve.engine.frontend.errors import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
@@ -111,24 +113,27 @@ def check_input(request: pb.GenerateRequest | pb.TokenizeRequest, limits: InputL
     if kind == "text":
         _check_prompt_bytes("text", request.text, max_prompt_bytes)
     elif kind == "chat":
-        messages = request.chat.messages
-        if len(messages) > limits.max_chat_messages:
+        _check_chat("chat", request.chat.messages, limits, max_prompt_bytes)
+
+
+def _check_chat(field: str, messages: Sequence[pb.ChatMessage], limits: InputLimits, max_prompt_bytes: int) -> None:
+    if len(messages) > limits.max_chat_messages:
+        raise InvalidRequest(
+            f"{field}.messages",
+            f"has {len(messages)} messages, the limit is {limits.max_chat_messages} (--max-chat-messages)",
+        )
+    total = 0
+    for i, message in enumerate(messages):
+        if message.role not in limits.chat_roles:
             raise InvalidRequest(
-                "chat.messages",
-                f"has {len(messages)} messages, the limit is {limits.max_chat_messages} (--max-chat-messages)",
+                f"{field}.messages[{i}].role",
+                f"{quote_prefix(message.role)} is not one of {', '.join(limits.chat_roles)} (--chat-roles)",
             )
-        total = 0
-        for i, message in enumerate(messages):
-            if message.role not in limits.chat_roles:
-                raise InvalidRequest(
-                    f"chat.messages[{i}].role",
-                    f"{quote_prefix(message.role)} is not one of {', '.join(limits.chat_roles)} (--chat-roles)",
-                )
-            total += _utf8_length(message.content, max_prompt_bytes - total)
-            if total > max_prompt_bytes:
-                raise InvalidRequest(
-                    "chat.messages", f"are over {max_prompt_bytes} bytes of content, the limit (--max-prompt-bytes)"
-                )
+        total += _utf8_length(message.content, max_prompt_bytes - total)
+        if total > max_prompt_bytes:
+            raise InvalidRequest(
+                f"{field}.messages", f"are over {max_prompt_bytes} bytes of content, the limit (--max-prompt-bytes)"
+            )
 
 
 def _check_prompt_bytes(field: str, text: str, max_prompt_bytes: int) -> None:
@@ -141,3 +146,37 @@ def _utf8_length(text: str, limit: int) -> int:
     if len(text) > limit:  # every character is at least one byte
         return len(text)
     return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_embed(request: pb.EmbedRequest, limits: InputLimits, max_prompt_bytes: int, embedding_size: int) -> None:
+    """The sizes and ranges of an Embed call, before any tokenizer or engine work: at least one input and at most
+    --max-embed-inputs, each with one input set and within the byte and chat limits; `dimensions` within the
+    model's `embedding_size`; known enum values."""
+    check_id("request_id", request.request_id, limits.max_request_id_length, "--max-request-id-length")
+    inputs = request.inputs
+    if not inputs:
+        raise InvalidRequest("inputs", "must not be empty")
+    if len(inputs) > limits.max_embed_inputs:
+        raise InvalidRequest(
+            "inputs", f"has {len(inputs)} inputs, the limit is {limits.max_embed_inputs} (--max-embed-inputs)"
+        )
+    if request.HasField("dimensions") and not 1 <= request.dimensions <= embedding_size:
+        raise InvalidRequest("dimensions", f"must be in [1, {embedding_size}], got {request.dimensions}")
+    if request.truncate not in pb.Truncation.values():
+        raise InvalidRequest("truncate", f"unknown value {request.truncate}")
+    if request.pooling not in pb.Pooling.values():
+        raise InvalidRequest("pooling", f"unknown value {request.pooling}")
+    for i, item in enumerate(inputs):
+        field = f"inputs[{i}]"
+        kind = item.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest(field, "set one of text, chat, token_ids")
+        if kind == "text":
+            if not item.text:
+                raise InvalidRequest(f"{field}.text", "must not be empty")
+            _check_prompt_bytes(f"{field}.text", item.text, max_prompt_bytes)
+        elif kind == "token_ids":
+            if not item.token_ids.ids:
+                raise InvalidRequest(f"{field}.token_ids.ids", "must not be empty")
+        else:
+            _check_chat(f"{field}.chat", item.chat.messages, limits, max_prompt_bytes)

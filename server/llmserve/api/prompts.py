@@ -174,3 +174,67 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[pb.ChatMessage]) -> list[i
     # The template already wrote the special tokens it wants.
     ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
     return ids
+
+
+def special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer adds before and after a text's own (BERT: [CLS] and [SEP])."""
+    whole: list[int] = tokenizer.encode("a")
+    own: list[int] = tokenizer.encode("a", add_special_tokens=False)
+    for at in range(len(whole) - len(own) + 1):
+        if whole[at : at + len(own)] == own:
+            return whole[:at], whole[at + len(own) :]
+    return [], []
+
+
+def embed_token_ids(
+    tokenizer: Any,
+    item: pb.EmbedInput,
+    field: str,
+    limit: int,
+    truncate: int,
+    lower: bool,
+    specials: tuple[list[int], list[int]] = ([], []),
+) -> tuple[list[int], bool]:
+    """One Embed input's token ids (on a worker thread: it tokenizes), and whether it was cut. At most `limit`
+    tokens: a longer input is InvalidRequest naming `field` unless `truncate` (pb.Truncation) keeps its start or
+    its end; a text keeps its special tokens then (its content alone is cut, as the tokenizer's own truncation
+    does). A text is lowercased first where the model's folder says so (`lower`: sentence-transformers'
+    do_lower_case) and framed by `specials` (special_tokens: what the tokenizer adds by default); a conversation is
+    rendered without the prompt for an assistant's turn."""
+    kind = item.WhichOneof("input")
+    if kind == "token_ids":
+        return _fit(list(item.token_ids.ids), field, limit, truncate)
+    if tokenizer is None:
+        raise InvalidRequest(field, "the model has no tokenizer: send token_ids")
+    if kind == "chat":
+        if not item.chat.messages:
+            raise InvalidRequest(f"{field}.chat.messages", "must not be empty")
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest(f"{field}.chat", "the model has no chat template: send text or token_ids")
+        turns = [{"role": m.role, "content": m.content} for m in item.chat.messages]
+        try:
+            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
+        except Exception as exc:  # the template rejects the conversation
+            reason = f"the chat template rejects it: {clip(str(exc), 200)}"
+            raise InvalidRequest(f"{field}.chat.messages", reason) from None
+        return _fit(tokenizer.encode(text, add_special_tokens=False), field, limit, truncate)
+    text = item.text.lower() if lower else item.text
+    content: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    head, tail = specials
+    content, cut = _fit(content, field, limit - len(head) - len(tail), truncate, limit)
+    return head + content + tail, cut
+
+
+def _fit(ids: list[int], field: str, room: int, truncate: int, limit: int | None = None) -> tuple[list[int], bool]:
+    """`ids` within `room` tokens (`limit`, the whole input's, for the message)."""
+    if len(ids) <= room:
+        return ids, False
+    if truncate == pb.TRUNCATION_KEEP_START:
+        return ids[:room], True
+    if truncate == pb.TRUNCATION_KEEP_END:
+        return ids[len(ids) - room :], True
+    whole = limit if limit is not None else room
+    extra = 0 if limit is None else limit - room
+    raise InvalidRequest(
+        field, f"is {len(ids) + extra} tokens, the model takes at most {whole} (set truncate to cut it)"
+    )

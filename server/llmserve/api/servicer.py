@@ -22,10 +22,25 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 
 from llmserve.api.admission import Admission, StreamKey, scoped
-from llmserve.api.convert import input_text, to_generation_request, to_response
+from llmserve.api.convert import (
+    POOLING_NAMES,
+    input_text,
+    to_embedding,
+    to_generation_request,
+    to_pooling_params,
+    to_pooling_request,
+    to_response,
+)
 from llmserve.api.errors import ServiceError, StreamStalled, code_name
-from llmserve.api.limits import check_generate, check_input, is_valid_id, prompt_byte_limit, quote_prefix
-from llmserve.api.prompts import SessionPrompts, prompt_token_ids
+from llmserve.api.limits import (
+    check_embed,
+    check_generate,
+    check_input,
+    is_valid_id,
+    prompt_byte_limit,
+    quote_prefix,
+)
+from llmserve.api.prompts import SessionPrompts, embed_token_ids, prompt_token_ids, special_tokens
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
 from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
@@ -38,11 +53,12 @@ from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.frontend.protocol import Engine
+    from llmserve.engine.frontend.protocol import Engine, ModelInfo
 
 log = logging.getLogger("llmserve.requests")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
+_TASKS = {"generate": pb.TASK_GENERATE, "embed": pb.TASK_EMBED, "classify": pb.TASK_CLASSIFY}
 _HISTORY_INPUT = {HistoryInput.CHAT: pb.HISTORY_INPUT_CHAT, HistoryInput.TOKENS: pb.HISTORY_INPUT_TOKENS}
 # The engine stops a request this long before the call's deadline, so that the server, not the caller's
 # timer, ends the call (with a last message); a cancel this close to the deadline is the deadline's (the
@@ -162,6 +178,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         turn: Turn | None = None
         try:
             engine = self.ready_engine()
+            if "generate" not in engine.model_info.tasks:
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"model {engine.model_info.name} does not generate: it is an embedding model, call Embed",
+                )
             request = build()
             call.has_session = bool(request.session_id)
             check_generate(request, self._limits, self._max_prompt_bytes)
@@ -260,8 +281,60 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     raise ServiceError(*_ENDINGS[delta.finish_reason])
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.EmbedResponse:
-        # Issue 44's second phase serves it from the engine's batches.
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "Embed is not served yet")
+        """One vector per input: every input checked and tokenized first (a bad one fails the call before any
+        reaches the engine), then each a pooling request of its own in the engine's batches, all at once."""
+        record = CallRecord(request.request_id or "-", time.monotonic())
+        record.method = "Embed"
+        record.identity = identity = caller_identity()
+        remaining = context.time_remaining()
+        call_deadline = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
+        key: StreamKey | None = None
+        try:
+            engine = self.ready_engine()
+            info = engine.model_info
+            if "embed" not in info.tasks:
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"model {info.name} serves no Embed: it has no pooling configured (a generative model needs "
+                    "--pooling; GetModelInfo's tasks say what it serves)",
+                )
+            check_embed(request, self._limits, self._max_prompt_bytes, info.embedding_size)
+            request_id = record.request_id = request.request_id or uuid.uuid4().hex
+            record.inputs = len(request.inputs)
+            key = await self.admission.admit(identity, request_id)
+            prompts = await asyncio.to_thread(embed_prompts, engine.tokenizer, request, info)
+            pooling = to_pooling_params(request, info)
+            scoped_id = scoped(identity, request_id)
+            engine_requests = [
+                to_pooling_request(request, i, ids, request_id=scoped_id, pooling=pooling, deadline=call_deadline)
+                for i, (ids, _) in enumerate(prompts)
+            ]
+            record.queued = time.monotonic()
+            finals = await _pool_all(engine, engine_requests)
+            response = pb.EmbedResponse(request_id=request_id)
+            for i, ((_, truncated), delta) in enumerate(zip(prompts, finals, strict=True)):
+                response.embeddings.append(to_embedding(i, delta, truncated))
+                if delta.usage is not None:
+                    record.prompt_tokens += delta.usage.prompt_tokens
+                    record.cached_prompt_tokens += delta.usage.cached_prompt_tokens
+            response.usage.prompt_tokens = record.prompt_tokens
+            response.usage.cached_prompt_tokens = record.cached_prompt_tokens
+            record.finish_reason = "length"
+            record.status = "OK"
+            return response
+        except asyncio.CancelledError:
+            at_deadline = call_deadline is not None and time.monotonic() >= call_deadline
+            record.status = "DEADLINE_EXCEEDED" if at_deadline else "CANCELLED"
+            raise
+        except Exception as exc:
+            record.status = code_name(exc)
+            if isinstance(exc, (InvalidRequest, QueueFull, EngineDead)):
+                record.queued = None
+            raise
+        finally:
+            if key is not None:
+                self.admission.release(key)
+            self._record_end(record, False, context)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -290,6 +363,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             adapters=[] if adapters is None else sorted(adapters.names),
             max_loras=info.max_loras,
             max_lora_rank=info.max_lora_rank,
+            tasks=[_TASKS[task] for task in info.tasks],
+            embedding_size=info.embedding_size,
+            pooling=POOLING_NAMES.get(info.pooling, pb.POOLING_UNSPECIFIED),
+            normalize=info.normalize,
+            max_embed_input_tokens=info.max_embed_input_tokens,
+            max_embed_inputs=self._limits.max_embed_inputs if "embed" in info.tasks else 0,
         )
 
     async def GetSession(
@@ -334,3 +413,40 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         held = await self.histories.delete(key)
         cached = await engine.delete_session(key)
         return pb.DeleteSessionResponse(deleted=held or cached)
+
+
+def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> list[tuple[list[int], bool]]:
+    """Every input's token ids and whether truncation cut it (on a worker thread: it tokenizes); InvalidRequest
+    naming the first input that is too long or holds ids outside the vocabulary."""
+    prompts = []
+    specials = ([], []) if tokenizer is None else special_tokens(tokenizer)
+    limit = info.max_embed_input_tokens
+    for i, item in enumerate(request.inputs):
+        field = f"inputs[{i}]"
+        ids, cut = embed_token_ids(tokenizer, item, field, limit, request.truncate, info.do_lower_case, specials)
+        if any(t < 0 or t >= info.vocab_size for t in ids):
+            raise InvalidRequest(f"{field}.token_ids.ids", f"ids must be in [0, {info.vocab_size})")
+        prompts.append((ids, cut))
+    return prompts
+
+
+async def _pool_all(engine: Engine, requests: Sequence[GenerationRequest]) -> list[Delta]:
+    """Each pooling request's final delta, all in the engine at once; the first failure ends the others."""
+    tasks = [asyncio.ensure_future(_pool_one(engine, request)) for request in requests]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a failed or cancelled call: the other inputs' requests are aborted in the engine
+
+
+async def _pool_one(engine: Engine, request: GenerationRequest) -> Delta:
+    async with contextlib.aclosing(cast(AsyncGenerator[Delta, None], engine.generate(request))) as deltas:
+        async for delta in deltas:
+            if delta.finish_reason is FinishReason.ERROR:
+                raise ServiceError(grpc.StatusCode.INTERNAL, f"embedding failed: {delta.error}")
+            if delta.finish_reason in _ENDINGS:
+                raise ServiceError(*_ENDINGS[delta.finish_reason])
+            if delta.finished:
+                return delta
+    raise ServiceError(grpc.StatusCode.INTERNAL, "the engine ended a pooling request without its vector")

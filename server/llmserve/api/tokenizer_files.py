@@ -37,7 +37,11 @@ def write_files(tokenizer: Any, eos_token_ids: Sequence[int], folder: Path) -> N
     """The four files in `folder`."""
     with tempfile.TemporaryDirectory(prefix="llmserve-tokenizer-save-") as saved:
         tokenizer.save_pretrained(saved)
-        shutil.copyfile(Path(saved, "tokenizer.json"), folder / "tokenizer.json")
+        whole = json.loads(Path(saved, "tokenizer.json").read_text())
+        # The server tokenizes each input alone, unpadded and uncut (all-MiniLM-L6-v2's file pads and truncates to
+        # 128, which smg applied to every /v1/embeddings input): a gateway must tokenize as the server does.
+        whole["padding"] = whole["truncation"] = None
+        (folder / "tokenizer.json").write_text(json.dumps(whole, ensure_ascii=False))
         config = json.loads(Path(saved, "tokenizer_config.json").read_text())
     # transformers 5 writes the template to chat_template.jinja; readers of tokenizer_config.json look there.
     if getattr(tokenizer, "chat_template", None):

@@ -32,6 +32,7 @@ from llmserve.api.servicer import Call, GenerateServicer
 from llmserve.api.vllm_convert import Completion, chunk, complete, in_vllm_terms, to_llmserve_request
 from llmserve.auth import caller_identity
 from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
     from llmserve.engine.frontend.protocol import Engine
@@ -151,9 +152,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         folder = "" if files is None else str(files.folder)
         return vpb.GetModelInfoResponse(
             served_model_name=info.name,
-            is_generation=True,
+            # False for an embedding model: smg then routes /v1/embeddings (and nothing that generates) to it.
+            is_generation="generate" in info.tasks,
             max_context_length=info.context_length,
-            max_req_input_len=info.context_length - 1,
+            max_req_input_len=info.context_length - 1 if "generate" in info.tasks else info.max_embed_input_tokens,
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
             bos_token_id=_token_id(tokenizer, "bos_token_id"),
@@ -224,7 +226,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
             yield batch
 
     async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]) -> vpb.EmbedResponse:
-        raise _unimplemented("Embed", "this server serves a generative model, not embeddings")
+        """One tokenized input's vector, as llmserve.v1's Embed makes it (the model's pooling and normalization, the
+        same checks, log line and metrics): what smg sends /v1/embeddings to, one call per input. A model that serves
+        no Embed is FAILED_PRECONDITION; an input over GetModelInfo's max_req_input_len is INVALID_ARGUMENT naming
+        `tokenized.input_ids` (vLLM's protocol has no truncation)."""
+        ids = pb.TokenIds(ids=request.tokenized.input_ids)
+        own = pb.EmbedRequest(request_id=request.request_id, inputs=[pb.EmbedInput(token_ids=ids)])
+        try:
+            response = await self._edge.Embed(own, context)
+        except InvalidRequest as exc:
+            field = "tokenized.input_ids" if exc.field.startswith("inputs") else exc.field
+            raise InvalidRequest(field, exc.reason) from None
+        (embedding,) = response.embeddings
+        return vpb.EmbedResponse(
+            embedding=embedding.values, prompt_tokens=embedding.prompt_tokens, embedding_dim=len(embedding.values)
+        )
 
     async def FlushCache(
         self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext[Any, Any]

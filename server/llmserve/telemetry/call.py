@@ -25,7 +25,7 @@ _CALLER_FINISH = {"CANCELLED": "cancelled", "DEADLINE_EXCEEDED": "deadline"}
 
 @dataclass(slots=True)
 class CallRecord:
-    """One Generate call. Times are time.monotonic() seconds; `start_ns` is the wall clock at `start`."""
+    """One Generate (or Embed) call. Times are time.monotonic() seconds; `start_ns` is the wall clock at `start`."""
 
     request_id: str
     start: float
@@ -45,6 +45,8 @@ class CallRecord:
     has_session: bool = False
     metadata: Sequence[tuple[str, str | bytes]] = ()  # the call's request metadata (trace context)
     prompt: str | None = None  # the input text, with --log-prompts only
+    method: str = "Generate"  # or "Embed": then `inputs` is its input count and prompt_tokens their tokens
+    inputs: int = 0
     _sent: dict[int, int] = field(default_factory=dict)  # completion index -> its tokens so far
 
     @property

@@ -122,6 +122,19 @@ class ServerMetrics:
             f"{p}_cached_prompt_tokens", "Prompt tokens served from cached KV (sessions or prefix cache)", registry=r
         )
         self.generated_tokens = Counter(f"{p}_generated_tokens", "Tokens sent to callers", registry=r)
+        # Embed calls: their own series, so that a pooling call's latency never mixes with a stream's.
+        self.embed_requests = Counter(
+            f"{p}_embed_requests", "Embed calls ended, by gRPC status code", ["code"], registry=r
+        )
+        self.embed_requests.labels("OK")  # a series from the start: a scrape before any Embed call reads 0
+        self.embed_inputs = Counter(f"{p}_embed_inputs", "Inputs of Embed calls the engine took", registry=r)
+        self.embed_tokens = Counter(f"{p}_embed_tokens", "Tokens of Embed calls' inputs the engine read", registry=r)
+        self.embed_latency = Histogram(
+            f"{p}_embed_duration_seconds",
+            "End-to-end time of Embed calls the engine took",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.kv_event_batches = Counter(
             f"{p}_kv_event_batches_sent",
             "Prefix-cache event batches handed to SubscribeKvEvents streams (the gateways' view of this cache)",
@@ -145,6 +158,13 @@ class ServerMetrics:
 
     def call_finished(self, call: CallRecord) -> None:
         code = call.code if call.code in _CODES else "UNKNOWN"
+        if call.method == "Embed":
+            self.embed_requests.labels(code).inc()
+            if call.queued is not None:
+                self.embed_inputs.inc(call.inputs)
+                self.embed_tokens.inc(call.prompt_tokens)
+                self.embed_latency.observe(call.end - call.start)
+            return
         self.requests.labels(code).inc()
         if call.queued is None:
             return  # refused before the engine: a status, nothing else

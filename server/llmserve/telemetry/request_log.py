@@ -51,6 +51,9 @@ def call_fields(call: CallRecord) -> dict[str, Any]:
         "ttft_ms": None if first is None else round((first - call.start) * 1e3, 1),
         "duration_ms": round((call.end - call.start) * 1e3, 1),
     }
+    if call.method != "Generate":
+        out["method"] = call.method
+        out["inputs"] = call.inputs
     if call.identity is not None:
         out["identity"] = call.identity
     if call.prompt is not None:

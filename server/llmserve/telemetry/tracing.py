@@ -46,14 +46,14 @@ class Tracing:
         attributes: dict[str, Any] = {
             "rpc.system": "grpc",
             "rpc.service": "llmserve.v1.GenerateService",
-            "rpc.method": "Generate",
+            "rpc.method": call.method,
             "rpc.grpc.status_code": _code_number(call.code),
             "llmserve.session": call.has_session,
         }
         if self.replica:
             attributes["llmserve.replica"] = self.replica
         span = self._tracer.start_span(
-            SPAN_NAME,
+            SPAN_NAME if call.method == "Generate" else f"llmserve.v1.GenerateService/{call.method}",
             context=propagate.extract(carrier),
             kind=SpanKind.SERVER,
             attributes=attributes,

@@ -57,7 +57,8 @@ def test_each_kernels_metadata_gives_the_same_attention() -> None:
     outs = []
     for backend, kind in ((kernel, KernelDecodeAttention), (gathered, GatheredAttention)):
         backend.kv.tensor.copy_(cache)
-        ids, _, _, meta, _ = backend.prepare(plan)  # type: ignore[attr-defined]
+        packed = backend.prepare(plan)  # type: ignore[attr-defined]
+        ids, meta = packed.input_ids, packed.batch
         assert type(meta) is kind
         tokens = ids.shape[1]
         q = torch.randn(1, 4, tokens, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from llmserve.engine.backends.pooling import PoolingStates
 from llmserve.engine.backends.slots import block_range, slot
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sample.streams import RandomStreams
-from llmserve.engine.sched.plan import StepPlan
+from llmserve.engine.sched.plan import Pooled, StepPlan
 from llmserve.model_shape import ModelShape
+
+# One sampling row's result: its token, its failure, or (a pooling request's last step) its vector.
+StepResult = Sampled | RowFailed | Pooled
 
 
 class Backend(Protocol):
@@ -26,9 +31,9 @@ class Backend(Protocol):
 
     `execute` does the plan's block copies, one forward over every scheduled token, and samples the rows that
     ask for it (`plan.sample_rows()`: a sampling entry's row, or one per position of an entry with drafts). It
-    returns one result per row, in that order: the picked token, or the failure of that row's sampling alone. It
-    raises when the shared forward fails (every request of the step fails then). Built once, by `create_backend`,
-    before the engine serves anything.
+    returns one result per row, in that order: the picked token, or the failure of that row's sampling alone (or, for
+    a pooling request's row, its vector: `Pooled`). It raises when the shared forward fails (every request of the
+    step fails then). Built once, by `create_backend`, before the engine serves anything.
     """
 
     name: str  # which path serves: "cpu", "torch", "cuda"
@@ -39,8 +44,9 @@ class Backend(Protocol):
     block_size: int
     kv: KVCache  # the paged cache; the KV tiers copy whole blocks out of it and back (read_block, write_block)
     streams: RandomStreams  # the sampled sequences' random streams, on `device`; the core releases ended ones
+    pooling: PoolingStates  # pooling requests' states between prompt chunks; the core releases ended ones
 
-    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]: ...
+    def execute(self, plan: StepPlan) -> Sequence[StepResult]: ...
 
 
 def zeroed(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

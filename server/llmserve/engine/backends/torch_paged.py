@@ -21,12 +21,14 @@ from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
+from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pooled_rows
 from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.frontend.request import PoolingParams
 from llmserve.engine.lora.ops import LoraRows
 from llmserve.engine.sample.sampler import RowFailed, Sampled, sample_each
 from llmserve.engine.sample.streams import RandomStreams
-from llmserve.engine.sched.plan import SeqStep, StepPlan
+from llmserve.engine.sched.plan import Pooled, SeqStep, StepPlan
 from llmserve.models import LoadedModel
 
 
@@ -39,6 +41,7 @@ class Packed(NamedTuple):
     keep: torch.Tensor
     batch: AttentionMetadata
     lora: LoraRows | None
+    spans: np.ndarray | None = None  # [entries, 2]: each plan entry's packed rows [first, last) (eager path only)
 
 
 class TorchPagedBackend:
@@ -75,27 +78,79 @@ class TorchPagedBackend:
         self.description = f"transformers layers, paged attention in {attention}"
         # LoRA slots (None unless the config serves adapters), applied by hooks on the model's projections.
         self.lora = BackendLora.of(config, self.shape, model, self.dtype, self.device, fused=False)
+        # Pooling requests (Embed on a generative model, --pooling): their states between chunks, and the folder's
+        # Dense projections (none for --pooling alone).
+        self.pooling = PoolingStates()
+        dense = loaded.pooling.dense if loaded.pooling is not None else ()
+        self.dense = DenseStack.load(dense, torch.float32, self.device)
 
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed]:
+    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:
         self.kv.copy_blocks(plan.copies)
         if plan.lora_writes:
             assert self.lora is not None, "a plan with LoRA writes for a backend without LoRA slots"
             self.lora.write(plan.lora_writes)
+        if any(entry.seq.request.pooling is not None for entry in plan.seqs):
+            return self._execute_pooling(plan)
         logits = self.logits(plan)
-        return sample_each(logits, plan.sample_rows(), self.streams)
+        return list(sample_each(logits, plan.sample_rows(), self.streams))
+
+    def _execute_pooling(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:
+        """A step that holds pooling requests' prompt chunks beside anything else, eagerly: one forward gives the
+        sampling rows' logits and the final hidden states (after the final norm) of the rows the poolings read;
+        each pooling request's chunk goes into its state, and the chunk that ends its prompt gives its vector
+        (`Pooled`, in the place of a sampled token: it samples nothing)."""
+        packed = self.prepare(plan, eager=True)
+        assert packed.spans is not None
+        index: list[int] = []
+        takes: list[tuple[SeqStep, int]] = []
+        for entry, (first, last) in zip(plan.seqs, packed.spans.tolist(), strict=True):
+            params = entry.seq.request.pooling
+            if params is not None:
+                rows = pooled_rows(params.mode, entry.start, first, last, entry.sample is not None)
+                index.extend(rows)
+                takes.append((entry, len(rows)))
+        logits, hidden = self.forward_pooling(packed, torch.tensor(index, dtype=torch.int64, device=self.device))
+        vectors: dict[int, Pooled | RowFailed] = {}
+        at = 0
+        for entry, n in takes:
+            seq, params = entry.seq, entry.seq.request.pooling
+            assert params is not None
+            self.pooling.add(seq.seq_no, params.mode, hidden[at : at + n], restart=entry.start == 0)
+            at += n
+            if entry.sample is not None:
+                vectors[seq.seq_no] = self._vector(seq.seq_no, params)
+        if any(entry.drafts for entry in plan.seqs):
+            raise ValueError("a step with drafts holds no pooling request")
+        sample_rows = [e.sample for e in plan.seqs if e.sample is not None and e.seq.request.pooling is None]
+        sampled = iter(sample_each(logits, sample_rows, self.streams) if sample_rows else [])
+        return [
+            vectors[entry.seq.seq_no] if entry.seq.request.pooling is not None else next(sampled)
+            for entry in plan.seqs
+            if entry.sample is not None
+        ]
+
+    def _vector(self, key: int, params: PoolingParams) -> Pooled | RowFailed:
+        vector = self.pooling.take(key)
+        try:
+            vector = finish(self.dense(vector[None]), dimensions=params.dimensions, normalize=params.normalize)[0]
+        except ValueError as exc:
+            return RowFailed(str(exc))
+        return Pooled(vector.tolist())
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """One forward over the plan; logits [sum of num_logits, vocab] as float32, in plan.sampling order (every
         position of an entry with drafts, the last one of the others)."""
-        return self.forward(*self.prepare(plan))
+        packed = self.prepare(plan)
+        return self.forward(packed.input_ids, packed.positions, packed.keep, packed.batch, packed.lora)
 
-    def prepare(self, plan: StepPlan) -> Packed:
+    def prepare(self, plan: StepPlan, *, eager: bool = False) -> Packed:
         """The packed row: input ids, positions, the rows to keep logits of, the attention metadata, LoRA rows
-        (each token's slot: a sequence's drafts compute with its adapter like its last token)."""
-        if self.steps is not None and not any(entry.drafts for entry in plan.seqs):  # drafts: every row's logits
+        (each token's slot: a sequence's drafts compute with its adapter like its last token). `eager`: packed by a
+        metadata builder whatever the kernel, with each entry's span, and no logits kept for pooling entries."""
+        if self.steps is not None and not eager and not any(entry.drafts for entry in plan.seqs):  # drafts: all
             step = self.steps.stage(plan.seqs)
             lora = None
             if self.lora is not None:  # the step buffers pack the entries by their input-batch row
@@ -113,14 +168,23 @@ class TorchPagedBackend:
         # position's row for those with drafts).
         last = np.empty(len(entries), dtype=np.int64)
         last[order] = staged.query_start[1:] - 1
-        sampling = [i for i, entry in enumerate(entries) if entry.sample is not None]
+        sampling = [
+            i
+            for i, entry in enumerate(entries)
+            if entry.sample is not None and (not eager or entry.seq.request.pooling is None)
+        ]
         if any(entries[i].drafts for i in sampling):
             rows = [np.arange(last[i] - len(entries[i].drafts), last[i] + 1) for i in sampling]
             keep = torch.from_numpy(np.concatenate(rows)).to(dev)
         else:
             keep = torch.from_numpy(last[sampling]).to(dev)
         lora = None if self.lora is None else self.lora.rows(staged.entries)
-        return Packed(staged.ids[None].to(dev), staged.positions[None].to(dev), keep, batch, lora)
+        spans = None
+        if eager:
+            spans = np.empty((len(entries), 2), dtype=np.int64)
+            spans[order, 0] = staged.query_start[:-1]
+            spans[:, 1] = last + 1
+        return Packed(staged.ids[None].to(dev), staged.positions[None].to(dev), keep, batch, lora, spans)
 
     def forward(
         self,
@@ -145,6 +209,23 @@ class TorchPagedBackend:
         )
         logits: torch.Tensor = out.logits[0].float()
         return logits
+
+    def forward_pooling(self, packed: Packed, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model on a packed row: logits of the `keep` rows and the final hidden states (after the model's
+        final norm, what its LM head reads) of the `pool` rows, both float32."""
+        if packed.lora is not None:
+            assert self.lora is not None
+            with self.lora.applied(packed.lora):
+                return self.forward_pooling(packed._replace(lora=None), pool)
+        out = self.model.model(
+            input_ids=packed.input_ids,
+            position_ids=packed.positions,
+            use_cache=False,
+            llmserve_batch=packed.batch,
+        )
+        hidden = out.last_hidden_state[0]
+        logits: torch.Tensor = self.model.lm_head(hidden.index_select(0, packed.keep)).float()
+        return logits, hidden.index_select(0, pool).float()
 
 
 def _kind(entry: SeqStep) -> int:

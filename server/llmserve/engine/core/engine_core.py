@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from llmserve.engine.backends import create_backend
-from llmserve.engine.backends.base import BlockCopier
+from llmserve.engine.backends.base import BlockCopier, StepResult
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.client import (
     Abort,
@@ -48,15 +48,15 @@ from llmserve.engine.core.steps import Appended, OverlapRunner, PlainRunner, Ste
 from llmserve.engine.frontend.errors import EngineDead
 from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, ended, ended_unstarted
 from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
-from llmserve.engine.frontend.request import CoreFacts, GenerationRequest, StoppingParams
+from llmserve.engine.frontend.request import CoreFacts, GenerationRequest, PoolingParams, StoppingParams
 from llmserve.engine.kv_tiers.worker import build_tiers
 from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters, LoadAdapter
 from llmserve.engine.lora.serving import LoraOff, LoraServing
 from llmserve.engine.sample.constraints import ConstraintCompiler, ConstraintState, Vocabulary
-from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sample.sampler import RowFailed
 from llmserve.engine.sched.block_pool import BlockPool
 from llmserve.engine.sched.kv_events import KvEvent, KvEventLog
-from llmserve.engine.sched.plan import StepPlan
+from llmserve.engine.sched.plan import Pooled, StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
@@ -83,6 +83,8 @@ class EngineCore:
         self.sliding_window = loaded.shape.sliding_window
         self.max_model_len = context_cap(config.max_model_len, loaded.context_length, self.sliding_window)
         self.backend = create_backend(loaded, config, self.max_model_len)
+        # An encoder keeps no KV: nothing to reuse from a prefix or a session, and each input is read whole.
+        encoder = not loaded.generates
         # Lower KV tiers (--kv-offload-*): raises DiskTierError naming the flag when they cannot be had.
         self.tiers = build_tiers(config, loaded, BlockCopier(self.backend.kv))
         self.pool = BlockPool(
@@ -99,9 +101,10 @@ class EngineCore:
             self.sessions,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching and not encoder,
             tiers=self.tiers,
             max_loras=config.max_loras,
+            whole_prompts=encoder,
         )
         self.lora = LoraServing.of(config, loaded.shape)  # the adapters' books; None unless LoRA is on
         if self.tiers is not None:
@@ -122,7 +125,13 @@ class EngineCore:
         self.steps = 0  # forwards that succeeded
         self._stats = CoreStats(self.pool, self.sessions, self.scheduler, self.compiling, self.tiers, self.lora)
         # How a step runs, chosen once: overlapped (--async-scheduling) unless a feature that steps without it is on.
-        overlap = config.async_scheduling and self.speculation is None and self.tiers is None and self.lora is None
+        overlap = (
+            config.async_scheduling
+            and self.speculation is None
+            and self.tiers is None
+            and self.lora is None
+            and loaded.pooling is None  # a pooling request ends at its last chunk: no next position to plan ahead
+        )
         if config.async_scheduling and not overlap:
             log.warning("--async-scheduling is off: speculative decoding, the KV tiers and LoRA step without overlap")
         self.runner: StepRunner = (
@@ -147,6 +156,9 @@ class EngineCore:
             self.backend.name,
             self.backend.description,
             None if self.lora is None else self.lora.apply(ListAdapters()),
+            generates=loaded.generates,
+            pools=loaded.pooling is not None,
+            max_pooling_tokens=pooling_limit(loaded, self.max_model_len, config.max_num_batched_tokens),
         )
 
     # -- called from any thread ------------------------------------------------------------------
@@ -238,7 +250,10 @@ class EngineCore:
 
     def warm_up(self) -> None:
         """One short generation stepped on this thread, before the step loop starts (its outputs are dropped)."""
-        request = GenerationRequest("warm-up", (0,) * 8, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True))
+        stopping = StoppingParams(max_new_tokens=2, ignore_eos=True)
+        config = self.loaded.pooling
+        pooling = None if self.loaded.generates or config is None else PoolingParams(config.mode)
+        request = GenerationRequest("warm-up", (0,) * 8, stopping=stopping, pooling=pooling)
         self.submit(request, handle=0)  # 0: no client's (clients number from 1)
         while not any(out.handle == 0 and out.finished for out in self.take_outputs()):
             self.drain_inbox()
@@ -333,10 +348,15 @@ class EngineCore:
         if self.dead_reason is not None:
             self._die(self.dead_reason)
 
-    def hand_out(self, seq: Sequence, result: Sampled | RowFailed, now: float) -> None:
-        """A sampled token to its request, through the sink's stop checks; a failed row is that request's alone."""
+    def hand_out(self, seq: Sequence, result: StepResult, now: float) -> None:
+        """A sampled token to its request, through the sink's stop checks; a failed row is that request's alone; a
+        pooling request's vector ends it (LENGTH: its prompt is read), its blocks freed."""
         if isinstance(result, RowFailed):
             self.finish(seq, FinishReason.ERROR, error=result.error)
+        elif isinstance(result, Pooled):
+            seq.first_token = now
+            output = EngineOutput(seq.seq_no, seq.request_id, [], embedding=result.values)
+            self.finish(seq, FinishReason.LENGTH, output=output)
         else:
             self.deliver(seq, self.sink.append(seq, (result,), now))
 
@@ -361,6 +381,7 @@ class EngineCore:
             self.lora.unbind(seq)
         if not in_flight:
             self.backend.streams.release(seq.seq_no)
+        self.backend.pooling.release(seq.seq_no)
         if self.speculation is not None:
             self.speculation.release(seq)
         usage, timing = seq.ended(time.monotonic())
@@ -461,6 +482,16 @@ class EngineCore:
             self.finish(seq, reason, error=error)
         for command in self.compiling.take_all():
             self._end_unstarted(command, reason, error)
+
+
+def pooling_limit(loaded: LoadedModel, max_model_len: int, max_num_batched_tokens: int) -> int:
+    """The most tokens one pooling input may hold (0: the model serves none): sentence-transformers' max_seq_length
+    where the folder sets it, else the context less one; for an encoder, within one step's token budget too (its
+    inputs are read whole)."""
+    if loaded.pooling is None:
+        return 0
+    limit = min(loaded.pooling.max_seq_length or max_model_len - 1, max_model_len - 1)
+    return limit if loaded.generates else min(limit, max_num_batched_tokens)
 
 
 def context_cap(flag: int | None, model: int, sliding_window: int | None) -> int:

@@ -386,6 +386,7 @@ def load_served_model(model: ModelConfig, lora: bool) -> LoadedModel:
         gguf_activations=model.gguf_activations,
         cache_root=cache_root,
         lora=lora,
+        pooling=model.pooling,
     )
 
 

@@ -46,7 +46,7 @@ import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
 from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, RequestStart
 from llmserve.engine.sample.sampler import RowFailed, Sampled
@@ -55,13 +55,13 @@ from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.spec.verify import Verified
 
 if TYPE_CHECKING:
-    from llmserve.engine.backends.base import Backend
+    from llmserve.engine.backends.base import Backend, StepResult
     from llmserve.engine.kv_tiers.worker import KVTiers
     from llmserve.engine.lora.serving import LoraServing
     from llmserve.engine.sched.scheduler import Scheduler
     from llmserve.engine.spec.speculation import Speculation
 
-Results = list[Sampled | RowFailed]
+Results: TypeAlias = "Seq[StepResult]"
 
 
 class StepHost(Protocol):
@@ -81,7 +81,7 @@ class StepHost(Protocol):
 
     def stepped(self) -> None: ...  # a forward succeeded
 
-    def hand_out(self, seq: Sequence, result: Sampled | RowFailed, now: float) -> None: ...
+    def hand_out(self, seq: Sequence, result: StepResult, now: float) -> None: ...
 
     def deliver(self, seq: Sequence, appended: Appended) -> None: ...
 
@@ -235,7 +235,8 @@ class PlainRunner:
             return
         assert speculation is not None
         speculation.step_verified()
-        for entry, verdict in verification.verdicts(plan.sampling, results):
+        # A pooling request never has drafts: its Pooled passes through as a plain entry's result, to hand_out.
+        for entry, verdict in verification.verdicts(plan.sampling, cast("Seq[Sampled | RowFailed]", results)):
             if entry.drafts:
                 self._hand_out_verified(entry, verdict, emit_time, speculation)
             else:

@@ -108,6 +108,7 @@ class OutputProcessor:
         if reason is not None:
             delta.finish_reason = reason
             delta.usage, delta.timing, delta.seed, delta.error = output.usage, output.timing, output.seed, output.error
+            delta.embedding = output.embedding
         return delta, False
 
     def _final(self, stream: _Stream, delta: Delta, reason: FinishReason) -> Delta:

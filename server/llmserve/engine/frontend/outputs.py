@@ -72,6 +72,7 @@ class Delta:
     index: int = 0  # the completion it belongs to (0 unless the request asked for n > 1)
     total_usage: Usage | None = None  # on an n > 1 request's very last delta: the prompt once, completions summed
     matched_stop: str | None = None  # the stop sequence that ended it (finish STOP_SEQUENCE)
+    embedding: list[float] | None = None  # a pooling request's vector, on its only (final) delta
 
     @property
     def finished(self) -> bool:
@@ -124,6 +125,7 @@ class EngineOutput:
     timing: Timing | None = None
     seed: int | None = None
     error: str | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, on its final output
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from llmserve.engine.frontend.errors import InvalidRequest
 from llmserve.engine.lora.catalog import AdapterAnswer, adapter_name_problem
 from llmserve.engine.sched.block_pool import blocks_for
+from llmserve.pooling_config import PoolingMode
 
 MAX_TOP_LOGPROBS = 20
 # Sampling values past these act as the bound (see SamplingParams): beyond them float32 arithmetic would
@@ -148,6 +149,18 @@ class ConstraintSpec:
 
 
 @dataclass(slots=True, frozen=True)
+class PoolingParams:
+    """What a pooling request (Embed's, one per input) asks instead of tokens: its prompt's final hidden states
+    pooled by `mode`, the first `dimensions` entries kept (None: all), then normalized when `normalize`. A request
+    with pooling is prefill only: it never samples, and ends once its prompt is read (finish reason LENGTH) with
+    its vector in its final output (outputs.EngineOutput.embedding)."""
+
+    mode: PoolingMode
+    normalize: bool = False
+    dimensions: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
 class GenerationRequest:
     """A request as the engine accepts it: prompt already tokenized.
 
@@ -177,6 +190,7 @@ class GenerationRequest:
     prompt_field: str = "prompt_token_ids"
     n: int = 1
     adapter: str | None = None
+    pooling: PoolingParams | None = None  # a pooling request (Embed's): prefill only, one vector out
 
     def validate(
         self, vocab_size: int, max_model_len: int, max_top_logprobs: int = MAX_TOP_LOGPROBS, max_n: int = 1
@@ -228,11 +242,24 @@ class CoreFacts:
     backend_name: str
     backend_description: str
     lora: AdapterAnswer | None = None  # the adapters at start and the LoRA limits; None when LoRA is off
+    generates: bool = True  # False for an encoder: it serves pooling requests only
+    pools: bool = False  # whether it serves pooling requests (an encoder, or a decoder with its pooling configured)
+    max_pooling_tokens: int = 0  # the most tokens of one pooling request (engine_core.pooling_limit)
 
 
 def validate(request: GenerationRequest, facts: CoreFacts) -> None:
     """Raise InvalidRequest naming the field when `request` cannot be served by this core."""
     request.validate(facts.vocab_size, facts.max_model_len, facts.max_top_logprobs, facts.max_n)
+    # The gRPC edge answers both FAILED_PRECONDITION before a request is built; here for any other caller.
+    if request.pooling is None and not facts.generates:
+        raise InvalidRequest(request.prompt_field, "the model does not generate: it serves pooling requests only")
+    if request.pooling is not None and not facts.pools:
+        raise InvalidRequest(request.prompt_field, "the model serves no pooling requests")
+    if request.pooling is not None and len(request.prompt_token_ids) > facts.max_pooling_tokens:
+        raise InvalidRequest(
+            request.prompt_field,
+            f"is {len(request.prompt_token_ids)} tokens, a pooling input holds at most {facts.max_pooling_tokens}",
+        )
     total = len(request.prompt_token_ids) + request.stopping.max_new_tokens
     if blocks_for(total, facts.block_size) > facts.num_blocks:
         raise InvalidRequest(

@@ -106,6 +106,14 @@ class StepPlan:
         return rows
 
 
+@dataclass(slots=True, frozen=True)
+class Pooled:
+    """A pooling entry's result in place of a sampled token (the backend's, for an entry whose request has
+    `pooling` and whose step reads its last prompt token): the finished vector, in plain floats."""
+
+    values: list[float]
+
+
 # A token the plan computes before it is known: the one a step still in flight samples for the same sequence
 # (--async-scheduling). The step's worker puts the sampled id in its place before the forward (core/steps.py).
 PENDING = -1

@@ -45,6 +45,7 @@ from llmserve.engine.sched.plan import SeqStep, StepPlan, step_of
 from llmserve.engine.sched.rollback import settle
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
+from llmserve.pooling_config import PoolingMode
 
 
 @dataclass(slots=True)
@@ -68,8 +69,12 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         tiers: TierLookup | None = None,
         max_loras: int = 0,
+        whole_prompts: bool = False,
     ) -> None:
+        """`whole_prompts`: a prompt is admitted only when all of it fits in the step's budget, never in chunks (an
+        encoder's bidirectional attention needs every token of an input in one forward)."""
         self.pool = pool
+        self.whole_prompts = whole_prompts
         self.sessions = sessions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -134,7 +139,7 @@ class Scheduler:
             if seq.ends_by_length:  # its tokens in flight end it (overlap): nothing more to compute
                 i += 1
                 continue
-            guess = drafts.get(seq.seq_no, ()) if drafts else ()
+            guess = drafts.get(seq.seq_no, ()) if drafts and seq.request.pooling is None else ()
             if guess and not self._room_for_drafts(seq, len(guess), budget - (len(self.running) - i - 1)):
                 guess = ()
             n = 1 + len(guess) if guess else min(seq.num_uncomputed, budget)
@@ -339,6 +344,9 @@ class Scheduler:
         if pending is not None:
             self.pool.release(pending.pins)
         n = min(len(tokens) - reused, budget)
+        if self.whole_prompts and n < len(tokens) - reused:
+            self.pool.release(held)
+            return 0
         need = self.pool.blocks_for(reused + n) - len(shared)
         if not self.pool.can_allocate(need) and not self.sessions.evict_until_free(need):
             self.pool.release(held)
@@ -366,6 +374,12 @@ class Scheduler:
         bs = self.pool.block_size
         limit = len(tokens) - 1
         shared: list[int] = []
+        pooling = seq.request.pooling
+        if pooling is not None and pooling.mode is not PoolingMode.LAST:
+            # Mean, max and CLS pooling read every position's (or the first's) hidden state, which cached blocks do
+            # not hold (only K and V): such a request recomputes its whole prompt. Last-token pooling reads only the
+            # last position, which is always computed: it reuses cached blocks as generation does.
+            return 0, [], None
         if self.enable_prefix_caching:
             self._hash_blocks(seq, limit // bs)
             parent = seq.prefix_root

@@ -29,7 +29,7 @@ from llmserve.engine.backends.cpu import native, packed_linear, quant
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
 from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder
-from llmserve.engine.backends.torch_paged import TorchPagedBackend
+from llmserve.engine.backends.torch_paged import Packed, TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.lora.catalog import LoraUnsupported
 from llmserve.engine.lora.ops import LoraRows
@@ -132,6 +132,16 @@ class CpuBackend(TorchPagedBackend):
             weights = None if lora is None or self.lora is None else self.lora.weights
             return self.fused(input_ids, position_ids, keep, batch, lora, weights)
         return super().forward(input_ids, position_ids, keep, batch, lora)
+
+    def forward_pooling(self, packed: Packed, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is None:
+            return super().forward_pooling(packed, pool)
+        weights = None if packed.lora is None or self.lora is None else self.lora.weights
+        logits, hidden = self.fused.run(
+            packed.input_ids, packed.positions, packed.keep, packed.batch, packed.lora, weights, pool
+        )
+        assert hidden is not None
+        return logits, hidden
 
 
 def _weights(loaded: LoadedModel) -> str | None:

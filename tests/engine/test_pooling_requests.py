@@ -1,0 +1,145 @@
+"""A generative model's pooling requests in the engine's continuous batch (Embed with --pooling): prefill-only sequences
+chunked like any prompt, their last chunk's (or every chunk's) final hidden states pooled by the backend, equal to
+transformers' last_hidden_state of the same model; generation beside them unchanged token for token; what a
+prefix-cache hit does for each pooling; blocks freed at the end. On the fused CPU forward and on transformers' layers
+(--no-fused-layers), the tiny Llama in float32."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.frontend.outputs import Delta, FinishReason
+from llmserve.engine.frontend.request import GenerationRequest, PoolingParams, StoppingParams
+from llmserve.models import LoadedModel, from_config, with_pooling
+from llmserve.pooling_config import PoolingMode
+from llmserve.testing import tiny_config
+from tests.engine.engine_helpers import inner
+
+# A budget of 64 tokens a step: prompts of 150 are read in three chunks.
+CONFIG = EngineConfig(block_size=16, kv_cache_tokens=8192, max_num_seqs=16, max_num_batched_tokens=64)
+TOLERANCE = 1e-4
+
+
+def tiny_pooled() -> LoadedModel:
+    return with_pooling(from_config(tiny_config(max_positions=512), dtype=torch.float32), None, "last")
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return tiny_pooled()
+
+
+@pytest.fixture(params=["fused", "transformers layers"])
+async def engine(request: pytest.FixtureRequest, loaded: LoadedModel) -> AsyncEngine:
+    config = dataclasses.replace(CONFIG, fused_layers=request.param == "fused")
+    eng = AsyncEngine(loaded, config)
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+def prompts(n: int, length: int, seed: int) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(3, 500) for _ in range(length - rng.randrange(0, length // 3))) for _ in range(n)]
+
+
+_REFERENCE: list[LoadedModel] = []
+
+
+def reference(loaded: LoadedModel, prompt: tuple[int, ...], mode: PoolingMode) -> torch.Tensor:
+    """transformers' final hidden states (after the final norm) of the whole prompt, pooled: the same weights (the
+    same seed) in a model of their own, with transformers' attention (the served one's is the engine's)."""
+    if not _REFERENCE:
+        _REFERENCE.append(from_config(tiny_config(max_positions=512), dtype=torch.float32))
+    with torch.inference_mode():
+        hidden = _REFERENCE[0].model.model(input_ids=torch.tensor([prompt])).last_hidden_state[0].float()
+    if mode is PoolingMode.LAST:
+        return hidden[-1]
+    if mode is PoolingMode.CLS:
+        return hidden[0]
+    if mode is PoolingMode.MAX:
+        return hidden.amax(0)
+    return hidden.mean(0)
+
+
+async def final(engine: AsyncEngine, request: GenerationRequest) -> Delta:
+    deltas = [delta async for delta in engine.generate(request)]
+    assert len(deltas) == 1 and deltas[0].finish_reason is FinishReason.LENGTH, deltas
+    return deltas[0]
+
+
+def pooling_request(i: int, prompt: tuple[int, ...], mode: PoolingMode) -> GenerationRequest:
+    return GenerationRequest(
+        f"pool-{i}-{mode.value}", prompt, stopping=StoppingParams(max_new_tokens=1), pooling=PoolingParams(mode)
+    )
+
+
+async def generate(engine: AsyncEngine, i: int, prompt: tuple[int, ...]) -> list[int]:
+    request = GenerationRequest(f"gen-{i}", prompt, stopping=StoppingParams(max_new_tokens=24, ignore_eos=True))
+    return [t async for delta in engine.generate(request) for t in delta.token_ids]
+
+
+@pytest.mark.parametrize("mode", list(PoolingMode))
+async def test_each_pooling_over_chunks_equals_transformers(
+    engine: AsyncEngine, loaded: LoadedModel, mode: PoolingMode
+) -> None:
+    for i, prompt in enumerate(prompts(3, 150, seed=1)):
+        delta = await final(engine, pooling_request(i, prompt, mode))
+        assert delta.embedding is not None and delta.token_ids == []
+        got = torch.tensor(delta.embedding)
+        assert (got - reference(loaded, prompt, mode)).abs().max().item() <= TOLERANCE
+        assert delta.usage is not None and delta.usage.prompt_tokens == len(prompt)
+        assert delta.usage.completion_tokens == 0
+
+
+async def test_beside_generation_the_tokens_and_the_vectors_are_unchanged(
+    engine: AsyncEngine, loaded: LoadedModel
+) -> None:
+    gen_prompts = prompts(4, 40, seed=2)
+    alone = [await generate(engine, i, p) for i, p in enumerate(gen_prompts)]
+    pool_prompts = prompts(8, 150, seed=3)
+    modes = [PoolingMode.LAST, PoolingMode.MEAN] * 4
+    pooled = [pooling_request(10 + i, p, m) for i, (p, m) in enumerate(zip(pool_prompts, modes, strict=True))]
+    together = await asyncio.gather(
+        *(generate(engine, i, p) for i, p in enumerate(gen_prompts)), *(final(engine, r) for r in pooled)
+    )
+    assert together[:4] == alone
+    for delta, prompt, mode in zip(together[4:], pool_prompts, modes, strict=True):
+        assert isinstance(delta, Delta) and delta.embedding is not None
+        assert (torch.tensor(delta.embedding) - reference(loaded, prompt, mode)).abs().max().item() <= TOLERANCE
+    core = inner(engine)
+    assert not core.scheduler.live and len(core.backend.pooling) == 0
+    assert core.pool.num_free == core.pool.num_blocks  # every block back (free or cached, unreferenced)
+
+
+async def test_a_prefix_cache_hit_serves_last_token_pooling_and_mean_pooling_recomputes(
+    engine: AsyncEngine, loaded: LoadedModel
+) -> None:
+    (prompt,) = prompts(1, 150, seed=4)
+    for mode, cached in ((PoolingMode.LAST, True), (PoolingMode.MEAN, False)):
+        first = await final(engine, pooling_request(20, prompt, mode))
+        again = await final(engine, pooling_request(21, prompt, mode))
+        assert first.usage is not None and again.usage is not None
+        assert (again.usage.cached_prompt_tokens > 0) is cached, (mode, again.usage)
+        want = reference(loaded, prompt, mode)
+        for delta in (first, again):
+            assert delta.embedding is not None
+            assert (torch.tensor(delta.embedding) - want).abs().max().item() <= TOLERANCE
+
+
+async def test_dimensions_and_normalize_apply_to_a_decoders_vector(engine: AsyncEngine, loaded: LoadedModel) -> None:
+    (prompt,) = prompts(1, 30, seed=5)
+    request = dataclasses.replace(
+        pooling_request(30, prompt, PoolingMode.LAST), pooling=PoolingParams(PoolingMode.LAST, True, 16)
+    )
+    delta = await final(engine, request)
+    assert delta.embedding is not None and len(delta.embedding) == 16
+    want = torch.nn.functional.normalize(reference(loaded, prompt, PoolingMode.LAST)[:16], dim=0)
+    assert (torch.tensor(delta.embedding) - want).abs().max().item() <= TOLERANCE
