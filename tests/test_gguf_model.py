@@ -4,6 +4,7 @@ naming the file, the tensor and its type."""
 
 from __future__ import annotations
 
+import mmap
 import time
 from pathlib import Path
 
@@ -74,6 +75,34 @@ def test_its_own_forward_is_the_dequantized_models_within_activation_rounding(tm
     # The kernels quantize each input row per block of 32 (quant.py): the logits move by a fraction of their spread.
     assert (ours - theirs).abs().max() < 0.02 * theirs.abs().max()
     assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+
+
+def mapped_pages(file: GGUFFile, name: str) -> int:
+    """How many whole pages of tensor `name` this process maps now (/proc/self/pagemap's present bit, readable
+    without privileges)."""
+    page = mmap.PAGESIZE
+    start = file.blocks(name).data_ptr()
+    first, last = -(-start // page), (start + file.info(name).nbytes) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = f.read((last - first) * 8)
+    return sum(int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8))
+
+
+def test_an_embedding_lookup_reads_the_file_without_mapping_its_pages(tmp_path: Path) -> None:
+    # A tied LM head holds the embedding's blocks packed in its kernel: rows read through the mapping would count
+    # them twice in the resident set (the 1B shape's 210-280 MB). Read with pread, the pages stay in the page cache.
+    source = source_model()
+    file = GGUFFile.open(write_llama_gguf(tmp_path / "tiny.gguf", source, KINDS))
+    embedding = build_model(file, source.config).model.embed_tokens
+    assert file.info("token_embd.weight").nbytes >= 3 * mmap.PAGESIZE, "too small to hold a whole page"
+    file.release(["token_embd.weight"])
+    ids = torch.tensor([[5, 100, 5], [source.config.vocab_size - 1, 200, 300]])  # rows on whole pages too
+    rows = embedding(ids)
+    assert mapped_pages(file, "token_embd.weight") == 0
+    assert torch.equal(rows, quant.dequantize(embedding.weight_blocks)[ids])  # (this reads through the mapping)
+    with pytest.raises(IndexError, match="row ids must lie in"):
+        embedding(torch.tensor([source.config.vocab_size]))
 
 
 def test_a_block_type_the_kernels_do_not_compute_is_refused_naming_the_tensor(tmp_path: Path) -> None:

@@ -83,12 +83,21 @@ class GGUFFile:
     """A GGUF file, its header parsed and its bytes mapped (see the module docstring). Keep it open while any view
     from `blocks` or `floats` is in use: the views read the mapping."""
 
-    def __init__(self, path: Path, version: int, metadata: Metadata, tensors: dict[str, TensorInfo], mapped: mmap.mmap):
+    def __init__(
+        self,
+        path: Path,
+        version: int,
+        metadata: Metadata,
+        tensors: dict[str, TensorInfo],
+        mapped: mmap.mmap,
+        fd: int | None = None,
+    ):
         self.path = path
         self.version = version
         self.metadata = metadata
         self.tensors = tensors
         self._map = mapped
+        self._fd = fd  # for read_rows; None: read through the mapping
         self.size = len(mapped)
 
     @classmethod
@@ -101,12 +110,14 @@ class GGUFFile:
                 raise GGUFError(f"{file}: not a GGUF file ({size} bytes)")
             # Copy-on-write: torch takes writable buffers without a warning; nothing here ever writes to it.
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            fd = os.dup(f.fileno())
         try:
             version, metadata, tensors = _parse(file, mapped)
         except Exception:
             mapped.close()
+            os.close(fd)
             raise
-        return cls(file, version, metadata, tensors, mapped)
+        return cls(file, version, metadata, tensors, mapped, fd)
 
     @property
     def architecture(self) -> str:
@@ -134,6 +145,23 @@ class GGUFFile:
         flat = torch.frombuffer(self._map, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
         return flat.view(info.rows, info.nbytes // info.rows)
 
+    def read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        """Rows `rows` of the tensor's blocks, uint8 [len(rows), bytes of a row], a copy read with pread: the bytes
+        come from the page cache and never enter this process's mapping, so a tensor read a few rows at a time (the
+        token embedding, whose blocks a tied LM head already holds packed) is not also counted in its resident set.
+        Rows must lie in [0, rows of the tensor)."""
+        info = self.info(name)
+        width = info.nbytes // info.rows
+        if self._fd is None:
+            return self.blocks(name)[torch.tensor(rows, dtype=torch.long)].clone()
+        out = bytearray(width * len(rows))
+        view = memoryview(out)
+        for i, row in enumerate(rows):
+            got = os.preadv(self._fd, [view[i * width : (i + 1) * width]], info.offset + row * width)
+            if got != width:
+                raise GGUFError(f"{self.path}: tensor {name}: row {row} read {got} of {width} bytes")
+        return torch.frombuffer(out, dtype=torch.uint8).view(len(rows), width)
+
     def floats(self, name: str) -> torch.Tensor:
         """An F32, F16 or BF16 tensor as float32, a copy, shaped as torch orders it (outermost dimension first)."""
         info = self.info(name)
@@ -160,6 +188,9 @@ class GGUFFile:
     def close(self) -> None:
         """Unmap the file; views taken from it must no longer be used."""
         self._map.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _parse(path: Path, data: mmap.mmap) -> tuple[int, Metadata, dict[str, TensorInfo]]:

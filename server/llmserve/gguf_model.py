@@ -2,8 +2,8 @@
 
 `build_model(file, config)` makes the model's skeleton on torch's meta device (no memory), then gives it what the
 file holds: each projection becomes a `QuantProjection` over the tensor's blocks as the file maps them (quant.py's
-QuantWeight; nothing is read until a kernel touches it), the token embedding a `QuantEmbedding` (rows decoded on
-lookup), the LM head a QuantProjection over `output.weight` or, tied, over the embedding's own blocks; the norms
+QuantWeight; nothing is read until a kernel touches it), the token embedding a `QuantEmbedding` (rows read with pread and
+decoded on lookup, so that its pages never join the process's mapping: a tied LM head holds the same blocks packed), the LM head a QuantProjection over `output.weight` or, tied, over the embedding's own blocks; the norms
 (F32, a few KB each) are copied into float32 parameters and the rotary embedding is rebuilt on the CPU. The
 skeleton runs transformers' own forward as it is (the torch backend, `generate` in tests); the CPU backend's fused
 forward takes the projections' blocks instead (backends/cpu/gguf_linear.py).
@@ -80,17 +80,32 @@ class QuantProjection(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """The token embedding from its blocks: each id's row decoded on lookup (quant.dequantize_rows), float32."""
+    """The token embedding from its blocks: each id's row decoded on lookup, float32. With `file`, the rows are read
+    from it with pread (GGUFFile.read_rows) instead of through the mapping: a lookup then leaves no page of the
+    embedding in the process's resident set, where a tied LM head already holds the same blocks in its kernel's
+    packed copy (the 1B shape's embedding is 210-280 MB: counted twice, it put llmserve's memory over its budget)."""
 
-    def __init__(self, weight: quant.QuantWeight, source: str) -> None:
+    def __init__(self, weight: quant.QuantWeight, source: str, file: GGUFFile | None = None) -> None:
         super().__init__()
         self.weight_blocks = weight
         self.num_embeddings, self.embedding_dim = weight.rows, weight.cols
         self.source = source
+        self.file = file
         self.register_buffer("blocks", weight.data, persistent=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = quant.dequantize_rows(self.weight_blocks, ids)
+        if self.file is None or ids.numel() == 0:
+            rows = quant.dequantize_rows(self.weight_blocks, ids)
+        else:
+            flat = ids.reshape(-1).long()
+            if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+                raise IndexError(
+                    f"row ids must lie in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}"
+                )
+            unique, inverse = torch.unique(flat, return_inverse=True)
+            data = self.file.read_rows(self.source, unique.tolist())
+            kind, cols = self.weight_blocks.kind, self.weight_blocks.cols
+            rows = quant.dequantize(quant.QuantWeight(kind, len(unique), cols, data))[inverse]
         return rows.view(*ids.shape, self.embedding_dim)
 
 
@@ -142,7 +157,7 @@ def build_model(file: GGUFFile, config: PretrainedConfig) -> Any:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads, kv_heads = int(text.num_attention_heads), int(text.num_key_value_heads or text.num_attention_heads)
     permuted = file.architecture in PERMUTED
-    base.embed_tokens = QuantEmbedding(quant_weight(file, "token_embd.weight"), "token_embd.weight")
+    base.embed_tokens = QuantEmbedding(quant_weight(file, "token_embd.weight"), "token_embd.weight", file)
     for i, layer in enumerate(base.layers):
         for (parent, name), stem in _PROJECTIONS.items():
             tensor = f"blk.{i}.{stem}.weight"
