@@ -8,6 +8,7 @@ INVALID_ARGUMENT naming the field. One server per model, its engine in process (
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,3 +149,15 @@ def test_the_vectors_options_are_refused_naming_the_field(
         stub.Embed(request, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert bad_request_fields(err.value) == [field]
+
+
+def test_the_cli_prints_each_texts_probabilities_by_label(
+    server: ServerThread, reference: torch.Tensor, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmserve_client.cli import main
+
+    assert main(["--address", server.address, "embed", TEXTS[0], TEXTS[1]]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [list(line["probabilities"]) for line in lines] == [LABELS[kind]] * 2
+    got = torch.tensor([list(line["probabilities"].values()) for line in lines])
+    assert (got - torch.softmax(reference[:2], dim=-1)).abs().max().item() <= TOLERANCE
