@@ -225,3 +225,13 @@ def test_a_bert_classifier_loads_as_an_encoder_with_its_pooler_and_classifier(tm
     assert loaded.pooling is not None and loaded.pooling.mode is PoolingMode.CLS
     torch.testing.assert_close(loaded.head.pooler_weight, state["bert.pooler.dense.weight"])
     torch.testing.assert_close(loaded.head.bias, state["classifier.bias"])
+
+
+def test_a_classifier_head_the_server_does_not_compute_is_refused_naming_it(tmp_path: Path) -> None:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    config = RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, pad_token_id=0)
+    RobertaForSequenceClassification(config).save_pretrained(tmp_path / "roberta")
+    tiny_tokenizer().save_pretrained(tmp_path / "roberta")
+    with pytest.raises(ValueError, match="RobertaForSequenceClassification is not served"):
+        load_model(tmp_path / "roberta", device="cpu")
