@@ -211,6 +211,8 @@ def test_a_decoder_classifier_loads_as_a_classifier_over_its_last_token(tmp_path
     assert loaded.pooling is not None
     assert (loaded.pooling.mode, loaded.pooling.normalize) == (PoolingMode.LAST, False)
     torch.testing.assert_close(loaded.head.weight, state["score.weight"])
+    model = loaded.model  # the causal-LM class over the base; its LM head, never computed, holds no memory of its own
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     card = loaded.card()
     assert (card.generates, card.classifier) == (False, loaded.classifier)
     with pytest.raises(ValueError, match="--pooling does not apply to a classifier"):

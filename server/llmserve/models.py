@@ -251,9 +251,9 @@ def _load(
     if _is_encoder(folder):
         # An encoder runs in float32 unless asked otherwise: its vectors are compared with the library's.
         return load_encoder(folder, torch.float32 if dtype == "auto" else dt, dev)
-    loaded = _load_folder(folder, dt, dev)
-    loaded.weights = weights
     classifier = read_classifier_config(folder)
+    loaded = _load_folder(folder, dt, dev, classifier=classifier is not None)
+    loaded.weights = weights
     if classifier is not None:
         as_classifier(loaded, folder, classifier)
     return loaded
@@ -261,9 +261,10 @@ def _load(
 
 def as_classifier(loaded: LoadedModel, folder: Path, classifier: ClassifierConfig) -> None:
     """`loaded`, a decoder read from a `*ForSequenceClassification` folder, served as that classifier: the causal
-    LM class reads the folder's `model.*` tensors as they are (its LM head, which the checkpoint lacks, is never
-    computed: nothing samples), the `score` head is read from the folder, and the final hidden state of each input's
-    last token goes through it (pooling LAST, no normalization). ValueError for a head that is not a decoder's."""
+    LM class reads the folder's `model.*` tensors as they are (_load_folder ties its LM head, which the checkpoint
+    lacks, to the input embeddings: never computed, as nothing samples, and no memory of its own), the `score` head is
+    read from the folder, and the final hidden state of each input's last token goes through it (pooling LAST, no
+    normalization). ValueError for a head that is not a decoder's."""
     from llmserve.engine.backends.classifier import classifier_head
 
     if classifier.pooling is not PoolingMode.LAST:
@@ -469,9 +470,12 @@ def resolve_dtype(dtype: str, device: torch.device, *, lora: bool = False) -> to
     return _DTYPES[dtype]
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, classifier: bool = False) -> LoadedModel:
+    # A classifier's checkpoint has no LM head: tied to the embeddings, the causal-LM class neither draws a random
+    # one nor holds vocabulary x hidden more (as_classifier).
+    tie = {"tie_word_embeddings": True} if classifier else {}
     model: Any = AutoModelForCausalLM.from_pretrained(
-        folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+        folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa", **tie
     )
     model = model.to(device)
     tokenizer = None
