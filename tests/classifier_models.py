@@ -16,13 +16,14 @@ from llmserve.gguf import default_gguf_path, file_metadata
 SEED = 0
 
 
-def save_llama_classifier(folder: Path, labels: dict[int, str] | None = None) -> Path:
-    """A 2-layer LlamaForSequenceClassification of width 64 over the SmolLM2 vocabulary, saved with its tokenizer.
-    `labels`: id2label (default: three named classes)."""
-    from transformers import LlamaForSequenceClassification
+def save_llama_classifier(folder: Path, labels: dict[int, str] | None = None, *, qwen2: bool = False) -> Path:
+    """A 2-layer LlamaForSequenceClassification (`qwen2`: Qwen2ForSequenceClassification, biased q/k/v) of width 64
+    over the SmolLM2 vocabulary, saved with its tokenizer. `labels`: id2label (default: three named classes)."""
+    from transformers import LlamaForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
 
     labels = labels or {0: "negative", 1: "neutral", 2: "positive"}
-    config = LlamaConfig(
+    config_class, model_class = (Qwen2Config, Qwen2ForSequenceClassification) if qwen2 else (LlamaConfig, None)
+    config = config_class(
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
@@ -34,10 +35,9 @@ def save_llama_classifier(folder: Path, labels: dict[int, str] | None = None) ->
         eos_token_id=2,
         id2label=labels,
         label2id={v: k for k, v in labels.items()},
-        architectures=["LlamaForSequenceClassification"],
     )
     tokenizer = AutoTokenizer.from_pretrained(file_metadata(default_gguf_path()), local_files_only=True)
-    return _save(LlamaForSequenceClassification, config, tokenizer, folder)
+    return _save(model_class or LlamaForSequenceClassification, config, tokenizer, folder)
 
 
 def save_bert_classifier(folder: Path, labels: dict[int, str] | None = None) -> Path:

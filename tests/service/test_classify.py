@@ -32,19 +32,24 @@ TEXTS = [
     "I did not like this film at all.",
 ]
 TOLERANCE = 1e-4  # float32 logits against transformers'
-LABELS = {"llama": ["negative", "neutral", "positive"], "bert": ["ham", "spam"]}
-POOLING = {"llama": pb.POOLING_LAST, "bert": pb.POOLING_CLS}
+LABELS = {
+    "llama": ["negative", "neutral", "positive"],
+    "qwen2": ["negative", "neutral", "positive"],
+    "bert": ["ham", "spam"],
+}
+POOLING = {"llama": pb.POOLING_LAST, "qwen2": pb.POOLING_LAST, "bert": pb.POOLING_CLS}
 
 
-@pytest.fixture(scope="module", params=["llama", "bert"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "bert"])
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 @pytest.fixture(scope="module")
 def folder(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    save = save_llama_classifier if kind == "llama" else save_bert_classifier
-    return save(tmp_path_factory.mktemp(kind))
+    if kind == "bert":
+        return save_bert_classifier(tmp_path_factory.mktemp(kind))
+    return save_llama_classifier(tmp_path_factory.mktemp(kind), qwen2=kind == "qwen2")
 
 
 @pytest.fixture(scope="module")
