@@ -1,5 +1,6 @@
-"""Classification over gRPC (issue 44): a tiny LlamaForSequenceClassification (a decoder, its `score` head over the
-last token: prefill-only requests of the continuous batch) and a tiny BertForSequenceClassification (an encoder, its
+"""Classification over gRPC (issue 44): tiny LlamaForSequenceClassification and Qwen2ForSequenceClassification
+(decoders, their `score` head over the last token: prefill-only requests of the continuous batch) and a tiny
+BertForSequenceClassification (an encoder, its
 pooler and classifier over [CLS]: rows of the encoder's steps), random weights from a fixed seed, each loaded from its
 folder as `--model` loads it. Embed returns transformers' logits and their softmax with the labels of id2label, alone
 and batched, on llmserve.v1; the vLLM protocol's Embed returns the logits (what smg's /v1/classify reads); both
