@@ -115,6 +115,15 @@ def test_logits_and_probabilities_equal_transformers_alone_and_batched(
     _check(_classify(stub, TEXTS[:1]), reference[:1], LABELS[kind])
 
 
+def test_a_decoders_input_longer_than_a_step_is_read_in_chunks_and_scored_at_its_end(
+    stub: generate_pb2_grpc.GenerateServiceStub, kind: str, folder: Path
+) -> None:
+    if kind == "bert":
+        pytest.skip("an encoder reads each input whole, within one step's token budget")
+    text = " ".join(f"item {i} of a long list," for i in range(90))  # 840 tokens: two chunks of 512 at most
+    _check(_classify(stub, [text, TEXTS[1]]), reference_logits(folder, [text, TEXTS[1]]), LABELS[kind])
+
+
 def test_the_vllm_protocol_returns_the_logits_and_no_generation(
     channel: grpc.Channel, folder: Path, reference: torch.Tensor
 ) -> None:
