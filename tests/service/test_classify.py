@@ -120,7 +120,7 @@ def test_a_decoders_input_longer_than_a_step_is_read_in_chunks_and_scored_at_its
 ) -> None:
     if kind == "bert":
         pytest.skip("an encoder reads each input whole, within one step's token budget")
-    text = " ".join(f"item {i} of a long list," for i in range(90))  # 840 tokens: two chunks of 512 at most
+    text = " ".join(f"item {i} of a long list," for i in range(90))  # 800 tokens: two chunks of 512 at most
     _check(_classify(stub, [text, TEXTS[1]]), reference_logits(folder, [text, TEXTS[1]]), LABELS[kind])
 
 
