@@ -16,7 +16,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -46,6 +46,9 @@ from llmserve.pooling_config import (
     read_classifier_config,
     read_pooling_config,
 )
+
+if TYPE_CHECKING:
+    from llmserve.engine.backends.classifier import ClassifierHead
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +108,7 @@ class LoadedModel:
     # itself (`head`, classifier.ClassifierHead: float32 tensors on `device`), which the backend runs over the pooled
     # final hidden state in place of the Dense modules and normalization. None for any other model.
     classifier: ClassifierConfig | None = None
-    head: Any = None
+    head: ClassifierHead | None = None
 
     @property
     def mapped_bytes(self) -> int:
