@@ -5,6 +5,7 @@ The GGUF conversion is tested in test_gguf.py, the shape read from a config in t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from llmserve.models import (
     random_model,
     resolve_dtype,
 )
+from llmserve.pooling_config import PoolingMode
 
 
 def tiny_llama() -> LlamaConfig:
@@ -171,3 +173,67 @@ def test_random_smollm2_has_the_real_models_shapes(smollm) -> None:
         assert getattr(loaded.model.config, key) == getattr(smollm.model.config, key), key
     # The GGUF stores 1e-5 as a float32.
     assert loaded.model.config.rms_norm_eps == pytest.approx(smollm.model.config.rms_norm_eps, rel=1e-6)
+
+
+def _classifier_folder(tmp_path: Path, kind: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny *ForSequenceClassification checkpoint of `kind` ("llama", "qwen2", "bert") with three named classes."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        LlamaForSequenceClassification,
+        Qwen2Config,
+        Qwen2ForSequenceClassification,
+    )
+
+    labels = {"id2label": {0: "a", 1: "b", 2: "c"}, "label2id": {"a": 0, "b": 1, "c": 2}}
+    model: Any
+    if kind == "bert":
+        bert = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, **labels)
+        model = BertForSequenceClassification(bert)
+    else:
+        dims = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+        dims.update(num_key_value_heads=2, max_position_embeddings=256)
+        config = Qwen2Config(**dims, **labels) if kind == "qwen2" else LlamaConfig(**dims, **labels)
+        decoder = Qwen2ForSequenceClassification if kind == "qwen2" else LlamaForSequenceClassification
+        model = decoder(config)
+    folder = tmp_path / kind
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder, model.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_decoder_classifier_loads_as_a_classifier_over_its_last_token(tmp_path: Path, kind: str) -> None:
+    folder, state = _classifier_folder(tmp_path, kind)
+    loaded = load_model(folder, device="cpu", dtype="float32")
+    assert (loaded.generates, loaded.encoder) == (False, False)
+    assert loaded.classifier is not None and loaded.classifier.labels == ("a", "b", "c")
+    assert loaded.pooling is not None
+    assert (loaded.pooling.mode, loaded.pooling.normalize) == (PoolingMode.LAST, False)
+    torch.testing.assert_close(loaded.head.weight, state["score.weight"])
+    model = loaded.model  # the causal-LM class over the base; its LM head, never computed, holds no memory of its own
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    card = loaded.card()
+    assert (card.generates, card.classifier) == (False, loaded.classifier)
+    with pytest.raises(ValueError, match="--pooling does not apply to a classifier"):
+        load_model(folder, device="cpu", dtype="float32", pooling="mean")
+
+
+def test_a_bert_classifier_loads_as_an_encoder_with_its_pooler_and_classifier(tmp_path: Path) -> None:
+    folder, state = _classifier_folder(tmp_path, "bert")
+    loaded = load_model(folder, device="cpu")
+    assert (loaded.generates, loaded.encoder, loaded.dtype) == (False, True, torch.float32)
+    assert loaded.classifier is not None and loaded.classifier.labels == ("a", "b", "c")
+    assert loaded.pooling is not None and loaded.pooling.mode is PoolingMode.CLS
+    torch.testing.assert_close(loaded.head.pooler_weight, state["bert.pooler.dense.weight"])
+    torch.testing.assert_close(loaded.head.bias, state["classifier.bias"])
+
+
+def test_a_classifier_head_the_server_does_not_compute_is_refused_naming_it(tmp_path: Path) -> None:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    config = RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, pad_token_id=0)
+    RobertaForSequenceClassification(config).save_pretrained(tmp_path / "roberta")
+    tiny_tokenizer().save_pretrained(tmp_path / "roberta")
+    with pytest.raises(ValueError, match="RobertaForSequenceClassification is not served"):
+        load_model(tmp_path / "roberta", device="cpu")

@@ -119,7 +119,7 @@ def test_load_model_finds_a_packaged_model_by_name(cache: Path, monkeypatch: pyt
     assert loaded.pooling is not None and loaded.pooling.mode is PoolingMode.MEAN and loaded.pooling.normalize
     opened: list[Path] = []
 
-    def load_folder(folder: Path, dtype: object, device: object) -> SimpleNamespace:
+    def load_folder(folder: Path, dtype: object, device: object, classifier: bool = False) -> SimpleNamespace:
         opened.append(folder)
         return SimpleNamespace(pooling=None, generates=True)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmserve.model_shape import ModelShape
-from llmserve.pooling_config import PoolingConfig
+from llmserve.pooling_config import ClassifierConfig, PoolingConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -33,7 +33,8 @@ class ModelCard:
     eos_token_ids: tuple[int, ...]
     weights: str | None = None
     pooling: PoolingConfig | None = None  # what Embed serves; None: no Embed
-    generates: bool = True  # False for an encoder (Embed only)
+    generates: bool = True  # False for an encoder or a classifier (Embed only)
+    classifier: ClassifierConfig | None = None  # a sequence classifier's labels: Embed returns its logits
 
     @property
     def vocab_size(self) -> int:

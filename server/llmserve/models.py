@@ -16,7 +16,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -39,7 +39,16 @@ from llmserve.gguf_file import GGUFFile
 from llmserve.model_cache import MARKER
 from llmserve.model_card import ModelCard
 from llmserve.model_shape import RANDOM_SHAPES, ModelShape
-from llmserve.pooling_config import PoolingConfig, PoolingMode, read_pooling_config
+from llmserve.pooling_config import (
+    ClassifierConfig,
+    PoolingConfig,
+    PoolingMode,
+    read_classifier_config,
+    read_pooling_config,
+)
+
+if TYPE_CHECKING:
+    from llmserve.engine.backends.classifier import ClassifierHead
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +98,17 @@ class LoadedModel:
     weights: str | None = None
     gguf: GGUFFile | None = None
     activations: str = "int8"  # with `gguf`: how the kernels take the linears' rows (quant.QuantLinear's activations)
-    # Pooling (Embed): the folder's sentence-transformers pipeline, or the --pooling of a generative model; None
-    # when the model serves no Embed. `generates`: False for an encoder, whose `model` is then a BertEncoder.
+    # Pooling (Embed): the folder's sentence-transformers pipeline, or the --pooling of a generative model, or the
+    # token a classifier's head reads; None when the model serves no Embed. `generates`: False for an encoder or a
+    # classifier. `encoder`: `model` is a BertEncoder (its own forward, no KV cache).
     pooling: PoolingConfig | None = None
     generates: bool = True
+    encoder: bool = False
+    # A `*ForSequenceClassification` checkpoint: its labels and the token its head reads (`classifier`), and the head
+    # itself (`head`, classifier.ClassifierHead: float32 tensors on `device`), which the backend runs over the pooled
+    # final hidden state in place of the Dense modules and normalization. None for any other model.
+    classifier: ClassifierConfig | None = None
+    head: ClassifierHead | None = None
 
     @property
     def mapped_bytes(self) -> int:
@@ -123,6 +139,7 @@ class LoadedModel:
             self.weights,
             self.pooling,
             self.generates,
+            self.classifier,
         )
 
 
@@ -149,7 +166,9 @@ def load_model(
     `gguf_activations`: with a GGUF's blocks, "int8" (per block of 32, as llama.cpp) or "float32" input rows.
     `pooling` ("last", "mean", "cls", "max"): a generative model serves Embed too, its final hidden states pooled
     so (unnormalized by default); None: a folder's sentence-transformers pooling where it has one (an encoder folder
-    always serves its own; `pooling` then only changes its mode).
+    always serves its own; `pooling` then only changes its mode). A `*ForSequenceClassification` folder (a Llama/Qwen
+    decoder with a `score` head, or a BERT classifier) is served as a classifier: Embed only, its head's logits per
+    input (`classifier`, `head`); `pooling` is refused for it (the head fixes the token it reads).
     Raises gguf_file.GGUFError, naming the file, for a GGUF that is truncated, corrupt, or holds block types or an
     architecture its blocks cannot be served in.
     """
@@ -177,6 +196,8 @@ def with_pooling(loaded: LoadedModel, folder: Path | None, pooling: str | None) 
         loaded.pooling = read_pooling_config(folder)
     if pooling is None:
         return loaded
+    if loaded.classifier is not None:
+        raise ValueError(f"{loaded.name}: --pooling does not apply to a classifier, whose head reads its own token")
     mode = PoolingMode.parse(pooling)
     if loaded.pooling is not None:
         loaded.pooling = dataclasses.replace(loaded.pooling, mode=mode)
@@ -233,9 +254,32 @@ def _load(
     if _is_encoder(folder):
         # An encoder runs in float32 unless asked otherwise: its vectors are compared with the library's.
         return load_encoder(folder, torch.float32 if dtype == "auto" else dt, dev)
-    loaded = _load_folder(folder, dt, dev)
+    classifier = read_classifier_config(folder)
+    loaded = _load_folder(folder, dt, dev, classifier=classifier is not None)
     loaded.weights = weights
+    if classifier is not None:
+        as_classifier(loaded, folder, classifier)
     return loaded
+
+
+def as_classifier(loaded: LoadedModel, folder: Path, classifier: ClassifierConfig) -> None:
+    """`loaded`, a decoder read from a `*ForSequenceClassification` folder, served as that classifier: the causal
+    LM class reads the folder's `model.*` tensors as they are (_load_folder ties its LM head, which the checkpoint
+    lacks, to the input embeddings: never computed, as nothing samples, and no memory of its own), the `score` head is
+    read from the folder, and the final hidden state of each input's last token goes through it (pooling LAST, no
+    normalization). ValueError for a head that is not a decoder's."""
+    from llmserve.engine.backends.classifier import classifier_head
+
+    if classifier.pooling is not PoolingMode.LAST:
+        raise ValueError(f"{folder}: {classifier.architecture} is not served")
+    hidden = loaded.shape.hidden_size
+    if hidden is None:
+        raise ValueError(f"{folder}: a classifier needs the model's hidden size, which its config does not give")
+    config = json.loads((folder / "config.json").read_text())
+    loaded.head = classifier_head(config, _read_tensors(folder, ("score.weight",)), device=loaded.device)
+    loaded.classifier = classifier
+    loaded.pooling = PoolingConfig(mode=PoolingMode.LAST, normalize=False, hidden_size=hidden)
+    loaded.generates = False
 
 
 def _is_encoder(folder: Path) -> bool:
@@ -249,16 +293,26 @@ def _is_encoder(folder: Path) -> bool:
 
 
 def load_encoder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """A BERT-family encoder folder with its sentence-transformers pipeline (modules.json): served for Embed only,
-    its `model` the engine's BertEncoder over the folder's weights (no transformers model is built). ValueError for
-    an encoder folder without a pipeline the server reproduces (pooling_config.py)."""
+    """A BERT-family encoder folder with its sentence-transformers pipeline (modules.json), or a BERT classifier
+    (BertForSequenceClassification: its pooler and classifier over [CLS]): served for Embed only, its `model` the
+    engine's BertEncoder over the folder's weights (no transformers model is built). ValueError for an encoder folder
+    with neither a pipeline the server reproduces (pooling_config.py) nor a classifier head it serves."""
+    from llmserve.engine.backends.classifier import classifier_head
     from llmserve.engine.backends.encoder import BertEncoder, EncoderConfig
 
-    pooling = read_pooling_config(folder)
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    state = _read_state(folder)
+    classifier = read_classifier_config(folder)
+    head = None
+    if classifier is not None:
+        head = classifier_head(config.to_dict(), state, device=device)
+        hidden = int(config.hidden_size)
+        pooling: PoolingConfig | None = PoolingConfig(mode=classifier.pooling, normalize=False, hidden_size=hidden)
+    else:
+        pooling = read_pooling_config(folder)
     if pooling is None:
         raise ValueError(f"{folder}: an encoder without sentence-transformers' modules.json (no pooling to serve)")
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    encoder = BertEncoder(EncoderConfig.of(config), _read_state(folder), dtype=dtype, device=device)
+    encoder = BertEncoder(EncoderConfig.of(config), state, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     try:
         shape = ModelShape.of(config)
@@ -274,6 +328,9 @@ def load_encoder(folder: Path, dtype: torch.dtype, device: torch.device) -> Load
         eos_token_ids=(),
         pooling=pooling,
         generates=False,
+        encoder=True,
+        classifier=classifier,
+        head=head,
     )
 
 
@@ -284,6 +341,31 @@ def _read_state(folder: Path) -> dict[str, torch.Tensor]:
         return load_file(str(folder / "model.safetensors"))
     state: dict[str, torch.Tensor] = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     return state
+
+
+def _read_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The named tensors of a folder's checkpoint, without reading the rest (safetensors, one file or sharded with
+    its index; else pytorch_model.bin, read whole). KeyError names a tensor the checkpoint lacks."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = {name: folder / weight_map[name] for name in names if name in weight_map}
+    elif (folder / "model.safetensors").is_file():
+        files = dict.fromkeys(names, folder / "model.safetensors")
+    else:
+        state = _read_state(folder)
+        return {name: state[name] for name in names}
+    out = {}
+    for name in names:
+        if name not in files:
+            raise KeyError(f"{folder}: no tensor {name!r}")
+        with safe_open(str(files[name]), framework="pt") as f:
+            if name not in f.keys():
+                raise KeyError(f"{folder}: no tensor {name!r}")
+            out[name] = f.get_tensor(name)
+    return out
 
 
 def load_gguf_blocks(path: Path, cache_root: Path | None = None, activations: str = "int8") -> LoadedModel:
@@ -391,9 +473,12 @@ def resolve_dtype(dtype: str, device: torch.device, *, lora: bool = False) -> to
     return _DTYPES[dtype]
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, classifier: bool = False) -> LoadedModel:
+    # A classifier's checkpoint has no LM head: tied to the embeddings, the causal-LM class neither draws a random
+    # one nor holds vocabulary x hidden more (as_classifier).
+    tie = {"tie_word_embeddings": True} if classifier else {}
     model: Any = AutoModelForCausalLM.from_pretrained(
-        folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+        folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa", **tie
     )
     model = model.to(device)
     tokenizer = None

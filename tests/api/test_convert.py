@@ -5,8 +5,19 @@ The sampling and stopping defaults, the deadline and the cache salt the servicer
 from __future__ import annotations
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from llmserve.api.convert import constraint_spec, input_text, logprob_pb, to_generation_request, to_response
+from llmserve.api.convert import (
+    constraint_spec,
+    input_text,
+    logprob_pb,
+    softmax,
+    to_embedding,
+    to_generation_request,
+    to_response,
+)
 from llmserve.engine.frontend.outputs import Delta, FinishReason, Timing, TokenLogprob, Usage
 from llmserve.engine.frontend.protocol import ModelInfo
 from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec
@@ -126,3 +137,15 @@ def test_the_last_message_carries_usage_timing_seed_and_the_whole_requests_usage
     assert message.HasField("seed") and message.seed == 11
     zero = to_response("r", Delta("r", [], usage=Usage(0, 0, 0), seed=0), pb.ResponseOptions(), [])
     assert zero.HasField("usage") and zero.HasField("seed")  # present although every value is 0
+
+
+@given(st.lists(st.floats(-1e4, 1e4), min_size=1, max_size=16))
+def test_softmax_is_torchs_and_never_overflows(logits: list[float]) -> None:
+    got = torch.tensor(softmax(logits), dtype=torch.float64)
+    torch.testing.assert_close(got, torch.softmax(torch.tensor(logits, dtype=torch.float64), dim=0))
+
+
+def test_a_classifiers_embedding_carries_the_softmax_of_its_logits() -> None:
+    delta = Delta("r", [], finish_reason=FinishReason.LENGTH, usage=Usage(4, 0, 0), embedding=[0.0, 0.0])
+    assert list(to_embedding(0, delta, False, classify=True).probabilities) == [0.5, 0.5]
+    assert list(to_embedding(0, delta, False).probabilities) == []

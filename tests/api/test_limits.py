@@ -9,6 +9,7 @@ import pytest
 from llmserve.api.limits import (
     PREFIX_CHARS,
     PROMPT_BYTES_PER_TOKEN,
+    check_classify,
     check_generate,
     check_id,
     check_input,
@@ -130,3 +131,14 @@ def test_a_quoted_prefix_is_short_escaped_and_says_how_long_the_whole_was() -> N
     for value in ("\U0001f600" * 1000, "\x1f" * 1000, "é" * 1000):
         quoted = quote_prefix(value)
         assert quoted.isascii() and len(quoted) <= 2 * PREFIX_CHARS + 2 + len("... (1000 characters)"), quoted
+
+
+@pytest.mark.parametrize(
+    ("field", "options"),
+    [("normalize", {"normalize": True}), ("dimensions", {"dimensions": 2}), ("pooling", {"pooling": pb.POOLING_CLS})],
+)
+def test_a_classifiers_embed_sets_none_of_the_vectors_options(field: str, options: dict[str, object]) -> None:
+    check_classify(pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")]))
+    with pytest.raises(InvalidRequest) as err:
+        check_classify(pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")], **options))  # type: ignore[arg-type]
+    assert err.value.field == field

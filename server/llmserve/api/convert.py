@@ -7,6 +7,7 @@ field by its protobuf path (`sampling.top_p`, and the input the prompt came from
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -187,12 +188,26 @@ def to_pooling_request(
     )
 
 
-def to_embedding(index: int, delta: Delta, truncated: bool) -> pb.Embedding:
-    """One input's final delta as its Embedding."""
+def to_embedding(index: int, delta: Delta, truncated: bool, *, classify: bool = False) -> pb.Embedding:
+    """One input's final delta as its Embedding; `classify`: its vector is a classifier's logits, whose softmax
+    fills `probabilities`."""
     usage = delta.usage
+    values = delta.embedding or []
     return pb.Embedding(
         index=index,
-        values=delta.embedding or [],
+        values=values,
         prompt_tokens=0 if usage is None else usage.prompt_tokens,
         truncated=truncated,
+        probabilities=softmax(values) if classify else [],
     )
+
+
+def softmax(logits: Sequence[float]) -> list[float]:
+    """The class probabilities of a classifier's logits, shifted by their maximum so that no exponential overflows
+    (classifier.probabilities in plain Python: the edge imports no torch)."""
+    if not logits:
+        return []
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
+    total = sum(exps)
+    return [e / total for e in exps]

@@ -148,6 +148,16 @@ def _utf8_length(text: str, limit: int) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
+def check_classify(request: pb.EmbedRequest) -> None:
+    """An Embed call on a classifier sets none of the vector's options: its vector is the head's logits, whose
+    length is the number of classes and whose token the head fixes."""
+    for name in ("normalize", "dimensions"):
+        if request.HasField(name):
+            raise InvalidRequest(name, "not allowed with a classifier: Embed returns its logits as they are")
+    if request.pooling != pb.POOLING_UNSPECIFIED:
+        raise InvalidRequest("pooling", "not allowed with a classifier: its head reads the token it was trained on")
+
+
 def check_embed(request: pb.EmbedRequest, limits: InputLimits, max_prompt_bytes: int, embedding_size: int) -> None:
     """The sizes and ranges of an Embed call, before any tokenizer or engine work: at least one input and at most
     --max-embed-inputs, each with one input set and within the byte and chat limits; `dimensions` within the

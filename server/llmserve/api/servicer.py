@@ -33,6 +33,7 @@ from llmserve.api.convert import (
 )
 from llmserve.api.errors import ServiceError, StreamStalled, code_name
 from llmserve.api.limits import (
+    check_classify,
     check_embed,
     check_generate,
     check_input,
@@ -181,7 +182,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if "generate" not in engine.model_info.tasks:
                 raise ServiceError(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"model {engine.model_info.name} does not generate: it is an embedding model, call Embed",
+                    f"model {engine.model_info.name} does not generate: it is an embedding model or a classifier, "
+                    "call Embed",
                 )
             request = build()
             call.has_session = bool(request.session_id)
@@ -292,12 +294,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             engine = self.ready_engine()
             info = engine.model_info
-            if "embed" not in info.tasks:
+            classify = "classify" in info.tasks
+            if "embed" not in info.tasks and not classify:
                 raise ServiceError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"model {info.name} serves no Embed: it has no pooling configured (a generative model needs "
                     "--pooling; GetModelInfo's tasks say what it serves)",
                 )
+            if classify:
+                check_classify(request)
             check_embed(request, self._limits, self._max_prompt_bytes, info.embedding_size)
             request_id = record.request_id = request.request_id or uuid.uuid4().hex
             record.inputs = len(request.inputs)
@@ -311,9 +316,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             ]
             record.queued = time.monotonic()
             finals = await _pool_all(engine, engine_requests)
-            response = pb.EmbedResponse(request_id=request_id)
+            response = pb.EmbedResponse(request_id=request_id, labels=info.labels)
             for i, ((_, truncated), delta) in enumerate(zip(prompts, finals, strict=True)):
-                response.embeddings.append(to_embedding(i, delta, truncated))
+                response.embeddings.append(to_embedding(i, delta, truncated, classify=classify))
                 if delta.usage is not None:
                     record.prompt_tokens += delta.usage.prompt_tokens
                     record.cached_prompt_tokens += delta.usage.cached_prompt_tokens
@@ -368,7 +373,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             pooling=POOLING_NAMES.get(info.pooling, pb.POOLING_UNSPECIFIED),
             normalize=info.normalize,
             max_embed_input_tokens=info.max_embed_input_tokens,
-            max_embed_inputs=self._limits.max_embed_inputs if "embed" in info.tasks else 0,
+            max_embed_inputs=self._limits.max_embed_inputs if info.embedding_size else 0,
+            labels=info.labels,
         )
 
     async def GetSession(

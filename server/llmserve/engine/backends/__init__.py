@@ -63,7 +63,7 @@ def create_backend(
     kernels, a CUDA graph that cannot be captured), and memory_check.InsufficientMemory when weights mapped from a
     file (a GGUF's blocks) and the KV pool would not fit in the host's available memory.
     """
-    if not loaded.generates:  # an encoder: its own forward, no KV cache to size
+    if loaded.encoder:  # its own forward, no KV cache to size
         from llmserve.engine.backends.encoder_backend import EncoderBackend
 
         return EncoderBackend(loaded, config, max_model_len or loaded.context_length)

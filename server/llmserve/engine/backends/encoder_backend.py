@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.engine.backends.base import KVCache
+from llmserve.engine.backends.classifier import ClassifierHead
 from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch
 from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pool
 from llmserve.engine.config import EngineConfig
@@ -49,10 +50,13 @@ class EncoderBackend:
         self.streams = RandomStreams(self.device)
         self.pooling = PoolingStates()  # unused: an encoder reads each input whole, in one step
         self.dense = DenseStack.load(self.pipeline.dense, torch.float32, self.device)
+        # A BERT classifier's pooler and classifier (models.load_encoder), over [CLS]; None for an embedding model.
+        self.head: ClassifierHead | None = loaded.head
         packed = "oneDNN-packed linears" if self.encoder.packed else "torch linears"
+        head = "" if self.head is None else f" into a {self.head.num_classes}-class classifier"
         self.description = (
             f"encoder forward over packed rows ({loaded.dtype}, {packed}), "
-            f"{self.pipeline.mode.value} pooling, no KV cache"
+            f"{self.pipeline.mode.value} pooling{head}, no KV cache"
         )
 
     def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:
@@ -73,8 +77,11 @@ class EncoderBackend:
                     results.append(RowFailed("an encoder serves pooling requests only"))
                     continue
                 try:
-                    vector = self.dense(pool(rows, [rows.shape[0]], params.mode))
-                    vector = finish(vector, dimensions=params.dimensions, normalize=params.normalize)
+                    vector = pool(rows, [rows.shape[0]], params.mode)
+                    if self.head is not None:  # a classifier: its logits (the edge refuses the vector's options)
+                        vector = self.head(vector).float()
+                    else:
+                        vector = finish(self.dense(vector), dimensions=params.dimensions, normalize=params.normalize)
                 except ValueError as exc:
                     results.append(RowFailed(str(exc)))
                     continue

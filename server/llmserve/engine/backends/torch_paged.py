@@ -18,6 +18,7 @@ import torch
 
 from llmserve.engine.backends.attention import ATTN_IMPLEMENTATION, AttentionMetadata, VarlenKernel, register_attention
 from llmserve.engine.backends.base import KVCache
+from llmserve.engine.backends.classifier import ClassifierHead
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
@@ -83,6 +84,8 @@ class TorchPagedBackend:
         self.pooling = PoolingStates()
         dense = loaded.pooling.dense if loaded.pooling is not None else ()
         self.dense = DenseStack.load(dense, torch.float32, self.device)
+        # A classifier's score head (models.as_classifier), over the last token's final hidden state; None otherwise.
+        self.head: ClassifierHead | None = loaded.head
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -134,6 +137,8 @@ class TorchPagedBackend:
 
     def _vector(self, key: int, params: PoolingParams) -> Pooled | RowFailed:
         vector = self.pooling.take(key)
+        if self.head is not None:  # a classifier: its logits (the edge refuses dimensions and normalize for it)
+            return Pooled(self.head(vector[None])[0].float().tolist())
         try:
             vector = finish(self.dense(vector[None]), dimensions=params.dimensions, normalize=params.normalize)[0]
         except ValueError as exc:

@@ -84,7 +84,7 @@ class EngineCore:
         self.max_model_len = context_cap(config.max_model_len, loaded.context_length, self.sliding_window)
         self.backend = create_backend(loaded, config, self.max_model_len)
         # An encoder keeps no KV: nothing to reuse from a prefix or a session, and each input is read whole.
-        encoder = not loaded.generates
+        encoder = loaded.encoder
         # Lower KV tiers (--kv-offload-*): raises DiskTierError naming the flag when they cannot be had.
         self.tiers = build_tiers(config, loaded, BlockCopier(self.backend.kv))
         self.pool = BlockPool(
@@ -491,7 +491,7 @@ def pooling_limit(loaded: LoadedModel, max_model_len: int, max_num_batched_token
     if loaded.pooling is None:
         return 0
     limit = min(loaded.pooling.max_seq_length or max_model_len - 1, max_model_len - 1)
-    return limit if loaded.generates else min(limit, max_num_batched_tokens)
+    return min(limit, max_num_batched_tokens) if loaded.encoder else limit
 
 
 def context_cap(flag: int | None, model: int, sliding_window: int | None) -> int:

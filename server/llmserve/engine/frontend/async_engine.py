@@ -71,7 +71,13 @@ class AsyncEngine:
     @property
     def model_info(self) -> ModelInfo:
         facts = self.core.facts
-        pooling = self.card.pooling
+        pooling, classifier = self.card.pooling, self.card.classifier
+        if classifier is not None:
+            pooled: tuple[str, ...] = ("classify",)
+            embedding_size = len(classifier.labels)
+        else:
+            pooled = ("embed",) * facts.pools
+            embedding_size = 0 if pooling is None else pooling.embedding_size
         return ModelInfo(
             name=self.card.name,
             context_length=facts.max_model_len,
@@ -84,12 +90,13 @@ class AsyncEngine:
             eos_token_ids=self.card.eos_token_ids,
             max_loras=0 if facts.lora is None else facts.lora.limits.max_loras,
             max_lora_rank=0 if facts.lora is None else facts.lora.limits.max_lora_rank,
-            tasks=("generate",) * facts.generates + ("embed",) * facts.pools,
-            embedding_size=0 if pooling is None else pooling.embedding_size,
+            tasks=("generate",) * facts.generates + pooled,
+            embedding_size=embedding_size,
             pooling="" if pooling is None else pooling.mode.value,
             normalize=pooling is not None and pooling.normalize,
             max_embed_input_tokens=facts.max_pooling_tokens,
             do_lower_case=pooling is not None and pooling.do_lower_case,
+            labels=() if classifier is None else classifier.labels,
         )
 
     @property

@@ -33,14 +33,16 @@ class ModelInfo:
     max_loras: int = 0  # LoRA adapters in one step (--max-loras); 0 when the server serves none
     max_lora_rank: int = 0
     eos_token_ids: tuple[int, ...] = ()  # the tokens that end a generation (unless a request ignores EOS)
-    # What the model serves (GetModelInfo's tasks): "generate", "embed"; and Embed's defaults and limits, from the
-    # folder's sentence-transformers files (0 / "" when it serves no Embed).
+    # What the model serves (GetModelInfo's tasks): "generate", "embed", "classify" (Embed returns a classifier's
+    # logits); and Embed's defaults and limits, from the folder's sentence-transformers files or the classifier's
+    # head (0 / "" when it serves no Embed).
     tasks: tuple[str, ...] = ("generate",)
     embedding_size: int = 0
     pooling: str = ""  # pooling_config.PoolingMode's value
     normalize: bool = False
     max_embed_input_tokens: int = 0
     do_lower_case: bool = False  # sentence-transformers lowercases texts before tokenizing
+    labels: tuple[str, ...] = ()  # a classifier's class labels, in class order (id2label); () for any other model
 
 
 @dataclass(slots=True)

