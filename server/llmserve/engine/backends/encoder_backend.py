@@ -19,6 +19,7 @@ import torch
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch
 from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pool
+from llmserve.engine.backends.prompt_logprobs import PromptScores
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sample.streams import RandomStreams
@@ -48,6 +49,7 @@ class EncoderBackend:
         self.kv = KVCache(loaded.shape, 0, config.block_size, self.dtype, self.device)
         self.streams = RandomStreams(self.device)
         self.pooling = PoolingStates()  # unused: an encoder reads each input whole, in one step
+        self.prompt_scores = PromptScores()  # unused: an encoder generates nothing
         self.dense = DenseStack.load(self.pipeline.dense, torch.float32, self.device)
         packed = "oneDNN-packed linears" if self.encoder.packed else "torch linears"
         self.description = (
