@@ -165,3 +165,32 @@ async def test_n_completions_score_the_prompt_once(loaded: LoadedModel, referenc
     check([d for d in deltas if d.index == 0], SCORED[1], reference_model)
     assert all(d.prompt_logprobs is None for d in deltas[1:])
     assert {d.index for d in deltas} == {0, 1, 2}
+
+
+@pytest.mark.real_model
+async def test_the_gguf_blocks_score_a_prompt_as_they_pick_its_next_tokens() -> None:
+    """The default model (SmolLM2's GGUF blocks, float32 activations; every token's attention through the decode
+    kernel, so that a row's result does not depend on the chunk that computed it): the distribution a prompt chunk
+    scores at position k is the one a request for prompt[:k + 1] samples its first token from."""
+    from llmserve.models import load_model
+
+    loaded = load_model()
+    assert loaded.weights == "gguf"
+    engine = AsyncEngine(loaded, dataclasses.replace(CONFIG, max_num_batched_tokens=16))
+    await engine.start()
+    try:
+        text = "The quick brown fox jumps over the lazy dog because it was in a hurry to get home before the rain."
+        ids = tuple(loaded.tokenizer.encode(text))
+        assert len(ids) > 16  # two chunks
+        one = StoppingParams(max_new_tokens=1, ignore_eos=True)
+        request = GenerationRequest("p", ids, stopping=one, prompt_logprobs=True, prompt_top_logprobs=5)
+        got = (await collect(engine, request))[0].prompt_logprobs
+        assert got is not None and [lp.token_id for lp in got] == list(ids[1:])
+        for k in (2, 9, 17, len(ids) - 2):
+            prefix = GenerationRequest(f"k{k}", ids[: k + 1], stopping=one, logprobs=True, top_logprobs=5)
+            logprobs = (await collect(engine, prefix))[0].logprobs
+            assert logprobs is not None
+            assert [t for t, _ in got[k].top] == [t for t, _ in logprobs[0].top]
+            assert [v for _, v in got[k].top] == pytest.approx([v for _, v in logprobs[0].top], abs=1e-5)
+    finally:
+        await engine.shutdown()
