@@ -34,8 +34,8 @@ class Backend(Protocol):
     ask for it (`plan.sample_rows()`: a sampling entry's row, or one per position of an entry with drafts). It
     returns one result per row, in that order: the picked token, or the failure of that row's sampling alone (or, for
     a pooling request's row, its vector: `Pooled`; the first token of a request that asks for prompt logprobs carries
-    them, `Sampled.prompt`). It raises when the shared forward fails (every request of the
-    step fails then). Built once, by `create_backend`, before the engine serves anything.
+    them, `Sampled.prompt`). It raises when the shared forward fails (every request of the step fails then). Built
+    once, by `create_backend`, before the engine serves anything.
     """
 
     name: str  # which path serves: "cpu", "torch", "cuda"
