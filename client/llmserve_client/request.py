@@ -61,6 +61,8 @@ def build_request(
     logprobs: bool = False,
     top_logprobs: int = 0,
     return_prompt_token_ids: bool = False,
+    prompt_logprobs: bool = False,
+    prompt_top_logprobs: int = 0,
     priority: int = 0,
     frequency_penalty: float = 0.0,
     presence_penalty: float = 0.0,
@@ -81,7 +83,9 @@ def build_request(
     At most one constraint: `json_schema` (text, or a dict sent as JSON), `json_object`, `regex`, `grammar`
     (llguidance's Lark syntax) or `choice` (the allowed answers). `n` > 1 asks for n completions of the prompt on
     one stream, told apart by each response's `index` (`texts_by_index` joins them). `adapter`: the LoRA adapter
-    to generate with, by the name the server loaded it under (empty: the base model).
+    to generate with, by the name the server loaded it under (empty: the base model). `prompt_logprobs` (and
+    `prompt_top_logprobs` alternatives) returns each prompt token's log-probability on the first response
+    (`prompt_logprobs`): how a caller scores a text; the prompt is then computed whole, reading no cached state.
     """
     inputs = {"prompt": prompt, "messages": messages, "token_ids": token_ids}
     given = [name for name, value in inputs.items() if value is not None]
@@ -133,6 +137,8 @@ def build_request(
     r.logprobs = logprobs
     r.top_logprobs = top_logprobs
     r.prompt_token_ids = return_prompt_token_ids
+    r.prompt_logprobs = prompt_logprobs
+    r.prompt_top_logprobs = prompt_top_logprobs
     return request
 
 

@@ -81,6 +81,13 @@ def test_the_request_keeps_what_the_call_carries() -> None:
     assert converted.stopping.stop_sequences == ("\n",)
     plain = convert(build_request("hi"))
     assert (plain.n, plain.adapter, plain.session_id, plain.constraint) == (1, None, None, None)  # n 0: one
+    assert (plain.prompt_logprobs, plain.prompt_top_logprobs) == (False, 0)
+
+
+@pytest.mark.parametrize(("asked", "top"), [(dict(prompt_logprobs=True), 0), (dict(prompt_top_logprobs=4), 4)])
+def test_prompt_logprobs_are_asked_by_either_field(asked: dict[str, object], top: int) -> None:
+    converted = convert(build_request("hi", **asked))  # type: ignore[arg-type]
+    assert (converted.prompt_logprobs, converted.prompt_top_logprobs) == (True, top)
 
 
 @pytest.mark.parametrize(
@@ -115,6 +122,11 @@ def test_a_delta_becomes_one_message_with_what_was_asked() -> None:
     assert message.finish_reason == pb.FINISH_REASON_UNSPECIFIED
     assert not message.HasField("usage") and not message.HasField("timing") and not message.HasField("seed")
     assert list(to_response("r", delta, pb.ResponseOptions(), []).token_ids) == []  # ids only when asked
+    assert not message.prompt_logprobs
+    scores = [TokenLogprob(9, -2.0, [(3, -0.5), (9, -2.0)])]
+    first = to_response("r", Delta("r", [4], prompt_logprobs=scores), pb.ResponseOptions(), [8, 9])
+    assert [(lp.token_id, lp.logprob) for lp in first.prompt_logprobs] == [(9, -2.0)]
+    assert [(t.token_id, t.logprob) for t in first.prompt_logprobs[0].top_logprobs] == [(3, -0.5), (9, -2.0)]
 
 
 @pytest.mark.parametrize("reason", list(FinishReason))

@@ -12,6 +12,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from llmserve.api.vllm_convert import (
     DEFAULT_TEMPERATURE,
     Completion,
+    LogprobCounts,
     chunk,
     complete,
     in_vllm_terms,
@@ -89,7 +90,7 @@ def test_a_choice_carries_its_options() -> None:
         (vpb.GenerateRequest(request_id="r"), "input"),
         (request(seed=-1), "sampling_params.seed"),
         (request(logprobs=-1), "sampling_params.logprobs"),
-        (request(prompt_logprobs=0), "sampling_params.prompt_logprobs"),
+        (request(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
         (request(truncate_prompt_tokens=8), "sampling_params.truncate_prompt_tokens"),
         (request(structural_tag='{"type": "structural_tag"}'), "sampling_params.structural_tag"),
         (vpb.GenerateRequest(request_id="r", text="x", media_refs=vpb.MediaRefs()), "media_refs"),
@@ -120,6 +121,7 @@ def test_rank_zero_is_this_server() -> None:
         ("stopping.max_new_tokens", "sampling_params.max_tokens"),
         ("stopping.stop_sequences", "sampling_params.stop"),
         ("response.top_logprobs", "sampling_params.logprobs"),
+        ("response.prompt_top_logprobs", "sampling_params.prompt_logprobs"),
         ("n", "sampling_params.n"),
         ("constraint.json_schema", "sampling_params.json_schema"),
         ("constraint.choice.options", "sampling_params.choice.choices"),
@@ -135,16 +137,17 @@ def test_errors_raised_later_name_the_vllm_path(ours: str, theirs: str) -> None:
 
 def test_a_chunk_carries_only_the_new_ids_and_their_logprobs() -> None:
     logprobs = [TokenLogprob(4, -0.5, [(4, -0.5), (8, -1.5)]), TokenLogprob(6, -0.25, [(6, -0.25), (1, -2.0)])]
-    message = chunk(Delta("r", [4, 6], text="ignored", logprobs=logprobs, index=2), prompt_tokens=9, top_logprobs=2)
+    delta = Delta("r", [4, 6], text="ignored", logprobs=logprobs, index=2)
+    message = chunk(delta, prompt_tokens=9, counts=LogprobCounts(2))
     c = message.chunk
     assert (list(c.token_ids), c.prompt_tokens, c.completion_tokens, c.index) == ([4, 6], 9, 2, 2)
     lp = c.output_logprobs
     assert list(lp.token_ids) == [4, 6] and list(lp.token_logprobs) == [-0.5, -0.25]
     assert [list(t.token_ids) for t in lp.top_logprobs] == [[4, 8], [6, 1]]
     assert [list(t.values) for t in lp.top_logprobs] == [[-0.5, -1.5], [-0.25, -2.0]]
-    plain = chunk(Delta("r", [3]), prompt_tokens=9, top_logprobs=0).chunk
+    plain = chunk(Delta("r", [3]), prompt_tokens=9, counts=LogprobCounts(0)).chunk
     assert not plain.HasField("output_logprobs")
-    no_top = chunk(Delta("r", [4], logprobs=logprobs[:1]), prompt_tokens=9, top_logprobs=0).chunk
+    no_top = chunk(Delta("r", [4], logprobs=logprobs[:1]), prompt_tokens=9, counts=LogprobCounts(0)).chunk
     assert list(no_top.output_logprobs.token_ids) == [4] and len(no_top.output_logprobs.top_logprobs) == 0
 
 
@@ -162,23 +165,51 @@ def test_a_chunk_carries_only_the_new_ids_and_their_logprobs() -> None:
     ],
 )
 def test_every_finish_reads_in_vllms_words(reason: FinishReason, vllm: str) -> None:
-    assert complete(Delta("r", [], finish_reason=reason), top_logprobs=0).complete.finish_reason == vllm
+    assert complete(Delta("r", [], finish_reason=reason), counts=LogprobCounts(0)).complete.finish_reason == vllm
 
 
 def test_a_complete_carries_usage_what_matched_and_for_a_whole_call_every_token() -> None:
     usage = Usage(prompt_tokens=9, cached_prompt_tokens=4, completion_tokens=3)
     stop = Delta("r", [7], finish_reason=FinishReason.STOP_SEQUENCE, usage=usage, matched_stop="END", index=1)
-    c = complete(stop, top_logprobs=0).complete
+    c = complete(stop, counts=LogprobCounts(0)).complete
     assert (c.prompt_tokens, c.cached_tokens, c.completion_tokens, c.index) == (9, 4, 3, 1)
     assert c.WhichOneof("matched_stop") == "matched_stop_str" and c.matched_stop_str == "END"
     assert list(c.output_ids) == []  # streamed: the ids went in the chunks
-    token = complete(Delta("r", [5, 2], finish_reason=FinishReason.STOP_TOKEN), top_logprobs=0).complete
+    token = complete(Delta("r", [5, 2], finish_reason=FinishReason.STOP_TOKEN), counts=LogprobCounts(0)).complete
     assert token.WhichOneof("matched_stop") == "matched_token_id" and token.matched_token_id == 2
-    eos = complete(Delta("r", [2], finish_reason=FinishReason.EOS), top_logprobs=0).complete
+    eos = complete(Delta("r", [2], finish_reason=FinishReason.EOS), counts=LogprobCounts(0)).complete
     assert eos.WhichOneof("matched_stop") is None
     whole = Completion()
     whole.add(Delta("r", [4], logprobs=[TokenLogprob(4, -0.5, [(4, -0.5)])]))
     whole.add(Delta("r", [6], logprobs=[TokenLogprob(6, -0.25, [(6, -0.25)])]))
-    last = complete(Delta("r", [], finish_reason=FinishReason.LENGTH), top_logprobs=1, whole=whole).complete
+    last = complete(Delta("r", [], finish_reason=FinishReason.LENGTH), counts=LogprobCounts(1), whole=whole).complete
     assert list(last.output_ids) == [4, 6] and list(last.output_logprobs.token_logprobs) == [-0.5, -0.25]
     assert [list(t.token_ids) for t in last.output_logprobs.top_logprobs] == [[4], [6]]
+
+
+def test_prompt_logprobs_n_asks_for_each_prompt_tokens_logprob_and_the_top_n() -> None:
+    assert not to_llmserve_request(request()).response.prompt_logprobs
+    for n in (0, 3):
+        response = to_llmserve_request(request(prompt_logprobs=n)).response
+        assert (response.prompt_logprobs, response.prompt_top_logprobs) == (True, n)
+
+
+def test_input_logprobs_list_every_prompt_token_the_first_without_a_value() -> None:
+    scores = [TokenLogprob(8, -1.5, [(3, -0.5), (8, -1.5)]), TokenLogprob(9, -0.25, [(9, -0.25), (1, -2.0)])]
+    counts = LogprobCounts(top=0, prompt_top=2, prompt_ids=[7, 8, 9])
+    first = chunk(Delta("r", [4], prompt_logprobs=scores), prompt_tokens=3, counts=counts).chunk
+    inputs = first.input_logprobs
+    assert list(inputs.token_ids) == [7, 8, 9]
+    assert [lp.HasField("value") for lp in inputs.token_logprobs] == [False, True, True]
+    assert [lp.value for lp in inputs.token_logprobs[1:]] == [-1.5, -0.25]
+    assert [list(t.token_ids) for t in inputs.top_logprobs] == [[], [3, 8], [9, 1]]
+    assert [list(t.values) for t in inputs.top_logprobs] == [[], [-0.5, -1.5], [-0.25, -2.0]]
+    later = chunk(Delta("r", [5]), prompt_tokens=3, counts=counts).chunk
+    assert not later.HasField("input_logprobs")  # the first chunk only
+    # Not streamed: in the completion's GenerateComplete; without top-n, no alternatives.
+    whole = Completion()
+    whole.add(Delta("r", [4], prompt_logprobs=scores))
+    whole.add(Delta("r", [5]))
+    done = Delta("r", [], finish_reason=FinishReason.LENGTH)
+    inputs = complete(done, LogprobCounts(prompt_ids=[7, 8, 9]), whole).complete.input_logprobs
+    assert list(inputs.token_ids) == [7, 8, 9] and len(inputs.top_logprobs) == 0

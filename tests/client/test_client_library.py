@@ -23,6 +23,17 @@ def test_generate_streams_and_generate_text_joins(server: ServerThread) -> None:
         assert client.generate_text(request) == text
 
 
+def test_prompt_logprobs_come_on_the_first_response(server: ServerThread) -> None:
+    with Client(server.address, timeout=30) as client:
+        ids = client.tokenize(PROMPT)
+        responses = list(client.generate(PROMPT, max_new_tokens=2, prompt_top_logprobs=2))
+        scores = responses[0].prompt_logprobs
+        assert [lp.token_id for lp in scores] == ids[1:] and all(len(lp.top_logprobs) == 2 for lp in scores)
+        assert not any(r.prompt_logprobs for r in responses[1:])
+        only = list(client.generate(PROMPT, max_new_tokens=1, prompt_logprobs=True))[0].prompt_logprobs
+        assert [lp.logprob for lp in only] == [lp.logprob for lp in scores] and not only[0].top_logprobs
+
+
 def test_unary_helpers(server: ServerThread) -> None:
     with Client(server.address, timeout=30) as client:
         assert client.health() == "SERVING"

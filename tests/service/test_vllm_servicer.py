@@ -118,7 +118,8 @@ def test_logprobs_and_what_matched_a_stop(vllm: vllm_engine_pb2_grpc.VllmEngineS
         (dict(regex="("), "sampling_params.regex"),
         (dict(choice=vpb.ChoiceConstraint(choices=[])), "sampling_params.choice.choices"),
         (dict(structural_tag='{"type": "structural_tag"}'), "sampling_params.structural_tag"),
-        (dict(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
+        (dict(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
+        (dict(prompt_logprobs=21), "sampling_params.prompt_logprobs"),
         (dict(stop=["x"] * 17), "sampling_params.stop"),
     ],
 )
@@ -380,3 +381,25 @@ def test_kv_events_tell_a_subscriber_of_the_blocks_the_cache_removed() -> None:
             stream.cancel()
     finally:
         srv.stop()
+
+
+def test_prompt_logprobs_are_llmserves_own_on_the_first_chunk_and_in_a_whole_calls_complete(
+    vllm: vllm_engine_pb2_grpc.VllmEngineStub, stub: generate_pb2_grpc.GenerateServiceStub
+) -> None:
+    own = list(stub.Generate(build_request(token_ids=PROMPT, max_new_tokens=3, prompt_top_logprobs=2)))
+    scores = list(own[0].prompt_logprobs)
+    assert len(scores) == len(PROMPT) - 1
+    responses = list(vllm.Generate(generate(max_tokens=3, ignore_eos=True, prompt_logprobs=2), timeout=60))
+    chunks = [r.chunk for r in responses if r.HasField("chunk")]
+    inputs = chunks[0].input_logprobs
+    assert not any(c.HasField("input_logprobs") for c in chunks[1:])
+    assert list(inputs.token_ids) == PROMPT
+    assert not inputs.token_logprobs[0].HasField("value")
+    assert [lp.value for lp in inputs.token_logprobs[1:]] == [lp.logprob for lp in scores]
+    tops = [[t.token_id for t in lp.top_logprobs] for lp in scores]
+    assert [list(t.token_ids) for t in inputs.top_logprobs[1:]] == tops
+    whole = list(vllm.Generate(generate("r-whole", stream=False, max_tokens=3, prompt_logprobs=0), timeout=60))
+    done = whole[-1].complete
+    assert [lp.value for lp in done.input_logprobs.token_logprobs[1:]] == [lp.logprob for lp in scores]
+    assert len(done.input_logprobs.top_logprobs) == 0
+    assert done.cached_tokens == 0  # the prompt was computed for the scores, not read from the cache

@@ -87,6 +87,8 @@ def to_generation_request(
         prompt_field=_PROMPT_FIELDS.get(request.WhichOneof("input") or "", "input"),
         n=max(1, request.n),  # 0 (unset) means one
         adapter=request.adapter or None,  # empty: the base model
+        prompt_logprobs=request.response.prompt_logprobs or request.response.prompt_top_logprobs > 0,
+        prompt_top_logprobs=request.response.prompt_top_logprobs,
     )
 
 
@@ -104,8 +106,9 @@ def constraint_spec(constraint: pb.Constraint) -> ConstraintSpec | None:
 def to_response(
     request_id: str, delta: Delta, options: pb.ResponseOptions, prompt_ids: Sequence[int]
 ) -> pb.GenerateResponse:
-    """One stream message: the delta's text (and ids, logprobs when asked), and on the last its finish facts; the
-    completion it belongs to (index) and, on an n > 1 stream's very last, the whole request's usage."""
+    """One stream message: the delta's text (and ids, logprobs when asked; on the first, the prompt's logprobs when
+    asked), and on the last its finish facts; the completion it belongs to (index) and, on an n > 1 stream's very
+    last, the whole request's usage."""
     response = pb.GenerateResponse(
         request_id=request_id, text=delta.text, prompt_token_ids=prompt_ids, index=delta.index
     )
@@ -113,6 +116,8 @@ def to_response(
         response.token_ids.extend(delta.token_ids)
     if delta.logprobs:
         response.logprobs.extend(logprob_pb(lp) for lp in delta.logprobs)
+    if delta.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(logprob_pb(lp) for lp in delta.prompt_logprobs)
     if delta.finish_reason is not None:
         response.finish_reason = pb.FinishReason.Value(  # type: ignore[assignment]  # the stubs want the enum type
             f"FINISH_REASON_{delta.finish_reason.name}"

@@ -7,7 +7,11 @@ raised later name the llmserve field; `in_vllm_terms` renames it to the vLLM pat
 (`stopping.max_new_tokens` -> `sampling_params.max_tokens`).
 
 vLLM's conventions, as its own servicer reads them: an unset temperature is 1.0 (sampled), top_p and
-repetition_penalty 0 mean unset (1.0), `logprobs` N asks for the chosen token's logprob and the top N.
+repetition_penalty 0 mean unset (1.0), `logprobs` N asks for the chosen token's logprob and the top N,
+`prompt_logprobs` N for each prompt token's logprob and the top N at its position: `InputLogProbs` with one entry per
+prompt token, the first without a value, on the first chunk of a stream (or in the GenerateComplete of a call that does
+not stream), as vLLM's servicer fills it. vLLM's Logprob also has each token's rank in the vocabulary; the proto
+carries none, so none is computed.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ _VLLM_FIELDS = {
     "stopping.stop_sequences": f"{_SP}.stop",
     "stopping.stop_token_ids": f"{_SP}.stop_token_ids",
     "response.top_logprobs": f"{_SP}.logprobs",
+    "response.prompt_top_logprobs": f"{_SP}.prompt_logprobs",
     "n": f"{_SP}.n",
     "constraint.choice.options": f"{_SP}.choice.choices",
 }
@@ -107,6 +112,12 @@ def to_llmserve_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:
             raise InvalidRequest(f"{_SP}.logprobs", reason)
         out.response.logprobs = True
         out.response.top_logprobs = s.logprobs
+    if s.HasField("prompt_logprobs"):
+        if s.prompt_logprobs < 0:
+            reason = f"must be >= 0 (-1, the whole vocabulary, is not served), got {s.prompt_logprobs}"
+            raise InvalidRequest(f"{_SP}.prompt_logprobs", reason)
+        out.response.prompt_logprobs = True
+        out.response.prompt_top_logprobs = s.prompt_logprobs
     _constraint(s, out.constraint)
     return out
 
@@ -115,7 +126,6 @@ def _refuse_unsupported(request: vpb.GenerateRequest) -> None:
     """What the vLLM protocol can ask that llmserve does not do, refused by name rather than ignored."""
     s = request.sampling_params
     refusals = (
-        (s.HasField("prompt_logprobs"), f"{_SP}.prompt_logprobs", "prompt logprobs are not served"),
         (s.HasField("truncate_prompt_tokens"), f"{_SP}.truncate_prompt_tokens", "prompts are not truncated"),
         (
             s.WhichOneof("constraint") == "structural_tag",
@@ -157,14 +167,27 @@ class Completion:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, delta: Delta) -> None:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or ()
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
-def chunk(delta: Delta, prompt_tokens: int, top_logprobs: int) -> vpb.GenerateResponse:
-    """A streamed chunk: only the completion's new token ids (and their logprobs)."""
+@dataclass(slots=True, frozen=True)
+class LogprobCounts:
+    """How many alternatives a call asked for: per generated token (`logprobs`), per prompt token (`prompt_logprobs`);
+    and the prompt's token ids, which InputLogProbs lists."""
+
+    top: int = 0
+    prompt_top: int = 0
+    prompt_ids: Sequence[int] = ()
+
+
+def chunk(delta: Delta, prompt_tokens: int, counts: LogprobCounts) -> vpb.GenerateResponse:
+    """A streamed chunk: only the completion's new token ids (and their logprobs; on the first, the prompt's)."""
     message = vpb.GenerateStreamChunk(
         token_ids=delta.token_ids,
         prompt_tokens=prompt_tokens,
@@ -172,12 +195,15 @@ def chunk(delta: Delta, prompt_tokens: int, top_logprobs: int) -> vpb.GenerateRe
         index=delta.index,
     )
     if delta.logprobs:
-        message.output_logprobs.CopyFrom(output_logprobs(delta.logprobs, top_logprobs))
+        message.output_logprobs.CopyFrom(output_logprobs(delta.logprobs, counts.top))
+    if delta.prompt_logprobs is not None:
+        message.input_logprobs.CopyFrom(input_logprobs(counts.prompt_ids, delta.prompt_logprobs, counts.prompt_top))
     return vpb.GenerateResponse(chunk=message)
 
 
-def complete(delta: Delta, top_logprobs: int, whole: Completion | None = None) -> vpb.GenerateResponse:
-    """A completion's end: finish reason, what matched, usage; with `whole` (not streamed) all its tokens."""
+def complete(delta: Delta, counts: LogprobCounts, whole: Completion | None = None) -> vpb.GenerateResponse:
+    """A completion's end: finish reason, what matched, usage; with `whole` (not streamed) all its tokens (and the
+    prompt's logprobs, when asked)."""
     assert delta.finish_reason is not None
     message = vpb.GenerateComplete(finish_reason=_FINISH[delta.finish_reason], index=delta.index)
     if delta.usage is not None:
@@ -187,7 +213,9 @@ def complete(delta: Delta, top_logprobs: int, whole: Completion | None = None) -
     if whole is not None:
         message.output_ids.extend(whole.token_ids)
         if whole.logprobs:
-            message.output_logprobs.CopyFrom(output_logprobs(whole.logprobs, top_logprobs))
+            message.output_logprobs.CopyFrom(output_logprobs(whole.logprobs, counts.top))
+        if whole.prompt_logprobs is not None:
+            message.input_logprobs.CopyFrom(input_logprobs(counts.prompt_ids, whole.prompt_logprobs, counts.prompt_top))
     if delta.finish_reason is FinishReason.STOP_SEQUENCE and delta.matched_stop is not None:
         message.matched_stop_str = delta.matched_stop
     elif delta.finish_reason is FinishReason.STOP_TOKEN and delta.token_ids:
@@ -200,6 +228,24 @@ def output_logprobs(logprobs: Sequence[TokenLogprob], top_logprobs: int) -> vpb.
     for lp in logprobs:
         out.token_ids.append(lp.token_id)
         out.token_logprobs.append(lp.logprob)
+        if top_logprobs:
+            out.top_logprobs.append(vpb.TopLogProbs(token_ids=[t for t, _ in lp.top], values=[p for _, p in lp.top]))
+    return out
+
+
+def input_logprobs(prompt_ids: Sequence[int], scores: Sequence[TokenLogprob], top_logprobs: int) -> vpb.InputLogProbs:
+    """vLLM's InputLogProbs: one entry per prompt token, the first without a value (nothing precedes it), each
+    later one its token's logprob; with `top_logprobs`, the alternatives at each position (none at the first)."""
+    out = vpb.InputLogProbs()
+    if not prompt_ids:
+        return out
+    out.token_ids.append(prompt_ids[0])
+    out.token_logprobs.append(vpb.InputTokenLogProb())
+    if top_logprobs:
+        out.top_logprobs.append(vpb.TopLogProbs())
+    for lp in scores:
+        out.token_ids.append(lp.token_id)
+        out.token_logprobs.append(vpb.InputTokenLogProb(value=lp.logprob))
         if top_logprobs:
             out.top_logprobs.append(vpb.TopLogProbs(token_ids=[t for t, _ in lp.top], values=[p for _, p in lp.top]))
     return out

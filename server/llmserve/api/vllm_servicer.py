@@ -29,7 +29,14 @@ from llmserve.api.admission import StreamKey
 from llmserve.api.errors import ServiceError
 from llmserve.api.kv_publisher import KvEventPublisher
 from llmserve.api.servicer import Call, GenerateServicer
-from llmserve.api.vllm_convert import Completion, chunk, complete, in_vllm_terms, to_llmserve_request
+from llmserve.api.vllm_convert import (
+    Completion,
+    LogprobCounts,
+    chunk,
+    complete,
+    in_vllm_terms,
+    to_llmserve_request,
+)
 from llmserve.auth import caller_identity
 from llmserve.engine.frontend.errors import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
@@ -71,8 +78,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[vpb.GenerateResponse]:
         s = request.sampling_params
-        top = max(0, s.logprobs) if s.HasField("logprobs") else 0
         call = Call(request.request_id)
+        counts: LogprobCounts | None = None  # once the request is built: its prompt's ids
         whole: dict[int, Completion] = {}
         ended: set[int] = set()
         key = (caller_identity(), request.request_id)
@@ -96,15 +103,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
                         break
                     finally:
                         abort.waiting = False
+                    if counts is None:
+                        counts = _counts(s, call)
                     try:
                         if request.stream:
                             if delta.token_ids:
-                                yield chunk(delta, call.record.prompt_tokens, top)
+                                yield chunk(delta, call.record.prompt_tokens, counts)
                         else:
                             whole.setdefault(delta.index, Completion()).add(delta)
                         if delta.finished:
                             ended.add(delta.index)
-                            yield complete(delta, top, whole.get(delta.index))
+                            yield complete(delta, counts, whole.get(delta.index))
                     except Exception as exc:  # thrown in at a yield (a stalled reader): the call's record sees it
                         await deltas.athrow(exc)
                         raise
@@ -292,3 +301,11 @@ def _version() -> str:
         return f"llmserve {metadata.version('llmserve')}"
     except metadata.PackageNotFoundError:
         return "llmserve"
+
+
+def _counts(s: vpb.SamplingParams, call: Call) -> LogprobCounts:
+    """The alternatives the call asked for, and its prompt's ids (once the edge has built its engine request)."""
+    top = max(0, s.logprobs) if s.HasField("logprobs") else 0
+    prompt_top = max(0, s.prompt_logprobs) if s.HasField("prompt_logprobs") else 0
+    prompt_ids = call.engine_request.prompt_token_ids if call.engine_request is not None else ()
+    return LogprobCounts(top, prompt_top, prompt_ids)

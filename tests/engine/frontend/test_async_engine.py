@@ -169,6 +169,8 @@ async def test_eos_is_honoured_unless_ignored(thread_engine: AsyncEngine) -> Non
         (dict(prompt=[1] * 600), "prompt_token_ids"),
         (dict(prompt=[10**6]), "prompt_token_ids"),
         (dict(top_logprobs=21), "response.top_logprobs"),
+        (dict(prompt_top_logprobs=21), "response.prompt_top_logprobs"),
+        (dict(prompt_logprobs=True, prompt_top_logprobs=-1), "response.prompt_top_logprobs"),
     ],
 )
 async def test_bad_input_is_rejected_naming_the_field(engine: AsyncEngine, kwargs: dict, field: str) -> None:

@@ -77,6 +77,12 @@ def test_seeds_derive_from_the_request_seed() -> None:
     assert split(single) == [single]
 
 
+def test_completion_0_alone_scores_the_prompt() -> None:
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
+        parts = split(req("p", [1, 2, 3], sampling=sampling, n=3, prompt_logprobs=True, prompt_top_logprobs=2))
+        assert [(r.prompt_logprobs, r.prompt_top_logprobs) for r in parts] == [(True, 2), (False, 0), (False, 0)]
+
+
 def test_n_is_validated() -> None:
     core = stepped_core(max_n=4)
     with pytest.raises(InvalidRequest) as err:

@@ -90,11 +90,16 @@ class EngineBooks(RuleBasedStateMachine):
         max_new=st.integers(1, 6),
         session=st.sampled_from([None, "a", "b", "c", "d"]),
         priority=st.sampled_from([0, 0, 0, 1, 5, -2]),
+        scored=st.sampled_from([False, False, True]),
     )
-    def add(self, head: list[int], tail: list[int], max_new: int, session: str | None, priority: int) -> None:
-        self.add_prompt(head + tail, max_new, session, priority)
+    def add(
+        self, head: list[int], tail: list[int], max_new: int, session: str | None, priority: int, scored: bool
+    ) -> None:
+        self.add_prompt(head + tail, max_new, session, priority, scored)
 
-    def add_prompt(self, prompt: list[int], max_new: int, session: str | None, priority: int = 0) -> None:
+    def add_prompt(
+        self, prompt: list[int], max_new: int, session: str | None, priority: int = 0, scored: bool = False
+    ) -> None:
         if len(self.live) >= 8:
             return
         if self.pool.blocks_for(len(prompt) + max_new) > self.pool.num_blocks:
@@ -106,6 +111,7 @@ class EngineBooks(RuleBasedStateMachine):
             stopping=StoppingParams(max_new_tokens=max_new),
             session_id=session,
             priority=priority,
+            prompt_logprobs=scored,
         )
         seq = Sequence(request, list(prompt), float(self.n), self.n)
         self.scheduler.add(seq)
@@ -150,6 +156,9 @@ class EngineBooks(RuleBasedStateMachine):
         left = [seq for seq in waiting if seq.status is SeqStatus.WAITING and not self.scheduler.is_loading(seq)]
         # So does a later completion of an n > 1 request while its first one has not computed the prompt.
         assert not any(map(_held_back, admitted))
+        # A sequence that scores its prompt (prompt logprobs, before its first token) reads no cached KV: it starts at
+        # position 0 at every admission, preemptions included.
+        assert all(entry.start == 0 for entry in out.seqs if entry.seq.scores_prompt and entry.seq in admitted)
         left = [seq for seq in left if not _held_back(seq)]
         # What the core does before the forward: copy out the evicted blocks' KV, start the loads.
         for evicted in out.offloads:
@@ -206,6 +215,8 @@ class EngineBooks(RuleBasedStateMachine):
         ready = self.scheduler.update(out)
         for seq in ready:
             seq.token_ids.append(token)
+            if seq.first_token is None:
+                seq.first_token = self.clock.now  # as the token sink does: its prompt's scores went out with it
             if seq.num_generated >= seq.request.stopping.max_new_tokens:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
                 self.live.remove(seq)
@@ -841,3 +852,49 @@ def test_a_later_completion_shares_only_the_first_ones_full_prompt_blocks_also_a
     assert later.status is SeqStatus.RUNNING
     assert later.block_table[:2] == first.block_table[:2] and later.block_table[2] != first.block_table[2]
     pool.check([first.block_table, later.block_table])
+
+
+def scoring_seq(n: int, prompt: list[int], *, session: str | None = None) -> Sequence:
+    """A request that asks for its prompt's logprobs."""
+    stopping = StoppingParams(max_new_tokens=2)
+    request = GenerationRequest(f"r{n}", tuple(prompt), stopping=stopping, session_id=session, prompt_logprobs=True)
+    return Sequence(request, list(prompt), float(n), n)
+
+
+def test_prompt_logprobs_read_no_cached_prefix_and_what_they_compute_is_cached() -> None:
+    _, _, scheduler, _ = books()
+    prompt = list(range(20, 33))  # three full blocks and a token
+    drive(scheduler, new_seq(1, prompt))
+    scored = scoring_seq(2, prompt)
+    scheduler.add(scored)
+    plan = scheduler.schedule()
+    assert scored.num_cached_prompt == 0 and plan.seqs[0].start == 0
+    assert plan.seqs[0].scored_positions == range(0, len(prompt) - 1)
+    drive(scheduler, scored, add=False)
+    # A prompt scored first: its full blocks enter the prefix cache, and a plain request after it reuses them.
+    fresh = list(range(40, 53))
+    drive(scheduler, scoring_seq(3, fresh))
+    plain = new_seq(4, fresh)
+    drive(scheduler, plain)
+    assert plain.num_cached_prompt == 12
+
+
+def test_prompt_logprobs_skip_the_session_and_start_over_after_a_preemption_until_the_first_token() -> None:
+    _, sessions, scheduler, _ = books(budget=8)
+    drive(scheduler, new_seq(1, list(range(20, 30)), session="s"))
+    turn = sessions.get("s").token_ids + [7, 8]
+    scored = scoring_seq(2, turn, session="s")
+    scheduler.add(scored)
+    first = scheduler.schedule()
+    assert scored.num_cached_prompt == 0 and first.seqs[0].scored_positions == range(0, 8)
+    scheduler.update(first)
+    assert scheduler.schedule().seqs[0].scored_positions == range(8, len(turn) - 1)  # chunked: the rest
+    scheduler.preempt(scored)
+    again = scheduler.schedule()
+    assert again.seqs[0].start == 0 and again.seqs[0].scored_positions == range(0, 8)  # its cached blocks unread
+    scheduler.update(again)
+    scored.first_token = 1.0  # its first token (and the scores with it) went out: from now on it reuses as any
+    scheduler.preempt(scored)
+    late = scheduler.schedule()
+    assert late.seqs[0].start >= 8 and late.seqs[0].scored_positions is None  # its cached blocks, or the session
+    scheduler.finish(scored, FinishReason.CANCELLED)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from llmserve.engine.backends.pooling import PoolingStates
+from llmserve.engine.backends.prompt_logprobs import PromptScores
 from llmserve.engine.backends.slots import block_range, slot
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
@@ -32,8 +33,9 @@ class Backend(Protocol):
     `execute` does the plan's block copies, one forward over every scheduled token, and samples the rows that
     ask for it (`plan.sample_rows()`: a sampling entry's row, or one per position of an entry with drafts). It
     returns one result per row, in that order: the picked token, or the failure of that row's sampling alone (or, for
-    a pooling request's row, its vector: `Pooled`). It raises when the shared forward fails (every request of the
-    step fails then). Built once, by `create_backend`, before the engine serves anything.
+    a pooling request's row, its vector: `Pooled`; the first token of a request that asks for prompt logprobs carries
+    them, `Sampled.prompt`). It raises when the shared forward fails (every request of the step fails then). Built
+    once, by `create_backend`, before the engine serves anything.
     """
 
     name: str  # which path serves: "cpu", "torch", "cuda"
@@ -45,6 +47,7 @@ class Backend(Protocol):
     kv: KVCache  # the paged cache; the KV tiers copy whole blocks out of it and back (read_block, write_block)
     streams: RandomStreams  # the sampled sequences' random streams, on `device`; the core releases ended ones
     pooling: PoolingStates  # pooling requests' states between prompt chunks; the core releases ended ones
+    prompt_scores: PromptScores  # prompt logprobs between prompt chunks; the core releases ended ones
 
     def execute(self, plan: StepPlan) -> Sequence[StepResult]: ...
 

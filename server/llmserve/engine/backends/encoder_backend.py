@@ -20,6 +20,7 @@ from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.classifier import ClassifierHead
 from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch
 from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pool
+from llmserve.engine.backends.prompt_logprobs import PromptScores
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sample.streams import RandomStreams
@@ -49,6 +50,7 @@ class EncoderBackend:
         self.kv = KVCache(loaded.shape, 0, config.block_size, self.dtype, self.device)
         self.streams = RandomStreams(self.device)
         self.pooling = PoolingStates()  # unused: an encoder reads each input whole, in one step
+        self.prompt_scores = PromptScores()  # unused: an encoder generates nothing
         self.dense = DenseStack.load(self.pipeline.dense, torch.float32, self.device)
         # A BERT classifier's pooler and classifier (models.load_encoder), over [CLS]; None for an embedding model.
         self.head: ClassifierHead | None = loaded.head

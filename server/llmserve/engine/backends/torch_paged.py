@@ -11,6 +11,7 @@ with three non-blocking copies); with the torch attention a metadata builder (me
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -23,8 +24,10 @@ from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
 from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pooled_rows
+from llmserve.engine.backends.prompt_logprobs import PromptScores, score
 from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.frontend.outputs import TokenLogprob
 from llmserve.engine.frontend.request import PoolingParams
 from llmserve.engine.lora.ops import LoraRows
 from llmserve.engine.sample.sampler import RowFailed, Sampled, sample_each
@@ -86,6 +89,7 @@ class TorchPagedBackend:
         self.dense = DenseStack.load(dense, torch.float32, self.device)
         # A classifier's score head (models.as_classifier), over the last token's final hidden state; None otherwise.
         self.head: ClassifierHead | None = loaded.head
+        self.prompt_scores = PromptScores()  # prompt logprobs between a request's prompt chunks
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -95,27 +99,45 @@ class TorchPagedBackend:
         if plan.lora_writes:
             assert self.lora is not None, "a plan with LoRA writes for a backend without LoRA slots"
             self.lora.write(plan.lora_writes)
-        if any(entry.seq.request.pooling is not None for entry in plan.seqs):
-            return self._execute_pooling(plan)
+        if any(entry.seq.request.pooling is not None or entry.scored_positions is not None for entry in plan.seqs):
+            return self._execute_eager(plan)
         logits = self.logits(plan)
         return list(sample_each(logits, plan.sample_rows(), self.streams))
 
-    def _execute_pooling(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:
-        """A step that holds pooling requests' prompt chunks beside anything else, eagerly: one forward gives the
-        sampling rows' logits and the final hidden states (after the final norm) of the rows the poolings read;
-        each pooling request's chunk goes into its state, and the chunk that ends its prompt gives its vector
-        (`Pooled`, in the place of a sampled token: it samples nothing)."""
+    def _execute_eager(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:
+        """A step that needs more than the sampling rows' logits, eagerly: pooling requests' prompt chunks, or prompt
+        chunks of requests that ask for prompt logprobs, beside anything else. One forward gives the logits of the
+        scored prompt rows, then of the sampling rows, and (with pooling) the final hidden states (after the final
+        norm) of the rows the poolings read. Each pooling request's chunk goes into its state, and the chunk that
+        ends its prompt gives its vector (`Pooled`, in the place of a sampled token: it samples nothing); each scored
+        chunk's logprobs go into the request's list, which the chunk that ends its prompt attaches to its first
+        sampled token (`Sampled.prompt`). Only the requests that ask have prompt rows of logits computed."""
         packed = self.prepare(plan, eager=True)
         assert packed.spans is not None
-        index: list[int] = []
+        pool_index: list[int] = []
         takes: list[tuple[SeqStep, int]] = []
+        score_index: list[int] = []
+        scoring: list[tuple[SeqStep, range]] = []
         for entry, (first, last) in zip(plan.seqs, packed.spans.tolist(), strict=True):
             params = entry.seq.request.pooling
             if params is not None:
                 rows = pooled_rows(params.mode, entry.start, first, last, entry.sample is not None)
-                index.extend(rows)
+                pool_index.extend(rows)
                 takes.append((entry, len(rows)))
-        logits, hidden = self.forward_pooling(packed, torch.tensor(index, dtype=torch.int64, device=self.device))
+            elif (positions := entry.scored_positions) is not None:
+                score_index.extend(range(first, first + len(positions)))
+                scoring.append((entry, positions))
+        scored = len(score_index)
+        if scored:
+            scored_rows = torch.tensor(score_index, dtype=torch.int64, device=self.device)
+            packed = packed._replace(keep=torch.cat([scored_rows, packed.keep]))
+        if takes:
+            pool = torch.tensor(pool_index, dtype=torch.int64, device=self.device)
+            logits, hidden = self.forward_pooling(packed, pool)
+        else:
+            logits = self.forward(packed.input_ids, packed.positions, packed.keep, packed.batch, packed.lora)
+        prompts = self._score_prompts(logits[:scored], scoring)
+        logits = logits[scored:]
         vectors: dict[int, Pooled | RowFailed] = {}
         at = 0
         for entry, n in takes:
@@ -125,15 +147,46 @@ class TorchPagedBackend:
             at += n
             if entry.sample is not None:
                 vectors[seq.seq_no] = self._vector(seq.seq_no, params)
-        if any(entry.drafts for entry in plan.seqs):
+        if takes and any(entry.drafts for entry in plan.seqs):
             raise ValueError("a step with drafts holds no pooling request")
-        sample_rows = [e.sample for e in plan.seqs if e.sample is not None and e.seq.request.pooling is None]
+        sample_rows = (
+            plan.sample_rows()
+            if not takes
+            else [e.sample for e in plan.seqs if e.sample is not None and e.seq.request.pooling is None]
+        )
         sampled = iter(sample_each(logits, sample_rows, self.streams) if sample_rows else [])
-        return [
-            vectors[entry.seq.seq_no] if entry.seq.request.pooling is not None else next(sampled)
-            for entry in plan.seqs
-            if entry.sample is not None
-        ]
+        results: list[Sampled | RowFailed | Pooled] = []
+        for entry in plan.sampling:
+            key = entry.seq.seq_no
+            if entry.seq.request.pooling is not None:
+                results.append(vectors[key])
+                continue
+            for _ in range(entry.num_logits):
+                result = next(sampled)
+                if key in prompts and isinstance(result, Sampled):
+                    result = replace(result, prompt=prompts[key])
+                results.append(result)
+        return results
+
+    def _score_prompts(
+        self, logits: torch.Tensor, scoring: list[tuple[SeqStep, range]]
+    ) -> dict[int, list[TokenLogprob]]:
+        """Each scored chunk's prompt logprobs into its request's list (`logits`: the chunks' rows, in order); the
+        whole lists of the requests whose prompt this step ends, by sequence key."""
+        targets: list[int] = []
+        tops: list[int] = []
+        for entry, positions in scoring:
+            seq = entry.seq
+            targets.extend(seq.token_ids[p + 1] for p in positions)
+            tops.extend([seq.request.prompt_top_logprobs] * len(positions))
+        scores = iter(score(logits, targets, tops))
+        done: dict[int, list[TokenLogprob]] = {}
+        for entry, positions in scoring:
+            key = entry.seq.seq_no
+            self.prompt_scores.add(key, [next(scores) for _ in positions], restart=entry.start == 0)
+            if entry.sample is not None:
+                done[key] = self.prompt_scores.take(key)
+        return done
 
     def _vector(self, key: int, params: PoolingParams) -> Pooled | RowFailed:
         vector = self.pooling.take(key)

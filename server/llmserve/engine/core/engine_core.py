@@ -382,6 +382,7 @@ class EngineCore:
         if not in_flight:
             self.backend.streams.release(seq.seq_no)
         self.backend.pooling.release(seq.seq_no)
+        self.backend.prompt_scores.release(seq.seq_no)
         if self.speculation is not None:
             self.speculation.release(seq)
         usage, timing = seq.ended(time.monotonic())

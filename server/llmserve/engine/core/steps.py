@@ -154,6 +154,7 @@ class TokenSink:
                 output.logprobs = []
             output.logprobs.append(sampled.logprob)
         if seq.first_token is None:
+            output.prompt_logprobs = sampled.prompt
             seq.first_token = now
             began = seq.first_scheduled if seq.first_scheduled is not None else now
             output.start = RequestStart(

@@ -6,7 +6,8 @@ state and random generator). Completions 1..n-1 are submitted `after` completion
 once completion 0 has computed the prompt; they share its full KV blocks and copy its partial last one
 (scheduler.py): the prompt is computed once, and each completion computes only the prompt's last token, whose
 logits pick its own first token. (vLLM v1 fans `n` out to child requests over its prefix cache, which shares the
-full blocks only.) This module holds the split: the n requests, and the seed each completion samples with; their
+full blocks only.) This module holds the split: the n requests, the seed each completion samples with, and
+which one scores the prompt when prompt logprobs are asked (completion 0, whose first delta comes first); their
 deltas are merged into one stream by the front end's `DeltaStream` (async_engine.py), which every call reads through.
 """
 
@@ -38,9 +39,13 @@ def split(request: GenerationRequest) -> list[GenerationRequest]:
         return [request]
     sampling = request.sampling
     if sampling.greedy:
-        return [dataclasses.replace(request, n=1)] * request.n
-    base = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-    return [
-        dataclasses.replace(request, n=1, sampling=dataclasses.replace(sampling, seed=derive_seed(base, i)))
-        for i in range(request.n)
-    ]
+        parts = [dataclasses.replace(request, n=1)] * request.n
+    else:
+        base = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        parts = [
+            dataclasses.replace(request, n=1, sampling=dataclasses.replace(sampling, seed=derive_seed(base, i)))
+            for i in range(request.n)
+        ]
+    if request.prompt_logprobs:  # completion 0 scores the prompt, whose KV the others then share (one answer)
+        parts[1:] = [dataclasses.replace(p, prompt_logprobs=False, prompt_top_logprobs=0) for p in parts[1:]]
+    return parts

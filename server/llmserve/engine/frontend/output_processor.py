@@ -90,6 +90,7 @@ class OutputProcessor:
             stream.start = output.start
         stream.num_generated += len(output.token_ids)
         delta = Delta(stream.request_id, output.token_ids, "", output.logprobs, index=stream.index)
+        delta.prompt_logprobs = output.prompt_logprobs
         reason = output.finish_reason
         detok = stream.detok
         if detok is not None and output.token_ids:

@@ -73,6 +73,7 @@ class Delta:
     total_usage: Usage | None = None  # on an n > 1 request's very last delta: the prompt once, completions summed
     matched_stop: str | None = None  # the stop sequence that ended it (finish STOP_SEQUENCE)
     embedding: list[float] | None = None  # a pooling request's vector, on its only (final) delta
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. scored, on the first delta when asked
 
     @property
     def finished(self) -> bool:
@@ -83,9 +84,10 @@ class Delta:
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
-        # The later delta's finish facts; the token ids, text and logprobs of both.
+        # The later delta's finish facts; the token ids, text and logprobs of both; the earlier's prompt logprobs.
         tokens, text = self.token_ids + later.token_ids, self.text + later.text
-        return replace(later, token_ids=tokens, text=text, logprobs=logprobs, index=self.index)
+        prompt = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        return replace(later, token_ids=tokens, text=text, logprobs=logprobs, index=self.index, prompt_logprobs=prompt)
 
 
 @dataclass(slots=True, frozen=True)
@@ -126,6 +128,7 @@ class EngineOutput:
     seed: int | None = None
     error: str | None = None
     embedding: list[float] | None = None  # a pooling request's vector, on its final output
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first token's output, when the request asked
 
     @property
     def finished(self) -> bool:

@@ -170,6 +170,10 @@ class GenerationRequest:
     `n` > 1: n completions of the prompt that share its KV (frontend/fanout.py); never with a session (one answer).
     `prompt_field` is the caller's name for the prompt, which errors about it name (the gRPC edge sets the
     input the prompt came from: `text`, `chat` or `token_ids.ids`).
+    `prompt_logprobs`: the log-probability of each prompt token after the first (and the `prompt_top_logprobs` most
+    likely tokens at its position) comes with the first output. Such a request reads no cached KV for its prompt
+    (prefix cache, session, KV tiers: it recomputes, as vLLM does), so its values never depend on what was cached;
+    the blocks it computes still enter the prefix cache.
 
     Errors name each field by its path in the protobuf GenerateRequest (`sampling.top_p`,
     `stopping.max_new_tokens`, `response.top_logprobs`), which for sampling and stopping is also its
@@ -191,6 +195,8 @@ class GenerationRequest:
     n: int = 1
     adapter: str | None = None
     pooling: PoolingParams | None = None  # a pooling request (Embed's): prefill only, one vector out
+    prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
 
     def validate(
         self, vocab_size: int, max_model_len: int, max_top_logprobs: int = MAX_TOP_LOGPROBS, max_n: int = 1
@@ -221,6 +227,11 @@ class GenerationRequest:
             raise InvalidRequest(
                 "response.top_logprobs",
                 f"must be in [0, {max_top_logprobs}] (--max-top-logprobs), got {self.top_logprobs}",
+            )
+        if not (0 <= self.prompt_top_logprobs <= max_top_logprobs):
+            raise InvalidRequest(
+                "response.prompt_top_logprobs",
+                f"must be in [0, {max_top_logprobs}] (--max-top-logprobs), got {self.prompt_top_logprobs}",
             )
         if not (1 <= self.n <= max_n):
             raise InvalidRequest("n", f"must be in [1, {max_n}] (--max-n), got {self.n}")

@@ -46,10 +46,12 @@ _N_BINS = 1024
 
 @dataclass(slots=True, frozen=True)
 class Sampled:
-    """One row's pick: the token and, when asked for, its logprobs."""
+    """One row's pick: the token and, when asked for, its logprobs. `prompt`: on the first token of a request that
+    asks for prompt logprobs, those of its whole prompt (the backend's, backends/prompt_logprobs.py)."""
 
     token_id: int
     logprob: TokenLogprob | None
+    prompt: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -54,6 +54,16 @@ class SeqStep:
         return len(self.token_ids)
 
     @property
+    def scored_positions(self) -> range | None:
+        """For an entry of a request that asks for prompt logprobs (and has not had them yet): the positions of this
+        step whose logits score the next prompt token, [start, min(end, prompt length - 1)) (empty in a chunk that
+        only reads the prompt's last token); None for any other entry (and for one past its prompt)."""
+        seq = self.seq
+        if not seq.scores_prompt or self.start >= seq.num_prompt:  # past the prompt: a step planned ahead of its end
+            return None
+        return range(self.start, max(self.start, min(self.end, seq.num_prompt - 1)))
+
+    @property
     def end(self) -> int:
         """The context length once the step is done."""
         return self.start + len(self.token_ids)

@@ -331,7 +331,7 @@ class Scheduler:
         if pending is not None and pending.waiting_on:
             self._pending[seq.seq_no] = pending
             return -1
-        if pending is None and self.tiers is not None and self._start_loads(seq, out, self.tiers):
+        if pending is None and self.tiers is not None and reads_cache(seq) and self._start_loads(seq, out, self.tiers):
             return -1
         tokens = seq.token_ids
         session_id = seq.request.session_id
@@ -374,11 +374,7 @@ class Scheduler:
         bs = self.pool.block_size
         limit = len(tokens) - 1
         shared: list[int] = []
-        pooling = seq.request.pooling
-        if pooling is not None and pooling.mode is not PoolingMode.LAST:
-            # Mean, max and CLS pooling read every position's (or the first's) hidden state, which cached blocks do
-            # not hold (only K and V): such a request recomputes its whole prompt. Last-token pooling reads only the
-            # last position, which is always computed: it reuses cached blocks as generation does.
+        if not reads_cache(seq):
             return 0, [], None
         if self.enable_prefix_caching:
             self._hash_blocks(seq, limit // bs)
@@ -479,3 +475,16 @@ class Scheduler:
                 parent = seq.block_hashes[i - 1] if i else seq.prefix_root
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]
                 self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens, seq.request.cache_salt)
+
+
+def reads_cache(seq: Sequence) -> bool:
+    """Whether a waiting sequence may start from cached KV (the prefix cache, its session, a lower tier, its completion
+    0's). Not when it needs what cached blocks do not hold (only K and V are kept): mean, max and CLS pooling read
+    every position's (or the first's) hidden state, and prompt logprobs every position's logits, so those recompute
+    the whole prompt (vLLM recomputes prompt logprobs likewise); what they compute still enters the prefix cache
+    (`_register_full_blocks`). Last-token pooling reads only the last position, which is always computed: it reuses
+    cached blocks as generation does."""
+    pooling = seq.request.pooling
+    if pooling is not None and pooling.mode is not PoolingMode.LAST:
+        return False
+    return not seq.scores_prompt

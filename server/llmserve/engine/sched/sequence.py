@@ -173,6 +173,13 @@ class Sequence:
         return len(self.token_ids) + self.num_pending - self.num_computed
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt's log-probabilities are still to be computed: its request asks for them and its first
+        token (whose output carries them) has not come. Until then it reads no cached KV: its whole prompt is computed,
+        again from position 0 after a preemption."""
+        return self.request.prompt_logprobs and self.first_token is None
+
+    @property
     def ends_by_length(self) -> bool:
         """The tokens in flight take it to its length limit: no step after them is needed."""
         return self.num_pending > 0 and len(self.token_ids) + self.num_pending >= self.length_limit
