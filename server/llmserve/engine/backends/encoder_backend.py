@@ -75,7 +75,7 @@ class EncoderBackend:
         batch = EncoderBatch.pack([entry.token_ids for entry in entries], device=self.device)
         with torch.inference_mode():
             hidden = self.encoder(batch).float()
-            rows = hidden.split(batch.seq_lens)
+            rows = hidden.split_with_sizes(list(batch.seq_lens))
             for params, members in groups.items():
                 lens = [batch.seq_lens[i] for i in members]
                 states = hidden if len(members) == len(entries) else torch.cat([rows[i] for i in members])

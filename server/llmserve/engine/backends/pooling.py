@@ -52,7 +52,7 @@ def pool(hidden: torch.Tensor, seq_lens: Sequence[int], mode: PoolingMode) -> to
     # One reduction per sequence over its slice, not index_add_/scatter_reduce_ over segment ids: on this CPU build
     # those cost ~0.5 ms per call even for one 30-row sequence (torch 2.13, 2 threads), 42% of the encoder
     # process's samples at 32 callers one text each (py-spy; benchmarks/README.md, "Embed throughput").
-    parts = hidden.float().split(list(seq_lens))
+    parts = hidden.float().split_with_sizes(list(seq_lens))
     if mode is PoolingMode.MEAN:
         out = torch.stack([part.sum(0) for part in parts])
         out /= torch.tensor(seq_lens, dtype=out.dtype, device=out.device)[:, None]
