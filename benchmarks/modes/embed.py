@@ -21,9 +21,10 @@ with `--pooling last` (decoder pooling in the continuous batch), in alternated w
 
 - `generation alone`: `--gen-streams` closed-loop Generate streams (a sentence as the prompt, `--gen-max-new-tokens`
   tokens each, ignore_eos, temperature 0.7);
-- `generation + embeddings`: the same streams, and beside them `--mixed-embed-clients` closed-loop callers sending
-  one sentence per Embed call (each sends its next call as soon as its answer arrives: the rate is whatever the
-  server gives them).
+- `generation + embeddings`: the same streams, and beside them `--mixed-embed-clients` callers sending one sentence
+  per Embed call, `--mixed-embed-rate` calls/s in all (each caller paced at its share, calling at once when behind;
+  0: closed loop, as fast as answers come). Closed loop, 8 callers' prefills take a share of every step that the
+  streams never get back: the issue's "traffic beside them" is a rate, not a saturating load.
 
 Per window: the streams' output tokens/s, their time to first token p50/p99, the embeddings/s and Embed call
 p50/p99, the server's peak RSS; the ratio of the streams' tokens/s with embeddings beside them to alone (the issue's
@@ -215,6 +216,7 @@ def main(argv: list[str]) -> int:
         args.windows, args.window_s, args.warmup_s, args.clients, args.batch_clients = 1, 3.0, 1.0, 4, 1
         args.sentences, args.st_chunk = 200, 64
         args.mixed_windows, args.gen_streams, args.gen_max_new_tokens, args.mixed_embed_clients = 1, 4, 8, 2
+        args.mixed_embed_rate = 0.0  # closed loop: as many calls as the short window allows
     run = writer.Run(options.command("embed", argv))
     figures: dict[str, Any] = {}
     if "encode" in args.parts:

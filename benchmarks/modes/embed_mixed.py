@@ -37,6 +37,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-streams", type=int, default=32, help="closed-loop Generate streams")
     p.add_argument("--gen-max-new-tokens", type=int, default=64)
     p.add_argument("--mixed-embed-clients", type=int, default=8, help="callers sending one text per Embed call")
+    p.add_argument(
+        "--mixed-embed-rate",
+        type=float,
+        default=16.0,
+        help="Embed calls per second of all callers together, each paced at its share (0: closed loop, each calls "
+        "again as soon as its answer arrives)",
+    )
     p.add_argument("--gen-pooling", default="last", choices=("last", "mean"), help="the server's --pooling")
 
 
@@ -77,8 +84,14 @@ async def run_window(
                 return
             await _stream(client, gen, items[(c * 7 + k) % len(items)], c * 100_000 + k, args)
 
-    async def embedder(client: AsyncClient) -> None:
+    async def embedder(c: int, client: AsyncClient) -> None:
+        # Paced: call k is due at start + (c / callers + k) * interval; a caller behind schedule calls at once.
+        interval = embed_clients / args.mixed_embed_rate if args.mixed_embed_rate > 0 else 0.0
+        due = time.monotonic() + interval * c / max(1, embed_clients)
         while not emb.over:
+            if interval:
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                due += interval
             item = items[next(order)]
             began = emb.begin()
             response = await client.embed([item])
@@ -87,7 +100,7 @@ async def run_window(
     async with AsyncClient(address, timeout=600) as client:
         await client.embed([items[0]])  # connected and warm before the clock starts
         tasks = [streamer(c, client) for c in range(args.gen_streams)]
-        tasks += [embedder(client) for _ in range(embed_clients)]
+        tasks += [embedder(c, client) for c in range(embed_clients)]
         await asyncio.gather(*tasks)
     return gen, emb
 
@@ -142,6 +155,7 @@ def measure(texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
         "gen_streams": args.gen_streams,
         "gen_max_new_tokens": args.gen_max_new_tokens,
         "embed_clients": args.mixed_embed_clients,
+        "embed_rate": args.mixed_embed_rate,
         "windows": args.mixed_windows,
         "runs": runs,
         "median": medians,
@@ -152,13 +166,15 @@ def measure(texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
 def section(mixed: dict[str, Any]) -> list[str]:
     """The part's Markdown, from its JSON."""
     med = mixed["median"]
+    rate = mixed.get("embed_rate", 0.0)
+    pace = f"{rate:g} calls/s in all, paced" if rate else "closed loop"
     lines = [
         "",
         "## Generation with embeddings beside it",
         "",
         f"One server: {mixed['model']} with `--pooling {mixed['pooling']}`; {mixed['gen_streams']} closed-loop "
         f"Generate streams ({mixed['gen_max_new_tokens']} new tokens each), alone or with "
-        f"{mixed['embed_clients']} closed-loop Embed callers at one text per call beside them; "
+        f"{mixed['embed_clients']} Embed callers at one text per call beside them ({pace}); "
         f"{mixed['windows']} sets of one window per system, order alternated. The streams' tokens/s with "
         f"embeddings beside them: **{writer.times(mixed['gen_ratio'])}** of alone (target >= 0.8x).",
         "",
