@@ -16,10 +16,22 @@ p50/p99 latency of the calls begun inside it (a library chunk counts as one call
 process and front end for llmserve, this process for the library; memory.py). Medians over the windows go in the
 table, with llmserve's ratio to the library (the issue's targets: >= 0.8x at one text per call, >= 1.2x at 32).
 
-Not measured here: 32 generation streams with embedding traffic beside them, which needs a generative model that
-serves Embed (`--pooling`, not built yet).
+The last part (`mixed`) shares one server between generation and embeddings: the default model (SmolLM2) started
+with `--pooling last` (decoder pooling in the continuous batch), in alternated windows of two systems:
 
-    python benchmarks/run.py --mode embed [--windows 3] [--window-s 40] [--warmup-s 8] [--quick]
+- `generation alone`: `--gen-streams` closed-loop Generate streams (a sentence as the prompt, `--gen-max-new-tokens`
+  tokens each, ignore_eos, temperature 0.7);
+- `generation + embeddings`: the same streams, and beside them `--mixed-embed-clients` callers sending one sentence
+  per Embed call, `--mixed-embed-rate` calls/s in all (each caller paced at its share, calling at once when behind;
+  0: closed loop, as fast as answers come). Closed loop, 8 callers' prefills take a share of every step that the
+  streams never get back: the issue's "traffic beside them" is a rate, not a saturating load.
+
+Per window: the streams' output tokens/s, their time to first token p50/p99, the embeddings/s and Embed call
+p50/p99, the server's peak RSS; the ratio of the streams' tokens/s with embeddings beside them to alone (the issue's
+target: >= 0.8x).
+
+    python benchmarks/run.py --mode embed [--parts encode mixed] [--windows 3] [--window-s 40] [--warmup-s 8]
+        [--mixed-windows 3] [--quick]
 
 Writes benchmarks/results/<date>-cpu-embed.{md,json} (`make bench-embed`).
 """
@@ -40,6 +52,7 @@ import torch
 
 from benchmarks import memory, options, writer
 from benchmarks.metrics import percentile
+from benchmarks.modes import embed_mixed
 from benchmarks.serve import Server
 from benchmarks.window import Window
 from llmserve import packaged_models
@@ -49,6 +62,7 @@ TITLE = "Embeddings: sentence-transformers' encode vs llmserve's Embed (issue 44
 MODEL = "all-minilm-l6-v2"
 SENTENCES = Path(__file__).parents[2] / "tests" / "data" / "sentences.txt"
 SYSTEMS = ("sentence-transformers", "llmserve 1/call", "llmserve 32/call")
+PARTS = ("encode", "mixed")  # the library against Embed; generation with embeddings beside it (embed_mixed.py)
 CPU = torch.device("cpu")
 
 
@@ -149,7 +163,14 @@ def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def section(result: dict[str, Any]) -> list[str]:
-    """The page's section, from the JSON."""
+    """The page's sections, from the JSON: the library against Embed, then generation beside embeddings."""
+    encode = result.get("encode", result if "ratio_to_library" in result else None)  # a JSON from before the parts
+    lines = encode_section(encode) if encode is not None else []
+    return lines + (embed_mixed.section(result["mixed"]) if "mixed" in result else [])
+
+
+def encode_section(result: dict[str, Any]) -> list[str]:
+    """The library against Embed, from its JSON."""
     med, ratio = result["median"], result["ratio_to_library"]
     lines = [
         f"{result['sentences']} sentences (tests/data/sentences.txt), {result['windows']} sets of one window per "
@@ -181,6 +202,7 @@ def section(result: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     p = options.parser("embed", __doc__)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts run (default: all)")
     p.add_argument("--windows", type=int, default=3, help="sets of windows (one per system)")
     p.add_argument("--window-s", type=float, default=40.0)
     p.add_argument("--warmup-s", type=float, default=8.0)
@@ -188,14 +210,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch-clients", type=int, default=4, help="callers sending 32 texts per call")
     p.add_argument("--st-chunk", type=int, default=512, help="sentences per encode call of the library")
     p.add_argument("--sentences", type=int, default=2000)
+    embed_mixed.add_options(p)
     args = p.parse_args(argv)
     if args.quick:  # a smoke run: one short set
         args.windows, args.window_s, args.warmup_s, args.clients, args.batch_clients = 1, 3.0, 1.0, 4, 1
         args.sentences, args.st_chunk = 200, 64
+        args.mixed_windows, args.gen_streams, args.gen_max_new_tokens, args.mixed_embed_clients = 1, 4, 8, 2
+        args.mixed_embed_rate = 0.0  # closed loop: as many calls as the short window allows
     run = writer.Run(options.command("embed", argv))
-    with Server(model=args.model or MODEL, device=args.device, dtype=args.dtype) as server:
-        asyncio.run(server.wait_serving())
-        figures = measure(server, args)
+    figures: dict[str, Any] = {}
+    if "encode" in args.parts:
+        with Server(model=args.model or MODEL, device=args.device, dtype=args.dtype) as server:
+            asyncio.run(server.wait_serving())
+            figures["encode"] = measure(server, args)
+    if "mixed" in args.parts:
+        figures["mixed"] = embed_mixed.measure(sentences()[: args.sentences], args)
     run.model = {"model": args.model or MODEL, "dtype": "float32", "device": args.device}
     writer.publish(run, args.out_dir, options.result_name(args, "embed"), TITLE, figures, section)
     return 0

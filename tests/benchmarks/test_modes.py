@@ -121,11 +121,24 @@ def test_host_overhead_times_the_engine_process_through_the_front_end(tmp_path: 
 
 
 def test_embed_mode_measures_the_library_and_both_call_shapes(tmp_path: Path) -> None:
-    args = ["--mode", "embed", "--quick", "--out-dir", str(tmp_path), "--name", "embed"]
+    args = ["--mode", "embed", "--quick", "--parts", "encode", "--out-dir", str(tmp_path), "--name", "embed"]
     assert run.main(args) == 0
     data = json.loads((tmp_path / "embed.json").read_text())
     page = (tmp_path / "embed.md").read_text()
     for system in ("sentence-transformers", "llmserve 1/call", "llmserve 32/call"):
-        (window,) = data["runs"][system]
+        (window,) = data["encode"]["runs"][system]
         assert window["embeddings_per_s"] > 0 and window["calls"] > 0 and window["peak_rss_bytes"] > 0
     assert data["run"]["model"] == "all-minilm-l6-v2" and "| llmserve 32/call |" in page
+    assert "mixed" not in data
+
+
+def test_embed_mode_measures_generation_with_and_without_embeddings_beside_it(tmp_path: Path) -> None:
+    args = ["--mode", "embed", "--quick", "--parts", "mixed", "--gen-model", "random:tiny"]
+    assert run.main([*args, "--out-dir", str(tmp_path), "--name", "mixed"]) == 0
+    mixed = json.loads((tmp_path / "mixed.json").read_text())["mixed"]
+    (alone,) = mixed["runs"]["generation alone"]
+    (beside,) = mixed["runs"]["generation + embeddings"]
+    assert alone["gen_tokens_per_s"] > 0 and beside["gen_tokens_per_s"] > 0 and mixed["gen_ratio"] > 0
+    assert alone["embed_calls"] == 0 and beside["embed_calls"] > 0 and beside["embeddings_per_s"] > 0
+    assert beside["peak_rss_bytes"] > 0
+    assert "| generation + embeddings |" in (tmp_path / "mixed.md").read_text()

@@ -11,6 +11,7 @@ keeps the book-keeping.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -176,8 +177,11 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[pb.ChatMessage]) -> list[i
     return ids
 
 
+@functools.lru_cache(maxsize=4)
 def special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The special tokens the tokenizer adds before and after a text's own (BERT: [CLS] and [SEP])."""
+    """The special tokens the tokenizer adds before and after a text's own (BERT: [CLS] and [SEP]); found once per
+    tokenizer (its two encodes, once per call, were half of a one-text Embed's tokenizing in py-spy), the lists
+    shared: read only."""
     whole: list[int] = tokenizer.encode("a")
     own: list[int] = tokenizer.encode("a", add_special_tokens=False)
     for at in range(len(whole) - len(own) + 1):
@@ -194,13 +198,15 @@ def embed_token_ids(
     truncate: int,
     lower: bool,
     specials: tuple[list[int], list[int]] = ([], []),
+    content: list[int] | None = None,
 ) -> tuple[list[int], bool]:
     """One Embed input's token ids (on a worker thread: it tokenizes), and whether it was cut. At most `limit`
     tokens: a longer input is InvalidRequest naming `field` unless `truncate` (pb.Truncation) keeps its start or
     its end; a text keeps its special tokens then (its content alone is cut, as the tokenizer's own truncation
     does). A text is lowercased first where the model's folder says so (`lower`: sentence-transformers'
     do_lower_case) and framed by `specials` (special_tokens: what the tokenizer adds by default); a conversation is
-    rendered without the prompt for an assistant's turn."""
+    rendered without the prompt for an assistant's turn. `content`: a text's own ids when the caller tokenized it
+    already (a batch's texts in one batch encode: embed_texts)."""
     kind = item.WhichOneof("input")
     if kind == "token_ids":
         return _fit(list(item.token_ids.ids), field, limit, truncate)
@@ -218,11 +224,18 @@ def embed_token_ids(
             reason = f"the chat template rejects it: {clip(str(exc), 200)}"
             raise InvalidRequest(f"{field}.chat.messages", reason) from None
         return _fit(tokenizer.encode(text, add_special_tokens=False), field, limit, truncate)
-    text = item.text.lower() if lower else item.text
-    content: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    if content is None:
+        content = embed_texts(tokenizer, [item.text], lower)[0]
     head, tail = specials
     content, cut = _fit(content, field, limit - len(head) - len(tail), truncate, limit)
     return head + content + tail, cut
+
+
+def embed_texts(tokenizer: Any, texts: Sequence[str], lower: bool) -> list[list[int]]:
+    """The texts' own token ids (no special tokens), lowercased first when `lower`, in one batch encode."""
+    batch = [text.lower() for text in texts] if lower else list(texts)
+    ids: list[list[int]] = tokenizer(batch, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def _fit(ids: list[int], field: str, room: int, truncate: int, limit: int | None = None) -> tuple[list[int], bool]:

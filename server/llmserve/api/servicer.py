@@ -41,7 +41,7 @@ from llmserve.api.limits import (
     prompt_byte_limit,
     quote_prefix,
 )
-from llmserve.api.prompts import SessionPrompts, embed_token_ids, prompt_token_ids, special_tokens
+from llmserve.api.prompts import SessionPrompts, embed_texts, embed_token_ids, prompt_token_ids, special_tokens
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
 from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
@@ -427,9 +427,18 @@ def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> 
     prompts = []
     specials = ([], []) if tokenizer is None else special_tokens(tokenizer)
     limit = info.max_embed_input_tokens
+    # A batch's texts through the tokenizer in one call: one Python wrapper and one Rust batch for the call, not
+    # one per input.
+    texts = [i for i, item in enumerate(request.inputs) if item.WhichOneof("input") == "text"]
+    contents: dict[int, list[int]] = {}
+    if texts and tokenizer is not None:
+        encoded = embed_texts(tokenizer, [request.inputs[i].text for i in texts], info.do_lower_case)
+        contents = dict(zip(texts, encoded, strict=True))
     for i, item in enumerate(request.inputs):
         field = f"inputs[{i}]"
-        ids, cut = embed_token_ids(tokenizer, item, field, limit, request.truncate, info.do_lower_case, specials)
+        ids, cut = embed_token_ids(
+            tokenizer, item, field, limit, request.truncate, info.do_lower_case, specials, contents.get(i)
+        )
         if any(t < 0 or t >= info.vocab_size for t in ids):
             raise InvalidRequest(f"{field}.token_ids.ids", f"ids must be in [0, {info.vocab_size})")
         prompts.append((ids, cut))

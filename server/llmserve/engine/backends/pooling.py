@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from llmserve.pooling_config import DenseModule, PoolingMode
 
-__all__ = ["DenseStack", "PoolingState", "PoolingStates", "finish", "pool", "pooled_rows", "segment_ids"]
+__all__ = ["DenseStack", "PoolingState", "PoolingStates", "finish", "pool", "pooled_rows"]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "identity": lambda x: x,
@@ -32,12 +32,6 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "sigmoid": torch.sigmoid,
 }
-
-
-def segment_ids(seq_lens: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
-    """For packed rows, the index of the sequence each row belongs to ([tokens], int64)."""
-    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
-    return torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)
 
 
 def pool(hidden: torch.Tensor, seq_lens: Sequence[int], mode: PoolingMode) -> torch.Tensor:
@@ -55,15 +49,15 @@ def pool(hidden: torch.Tensor, seq_lens: Sequence[int], mode: PoolingMode) -> to
         return hidden[ends - ends.new_tensor(seq_lens)]
     if mode is PoolingMode.LAST:
         return hidden[ends - 1]
-    rows = hidden.float()
-    segments = segment_ids(seq_lens, hidden.device)
-    out = rows.new_zeros(len(seq_lens), hidden.shape[1])
+    # One reduction per sequence over its slice, not index_add_/scatter_reduce_ over segment ids: on this CPU build
+    # those cost ~0.5 ms per call even for one 30-row sequence (torch 2.13, 2 threads), 42% of the encoder
+    # process's samples at 32 callers one text each (py-spy; benchmarks/README.md, "Embed throughput").
+    parts = hidden.float().split_with_sizes(list(seq_lens))
     if mode is PoolingMode.MEAN:
-        out.index_add_(0, segments, rows)
+        out = torch.stack([part.sum(0) for part in parts])
         out /= torch.tensor(seq_lens, dtype=out.dtype, device=out.device)[:, None]
     else:
-        index = segments[:, None].expand_as(rows)
-        out.scatter_reduce_(0, index, rows, "amax", include_self=False)
+        out = torch.stack([part.amax(0) for part in parts])
     return out.to(hidden.dtype)
 
 
