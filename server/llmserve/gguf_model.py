@@ -2,8 +2,9 @@
 
 `build_model(file, config)` makes the model's skeleton on torch's meta device (no memory), then gives it what the
 file holds: each projection becomes a `QuantProjection` over the tensor's blocks as the file maps them (quant.py's
-QuantWeight; nothing is read until a kernel touches it), the token embedding a `QuantEmbedding` (rows read with pread and
-decoded on lookup, so that its pages never join the process's mapping: a tied LM head holds the same blocks packed), the LM head a QuantProjection over `output.weight` or, tied, over the embedding's own blocks; the norms
+QuantWeight; nothing is read until a kernel touches it), the token embedding a `QuantEmbedding` (rows read with
+pread and decoded on lookup, so that its pages never join the process's mapping: a tied LM head holds the same
+blocks packed), the LM head a QuantProjection over `output.weight` or, tied, over the embedding's own blocks; the norms
 (F32, a few KB each) are copied into float32 parameters and the rotary embedding is rebuilt on the CPU. The
 skeleton runs transformers' own forward as it is (the torch backend, `generate` in tests); the CPU backend's fused
 forward takes the projections' blocks instead (backends/cpu/gguf_linear.py).
