@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch, EncoderConfig
+from llmserve.engine.backends.encoder import PADDING_SLACK, BertEncoder, EncoderBatch, EncoderConfig
 from llmserve.engine.backends.pooling import finish, pool
 from llmserve.packaged_models import extract, find_packaged
 from llmserve.pooling_config import PoolingConfig, PoolingMode, read_pooling_config
@@ -124,14 +124,33 @@ def test_the_forward_equals_transformers_hidden_states(encoder, folder, token_id
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa").eval()
-    seqs = token_ids[:24]
-    longest = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])
-    with torch.inference_mode():
-        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
-        ours = encoder(EncoderBatch.pack(seqs))
-    assert (ours - expected).abs().max().item() <= 1e-4
+    # As they come (runs of any lengths), and shortest first as the backend packs them (groups of like length).
+    for seqs in (token_ids[:24], sorted(token_ids[:24], key=len)):
+        longest = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])
+        with torch.inference_mode():
+            expected = model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+            ours = encoder(EncoderBatch.pack(seqs))
+        assert (ours - expected).abs().max().item() <= 1e-4
+
+
+def test_sequences_attend_in_groups_of_like_length() -> None:
+    """Consecutive sequences share an attention call while padding them to the group's longest stays within the
+    slack; a group of equal lengths needs no padding (no scatter, no mask)."""
+    lens = [3, 3, 3, 4, 10, 11, 12, 40]
+    batch = EncoderBatch.pack([[101] * n for n in lens])
+    assert [(g.start, g.stop, g.count, g.longest) for g in batch.groups] == [
+        (0, 13, 4, 4),
+        (13, 46, 3, 12),
+        (46, 86, 1, 40),
+    ]
+    for group in batch.groups:
+        assert group.count * group.longest <= PADDING_SLACK * (group.stop - group.start)
+    first, _, alone = batch.groups
+    assert first.scatter is not None and first.scatter.tolist()[:4] == [0, 1, 2, 4]  # row 3 is the first one's padding
+    assert first.key_mask is not None and first.key_mask[:, 0, 0].tolist()[0] == [True, True, True, False]
+    assert alone.scatter is None and alone.key_mask is None
 
 
 def test_token_types_and_a_sequence_over_the_positions(encoder: BertEncoder) -> None:
@@ -167,3 +186,33 @@ def test_configs_not_served_are_refused(folder: Path, change: dict[str, object],
     config = json.loads((folder / "config.json").read_text()) | change
     with pytest.raises(ValueError, match=message):
         EncoderConfig.of(config)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_new", "relu"])
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
+def test_each_activation_a_config_may_name(activation: str, pack: bool) -> None:
+    """A small random BERT of each served activation gives transformers' hidden states (weights large enough
+    that the erf and tanh GELUs differ beyond the tolerance)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(7)
+    config = BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_act=activation,
+        initializer_range=0.5,
+    )
+    model = BertModel(config, add_pooling_layer=False).eval()
+    encoder = BertEncoder.from_model(model, pack=pack)
+    seqs = [[2, 5, 9, 3], [4, 7, 1, 8, 8, 2, 6], [3]]
+    longest = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])
+    with torch.inference_mode():
+        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+        ours = encoder(EncoderBatch.pack(seqs))
+    assert (ours - expected).abs().max().item() <= 1e-5

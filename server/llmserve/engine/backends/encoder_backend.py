@@ -4,9 +4,9 @@ each input's hidden states pooled into its vector. No KV cache, no sampling.
 An encoder's requests are pooling requests only (frontend/request.PoolingParams); the scheduler admits each prompt
 whole (Scheduler(whole_prompts=True): bidirectional attention needs every token of an input in one forward) under the
 same token budget as a decoder's steps, so that one step is one forward over at most `max_num_batched_tokens` rows
-(encoder.py: packed rows, padded attention). Each entry of a plan is a whole input; its result is `Pooled`: the
-hidden states pooled as its request says (pooling.pool), projected by the folder's Dense modules, cut to its
-`dimensions` and normalized when asked (pooling.finish), in float32.
+(encoder.py: packed rows, shortest first, attention padded per group of like length). Each entry of a plan is a
+whole input; its result is `Pooled`: the hidden states pooled as its request says (pooling.pool), projected by the
+folder's Dense modules, cut to its `dimensions` and normalized when asked (pooling.finish), in float32.
 
 The block pool still keeps books for these sequences (it bounds how many inputs are in flight), but its blocks
 name no memory: `kv` is a cache of the one scratch block the interface requires, which nothing reads or writes.
@@ -78,13 +78,18 @@ class EncoderBackend:
                 results[i] = RowFailed("an encoder serves pooling requests only")
             else:
                 groups.setdefault(params, []).append(i)
-        batch = EncoderBatch.pack([entry.token_ids for entry in entries], device=self.device)
+        # Packed shortest first, so that sequences of like length attend together (EncoderBatch.groups); `at[i]`:
+        # entry i's place in the packed order.
+        order = sorted(range(len(entries)), key=lambda i: len(entries[i].token_ids))
+        at = {i: place for place, i in enumerate(order)}
+        batch = EncoderBatch.pack([entries[i].token_ids for i in order], device=self.device)
         with torch.inference_mode():
             hidden = self.encoder(batch).float()
             rows = hidden.split_with_sizes(list(batch.seq_lens))
             for params, members in groups.items():
-                lens = [batch.seq_lens[i] for i in members]
-                states = hidden if len(members) == len(entries) else torch.cat([rows[i] for i in members])
+                members.sort(key=at.__getitem__)
+                lens = [batch.seq_lens[at[i]] for i in members]
+                states = hidden if len(members) == len(entries) else torch.cat([rows[at[i]] for i in members])
                 try:
                     vectors = pool(states, lens, params.mode)
                     if self.head is not None:  # a classifier: its logits (the edge refuses the vector's options)
