@@ -293,6 +293,9 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--max-num-batched-tokens", "engine.max_num_batched_tokens", _positive_int,
                   "most tokens in one forward (prefill chunks plus decodes)"),
             _flag("--max-model-len", "engine.max_model_len", _positive_int, "context length cap; unset: the model's"),
+            _flag("--pooling-share", "engine.pooling_share", _fraction,
+                  "while generation runs, the most of a step's tokens that Embed/classify inputs on a generative model "
+                  "may take (1: no bound); the streams keep about 1 - this of their rate beside any embedding load"),
             _flag("--max-waiting", "engine.max_waiting", _positive_int,
                   "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED"),
             _switch("--no-prefix-caching", "engine.enable_prefix_caching", "turn off automatic prefix caching",

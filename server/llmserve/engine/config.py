@@ -21,6 +21,10 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 4 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # While generating sequences run, pooling requests (Embed on a decoder model) take at most this share of a step's
+    # tokens (Scheduler.pooling_cap): 0.2 keeps a step that decodes within ~1.25x of its cost alone, so that streams
+    # keep ~0.8x of their rate whatever embedding traffic shares the server; 1: pooling takes what the budget leaves.
+    pooling_share: float = 0.2
     max_model_len: int | None = None
     max_waiting: int = 1024
     enable_prefix_caching: bool = True

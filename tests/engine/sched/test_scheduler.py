@@ -14,17 +14,19 @@ from __future__ import annotations
 from collections import defaultdict
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+from llmserve.engine.frontend.request import GenerationRequest, PoolingParams, StoppingParams
 from llmserve.engine.kv_tiers.index import TierIndex
 from llmserve.engine.sched.block_pool import BlockContent, BlockPool, Evicted, chain_hash
 from llmserve.engine.sched.plan import StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
+from llmserve.pooling_config import PoolingMode
 from tests.engine.engine_helpers import clear_cache
 
 BLOCK_SIZE = 4
@@ -898,3 +900,61 @@ def test_prompt_logprobs_skip_the_session_and_start_over_after_a_preemption_unti
     late = scheduler.schedule()
     assert late.seqs[0].start >= 8 and late.seqs[0].scored_positions is None  # its cached blocks, or the session
     scheduler.finish(scored, FinishReason.CANCELLED)
+
+
+def _pooling_seq(n: int, prompt: list[int]) -> Sequence:
+    request = GenerationRequest(
+        f"p{n}", tuple(prompt), stopping=StoppingParams(max_new_tokens=1), pooling=PoolingParams(PoolingMode.LAST)
+    )
+    return Sequence(request, list(prompt), float(n), n)
+
+
+def test_pooling_takes_its_share_of_a_step_while_generation_runs_and_the_budget_without() -> None:
+    """With pooling_share 0.2, eight decoding sequences leave a pooling request 8 * 0.25 = 2 tokens a step (its
+    prompt read in chunks, never stalled); a generating request behind a capped pooling one is admitted past it;
+    once generation is over, pooling takes the whole budget."""
+    pool = BlockPool(64, BLOCK_SIZE)
+    sessions = SessionStore(pool, ttl_s=60.0, max_sessions=4, max_pool_fraction=1.0, clock=Clock())
+    scheduler = Scheduler(pool, sessions, max_num_seqs=16, max_num_batched_tokens=64, pooling_share=0.2)
+    assert scheduler.pooling_cap() is None  # nothing generates
+    streams = [new_seq(n, [n, n + 1], max_new=30) for n in range(8)]
+    for seq in streams:
+        scheduler.add(seq)
+    for ready in scheduler.update(scheduler.schedule()):  # the streams' prompts
+        ready.token_ids.append(3)
+    pooled, first, second = _pooling_seq(20, list(range(100, 130))), _pooling_seq(21, [7] * 10), new_seq(22, [5, 6])
+    for seq in (pooled, first, second):
+        scheduler.add(seq)
+    assert scheduler.pooling_cap() == 2
+    plan = scheduler.schedule()
+    taken = {e.seq.seq_no: e.num_tokens for e in plan.seqs}
+    assert taken[20] == 2 and 21 not in taken  # the cap spent on the oldest pooling request; the other waits
+    assert taken[22] == 2  # generation behind them is admitted all the same
+    assert first.status is SeqStatus.WAITING
+    read = [2]  # each step's tokens of the pooling requests, never past the cap computed before it, never none
+    while pooled.num_computed < 30:
+        for ready in scheduler.update(plan):
+            if ready.request.pooling is None:
+                ready.token_ids.append(3)
+        cap = scheduler.pooling_cap()
+        assert cap in (2, 3)  # 8 streams, then 9 with the one admitted past the pooling requests
+        plan = scheduler.schedule()
+        read.append(sum(e.num_tokens for e in plan.seqs if e.seq.request.pooling is not None))
+        assert 1 <= read[-1] <= cap
+    assert sum(read) >= 30 and len(read) >= 10
+    for seq in [*streams, second]:
+        scheduler.finish(seq, FinishReason.LENGTH)
+    scheduler.finish(pooled, FinishReason.LENGTH)
+    assert scheduler.pooling_cap() is None
+    done = first.num_computed
+    assert done < 10
+    plan = scheduler.schedule()
+    assert [(e.seq.seq_no, e.start, e.num_tokens) for e in plan.seqs] == [(21, done, 10 - done)]  # the rest at once
+
+
+def test_a_pooling_share_outside_its_range_is_refused() -> None:
+    pool = BlockPool(8, BLOCK_SIZE)
+    sessions = SessionStore(pool, ttl_s=60.0, max_sessions=4, max_pool_fraction=1.0, clock=Clock())
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="pooling_share"):
+            Scheduler(pool, sessions, max_num_seqs=4, max_num_batched_tokens=64, pooling_share=share)

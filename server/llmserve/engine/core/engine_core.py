@@ -105,6 +105,7 @@ class EngineCore:
             tiers=self.tiers,
             max_loras=config.max_loras,
             whole_prompts=encoder,
+            pooling_share=config.pooling_share,
         )
         self.lora = LoraServing.of(config, loaded.shape)  # the adapters' books; None unless LoRA is on
         if self.tiers is not None:

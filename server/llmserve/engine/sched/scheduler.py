@@ -35,6 +35,7 @@ block anonymous: those tokens are recomputed.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -70,11 +71,16 @@ class Scheduler:
         tiers: TierLookup | None = None,
         max_loras: int = 0,
         whole_prompts: bool = False,
+        pooling_share: float = 1.0,
     ) -> None:
         """`whole_prompts`: a prompt is admitted only when all of it fits in the step's budget, never in chunks (an
-        encoder's bidirectional attention needs every token of an input in one forward)."""
+        encoder's bidirectional attention needs every token of an input in one forward). `pooling_share`: the most
+        of a step's tokens that pooling requests may take while generating sequences run (pooling_cap)."""
+        if not 0.0 < pooling_share <= 1.0:
+            raise ValueError(f"pooling_share must be in (0, 1], got {pooling_share}")
         self.pool = pool
         self.whole_prompts = whole_prompts
+        self.pooling_share = pooling_share
         self.sessions = sessions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -130,19 +136,24 @@ class Scheduler:
         """
         out = StepPlan()
         budget = self.max_num_batched_tokens
+        pooling = self.pooling_cap()  # what pooling requests may still take of this step; None: the budget
         if self.enable_prefix_caching or len(self.sessions):
             self.sessions.expire()
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.ends_by_length:  # its tokens in flight end it (overlap): nothing more to compute
+            pools = seq.request.pooling is not None
+            if seq.ends_by_length or (pools and pooling == 0):  # in flight ends it (overlap); pooling's cap spent
                 i += 1
                 continue
-            guess = drafts.get(seq.seq_no, ()) if drafts and seq.request.pooling is None else ()
+            guess = drafts.get(seq.seq_no, ()) if drafts and not pools else ()
             if guess and not self._room_for_drafts(seq, len(guess), budget - (len(self.running) - i - 1)):
                 guess = ()
             n = 1 + len(guess) if guess else min(seq.num_uncomputed, budget)
+            if pools and pooling is not None:
+                n = min(n, pooling)
+                pooling -= n
             if not self._grow(seq, n, out):
                 break  # seq itself was preempted: nothing newer is left
             out.seqs.append(step_of(seq, n, guess))
@@ -160,12 +171,18 @@ class Scheduler:
             if adapter is not None and adapter not in adapters and len(adapters) >= self.max_loras:
                 parked.append(heapq.heappop(self._waiting))
                 continue
-            n = self._admit(seq, budget, out)
+            capped = pooling if seq.request.pooling is not None else None  # what a pooling request may take
+            if capped == 0:
+                parked.append(heapq.heappop(self._waiting))
+                continue
+            n = self._admit(seq, budget if capped is None else min(budget, capped), out)
             if n < 0:
                 parked.append(heapq.heappop(self._waiting))
                 continue
             if n == 0:
                 break
+            if capped is not None:
+                pooling = capped - n
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             seq.status = SeqStatus.RUNNING
@@ -179,6 +196,21 @@ class Scheduler:
         if self.pool.track_evictions:
             out.offloads = self.pool.take_evicted()
         return out
+
+    def pooling_cap(self) -> int | None:
+        """How many tokens pooling requests (prefill-only sequences: Embed or a classifier on a decoder model) may
+        compute in the next step: None (the whole budget) unless generating sequences run and `pooling_share` < 1;
+        then `pooling_share` of the step's tokens, counting one per generating sequence (a decode's token; a
+        prompt chunk counts one too, so the bound errs on generation's side), and at least one, so that pooling
+        always moves. Generation's steps are compute-bound from a few tens of rows on a CPU, so that with the
+        bound a step that decodes costs at most about 1 / (1 - pooling_share) of what it would alone, however
+        much embedding traffic waits; the pooling requests' prompts are read in chunks meanwhile."""
+        if self.pooling_share >= 1.0 or self.whole_prompts:
+            return None
+        generating = sum(1 for seq in self.running if seq.request.pooling is None)
+        if not generating:
+            return None
+        return max(1, math.ceil(generating * self.pooling_share / (1.0 - self.pooling_share)))
 
     def load_done(self, block: int, ok: bool) -> None:
         """A load from `StepPlan.loads` is over; `ok`: the KV was written into the block and checked sound."""
