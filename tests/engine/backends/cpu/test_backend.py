@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from llmserve import cpu_features
 from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.models import from_config
+from llmserve.models import from_config, load_model
 from llmserve.testing import tiny_config
 
 START = """
@@ -87,3 +88,17 @@ def test_the_description_names_precision_cache_and_kernel() -> None:
         assert ("amx" if LEVEL == "avx512_core_amx" else "avx512_core_bf16") in description, description
     f32 = EngineCore(from_config(tiny_config("llama"), dtype=torch.float32), EngineConfig(kv_cache_tokens=256))
     assert "(float32, float32 residual)" in f32.backend.description and "for every token" not in f32.backend.description
+
+
+def test_a_classifier_gets_no_lm_head(tmp_path: Path) -> None:
+    """A sequence classifier never samples: its fused forward packs no copy of the vocabulary-sized LM head (a
+    Qwen2-1.5B reward model's would be ~0.9 GB of float32), while a generating model keeps its head."""
+    from tests.classifier_models import save_llama_classifier
+
+    loaded = load_model(str(save_llama_classifier(tmp_path / "classifier")), device="cpu", dtype="float32")
+    backend = EngineCore(loaded, EngineConfig(kv_cache_tokens=256)).backend
+    assert isinstance(backend, CpuBackend) and backend.fused is not None
+    assert backend.fused.lm_head is None and len(backend.fused.linears()) == 4 * 2
+    generating = EngineCore(from_config(tiny_config("llama"), dtype=torch.float32), EngineConfig(kv_cache_tokens=256))
+    assert isinstance(generating.backend, CpuBackend) and generating.backend.fused is not None
+    assert generating.backend.fused.lm_head is not None

@@ -70,6 +70,7 @@ class CpuBackend(TorchPagedBackend):
                 mixed=native.load_mixed(),
                 weights=_weights(loaded),
                 source=loaded.gguf,
+                generates=loaded.generates,
             )
         # A GGUF's blocks also run in transformers' layers (gguf_model.QuantProjection), only slower.
         if loaded.weights not in (None, "gguf") and self.fused is None:
@@ -152,8 +153,7 @@ def _weights(loaded: LoadedModel) -> str | None:
 def _describe_blocks(fused: FusedForward) -> str:
     """How many kernel calls of each block type a forward makes, and the kernels' level."""
     kinds: dict[str, int] = {}
-    linears = [fused.lm_head, *(lin for ly in fused.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))]
-    for linear in linears:
+    for linear in fused.linears():
         for kind in getattr(linear, "kinds", ()):
             kinds[kind.name] = kinds.get(kind.name, 0) + 1
     counts = ", ".join(f"{n} {name}" for name, n in sorted(kinds.items(), key=lambda item: -item[1]))

@@ -219,6 +219,7 @@ class FusedForward:
         pack: bool,
         attention: Attention,
         source: GGUFFile | None = None,
+        generates: bool = True,
     ) -> None:
         base = model.model
         self.source = source
@@ -230,16 +231,19 @@ class FusedForward:
         p = precision
         norm_dtype = p.residual
         self.final_norm = _norm(base.norm, norm_dtype)
-        head = model.get_output_embeddings()
-        self.lm_head: Linear = _linear([head], p.head, pack, mixed, torch.float32, source)
-        if not p.float_rows and mixed is not None:
-            self.lm_head = RefinedHead(self.lm_head, head.weight.detach(), mixed)
+        # A model that does not generate (a classifier: its own head reads the final hidden state) gets no LM head:
+        # nothing samples, and a packed copy of a vocabulary-sized weight would be memory for nothing.
+        self.lm_head: Linear | None = None
+        if generates:
+            head = model.get_output_embeddings()
+            self.lm_head = _linear([head], p.head, pack, mixed, torch.float32, source)
+            if not p.float_rows and mixed is not None:
+                self.lm_head = RefinedHead(self.lm_head, head.weight.detach(), mixed)
         self.num_heads = shape.num_heads
         self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim
         self.layers = [self._layer(layer, pack, mixed) for layer in base.layers[: shape.num_layers]]
-        linears = [self.lm_head, *(lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))]
-        self.num_packed = sum(lin.packed for lin in linears)
+        self.num_packed = sum(lin.packed for lin in self.linears())
 
     @classmethod
     def build(
@@ -253,6 +257,7 @@ class FusedForward:
         mixed: native.MixedOps | None = None,
         weights: str | None = None,
         source: GGUFFile | None = None,
+        generates: bool = True,
     ) -> FusedForward | None:
         """The fused forward of `model`, or None where it does not apply (another architecture, a device other
         than the CPU, a dtype without a Precision, no compiled kernels, or bfloat16 rows oneDNN cannot run on this
@@ -261,7 +266,8 @@ class FusedForward:
         (LoadedModel.shape), read from its config when not given; `mixed`: the row operations a bfloat16 or int8
         precision needs; `weights`: "int8" for int8 linears on a bfloat16 model, "gguf" for a model over a GGUF's
         blocks (gguf_model.build_model; `source`: the file, whose pages of copied blocks are released), its kernels
-        quantizing activations per block, or "gguf-float32" with float32 activations."""
+        quantizing activations per block, or "gguf-float32" with float32 activations. `generates`: False for a
+        model that never samples (a classifier), which gets no LM head."""
         param = next(model.parameters())
         config = model.config
         precision = Precision.of(param.dtype, weights)
@@ -281,7 +287,7 @@ class FusedForward:
         if not all(_fits(layer, linear) for layer in base.layers):
             return None
         rows: RowOps = ExactRows(ops) if precision.float_rows or mixed is None else MixedRows(mixed)
-        return cls(model, shape or ModelShape.of(config), precision, rows, mixed, pack, attention, source)
+        return cls(model, shape or ModelShape.of(config), precision, rows, mixed, pack, attention, source, generates)
 
     def _layer(self, layer: Any, pack: bool, mixed: native.MixedOps | None) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -389,8 +395,15 @@ class FusedForward:
             return residual.new_zeros((0, 1), dtype=torch.float32), hidden
         rows = residual if keep is None else residual.index_select(0, keep)
         last = delta if keep is None else delta.index_select(0, keep)
+        if self.lm_head is None:
+            raise ValueError("this model has no LM head (it does not generate): no row can sample")
         x = ops.add_norm(rows.contiguous(), last, self.final_norm, self.lm_head.takes)
         return self.lm_head(x).float(), hidden
+
+    def linears(self) -> list[Linear]:
+        """Every linear of the forward: the LM head (where there is one), then each layer's four."""
+        head = [] if self.lm_head is None else [self.lm_head]
+        return head + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
 
     def onednn_kernel(self) -> str | None:
         """The oneDNN kernel the MLP's gate/up linear runs (its instruction set included), or None where none does."""
