@@ -27,10 +27,12 @@ has it, else F.linear. Weights are read from a transformers state dict (`BertMod
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -148,10 +150,12 @@ class EncoderBatch:
         if not sequences or any(len(s) == 0 for s in sequences):
             raise ValueError("an encoder batch needs at least one sequence, each of at least one token")
         lens = tuple(len(s) for s in sequences)
-        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
-        counts = torch.tensor(lens)
-        starts = counts.cumsum(0) - counts
-        positions = torch.arange(len(ids)) - torch.repeat_interleave(starts, counts)
+        # numpy for the index arithmetic: torch's repeat_interleave without an output size took ~0.75 ms a call
+        # with two threads (a pool wake-up and a sync for a few hundred integers), several calls a step.
+        counts = np.array(lens, dtype=np.int64)
+        starts = np.cumsum(counts) - counts
+        positions = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+        ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.int64)
         types = None
         if token_type_ids is not None:
             if [len(t) for t in token_type_ids] != list(lens):
@@ -160,14 +164,15 @@ class EncoderBatch:
         return cls(
             token_ids=ids.to(device),
             seq_lens=lens,
-            positions=positions.to(device),
+            positions=torch.from_numpy(positions).to(device),
             token_type_ids=types,
             groups=tuple(_groups(lens, positions, device)),
         )
 
 
-def _groups(lens: tuple[int, ...], positions: torch.Tensor, device: torch.device | str) -> list[AttentionGroup]:
-    """The runs of consecutive sequences that attend together (PADDING_SLACK)."""
+def _groups(lens: tuple[int, ...], positions: np.ndarray, device: torch.device | str) -> list[AttentionGroup]:
+    """The runs of consecutive sequences that attend together (PADDING_SLACK); `positions`: each packed row's index
+    in its sequence."""
     groups: list[AttentionGroup] = []
     first, row = 0, 0
     while first < len(lens):
@@ -180,10 +185,11 @@ def _groups(lens: tuple[int, ...], positions: torch.Tensor, device: torch.device
         count = last - first
         scatter = key_mask = None
         if real != count * longest:
-            members = torch.tensor(lens[first:last])
-            rows = torch.repeat_interleave(torch.arange(count), members)
-            scatter = (rows * longest + positions[row : row + real]).to(device)
-            key_mask = (torch.arange(longest)[None, :] < members[:, None])[:, None, None, :].to(device)
+            members = np.array(lens[first:last], dtype=np.int64)
+            rows = np.repeat(np.arange(count, dtype=np.int64), members)
+            scatter = torch.from_numpy(rows * longest + positions[row : row + real]).to(device)
+            mask = np.arange(longest)[None, :] < members[:, None]
+            key_mask = torch.from_numpy(mask[:, None, None, :]).to(device)
         groups.append(AttentionGroup(row, row + real, count, longest, scatter, key_mask))
         first, row = last, row + real
     return groups
