@@ -11,7 +11,7 @@ tables of its rows, and returns the metadata type of its kernel (attention.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -20,7 +20,6 @@ from llmserve.engine.backends.attention import (
     AttentionMetadata,
     Chunk,
     DecodeGroup,
-    DecodeKernel,
     GatheredAttention,
     KernelDecodeAttention,
     QueryBlock,
@@ -28,6 +27,9 @@ from llmserve.engine.backends.attention import (
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch, Staged
 from llmserve.engine.backends.slots import table_slots
+
+if TYPE_CHECKING:
+    from llmserve.engine.backends.cpu.native import PagedDecode
 
 # CPU: a long chunk's queries attend in blocks of this many rows, each to the keys up to its last query.
 # transformers' CPU flash attention does nearly the full square's work under a causal mask; blocks skip
@@ -155,7 +157,7 @@ class KernelDecodeBuilder:
     blocked softmax and the kernel round differently."""
 
     def __init__(
-        self, inputs: InputBatch, kv: KVCache, kernel: DecodeKernel, chunks: GatheredBuilder, every_token: bool = False
+        self, inputs: InputBatch, kv: KVCache, kernel: PagedDecode, chunks: GatheredBuilder, every_token: bool = False
     ) -> None:
         self.inputs = inputs
         self.kv = kv
