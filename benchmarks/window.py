@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from benchmarks.metrics import percentile
 
@@ -61,6 +62,15 @@ class Window:
             self.ttfts.append(first - began)
         if finished and last > first and first >= self.counted_from:
             self.decode_rates.append((sum(n for _, n in arrivals) - first_n) / (last - first))
+
+    async def count(self, responses: AsyncIterator[Any]) -> None:
+        """Read one call's stream of responses (llmserve_client's, with `token_ids`) to its end, counted here: the call
+        begins now, each response's tokens arrive when it does."""
+        began, arrivals = self.begin(), []
+        async for response in responses:
+            if response.token_ids:
+                arrivals.append((time.monotonic(), float(len(response.token_ids))))
+        self.done(began, arrivals)
 
     @property
     def tokens_per_s(self) -> float:

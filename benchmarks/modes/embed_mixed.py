@@ -54,19 +54,17 @@ def prompts(texts: list[str], model: str | None, vocab_size: int) -> list[Prompt
 
 
 async def _stream(client: AsyncClient, window: Window, prompt: Prompt, seed: int, args: argparse.Namespace) -> None:
-    began, arrivals = window.begin(), []
     source: dict[str, Any] = {"token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
-    async for response in client.generate(
-        **source,
-        max_new_tokens=args.gen_max_new_tokens,
-        ignore_eos=True,
-        temperature=0.7,
-        seed=seed,
-        return_token_ids=True,
-    ):
-        if response.token_ids:
-            arrivals.append((time.monotonic(), float(len(response.token_ids))))
-    window.done(began, arrivals)
+    await window.count(
+        client.generate(
+            **source,
+            max_new_tokens=args.gen_max_new_tokens,
+            ignore_eos=True,
+            temperature=0.7,
+            seed=seed,
+            return_token_ids=True,
+        )
+    )
 
 
 async def run_window(

@@ -142,18 +142,16 @@ async def grpc_client(c: int, window: Window, address: str, args: argparse.Names
         while not window.over:
             question = QUESTIONS[(c + k) % len(QUESTIONS)]
             k += 1
-            began, arrivals = window.begin(), []
-            async for response in client.generate(
-                messages=[{"role": "user", "content": question}],
-                max_new_tokens=args.max_new_tokens,
-                ignore_eos=True,
-                temperature=0.7,
-                seed=c * 1000 + k,
-                return_token_ids=True,
-            ):
-                if response.token_ids:
-                    arrivals.append((time.monotonic(), len(response.token_ids)))
-            window.done(began, arrivals)
+            await window.count(
+                client.generate(
+                    messages=[{"role": "user", "content": question}],
+                    max_new_tokens=args.max_new_tokens,
+                    ignore_eos=True,
+                    temperature=0.7,
+                    seed=c * 1000 + k,
+                    return_token_ids=True,
+                )
+            )
 
 
 async def sdk_client(c: int, window: Window, sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> None:
