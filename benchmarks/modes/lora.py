@@ -77,10 +77,7 @@ async def client_loop(
     c: int, window: Window, address: str, adapter: str, args: argparse.Namespace, prompt_ids: list[list[int]]
 ) -> None:
     async with AsyncClient(address, timeout=600) as client:
-        k = 0
-        while not window.over:
-            prompt = prompt_ids[(c + k) % len(prompt_ids)]
-            k += 1
+        for k, prompt in window.calls(c, prompt_ids):
             await window.count(
                 client.generate(
                     token_ids=prompt,
