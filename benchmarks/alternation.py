@@ -1,12 +1,15 @@
-"""Systems measured window by window in turn, for the modes that compare servers side by side (dtypes, gguf): each
-round gives every system one window at each client count, the order reversed every other round, so that the
-machine's drift falls on all alike."""
+"""Systems measured in turn, so that the machine's drift falls on all alike: for the modes that compare servers side
+by side (dtypes, gguf: `alternate`), each round gives every system one window at each client count; for the embed
+mode's parts (`in_turn`), one run per system a round; both reverse the order every other round. The probes that time
+variants in one process (`rotated_times`) rotate the order instead, one step a repetition."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import statistics
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.loadgen import Schedule
@@ -27,7 +30,7 @@ async def alternate(
     start = 0
     for c in clients:
         for r in range(args.rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
+            for name in turn(names, r):
                 schedule = Schedule(c, args.warmup_s, args.window_s, 1)
                 measurement = await chosen[name][0].run(RequestStream(maker, start), schedule)
                 out[name][c].append(measurement)
@@ -36,6 +39,46 @@ async def alternate(
                 await asyncio.sleep(ROOM_S)
             start += 10_000  # the next round's prompts are new to every server's cache
     return out
+
+
+def turn(names: Sequence[str], round_: int) -> Sequence[str]:
+    """The systems' order in round `round_`: as given, reversed every other round."""
+    return names if round_ % 2 == 0 else names[::-1]
+
+
+def in_turn(
+    systems: Sequence[str], rounds: int, run: Callable[[str], dict[str, Any]], tag: dict[str, Any]
+) -> dict[str, list[dict[str, Any]]]:
+    """`rounds` rounds of one `run(system)` per system, in `turn` order; each run's figures are printed (after `tag`)
+    as it ends. Returns each system's figures, run by run."""
+    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+    for k in range(rounds):
+        for system in turn(systems, k):
+            runs[system].append(run(system))
+            print({**tag, "set": k, "system": system, **runs[system][-1]}, flush=True)
+    return runs
+
+
+def medians(runs: dict[str, list[dict[str, Any]]], keys: Sequence[str]) -> dict[str, dict[str, float | None]]:
+    """Each system's median of each figure over its runs (None where no run has the figure)."""
+
+    def median(system: str, key: str) -> float | None:
+        values = [run[key] for run in runs[system] if run[key] is not None]
+        return statistics.median(values) if values else None
+
+    return {system: {key: median(system, key) for key in keys} for system in runs}
+
+
+def rotated_times(variants: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Each variant called once a repetition, the order rotated one step each repetition: each call's seconds."""
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            started = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - started)
+    return times
 
 
 def point(measurements: list[Any]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from benchmarks.loadgen import compose_fifo
@@ -60,42 +61,22 @@ def targets(points: dict[str, dict[int, PointSummary]], main: int, roof: Rooflin
         return max(spreads) if spreads else None
 
     tps = "output_tokens_per_s"
-    out: list[Target] = []
-    r = ratio(get("llmserve", tps), get("dynamic", tps))
-    out.append(
-        Target(
-            "llmserve / dynamic batching, output tokens/s",
-            r,
-            ">= 2.5",
-            None if r is None else r >= 2.5,
-            noise("llmserve", "dynamic"),
-        )
-    )
-    r = ratio(get("llmserve", tps), get("hf_continuous", tps))
-    out.append(
-        Target(
-            "llmserve / transformers CB, output tokens/s",
-            r,
-            ">= 4",
-            None if r is None else r >= 4,
-            noise("llmserve", "hf_continuous"),
-        )
-    )
+
+    def versus(name: str, system: str, base: str, bar: str, met: Callable[[float], bool], figure: str = tps) -> Target:
+        """`system`'s figure over `base`'s, against the bar; the noise is the larger of the two systems' spreads."""
+        r = ratio(get(system, figure), get(base, figure))
+        return Target(name, r, bar, None if r is None else met(r), noise(system, base, figure=figure))
+
+    out = [
+        versus("llmserve / dynamic batching, output tokens/s", "llmserve", "dynamic", ">= 2.5", lambda r: r >= 2.5),
+        versus("llmserve / transformers CB, output tokens/s", "llmserve", "hf_continuous", ">= 4", lambda r: r >= 4),
+    ]
     engine = points.get("llmserve", {}).get(main)
     if roof is not None and engine is not None and (shares := floor_shares(roof, engine)):
         r = sum(shares) / len(shares)
         spread = (max(shares) - min(shares)) / r if len(shares) > 1 and r else None
         out.append(Target("llmserve / roofline floor of the work it served", r, ">= 0.5", r >= 0.5, spread))
-    r = ratio(get("llmserve_grpc", tps), get("llmserve", tps))
-    out.append(
-        Target(
-            "gRPC / in-process, output tokens/s",
-            r,
-            ">= 0.9",
-            None if r is None else r >= 0.9,
-            noise("llmserve", "llmserve_grpc"),
-        )
-    )
+    out.append(versus("gRPC / in-process, output tokens/s", "llmserve_grpc", "llmserve", ">= 0.9", lambda r: r >= 0.9))
     r = ratio(get("llmserve_grpc_metrics", tps), get("llmserve_grpc", tps))
     spread = noise("llmserve_grpc", "llmserve_grpc_metrics")
     out.append(
@@ -107,14 +88,8 @@ def targets(points: dict[str, dict[int, PointSummary]], main: int, roof: Rooflin
             spread,
         )
     )
-    r = ratio(get("llmserve", "ttft_p99_s"), get("dynamic", "ttft_p99_s"))
+    p99 = "ttft_p99_s"
     out.append(
-        Target(
-            "llmserve / dynamic batching, TTFT P99",
-            r,
-            "<= 0.333",
-            None if r is None else r <= 1 / 3,
-            noise("llmserve", "dynamic", figure="ttft_p99_s"),
-        )
+        versus("llmserve / dynamic batching, TTFT P99", "llmserve", "dynamic", "<= 0.333", lambda r: r <= 1 / 3, p99)
     )
     return out

@@ -12,8 +12,12 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def reset_peak(pid: int, device: torch.device) -> None:
@@ -39,6 +43,13 @@ def peak_bytes(pid: int, device: torch.device) -> int | None:
         scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     return None
+
+
+def peak_of(pid: int, device: torch.device, run: Callable[[], T]) -> tuple[T, int | None]:
+    """`run()`'s result, and the peak memory of `pid` (as `peak_bytes` reads it) from its start to its end."""
+    reset_peak(pid, device)
+    result = run()
+    return result, peak_bytes(pid, device)
 
 
 def _hwm(pid: int) -> int | None:

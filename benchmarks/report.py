@@ -4,6 +4,7 @@ benchmarks/writer.py."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,10 +48,7 @@ def main_table(result: BenchResult) -> list[str]:
         "| × naive | × dynamic |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for system, by_c in result.points.items():
-        p = by_c.get(c)
-        if p is None:
-            continue
+    for system, p in _points_at(result.points, c):
         m, sp = p.mean, p.spread
         tps = m["output_tokens_per_s"]
         label = LABELS.get(system, system) + (" ¹" if p.composed_from is not None else "")
@@ -73,10 +71,7 @@ def main_table(result: BenchResult) -> list[str]:
         "| system | output tok/s | TTFT P99 | completed per window | errors |",
         "|---|---|---|---|---|",
     ]
-    for system, by_c in result.points.items():
-        p = by_c.get(c)
-        if p is None:
-            continue
+    for system, p in _points_at(result.points, c):
         done = ", ".join(str(w.completed) for w in p.windows)
         errors = sum(w.errors for w in p.windows)
         rows.append(
@@ -304,3 +299,8 @@ def write(result: BenchResult, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(result, out_dir)
     return writer.write(out_dir, result.name, to_json(result), to_markdown(result, plots))
+
+
+def _points_at(points: dict[str, dict[int, PointSummary]], c: int) -> Iterator[tuple[str, PointSummary]]:
+    """Each system's point at `c` concurrent clients, for the systems measured there, in the table's order."""
+    return ((system, by_c[c]) for system, by_c in points.items() if c in by_c)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from benchmarks.metrics import percentile
 
 Arrival = tuple[float, float]  # (time.monotonic() on arrival, tokens in the message)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -61,6 +63,24 @@ class Window:
             self.ttfts.append(first - began)
         if finished and last > first and first >= self.counted_from:
             self.decode_rates.append((sum(n for _, n in arrivals) - first_n) / (last - first))
+
+    def calls(self, client: int, items: Sequence[T]) -> Iterator[tuple[int, T]]:
+        """Closed-loop client number `client`'s calls until the window is over: (k, the call's item), k counting
+        from 1 (the modes seed each call with it), the items taken in turn from the client's own first one."""
+        k = 0
+        while not self.over:
+            item = items[(client + k) % len(items)]
+            k += 1
+            yield k, item
+
+    async def count(self, responses: AsyncIterator[Any]) -> None:
+        """Read one call's stream of responses (llmserve_client's, with `token_ids`) to its end, counted here: the call
+        begins now, each response's tokens arrive when it does."""
+        began, arrivals = self.begin(), []
+        async for response in responses:
+            if response.token_ids:
+                arrivals.append((time.monotonic(), float(len(response.token_ids))))
+        self.done(began, arrivals)
 
     @property
     def tokens_per_s(self) -> float:

@@ -6,6 +6,7 @@ A mode builds its page from its JSON alone, so a page can be written again from 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -86,6 +87,14 @@ class Run:
         """Record the model the run measured (its name, dtype and device)."""
         dtype = str(loaded.dtype).removeprefix("torch.")
         self.model = {"model": loaded.name, "dtype": dtype, "device": str(loaded.device)}
+
+    def load(self, args: argparse.Namespace) -> LoadedModel:
+        """The model the run measures, as the mode's --model, --device and --dtype name it, recorded (`measured_on`)."""
+        from llmserve.models import load_model
+
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        self.measured_on(loaded)
+        return loaded
 
     def facts(self) -> dict[str, Any]:
         """The run's facts for its JSON, taken at the end."""

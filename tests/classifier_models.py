@@ -8,51 +8,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, BertConfig, LlamaConfig
+from transformers import AutoTokenizer
 
 from llmserve import packaged_models
 from llmserve.gguf import default_gguf_path, file_metadata
+from llmserve.testing import tiny_config
 
 SEED = 0
 
 
 def save_llama_classifier(folder: Path, labels: dict[int, str] | None = None, *, qwen2: bool = False) -> Path:
     """A 2-layer LlamaForSequenceClassification (`qwen2`: Qwen2ForSequenceClassification, biased q/k/v) of width 64
-    over the SmolLM2 vocabulary, saved with its tokenizer. `labels`: id2label (default: three named classes)."""
-    from transformers import LlamaForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
+    (llmserve.testing's tiny config, without a pad id) over the SmolLM2 vocabulary, saved with its tokenizer.
+    `labels`: id2label (default: three named classes)."""
+    from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
 
     labels = labels or {0: "negative", 1: "neutral", 2: "positive"}
-    config_class, model_class = (Qwen2Config, Qwen2ForSequenceClassification) if qwen2 else (LlamaConfig, None)
-    config = config_class(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        id2label=labels,
-        label2id={v: k for k, v in labels.items()},
-    )
+    family = "qwen2" if qwen2 else "llama"
+    label_ids = {v: k for k, v in labels.items()}
+    config = tiny_config(family, 49152, 1024, pad_token_id=None, id2label=labels, label2id=label_ids)
     tokenizer = AutoTokenizer.from_pretrained(file_metadata(default_gguf_path()), local_files_only=True)
-    return _save(model_class or LlamaForSequenceClassification, config, tokenizer, folder)
+    model_class = Qwen2ForSequenceClassification if qwen2 else LlamaForSequenceClassification
+    return _save(model_class, config, tokenizer, folder)
 
 
 def save_bert_classifier(folder: Path, labels: dict[int, str] | None = None) -> Path:
-    """A 2-layer BertForSequenceClassification of width 64 over all-MiniLM-L6-v2's vocabulary, saved with its
-    tokenizer. `labels`: id2label (default: two named classes)."""
+    """A 2-layer BertForSequenceClassification of width 64 (llmserve.testing's tiny config) over all-MiniLM-L6-v2's
+    vocabulary, saved with its tokenizer. `labels`: id2label (default: two named classes)."""
     from transformers import BertForSequenceClassification
 
     labels = labels or {0: "ham", 1: "spam"}
-    config = BertConfig(
-        vocab_size=30522,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
+    config = tiny_config(
+        "bert",
+        30522,
+        512,
         initializer_range=0.2,  # wider than BERT's 0.02, so that texts' logits differ well beyond the tolerance
         id2label=labels,
         label2id={v: k for k, v in labels.items()},

@@ -29,7 +29,7 @@ from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.models import LoadedModel, load_model
+from llmserve.models import LoadedModel
 from llmserve_client import AsyncClient, build_request
 
 TITLE = "Append mode vs full resend, through gRPC (issue 15)"
@@ -173,8 +173,7 @@ def main(argv: list[str]) -> int:
     spec = QUICK if args.quick else FULL
     settings = BenchSettings(model=args.model, device=args.device, dtype=args.dtype)
     config = engine_config(replace(settings, engine=sized_engine(settings.engine, spec)), reuse=True)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    run.measured_on(loaded)
+    loaded = run.load(args)
     chat = ChatBuilder(loaded.tokenizer, loaded.vocab_size, spec.seed)
     figures = {"spec": asdict(spec), "append_mode": asyncio.run(append_vs_resend(loaded, config, spec, chat))}
     name = options.result_name(args, "sessions-append")

@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import itertools
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +49,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import memory, options, writer
+from benchmarks import alternation, memory, options, writer
 from benchmarks.metrics import percentile
 from benchmarks.modes import embed_mixed
 from benchmarks.serve import Server
@@ -124,26 +123,19 @@ def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     library = SentenceTransformer(str(folder), device="cpu")
     texts = sentences()[: args.sentences]
     library.encode(texts[:64], batch_size=32)  # its first call loads what it loads lazily
-    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in SYSTEMS}
     windows: dict[str, Callable[[], Window]] = {
         SYSTEMS[0]: lambda: library_window(library, texts, args),
         SYSTEMS[1]: lambda: asyncio.run(server_window(server.address, texts, args.clients, 1, args)),
         SYSTEMS[2]: lambda: asyncio.run(server_window(server.address, texts, args.batch_clients, 32, args)),
     }
-    for k in range(args.windows):
-        for system in SYSTEMS if k % 2 == 0 else SYSTEMS[::-1]:
-            pid = os.getpid() if system == SYSTEMS[0] else server.pid
-            memory.reset_peak(pid, CPU)
-            window = windows[system]()
-            runs[system].append(summary(window, memory.peak_bytes(pid, CPU)))
-            print({"set": k, "system": system, **runs[system][-1]}, flush=True)
 
-    def median(system: str, key: str) -> float | None:
-        values = [run[key] for run in runs[system] if run[key] is not None]
-        return statistics.median(values) if values else None
+    def run(system: str) -> dict[str, Any]:
+        pid = os.getpid() if system == SYSTEMS[0] else server.pid
+        window, peak = memory.peak_of(pid, CPU, windows[system])
+        return summary(window, peak)
 
-    keys = ("embeddings_per_s", "p50_s", "p99_s", "peak_rss_bytes")
-    medians = {system: {key: median(system, key) for key in keys} for system in SYSTEMS}
+    runs = alternation.in_turn(SYSTEMS, args.windows, run, {})
+    medians = alternation.medians(runs, ("embeddings_per_s", "p50_s", "p99_s", "peak_rss_bytes"))
     base = medians[SYSTEMS[0]]["embeddings_per_s"]
     return {
         "sentences": len(texts),

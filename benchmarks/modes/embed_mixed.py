@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import statistics
 import time
 from typing import Any
 
 import torch
 
-from benchmarks import memory, writer
+from benchmarks import alternation, memory, writer
 from benchmarks.metrics import percentile
 from benchmarks.serve import Server
 from benchmarks.window import Window
@@ -55,19 +54,17 @@ def prompts(texts: list[str], model: str | None, vocab_size: int) -> list[Prompt
 
 
 async def _stream(client: AsyncClient, window: Window, prompt: Prompt, seed: int, args: argparse.Namespace) -> None:
-    began, arrivals = window.begin(), []
     source: dict[str, Any] = {"token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
-    async for response in client.generate(
-        **source,
-        max_new_tokens=args.gen_max_new_tokens,
-        ignore_eos=True,
-        temperature=0.7,
-        seed=seed,
-        return_token_ids=True,
-    ):
-        if response.token_ids:
-            arrivals.append((time.monotonic(), float(len(response.token_ids))))
-    window.done(began, arrivals)
+    await window.count(
+        client.generate(
+            **source,
+            max_new_tokens=args.gen_max_new_tokens,
+            ignore_eos=True,
+            temperature=0.7,
+            seed=seed,
+            return_token_ids=True,
+        )
+    )
 
 
 async def run_window(
@@ -134,20 +131,15 @@ def measure(texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
 
         items = prompts(texts, args.gen_model, asyncio.run(vocab()))
         callers = {SYSTEMS[0]: 0, SYSTEMS[1]: args.mixed_embed_clients}
-        runs: dict[str, list[dict[str, Any]]] = {system: [] for system in SYSTEMS}
-        for k in range(args.mixed_windows):
-            for system in SYSTEMS if k % 2 == 0 else SYSTEMS[::-1]:
-                memory.reset_peak(server.pid, CPU)
-                gen, emb = asyncio.run(run_window(server.address, items, callers[system], args))
-                runs[system].append(_summary(gen, emb, memory.peak_bytes(server.pid, CPU)))
-                print({"part": "mixed", "set": k, "system": system, **runs[system][-1]}, flush=True)
 
-    def median(system: str, key: str) -> float | None:
-        values = [run[key] for run in runs[system] if run[key] is not None]
-        return statistics.median(values) if values else None
+        def run(system: str) -> dict[str, Any]:
+            (gen, emb), peak = memory.peak_of(
+                server.pid, CPU, lambda: asyncio.run(run_window(server.address, items, callers[system], args))
+            )
+            return _summary(gen, emb, peak)
 
-    keys = list(runs[SYSTEMS[0]][0])
-    medians = {system: {key: median(system, key) for key in keys} for system in SYSTEMS}
+        runs = alternation.in_turn(SYSTEMS, args.mixed_windows, run, {"part": "mixed"})
+    medians = alternation.medians(runs, list(runs[SYSTEMS[0]][0]))
     alone, beside = (medians[system]["gen_tokens_per_s"] for system in SYSTEMS)
     return {
         "model": args.gen_model or "default",

@@ -138,30 +138,22 @@ class Watched:
 
 async def grpc_client(c: int, window: Window, address: str, args: argparse.Namespace) -> None:
     async with AsyncClient(address, timeout=600) as client:
-        k = 0
-        while not window.over:
-            question = QUESTIONS[(c + k) % len(QUESTIONS)]
-            k += 1
-            began, arrivals = window.begin(), []
-            async for response in client.generate(
-                messages=[{"role": "user", "content": question}],
-                max_new_tokens=args.max_new_tokens,
-                ignore_eos=True,
-                temperature=0.7,
-                seed=c * 1000 + k,
-                return_token_ids=True,
-            ):
-                if response.token_ids:
-                    arrivals.append((time.monotonic(), len(response.token_ids)))
-            window.done(began, arrivals)
+        for k, question in window.calls(c, QUESTIONS):
+            await window.count(
+                client.generate(
+                    messages=[{"role": "user", "content": question}],
+                    max_new_tokens=args.max_new_tokens,
+                    ignore_eos=True,
+                    temperature=0.7,
+                    seed=c * 1000 + k,
+                    return_token_ids=True,
+                )
+            )
 
 
 async def sdk_client(c: int, window: Window, sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> None:
     """Through smg with the openai SDK (its pydantic objects per chunk)."""
-    k = 0
-    while not window.over:
-        question = QUESTIONS[(c + k) % len(QUESTIONS)]
-        k += 1
+    for k, question in window.calls(c, QUESTIONS):
         began, arrivals, tokens = window.begin(), [], 0
         stream = await sdk.chat.completions.create(
             model=model,
@@ -184,10 +176,7 @@ async def sdk_client(c: int, window: Window, sdk: openai.AsyncOpenAI, model: str
 async def http_client(c: int, window: Window, http: httpx.AsyncClient, model: str, args: argparse.Namespace) -> None:
     """Through smg on the same HTTP transport as the SDK (httpx), reading the server-sent events as JSON: the
     request a load generator such as vLLM's benchmark_serving sends, without the SDK's object layer."""
-    k = 0
-    while not window.over:
-        question = QUESTIONS[(c + k) % len(QUESTIONS)]
-        k += 1
+    for k, question in window.calls(c, QUESTIONS):
         began, arrivals, tokens = window.begin(), [], 0
         body = {
             "model": model,

@@ -31,7 +31,7 @@ from benchmarks.metrics import percentile
 from benchmarks.writer import seconds
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.models import LoadedModel, load_model
+from llmserve.models import LoadedModel
 
 
 @dataclass(slots=True, frozen=True)
@@ -207,8 +207,7 @@ def main(argv: list[str]) -> int:
     spec = QUICK if args.quick else TiersSpec()
     overrides = {"sessions": args.sessions, "turns": args.turns, "history_tokens": args.history}
     spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    run.measured_on(loaded)
+    loaded = run.load(args)
     figures = asyncio.run(run_all(loaded, spec, args.rounds))
     writer.publish(run, args.out_dir, options.result_name(args, "kv-tiers"), TITLE, figures, section)
     return 0

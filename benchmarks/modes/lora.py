@@ -77,23 +77,18 @@ async def client_loop(
     c: int, window: Window, address: str, adapter: str, args: argparse.Namespace, prompt_ids: list[list[int]]
 ) -> None:
     async with AsyncClient(address, timeout=600) as client:
-        k = 0
-        while not window.over:
-            prompt = prompt_ids[(c + k) % len(prompt_ids)]
-            k += 1
-            began, arrivals = window.begin(), []
-            async for response in client.generate(
-                token_ids=prompt,
-                max_new_tokens=args.max_new_tokens,
-                ignore_eos=True,
-                temperature=0.7,
-                seed=c * 1000 + k,
-                return_token_ids=True,
-                adapter=adapter,
-            ):
-                if response.token_ids:
-                    arrivals.append((time.monotonic(), len(response.token_ids)))
-            window.done(began, arrivals)
+        for k, prompt in window.calls(c, prompt_ids):
+            await window.count(
+                client.generate(
+                    token_ids=prompt,
+                    max_new_tokens=args.max_new_tokens,
+                    ignore_eos=True,
+                    temperature=0.7,
+                    seed=c * 1000 + k,
+                    return_token_ids=True,
+                    adapter=adapter,
+                )
+            )
 
 
 async def run_window(mode: str, address: str, args: argparse.Namespace, prompt_ids: list[list[int]]) -> Window:

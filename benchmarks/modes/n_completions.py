@@ -27,7 +27,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.frontend.fanout import derive_seed
 from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
-from llmserve.models import LoadedModel, load_model
+from llmserve.models import LoadedModel
 
 TITLE = "n = 4 completions vs four separate calls (issue 22)"
 N = 4
@@ -186,8 +186,7 @@ def main(argv: list[str]) -> int:
     if args.quick:  # one round, 8 new tokens: a smoke run
         args.rounds, args.max_new_tokens = 1, 8
     run = writer.Run(options.command("n", argv))
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    run.measured_on(loaded)
+    loaded = run.load(args)
     figures = asyncio.run(measure(args, loaded))
     writer.publish(run, args.out_dir, options.result_name(args, "n-completions"), TITLE, figures, section)
     return 0

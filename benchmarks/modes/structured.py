@@ -40,7 +40,7 @@ from llmserve.engine.frontend.request import (
 )
 from llmserve.engine.sample.constraints import Compiled, ConstraintCompiler, Vocabulary
 from llmserve.engine.sample.masks import constraint_masks
-from llmserve.models import LoadedModel, load_model
+from llmserve.models import LoadedModel
 
 TITLE = "Structured output: a JSON schema vs unconstrained (issue 22)"
 ITEM = {
@@ -190,8 +190,7 @@ def main(argv: list[str]) -> int:
     options.add_windows(p, "unconstrained, schema", window_s=40.0, warmup_s=10.0, max_new_tokens=128)
     args = options.parse_windows(p, argv, quick_window_s=2.0, quick_max_new_tokens=16)
     run = writer.Run(options.command("structured", argv))
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    run.measured_on(loaded)
+    loaded = run.load(args)
     figures = asyncio.run(measure(args, loaded))
     writer.publish(run, args.out_dir, options.result_name(args, "structured"), TITLE, figures, section)
     return 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModel, AutoTokenizer  # noqa: E402
 
+from benchmarks.alternation import rotated_times  # noqa: E402
 from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch  # noqa: E402
 from llmserve.packaged_models import extract, find_packaged  # noqa: E402
 
@@ -75,13 +75,7 @@ def main() -> int:
                 "loop-attn/packed": lambda b=batch: looped(b),
                 "transformers": lambda p=padded: model(**p).last_hidden_state,
             }
-            times: dict[str, list[float]] = {name: [] for name in variants}
-            names = list(variants)
-            for rep in range(args.reps):
-                for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                    started = time.perf_counter()
-                    variants[name]()
-                    times[name].append(time.perf_counter() - started)
+            times = rotated_times(variants, args.reps)
             errors = {
                 name: (fn() - reference).abs().max().item() for name, fn in variants.items() if name != "transformers"
             }

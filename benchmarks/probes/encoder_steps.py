@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +25,7 @@ sys.path[:0] = [str(ROOT / "server"), str(ROOT)]
 import torch  # noqa: E402
 from sentence_transformers import SentenceTransformer  # noqa: E402
 
+from benchmarks.alternation import rotated_times  # noqa: E402
 from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch  # noqa: E402
 from llmserve.engine.backends.pooling import pool  # noqa: E402
 from llmserve.packaged_models import extract, find_packaged  # noqa: E402
@@ -85,14 +85,7 @@ def main() -> int:
     )
     for fn in variants.values():
         fn()  # warm
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for rep in range(args.reps):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            started = time.perf_counter()
-            variants[name]()
-            times[name].append(time.perf_counter() - started)
-    for name, ts in times.items():
+    for name, ts in rotated_times(variants, args.reps).items():
         print(f"{name:24s} {len(texts) / statistics.median(ts):8.1f} embeddings/s")
     return 0
 

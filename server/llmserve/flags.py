@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from llmserve.engine.frontend.request import MAX_TOP_LOGPROBS
 from llmserve.engine.lora.catalog import MAX_LORA_RANK, check_adapter_name
@@ -14,6 +14,7 @@ from llmserve.history import check_store_spec
 
 DEFAULT_ADDRESS = "0.0.0.0:50051"
 LOG_FORMATS = ("text", "json")
+N = TypeVar("N", int, float)
 
 
 def _one_of(*choices: str) -> Callable[[str], str]:
@@ -26,18 +27,27 @@ def _one_of(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be >= 1, got {value}")
-    return value
+def _checked(convert: Callable[[str], N], holds: Callable[[N], bool], bound: str) -> Callable[[str], N]:
+    """`convert`, refusing a value for which `holds` is false with "must be <bound>, got <value>"."""
+
+    def parse(text: str) -> N:
+        value = convert(text)
+        if not holds(value):
+            raise ValueError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = convert.__name__  # argparse names the type in its refusal: "invalid int value"
+    return parse
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError(f"must be a port number in [0, 65535], got {value}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, ">= 1")
+_port = _checked(int, lambda v: 0 <= v <= 65535, "a port number in [0, 65535]")
+_top_logprobs = _checked(int, lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
+_lora_rank = _checked(int, lambda v: 1 <= v <= MAX_LORA_RANK, f"in [1, {MAX_LORA_RANK}]")
+_fraction = _checked(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+_positive_float = _checked(float, lambda v: v > 0, "> 0")
+_non_negative_float = _checked(float, lambda v: v >= 0, ">= 0")
+_log_format = _one_of(*LOG_FORMATS)
 
 
 def _address(text: str) -> str:
@@ -49,46 +59,11 @@ def _address(text: str) -> str:
     return text
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"must be > 0, got {value}")
-    return value
-
-
-def _log_format(text: str) -> str:
-    value = text.strip().lower()
-    if value not in LOG_FORMATS:
-        raise ValueError(f"must be one of {', '.join(LOG_FORMATS)}, got {text!r}")
-    return value
-
-
 def _roles(text: str) -> tuple[str, ...]:
     roles = tuple(role.strip() for role in text.split(",") if role.strip())
     if not roles:
         raise ValueError("give at least one role")
     return roles
-
-
-def _top_logprobs(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
-    return value
-
-
-def _lora_rank(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= MAX_LORA_RANK:
-        raise ValueError(f"must be in [1, {MAX_LORA_RANK}], got {value}")
-    return value
 
 
 def _named_path(text: str) -> tuple[str, str]:
@@ -114,13 +89,6 @@ def _identity(text: str) -> str:
 
 def _identities_text(values: tuple[str, ...]) -> str:
     return ",".join(values) or "none"
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {value}")
-    return value
 
 
 def _mib_to_bytes(mib: float) -> int:

@@ -12,7 +12,15 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    BertConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
@@ -28,8 +36,12 @@ T = TypeVar("T")
 TINY_VOCAB = 512
 
 
-def tiny_config(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positions: int = 2048) -> PretrainedConfig:
-    """A two-layer model of the given family with grouped-query attention where the family has it."""
+def tiny_config(
+    family: str = "llama", vocab_size: int = TINY_VOCAB, max_positions: int = 2048, **overrides: Any
+) -> PretrainedConfig:
+    """A two-layer model of the given family (llama, mistral, qwen2, qwen3, gpt2, bert) with grouped-query attention
+    where the family has it; `overrides` are
+    the config's own arguments (id2label for a classifier, a sliding window, pad_token_id None), over these."""
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -43,18 +55,27 @@ def tiny_config(family: str = "llama", vocab_size: int = TINY_VOCAB, max_positio
         pad_token_id=0,
     )
     if family == "llama":
-        return LlamaConfig(**common)
+        return LlamaConfig(**common | overrides)
     if family == "mistral":
-        return MistralConfig(**common, sliding_window=None)
+        return MistralConfig(**common | {"sliding_window": None} | overrides)
     if family == "qwen2":
-        return Qwen2Config(**common)
+        return Qwen2Config(**common | overrides)
     if family == "qwen3":
-        return Qwen3Config(**common, head_dim=16)
+        return Qwen3Config(**common | {"head_dim": 16} | overrides)
     if family == "gpt2":
         gpt2: dict[str, Any] = dict(
             n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=1, eos_token_id=2
         )
-        return GPT2Config(vocab_size=vocab_size, **gpt2)
+        return GPT2Config(vocab_size=vocab_size, **gpt2 | overrides)
+    if family == "bert":  # an encoder (the embedding and classification tests'): BERT's own ids and heads
+        bert: dict[str, Any] = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=max_positions,
+        )
+        return BertConfig(vocab_size=vocab_size, **bert | overrides)
     raise ValueError(family)
 
 

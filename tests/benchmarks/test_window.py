@@ -3,6 +3,10 @@ inside it, decode rates for finished requests whose first message came inside it
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
 import pytest
 
 from benchmarks.window import Window, spread, ttft_summary, window_ratios
@@ -36,3 +40,25 @@ def test_the_ttft_summary() -> None:
 def test_ratios_of_windows_leave_out_a_base_that_got_nothing() -> None:
     assert window_ratios([2.0, 3.0, 1.0], [1.0, 2.0, 1.0]) == ([2.0, 1.5, 1.0], 1.5)
     assert window_ratios([1.7], [0.0]) == ([None], None)  # a smoke run's empty window: no ratio, no crash
+
+
+def test_a_clients_calls_take_the_items_in_turn_from_its_own_until_the_window_is_over() -> None:
+    window = Window.starting_now(0.0, 3600.0)
+    calls = window.calls(2, ["a", "b", "c"])
+    assert [next(calls) for _ in range(4)] == [(1, "c"), (2, "a"), (3, "b"), (4, "c")]
+    window.end = window.counted_from  # over
+    assert list(calls) == []
+
+
+def test_a_counted_stream_begins_when_read_and_counts_each_responses_tokens() -> None:
+    @dataclass
+    class Response:
+        token_ids: list[int]
+
+    async def stream() -> AsyncIterator[Response]:
+        for ids in ([1, 2], [], [3]):
+            yield Response(ids)
+
+    window = Window.starting_now(0.0, 3600.0)
+    asyncio.run(window.count(stream()))
+    assert window.tokens == 3 and window.open == 0 and len(window.ttfts) == 1

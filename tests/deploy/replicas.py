@@ -6,6 +6,7 @@ three-replica setup in the foreground for a person to try (`make demo`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from llmserve_client import NO_RETRY, Client
@@ -95,6 +97,18 @@ class Replica:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+@contextlib.contextmanager
+def serving(*replicas: Replica) -> Iterator[tuple[Replica, ...]]:
+    """The replicas (started when built) once each is SERVING; every one stopped on the way out, whatever happened."""
+    try:
+        for replica in replicas:
+            replica.wait_serving()
+        yield replicas
+    finally:
+        for replica in replicas:
+            replica.stop()
 
 
 def nginx_binary() -> str | None:

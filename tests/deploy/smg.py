@@ -7,6 +7,7 @@ Ctrl-C); the gateway benchmark starts it the same way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -16,10 +17,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tests.deploy.replicas import ROOT, Replica, free_port
+from tests.deploy.replicas import ROOT, Replica, free_port, serving
 
 LAUNCH = ROOT / "deploy" / "smg" / "launch.sh"
 
@@ -104,6 +105,19 @@ class Smg:
             self.proc.wait()
 
 
+@contextlib.contextmanager
+def in_front(
+    replicas: Sequence[Replica], log_dir: Path, *extra: str, policy: str = "cache_aware", port: int = 0
+) -> Iterator[tuple[Smg, str]]:
+    """smg in front of `replicas` (serving), logging to log_dir/smg.log, once ready: the gateway and the served
+    model's id. Stopped on the way out, whatever happened."""
+    smg = Smg([r.address for r in replicas], log_dir / "smg.log", *extra, policy=policy, port=port)
+    try:
+        yield smg, smg.wait_ready()
+    finally:
+        smg.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`make gateway`: REPLICAS llmserve replicas (ports 50051...) of the default model and smg in front of them on
     127.0.0.1:30000, in the foreground until Ctrl-C."""
@@ -117,26 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     replicas = [
         Replica(f"r{i}", logs, "--log-level", "INFO", model=args.model, port=50051 + i) for i in range(args.replicas)
     ]
-    smg = None
-    try:
+    with serving(*replicas):
         for replica in replicas:
-            replica.wait_serving()
             print(f"replica {replica.name} on {replica.address} (log {replica.log_path})", flush=True)
-        smg = Smg([r.address for r in replicas], logs / "smg.log", policy=args.policy, port=args.port)
-        model = smg.wait_ready()
-        print(
-            f"smg on {smg.url} (log {smg.log_path}), model {model!r}:\n"
-            f"  curl {smg.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
-            f'\'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}], '
-            f'"stream": true}}\'\nCtrl-C stops everything.',
-            flush=True,
-        )
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    finally:
-        if smg is not None:
-            smg.stop()
-        for replica in replicas:
-            replica.stop()
+        with in_front(replicas, logs, policy=args.policy, port=args.port) as (smg, model):
+            print(
+                f"smg on {smg.url} (log {smg.log_path}), model {model!r}:\n"
+                f"  curl {smg.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+                f'\'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}], '
+                f'"stream": true}}\'\nCtrl-C stops everything.',
+                flush=True,
+            )
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
     return 0
 
 

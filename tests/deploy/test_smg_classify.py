@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.classifier_models import reference_logits, save_llama_classifier
-from tests.deploy.replicas import Replica
+from tests.deploy.replicas import Replica, serving
 from tests.deploy.smg import Smg, smg_binary
 
 pytestmark = pytest.mark.skipif(smg_binary() is None, reason="smg (the gateway extra) is not installed")
@@ -34,21 +34,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def replica(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
-    node = Replica("classify", tmp_path_factory.mktemp("logs"), "--dtype", "float32", model=str(folder))
-    try:
-        node.wait_serving()
+    logs = tmp_path_factory.mktemp("logs")
+    with serving(Replica("classify", logs, "--dtype", "float32", model=str(folder))) as (node,):
         yield node
-    finally:
-        node.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway(replica: Replica, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Smg, str]]:
-    smg = Smg([replica.address], tmp_path_factory.mktemp("smg") / "smg.log")
-    try:
-        yield smg, smg.wait_ready()
-    finally:
-        smg.stop()
 
 
 def _classify(smg: Smg, model: str, text: str) -> dict[str, object]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmserve_client import Client
-from tests.deploy.replicas import Replica
+from tests.deploy.replicas import Replica, serving
 from tests.deploy.smg import Smg, smg_binary
 
 pytestmark = pytest.mark.skipif(smg_binary() is None, reason="smg (the gateway extra) is not installed")
@@ -22,21 +22,8 @@ TEXTS = ["A cat sat on the mat.", "The quick brown fox jumps over the lazy dog."
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
-    node = Replica("embed", tmp_path_factory.mktemp("logs"), model="all-minilm-l6-v2")
-    try:
-        node.wait_serving()
+    with serving(Replica("embed", tmp_path_factory.mktemp("logs"), model="all-minilm-l6-v2")) as (node,):
         yield node
-    finally:
-        node.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway(replica: Replica, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Smg, str]]:
-    smg = Smg([replica.address], tmp_path_factory.mktemp("smg") / "smg.log")
-    try:
-        yield smg, smg.wait_ready()
-    finally:
-        smg.stop()
 
 
 def test_the_sdks_embeddings_are_llmserves_embed(gateway: tuple[Smg, str], replica: Replica) -> None:

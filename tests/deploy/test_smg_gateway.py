@@ -23,8 +23,8 @@ import openai
 import pytest
 
 from llmserve_client import Client, pb
-from tests.deploy.replicas import Replica
-from tests.deploy.smg import Smg, smg_binary
+from tests.deploy.replicas import Replica, serving
+from tests.deploy.smg import Smg, in_front, smg_binary
 from tests.service.harness import wait_until
 
 pytestmark = pytest.mark.skipif(smg_binary() is None, reason="smg (the gateway extra) is not installed")
@@ -62,28 +62,13 @@ def replicas(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """Two replicas for the module: the SDK's tests go through an smg in front of the first alone; the routing tests
     (the module's last) put smg in front of both."""
     logs = tmp_path_factory.mktemp("logs")
-    nodes = [Replica(name, logs, model=str(model_dir)) for name in ("a", "b")]
-    try:
-        for node in nodes:
-            node.wait_serving()
-        yield nodes
-    finally:
-        for node in nodes:
-            node.stop()
+    with serving(*(Replica(name, logs, model=str(model_dir)) for name in ("a", "b"))) as nodes:
+        yield list(nodes)
 
 
 @pytest.fixture(scope="module")
 def replica(replicas: list[Replica]) -> Replica:
     return replicas[0]
-
-
-@pytest.fixture(scope="module")
-def gateway(replica: Replica, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Smg, str]]:
-    smg = Smg([replica.address], tmp_path_factory.mktemp("smg") / "smg.log")
-    try:
-        yield smg, smg.wait_ready()
-    finally:
-        smg.stop()
 
 
 @pytest.fixture(scope="module")
@@ -252,11 +237,8 @@ def client_of(smg: Smg) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def cache_aware(replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Smg, str]]:
     """smg with cache_aware in front of both replicas, for the two routing tests that use that policy."""
-    smg = Smg([r.address for r in replicas], tmp_path_factory.mktemp("smg") / "smg.log", policy="cache_aware")
-    try:
-        yield smg, smg.wait_ready()
-    finally:
-        smg.stop()
+    with in_front(replicas, tmp_path_factory.mktemp("smg"), policy="cache_aware") as ready:
+        yield ready
 
 
 def test_the_next_turn_goes_where_its_prefix_is_cached(replicas: list[Replica], cache_aware: tuple[Smg, str]) -> None:
@@ -313,9 +295,8 @@ def test_cache_aware_routes_on_the_replicas_kv_events(replicas: list[Replica], c
 def test_consistent_hashing_keeps_a_sessions_turns_on_one_replica(
     replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    smg = Smg([r.address for r in replicas], tmp_path_factory.mktemp("smg") / "smg.log", policy="consistent_hashing")
-    try:
-        model, client = smg.wait_ready(), client_of(smg)
+    with in_front(replicas, tmp_path_factory.mktemp("smg"), policy="consistent_hashing") as (smg, model):
+        client = client_of(smg)
         homes: dict[str, set[int]] = {}
         for turn in range(2):
             for session in range(12):  # all on one replica by chance: 2 in 4096 (6 sessions: 1 in 32, seen in CI)
@@ -331,26 +312,16 @@ def test_consistent_hashing_keeps_a_sessions_turns_on_one_replica(
                 homes.setdefault(key, set()).update(i for i in range(2) if after[i] > before[i])
         assert all(len(home) == 1 for home in homes.values()), homes
         assert {i for home in homes.values() for i in home} == {0, 1}, "twelve sessions spread over both replicas"
-    finally:
-        smg.stop()
 
 
 def test_a_stopped_replicas_traffic_moves_and_no_stream_hangs(
     replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Last in the module: it stops replica b."""
-    smg = Smg(
-        [r.address for r in replicas],
-        tmp_path_factory.mktemp("smg") / "smg.log",
-        "--health-check-interval-secs",
-        "1",
-        "--health-failure-threshold",
-        "1",
-        policy="round_robin",
-    )
+    flags = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
     outcomes: list[str] = []
-    try:
-        model, client = smg.wait_ready(), client_of(smg)
+    with in_front(replicas, tmp_path_factory.mktemp("smg"), *flags, policy="round_robin") as (smg, model):
+        client = client_of(smg)
 
         def stream(i: int) -> None:
             try:
@@ -381,5 +352,3 @@ def test_a_stopped_replicas_traffic_moves_and_no_stream_hangs(
             )
             assert response.choices[0].message.content is not None
         assert served(replicas[0]) == before + 6
-    finally:
-        smg.stop()

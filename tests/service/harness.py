@@ -52,6 +52,15 @@ def tiny_model(seed: int = 0) -> LoadedModel:
     return from_config(LlamaConfig(**TINY_LLAMA), tokenizer=smollm2_tokenizer(), dtype=torch.float32, seed=seed)
 
 
+def engine_config(**overrides: Any) -> EngineConfig:
+    """The service tests' engine settings (a small pool and step budget, no CUDA graphs), with `overrides`."""
+    settings: dict[str, Any] = dict(
+        kv_cache_tokens=32768, max_num_seqs=16, max_num_batched_tokens=512, cuda_graphs=False
+    )
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
 def tiny_engine(*, in_process: bool = False, **overrides: Any) -> Any:
     """A real AsyncEngine (not started) over tiny_model(): its core in an engine process of its own, as
     `python -m llmserve` runs it, or with `in_process` on a thread of this process (`--engine-in-process`), for the
@@ -59,9 +68,7 @@ def tiny_engine(*, in_process: bool = False, **overrides: Any) -> Any:
     from llmserve.engine.core.process import ChildSpec, ProcessCore
     from llmserve.engine.frontend.async_engine import AsyncEngine
 
-    settings = dict(kv_cache_tokens=32768, max_num_seqs=16, max_num_batched_tokens=512, cuda_graphs=False)
-    settings.update(overrides)
-    config = EngineConfig(**settings)
+    config = engine_config(**overrides)
     if in_process:
         return AsyncEngine(tiny_model(), config)
     core = ProcessCore(ChildSpec(tiny_model, config))  # the child imports this module by its name, `harness`

@@ -16,11 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from harness import ServerThread, bad_request_fields
+from harness import ServerThread, bad_request_fields, engine_config
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from llmserve.engine.config import EngineConfig
 from llmserve.models import load_model
 from llmserve_client import pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
@@ -63,21 +62,12 @@ def server(folder: Path) -> Iterator[ServerThread]:
     from llmserve.engine.frontend.async_engine import AsyncEngine
 
     loaded = load_model(folder, device="cpu", dtype="float32")
-    config = EngineConfig(kv_cache_tokens=8192, max_num_seqs=16, max_num_batched_tokens=512, cuda_graphs=False)
-    srv = ServerThread(AsyncEngine(loaded, config)).start()
+    srv = ServerThread(AsyncEngine(loaded, engine_config(kv_cache_tokens=8192))).start()
     yield srv
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def channel(server: ServerThread) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.address) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def stub(channel: grpc.Channel) -> generate_pb2_grpc.GenerateServiceStub:
-    return generate_pb2_grpc.GenerateServiceStub(channel)
+# `channel` and `stub` are conftest's, over this module's `server`.
 
 
 def _classify(stub: generate_pb2_grpc.GenerateServiceStub, texts: list[str]) -> pb.EmbedResponse:

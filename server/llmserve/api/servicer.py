@@ -381,12 +381,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetSessionResponse:
         engine = self.ready_engine()
-        if not request.session_id:
-            raise InvalidRequest("session_id", "must not be empty")
+        key = self._session_key(request.session_id)
         info = held = None
         # An id no Generate call could have used names no session: the same NOT_FOUND as any unknown id.
-        if is_valid_id(request.session_id, self._limits.max_session_id_length):
-            key = scoped(caller_identity(), request.session_id)
+        if key is not None:
             info = await engine.get_session(key)
             held = await self.histories.get(key)
         if info is None and held is None:
@@ -405,17 +403,24 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         response.last_used.FromNanoseconds(int(used * 1e9))
         return response
 
+    def _session_key(self, session_id: str) -> str | None:
+        """The key of the caller's session `session_id` (GetSession, DeleteSession); None for an id no Generate call
+        could have used. An empty id is refused naming `session_id`."""
+        if not session_id:
+            raise InvalidRequest("session_id", "must not be empty")
+        if not is_valid_id(session_id, self._limits.max_session_id_length):
+            return None
+        # With authentication on, two identities' equal session ids are two sessions, and neither can read,
+        # continue or delete the other's.
+        return scoped(caller_identity(), session_id)
+
     async def DeleteSession(
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteSessionResponse:
         engine = self.ready_engine()
-        if not request.session_id:
-            raise InvalidRequest("session_id", "must not be empty")
-        if not is_valid_id(request.session_id, self._limits.max_session_id_length):
+        key = self._session_key(request.session_id)
+        if key is None:
             return pb.DeleteSessionResponse(deleted=False)
-        # With authentication on, two identities' equal session ids are two sessions, and neither can read,
-        # continue or delete the other's.
-        key = scoped(caller_identity(), request.session_id)
         held = await self.histories.delete(key)
         cached = await engine.delete_session(key)
         return pb.DeleteSessionResponse(deleted=held or cached)

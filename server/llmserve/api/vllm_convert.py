@@ -106,20 +106,24 @@ def to_llmserve_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:
     stopping.stop_token_ids.extend(s.stop_token_ids)
     stopping.include_stop_sequence = s.include_stop_str_in_output
     stopping.ignore_eos = s.ignore_eos
-    if s.HasField("logprobs"):
-        if s.logprobs < 0:
-            reason = f"must be >= 0 (-1, the whole vocabulary, is not served), got {s.logprobs}"
-            raise InvalidRequest(f"{_SP}.logprobs", reason)
-        out.response.logprobs = True
-        out.response.top_logprobs = s.logprobs
-    if s.HasField("prompt_logprobs"):
-        if s.prompt_logprobs < 0:
-            reason = f"must be >= 0 (-1, the whole vocabulary, is not served), got {s.prompt_logprobs}"
-            raise InvalidRequest(f"{_SP}.prompt_logprobs", reason)
-        out.response.prompt_logprobs = True
-        out.response.prompt_top_logprobs = s.prompt_logprobs
+    top, prompt_top = _alternatives(s, "logprobs"), _alternatives(s, "prompt_logprobs")
+    if top is not None:
+        out.response.logprobs, out.response.top_logprobs = True, top
+    if prompt_top is not None:
+        out.response.prompt_logprobs, out.response.prompt_top_logprobs = True, prompt_top
     _constraint(s, out.constraint)
     return out
+
+
+def _alternatives(s: vpb.SamplingParams, name: str) -> int | None:
+    """How many alternatives `logprobs` or `prompt_logprobs` (`name`) asks for; None where unset. A negative count
+    (vLLM's -1: the whole vocabulary) is refused naming the field."""
+    if not s.HasField(name):
+        return None
+    count: int = getattr(s, name)
+    if count < 0:
+        raise InvalidRequest(f"{_SP}.{name}", f"must be >= 0 (-1, the whole vocabulary, is not served), got {count}")
+    return count
 
 
 def _refuse_unsupported(request: vpb.GenerateRequest) -> None:

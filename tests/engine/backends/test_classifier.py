@@ -19,6 +19,7 @@ from llmserve.engine.backends.classifier import (
 from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch, EncoderConfig
 from llmserve.engine.backends.pooling import pool
 from llmserve.pooling_config import PoolingMode
+from llmserve.testing import tiny_config
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 SEQS = [[5, 17, 99, 3, 42, 8, 61], [7, 7, 120], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [33]]
@@ -33,20 +34,9 @@ def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _decoder(kind: str) -> Any:
-    from transformers import AutoModelForSequenceClassification, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForSequenceClassification
 
-    common: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=3,
-        id2label=LABELS,
-        pad_token_id=PAD,
-    )
-    config = LlamaConfig(**common) if kind == "llama" else Qwen3Config(head_dim=16, **common)
+    config = tiny_config(kind, vocab_size=256, id2label=LABELS, pad_token_id=PAD)
     config.architectures = [f"{'Llama' if kind == 'llama' else 'Qwen3'}ForSequenceClassification"]
     torch.manual_seed(44)
     return AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
@@ -71,19 +61,9 @@ def test_a_decoder_classifier_gives_transformers_logits(kind: str) -> None:
 
 
 def _bert_classifier() -> Any:
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
-    config = BertConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        num_labels=3,
-        id2label=LABELS,
-        architectures=["BertForSequenceClassification"],
-    )
+    config = tiny_config("bert", 256, 64, id2label=LABELS, architectures=["BertForSequenceClassification"])
     torch.manual_seed(44)
     return BertForSequenceClassification(config).eval()
 

@@ -19,20 +19,7 @@ from tests.engine.engine_helpers import RUN_TIMEOUT_S, PieceTokenizer, req, serv
 
 
 def test_context_is_capped_at_a_sliding_window() -> None:
-    from transformers import MistralConfig
-
-    from llmserve.engine.core.engine_core import EngineCore
-
-    config = MistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        sliding_window=256,
-    )
+    config = tiny_config("mistral", vocab_size=64, max_positions=4096, sliding_window=256)
     core = EngineCore(from_config(config), EngineConfig(kv_cache_tokens=1024))
     assert core.max_model_len == 256
     with pytest.raises(InvalidRequest):

@@ -12,18 +12,21 @@ One metadata type per attention kernel, each with only the fields its kernel rea
   [kv_heads, slots, dim] cache) into one padded batched matmul per `DecodeGroup`; multi-token chunks gather
   their context and attend one sequence at a time with SDPA (on the CPU in blocks of query rows).
 - `KernelDecodeAttention` (the CPU backend's compiled kernel): decode queries read each sequence's blocks in
-  place through a `DecodeKernel`; chunks as above.
+  place through the kernel (cpu/native.PagedDecode); chunks as above.
 - `VarlenAttention` (backends/triton_attention.py): every token of the step, chunks and decodes, in one call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+if TYPE_CHECKING:
+    from llmserve.engine.backends.cpu.native import PagedDecode
 
 ATTN_IMPLEMENTATION = "llmserve_paged"
 
@@ -58,23 +61,6 @@ class DecodeGroup:
     slots: torch.Tensor  # [(end - start) * ctx] flattened, padded with the scratch slot
     bias: torch.Tensor  # [kv_heads * (end - start), 1, ctx]: 0 where attending, -inf on padding
     ctx: int
-
-
-class DecodeKernel(Protocol):
-    """Decode attention that reads the paged cache in place (the CPU backend's compiled kernel)."""
-
-    def __call__(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-        max_len: int,
-        block_size: int,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None: ...
 
 
 class VarlenKernel(Protocol):
@@ -137,7 +123,7 @@ class KernelDecodeAttention:
 
     kv: torch.Tensor
     slot_mapping: torch.Tensor
-    kernel: DecodeKernel
+    kernel: PagedDecode
     num: int
     tables: torch.Tensor  # [num, max blocks] int32 (entries past a length are never read)
     lens: torch.Tensor  # [num] int32

@@ -11,7 +11,7 @@ tables of its rows, and returns the metadata type of its kernel (attention.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -20,7 +20,6 @@ from llmserve.engine.backends.attention import (
     AttentionMetadata,
     Chunk,
     DecodeGroup,
-    DecodeKernel,
     GatheredAttention,
     KernelDecodeAttention,
     QueryBlock,
@@ -28,6 +27,9 @@ from llmserve.engine.backends.attention import (
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch, Staged
 from llmserve.engine.backends.slots import table_slots
+
+if TYPE_CHECKING:
+    from llmserve.engine.backends.cpu.native import PagedDecode
 
 # CPU: a long chunk's queries attend in blocks of this many rows, each to the keys up to its last query.
 # transformers' CPU flash attention does nearly the full square's work under a causal mask; blocks skip
@@ -155,7 +157,7 @@ class KernelDecodeBuilder:
     blocked softmax and the kernel round differently."""
 
     def __init__(
-        self, inputs: InputBatch, kv: KVCache, kernel: DecodeKernel, chunks: GatheredBuilder, every_token: bool = False
+        self, inputs: InputBatch, kv: KVCache, kernel: PagedDecode, chunks: GatheredBuilder, every_token: bool = False
     ) -> None:
         self.inputs = inputs
         self.kv = kv
@@ -164,22 +166,15 @@ class KernelDecodeBuilder:
         self.every_token = every_token
 
     def build(self, staged: Staged, slot_mapping: torch.Tensor) -> KernelDecodeAttention:
-        if self.every_token:
-            return self.build_every_token(staged, slot_mapping)
-        num = decode_count(staged)
+        # The kernel's entries: the decodes; those verifying drafts (one query row per position, each with its own
+        # length: causal attention by the same kernel and in the same order as decoding those tokens one by one);
+        # with `every_token`, every entry, and no chunk is left for SDPA.
+        num = len(staged.entries) if self.every_token else decode_count(staged) + staged.num_verify
+        if num == decode_count(staged):  # one query per entry: its row and length as staged
+            rows, lens = staged.rows[:num], staged.lens[:num]
+        else:
+            rows, lens = query_rows(staged, num)
         width = int(staged.widths[:num].max()) if num else 0
-        rows, lens = staged.rows[:num], staged.lens[:num]
-        if staged.num_verify:
-            # An entry verifying drafts is one query row per position for the kernel, each with its own length
-            # (its context up to that position, whose K/V the layer writes before attending): causal attention
-            # by the same kernel and in the same order as decoding those tokens one by one.
-            num += staged.num_verify
-            width = int(staged.widths[:num].max())
-            counts = np.diff(staged.query_start[: num + 1]).astype(np.int64)
-            rows = np.repeat(staged.rows[:num], counts)
-            first = np.repeat(staged.lens[:num].astype(np.int64) - counts, counts)
-            offset = np.arange(int(counts.sum())) - np.repeat(staged.query_start[:num].astype(np.int64), counts)
-            lens = (first + offset + 1).astype(np.int32)
         return KernelDecodeAttention(
             kv=self.kv.tensor,
             slot_mapping=slot_mapping,
@@ -192,26 +187,16 @@ class KernelDecodeBuilder:
             chunks=self._chunks.chunks(staged, num),
         )
 
-    def build_every_token(self, staged: Staged, slot_mapping: torch.Tensor) -> KernelDecodeAttention:
-        """Every token of the step as a kernel query: its sequence's block table and its own context length."""
-        counts = np.diff(staged.query_start).astype(np.int64)
-        rows = np.repeat(staged.rows, counts)
-        # The token at offset j of an entry with c queries and final context L sees L - c + 1 + j positions.
-        ends = np.repeat(staged.lens.astype(np.int64), counts)
-        offsets = np.arange(len(rows), dtype=np.int64) - np.repeat(staged.query_start[:-1].astype(np.int64), counts)
-        lens = (ends - np.repeat(counts, counts) + 1 + offsets).astype(np.int32)
-        width = int(staged.widths.max())
-        return KernelDecodeAttention(
-            kv=self.kv.tensor,
-            slot_mapping=slot_mapping,
-            kernel=self.kernel,
-            num=len(rows),
-            tables=self.inputs.tables_of(rows, width),
-            lens=torch.from_numpy(lens),
-            max_len=int(lens.max()),
-            block_size=self.kv.block_size,
-            chunks=[],
-        )
+
+def query_rows(staged: Staged, num: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every query of entries [0, num) as a kernel row of its own: its entry's block-table row, and its context
+    length (up to and including its own position, whose K/V the layer writes before attending)."""
+    counts = np.diff(staged.query_start[: num + 1]).astype(np.int64)
+    rows = np.repeat(staged.rows[:num], counts)
+    # The query at offset j of an entry with c queries and final context L sees L - c + 1 + j positions.
+    firsts = np.repeat(staged.lens[:num].astype(np.int64) - counts, counts)
+    offsets = np.arange(len(rows), dtype=np.int64) - np.repeat(staged.query_start[:num].astype(np.int64), counts)
+    return rows, (firsts + offsets + 1).astype(np.int32)
 
 
 def decode_count(staged: Staged) -> int:

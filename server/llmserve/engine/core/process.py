@@ -196,25 +196,13 @@ class ProcessCore:
         self._send(Abort(handle, keep_generated))
 
     def get_session(self, session_id: str) -> Future[SessionInfo | None]:
-        reply: Future[SessionInfo | None] = Future()
-        number = self._register(self._queries, reply)
-        if number is not None:
-            self._send(SessionQuery(number, session_id))
-        return reply
+        return self._ask(self._queries, lambda number: SessionQuery(number, session_id))
 
     def delete_session(self, session_id: str) -> Future[bool]:
-        reply: Future[bool] = Future()
-        number = self._register(self._deletes, reply)
-        if number is not None:
-            self._send(SessionDelete(number, session_id))
-        return reply
+        return self._ask(self._deletes, lambda number: SessionDelete(number, session_id))
 
     def manage_adapters(self, op: AdapterOp) -> Future[AdapterAnswer]:
-        reply: Future[AdapterAnswer] = Future()
-        number = self._register(self._adapter_calls, reply)
-        if number is not None:
-            self._send(AdapterCall(number, op))
-        return reply
+        return self._ask(self._adapter_calls, lambda number: AdapterCall(number, op))
 
     def stop(self) -> None:
         """Tell the child to stop and wait until it has said Bye and exited (or died)."""
@@ -322,16 +310,20 @@ class ProcessCore:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _register(self, pending: dict[int, Future[T]], reply: Future[T]) -> int | None:
-        """Number a session command and keep its future, or fail it when the core has ended (under the lock that
-        `_end` takes, so that no future is kept after the last answers were given)."""
+    def _ask(self, pending: dict[int, Future[T]], command: Callable[[int], object]) -> Future[T]:
+        """Send the command `command(number)` makes, numbered, and keep its answer's future in `pending`; or fail
+        the future when the core has ended (under the lock that `_end` takes, so that no future is kept after the
+        last answers were given)."""
+        reply: Future[T] = Future()
         with self._lock:
             if self._ended is not None:
                 reply.set_exception(EngineDead(self._ended))
-                return None
+                return reply
             self._numbers += 1
-            pending[self._numbers] = reply
-            return self._numbers
+            number = self._numbers
+            pending[number] = reply
+        self._send(command(number))
+        return reply
 
     def _answer(
         self,

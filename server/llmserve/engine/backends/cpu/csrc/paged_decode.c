@@ -48,41 +48,32 @@ static inline __m256 sum8(const __m256 a[8]) {
 
 #if defined(__AVX2__) && defined(__FMA__) && HEAD_DIM % 8 == 0
 /* float32 scores, eight key rows at a time: eight dot products accumulate side by side and one shuffle
- * tree sums them, instead of one horizontal sum per dot product. */
+ * tree sums them, instead of one horizontal sum per dot product. The same loop over a float32 cache and over a
+ * bfloat16 one: KEY_T is the cache's storage, LOAD8 reads eight of its values as float32. */
 #define SCORES_BY_8 CAT(scores_by_8, VARIANT)
-
-static inline void SCORES_BY_8(const float *restrict qs, const float *restrict keys, float *restrict scores,
-                               long stride) {
-  for (int g = 0; g < GROUP; ++g) {
-    __m256 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-    for (int d = 0; d < HEAD_DIM; d += 8) {
-      const __m256 q = _mm256_loadu_ps(qs + g * HEAD_DIM + d);
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(q, _mm256_loadu_ps(keys + j * HEAD_DIM + d), a[j]);
-    }
-    _mm256_storeu_ps(scores + g * stride, sum8(a));
-  }
-}
-
-/* The same over bfloat16 key rows: eight widened to float32 per load (a bfloat16 is a float32's top half). */
 #define SCORES_BY_8_BF16 CAT(scores_by_8_bf16, VARIANT)
 
+/* Eight bfloat16 values widened to float32 per load (a bfloat16 is a float32's top half). */
 static inline __m256 CAT(load8_bf16, VARIANT)(const uint16_t *p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-static inline void SCORES_BY_8_BF16(const float *restrict qs, const uint16_t *restrict keys, float *restrict scores,
-                                    long stride) {
-  for (int g = 0; g < GROUP; ++g) {
-    __m256 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-    for (int d = 0; d < HEAD_DIM; d += 8) {
-      const __m256 q = _mm256_loadu_ps(qs + g * HEAD_DIM + d);
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(q, CAT(load8_bf16, VARIANT)(keys + j * HEAD_DIM + d), a[j]);
-    }
-    _mm256_storeu_ps(scores + g * stride, sum8(a));
+#define DEFINE_SCORES_BY_8(NAME, KEY_T, LOAD8)                                                                   \
+  static inline void NAME(const float *restrict qs, const KEY_T *restrict keys, float *restrict scores,          \
+                          long stride) {                                                                         \
+    for (int g = 0; g < GROUP; ++g) {                                                                            \
+      __m256 a[8];                                                                                               \
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();                                                    \
+      for (int d = 0; d < HEAD_DIM; d += 8) {                                                                    \
+        const __m256 q = _mm256_loadu_ps(qs + g * HEAD_DIM + d);                                                 \
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(q, LOAD8(keys + j * HEAD_DIM + d), a[j]);            \
+      }                                                                                                          \
+      _mm256_storeu_ps(scores + g * stride, sum8(a));                                                            \
+    }                                                                                                            \
   }
-}
+DEFINE_SCORES_BY_8(SCORES_BY_8, float, _mm256_loadu_ps)
+DEFINE_SCORES_BY_8(SCORES_BY_8_BF16, uint16_t, CAT(load8_bf16, VARIANT))
+#undef DEFINE_SCORES_BY_8
 #define BY_8 1
 #endif
 
