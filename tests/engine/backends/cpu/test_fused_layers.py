@@ -87,7 +87,7 @@ def prefill_logits(runner: CpuBackend, ids: torch.Tensor, fused: bool) -> torch.
     positions = torch.arange(tokens)[None]
     with torch.inference_mode():
         if fused:
-            return runner.fused(ids, positions, None, batch)
+            return runner.fused.run(ids, positions, None, batch)[0]
         return runner.model(input_ids=ids, position_ids=positions, use_cache=False, llmserve_batch=batch).logits[0]
 
 
@@ -113,7 +113,7 @@ def kernel_prefill_logits(runner: CpuBackend, ids: torch.Tensor) -> torch.Tensor
     assert runner.kernel is not None and runner.fused is not None
     batch = one_prompt_attention(runner, tokens)
     with torch.inference_mode():
-        return runner.fused(ids, torch.arange(tokens)[None], None, batch)
+        return runner.fused.run(ids, torch.arange(tokens)[None], None, batch)[0]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])

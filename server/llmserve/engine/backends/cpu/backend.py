@@ -131,7 +131,7 @@ class CpuBackend(TorchPagedBackend):
     ) -> torch.Tensor:
         if self.fused is not None:
             weights = None if lora is None or self.lora is None else self.lora.weights
-            return self.fused(input_ids, position_ids, keep, batch, lora, weights)
+            return self.fused.run(input_ids, position_ids, keep, batch, lora, weights)[0]
         return super().forward(input_ids, position_ids, keep, batch, lora)
 
     def forward_pooling(self, packed: Packed, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

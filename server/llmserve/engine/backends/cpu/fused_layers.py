@@ -308,20 +308,6 @@ class FusedForward:
             scaling=float(attn.scaling),
         )
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        keep: torch.Tensor | None,
-        batch: object,
-        lora: LoraRows | None = None,
-        lora_weights: LoraWeights | None = None,
-    ) -> torch.Tensor:
-        """input_ids/position_ids [1, tokens]; logits of the `keep` rows (all when None) as float32. `lora`: each
-        row's adapter slot, whose deltas (`lora_weights`, FUSED_GROUPS) are added to each linear's output before
-        the next fused pass reads it."""
-        return self.run(input_ids, position_ids, keep, batch, lora, lora_weights)[0]
-
     def run(
         self,
         input_ids: torch.Tensor,
@@ -332,7 +318,10 @@ class FusedForward:
         lora_weights: LoraWeights | None = None,
         pool: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As __call__, and with `pool` the final hidden states (after the final norm) of those rows, float32."""
+        """input_ids/position_ids [1, tokens]; (logits of the `keep` rows, all when None, as float32; with `pool` the
+        final hidden states of those rows, after the final norm, float32, else None). `lora`: each row's adapter
+        slot, whose deltas (`lora_weights`, FUSED_GROUPS) are added to each linear's output before the next fused
+        pass reads it."""
         slots = None if lora is None or lora_weights is None else lora_weights.layers
         ops = self.ops
         tokens = input_ids.shape[1]
