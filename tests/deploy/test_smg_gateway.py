@@ -83,7 +83,7 @@ def gateway(replica: Replica, tmp_path_factory: pytest.TempPathFactory) -> Itera
     try:
         yield smg, smg.wait_ready()
     finally:
-        smg.stop()
+        smg.kill()
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,7 @@ def cache_aware(replicas: list[Replica], tmp_path_factory: pytest.TempPathFactor
     try:
         yield smg, smg.wait_ready()
     finally:
-        smg.stop()
+        smg.kill()
 
 
 def test_the_next_turn_goes_where_its_prefix_is_cached(replicas: list[Replica], cache_aware: tuple[Smg, str]) -> None:
@@ -332,7 +332,7 @@ def test_consistent_hashing_keeps_a_sessions_turns_on_one_replica(
         assert all(len(home) == 1 for home in homes.values()), homes
         assert {i for home in homes.values() for i in home} == {0, 1}, "twelve sessions spread over both replicas"
     finally:
-        smg.stop()
+        smg.kill()
 
 
 def test_a_stopped_replicas_traffic_moves_and_no_stream_hangs(
@@ -382,4 +382,4 @@ def test_a_stopped_replicas_traffic_moves_and_no_stream_hangs(
             assert response.choices[0].message.content is not None
         assert served(replicas[0]) == before + 6
     finally:
-        smg.stop()
+        smg.kill()
