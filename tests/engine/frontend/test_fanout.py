@@ -98,15 +98,19 @@ def test_n_is_validated() -> None:
 
 def test_the_merged_stream_keeps_each_completions_order_and_adds_the_total() -> None:
     merger = DeltaStream(2)
-    first = merger.take([Delta("r", [1], index=0), Delta("r", [2], index=0), Delta("r", [5], index=1)])
-    assert [(d.index, d.token_ids) for d in first] == [(0, [1]), (0, [2]), (1, [5])]  # each first token alone
-    done0 = Delta("r", [3], index=0, finish_reason=FinishReason.LENGTH, usage=Usage(10, 0, 3))
-    second = merger.take([Delta("r", [6], index=1), done0])
-    assert [(d.index, d.token_ids) for d in second] == [(1, [6]), (0, [3])]
+    first, held = merger.take([Delta("r", [1], index=0), Delta("r", [2], index=0), Delta("r", [5], index=1)])
+    assert [(d.index, d.token_ids) for d in first] == [(0, [1])]  # a first token alone; what came with it is held
+    assert [(d.index, d.token_ids) for d in held] == [(0, [2]), (1, [5])]
+    # Held deltas join what arrives by the next read; completion 1's first token still goes alone.
+    joined, held = merger.take([*held, Delta("r", [4], index=0)])
+    assert [(d.index, d.token_ids) for d in joined] == [(0, [2, 4]), (1, [5])] and held == []
+    done0 = Delta("r", [3], index=0, finish_reason=FinishReason.LENGTH, usage=Usage(10, 0, 4))
+    second, held = merger.take([Delta("r", [6], index=1), done0])
+    assert [(d.index, d.token_ids) for d in second] == [(1, [6]), (0, [3])] and held == []
     assert second[1].total_usage is None and merger.open == {1}
     done1 = Delta("r", [7], index=1, finish_reason=FinishReason.LENGTH, usage=Usage(10, 9, 3))
-    (last,) = merger.take([Delta("r", [], index=1), done1])
-    assert last.token_ids == [7] and last.total_usage == Usage(10, 0, 6) and not merger.open
+    (last,), _ = merger.take([Delta("r", [], index=1), done1])
+    assert last.token_ids == [7] and last.total_usage == Usage(10, 0, 7) and not merger.open
 
 
 @pytest.mark.parametrize("salt", [None, "alice"])

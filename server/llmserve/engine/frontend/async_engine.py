@@ -187,12 +187,14 @@ class AsyncEngine:
             self._forget(handles)
             raise
         merger = DeltaStream(len(handles))
+        held: list[Delta] = []  # what arrived with a completion's first token, joined with what comes by the next read
         try:
             while merger.open:
-                batch = [await deltas.get()]  # a completion's first token goes out alone, as soon as it exists
+                batch = held or [await deltas.get()]  # a completion's first token goes out alone, as soon as it exists
                 while not deltas.empty():
                     batch.append(deltas.get_nowait())
-                for delta in merger.take(batch):
+                out, held = merger.take(batch)
+                for delta in out:
                     yield delta
                     if delta.finish_reason is FinishReason.ERROR and len(handles) > 1:
                         return  # one completion failed: the call ends, and the others with it
@@ -241,24 +243,35 @@ class DeltaStream:
         self._started: set[int] = set()
         self._total = Usage(0, 0, 0)
 
-    def take(self, batch: list[Delta]) -> list[Delta]:
-        """The deltas to yield for those that arrived since the last call."""
+    def take(self, batch: list[Delta]) -> tuple[list[Delta], list[Delta]]:
+        """The deltas to yield for those that arrived since the last call, and the rest of `batch`, to pass in again
+        with what arrives meanwhile: from the first delta that follows its completion's first one in this batch
+        (that first goes alone; what came with it joins whatever else has arrived by the caller's next read, as
+        a consumer that fell behind gets all it has not taken in one delta)."""
         out: list[Delta] = []
         joinable: dict[int, int] = {}  # completion -> where in `out` its delta is that later ones join
-        for delta in batch:
+        fresh: set[int] = set()  # completions whose first delta is in `out`
+        for at_batch, delta in enumerate(batch):
             index = delta.index
+            if index in fresh:
+                rest = batch[at_batch:]
+                break
             at = joinable.get(index)
             if at is not None:
                 out[at] = out[at].then(delta)
                 continue
             if index in self._started:
                 joinable[index] = len(out)
+            else:
+                fresh.add(index)
             self._started.add(index)
             out.append(delta)
+        else:
+            rest = []
         for delta in out:
             if delta.finished:
                 self._finish(delta)
-        return out
+        return out, rest
 
     def _finish(self, delta: Delta) -> None:
         self.open.discard(delta.index)
