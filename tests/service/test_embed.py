@@ -80,12 +80,6 @@ def server() -> Iterator[ServerThread]:
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def stub(server: ServerThread) -> Iterator[generate_pb2_grpc.GenerateServiceStub]:
-    with grpc.insecure_channel(server.address) as channel:
-        yield generate_pb2_grpc.GenerateServiceStub(channel)
-
-
 def _embed(stub: generate_pb2_grpc.GenerateServiceStub, texts: list[str], **options: Any) -> pb.EmbedResponse:
     request = pb.EmbedRequest(inputs=[pb.EmbedInput(text=t) for t in texts], **options)
     response: pb.EmbedResponse = stub.Embed(request, timeout=120)

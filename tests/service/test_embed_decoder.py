@@ -8,7 +8,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
 import torch
 from harness import ServerThread
@@ -38,12 +37,6 @@ def server() -> Iterator[ServerThread]:
     srv = ServerThread(engine).start()
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(server: ServerThread) -> Iterator[generate_pb2_grpc.GenerateServiceStub]:
-    with grpc.insecure_channel(server.address) as channel:
-        yield generate_pb2_grpc.GenerateServiceStub(channel)
 
 
 @pytest.fixture(scope="module")

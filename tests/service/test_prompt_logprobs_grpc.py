@@ -42,12 +42,6 @@ def server() -> Iterator[ServerThread]:
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def stub(server: ServerThread) -> Iterator[generate_pb2_grpc.GenerateServiceStub]:
-    with grpc.insecure_channel(server.address) as channel:
-        yield generate_pb2_grpc.GenerateServiceStub(channel)
-
-
 class Reference:
     """transformers' float32 model on the same weights: each prompt's log_softmax, computed once per prompt."""
 

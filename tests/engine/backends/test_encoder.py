@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from llmserve.engine.backends.encoder import PADDING_SLACK, BertEncoder, Encoder
 from llmserve.engine.backends.pooling import finish, pool
 from llmserve.packaged_models import extract, find_packaged
 from llmserve.pooling_config import PoolingConfig, PoolingMode, read_pooling_config
+from llmserve.testing import tiny_config
 
 SENTENCES = Path(__file__).resolve().parents[2] / "data" / "sentences.txt"
 # The acceptance bar of issue 44: float32 vectors within these of the reference.
@@ -126,13 +128,21 @@ def test_the_forward_equals_transformers_hidden_states(encoder, folder, token_id
     model = AutoModel.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa").eval()
     # As they come (runs of any lengths), and shortest first as the backend packs them (groups of like length).
     for seqs in (token_ids[:24], sorted(token_ids[:24], key=len)):
-        longest = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])
-        with torch.inference_mode():
-            expected = model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
-            ours = encoder(EncoderBatch.pack(seqs))
+        ours, expected = _ours_and_transformers(encoder, model, seqs)
         assert (ours - expected).abs().max().item() <= 1e-4
+
+
+def _ours_and_transformers(
+    encoder: BertEncoder, model: Any, seqs: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's final hidden state, packed: the encoder's, and transformers' BertModel's over the padded batch
+    with its attention mask."""
+    longest = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])
+    with torch.inference_mode():
+        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+        return encoder(EncoderBatch.pack(seqs)), expected
 
 
 def test_sequences_attend_in_groups_of_like_length() -> None:
@@ -193,26 +203,11 @@ def test_configs_not_served_are_refused(folder: Path, change: dict[str, object],
 def test_each_activation_a_config_may_name(activation: str, pack: bool) -> None:
     """A small random BERT of each served activation gives transformers' hidden states (weights large enough
     that the erf and tanh GELUs differ beyond the tolerance)."""
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     torch.manual_seed(7)
-    config = BertConfig(
-        vocab_size=50,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_act=activation,
-        initializer_range=0.5,
-    )
+    config = tiny_config("bert", vocab_size=50, max_positions=64, hidden_act=activation, initializer_range=0.5)
     model = BertModel(config, add_pooling_layer=False).eval()
     encoder = BertEncoder.from_model(model, pack=pack)
-    seqs = [[2, 5, 9, 3], [4, 7, 1, 8, 8, 2, 6], [3]]
-    longest = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [0] * (longest - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])
-    with torch.inference_mode():
-        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
-        ours = encoder(EncoderBatch.pack(seqs))
+    ours, expected = _ours_and_transformers(encoder, model, [[2, 5, 9, 3], [4, 7, 1, 8, 8, 2, 6], [3]])
     assert (ours - expected).abs().max().item() <= 1e-5
