@@ -143,21 +143,19 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            pools = seq.request.pooling is not None
-            if seq.ends_by_length or (pools and pooling == 0):  # in flight ends it (overlap); pooling's cap spent
+            room = _room(seq, budget, pooling)
+            if seq.ends_by_length or room == 0:  # its tokens in flight end it (overlap), or pooling's cap is spent
                 i += 1
                 continue
-            guess = drafts.get(seq.seq_no, ()) if drafts and not pools else ()
+            guess = drafts.get(seq.seq_no, ()) if drafts and seq.request.pooling is None else ()
             if guess and not self._room_for_drafts(seq, len(guess), budget - (len(self.running) - i - 1)):
                 guess = ()
-            n = 1 + len(guess) if guess else min(seq.num_uncomputed, budget)
-            if pools and pooling is not None:
-                n = min(n, pooling)
-                pooling -= n
+            n = 1 + len(guess) if guess else min(seq.num_uncomputed, room)
             if not self._grow(seq, n, out):
                 break  # seq itself was preempted: nothing newer is left
             out.seqs.append(step_of(seq, n, guess))
             budget -= n
+            pooling = _spent(seq, pooling, n)
             i += 1
 
         parked = []  # KV loading, or one LoRA adapter too many (--max-loras): they keep their place, hold up no one
@@ -171,18 +169,17 @@ class Scheduler:
             if adapter is not None and adapter not in adapters and len(adapters) >= self.max_loras:
                 parked.append(heapq.heappop(self._waiting))
                 continue
-            capped = pooling if seq.request.pooling is not None else None  # what a pooling request may take
-            if capped == 0:
+            room = _room(seq, budget, pooling)
+            if room == 0:  # a pooling request, with pooling's cap spent: it keeps its place
                 parked.append(heapq.heappop(self._waiting))
                 continue
-            n = self._admit(seq, budget if capped is None else min(budget, capped), out)
+            n = self._admit(seq, room, out)
             if n < 0:
                 parked.append(heapq.heappop(self._waiting))
                 continue
             if n == 0:
                 break
-            if capped is not None:
-                pooling = capped - n
+            pooling = _spent(seq, pooling, n)
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             seq.status = SeqStatus.RUNNING
@@ -520,3 +517,14 @@ def reads_cache(seq: Sequence) -> bool:
     if pooling is not None and pooling.mode is not PoolingMode.LAST:
         return False
     return not seq.scores_prompt
+
+
+def _room(seq: Sequence, budget: int, pooling: int | None) -> int:
+    """The most tokens `seq` may compute in the step: what is left of the budget, and for a pooling request no
+    more than pooling's cap leaves (`pooling`: None when uncapped)."""
+    return budget if pooling is None or seq.request.pooling is None else min(budget, pooling)
+
+
+def _spent(seq: Sequence, pooling: int | None, n: int) -> int | None:
+    """Pooling's cap once `seq` computes `n` tokens in the step."""
+    return pooling if pooling is None or seq.request.pooling is None else pooling - n
