@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import threading
 import time
 import zipfile
 from collections.abc import Iterator
@@ -354,6 +355,18 @@ def _drain(stream) -> list:
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.CANCELLED
     return out
+
+
+def test_a_kv_event_subscription_answers_at_once_on_an_idle_replica(vllm: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    """smg waits 2 s for SubscribeKvEvents to answer (its response headers) and otherwise marks the replica
+    unreachable and stops routing to it; a replica with no cache event to send must answer all the same."""
+    stream = vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30)
+    answered = threading.Event()
+    threading.Thread(target=lambda: (stream.initial_metadata(), answered.set()), daemon=True).start()
+    try:
+        assert answered.wait(2.0), "no response headers within smg's 2 s"
+    finally:
+        stream.cancel()
 
 
 def test_kv_events_tell_a_subscriber_of_the_blocks_the_cache_removed() -> None:

@@ -229,8 +229,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
         """The prefix cache's stored and removed blocks, from `start_sequence_number` (kv_publisher.py): only those
-        of the caller's own cache salt."""
+        of the caller's own cache salt. The response headers go out at once: smg waits 2 s for a subscription to
+        answer and otherwise marks the replica unreachable, and an idle replica has no batch to send."""
         salt = self._edge.cache_salt(caller_identity())
+        await context.send_initial_metadata(())
         async for batch in self._kv_events.subscribe(salt, request.start_sequence_number):
             yield batch
 
