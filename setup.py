@@ -11,6 +11,8 @@ the server runs the slower torch paths, or refuses to start with `--cpu-kernels 
 - `_quant_ops`: linears over llama.cpp's block-quantized weights (quant*.c). On x86-64 it is built for the baseline
   (`-march=x86-64`) whatever LLMSERVE_KERNEL_MARCH says: its AVX2 and AVX-512 kernels carry their own target
   pragmas and the library picks among them at run time by what the CPU reports, so one build serves every level.
+- `_amx_ops`: float32 linears as three bfloat16 products on AMX tiles (amx_ops.c, split_linear.py); built for the
+  baseline like `_quant_ops` (its target pragma asks for AMX), run only where the CPU has it.
 
 LLMSERVE_KERNEL_MARCH picks the target CPU (default `native`, the machine that installs; an image built on one
 machine and run on others wants a portable level such as `x86-64-v3`).
@@ -74,7 +76,7 @@ class BuildKernels(build_ext):
         sources = [paged_decode_source(temp)] if ext.name.endswith("_paged_decode") else [Path(s) for s in ext.sources]
         compiler = os.environ.get("CC", "cc")
         march = os.environ.get("LLMSERVE_KERNEL_MARCH", "native")
-        if ext.name.endswith("_quant_ops") and platform.machine().lower() in ("x86_64", "amd64"):
+        if ext.name.endswith(("_quant_ops", "_amx_ops")) and platform.machine().lower() in ("x86_64", "amd64"):
             march = "x86-64"
         extra = ["-ffp-contract=off"] if ext.name.endswith(("_fused_ops", "_quant_ops")) else []
         detail = ""
@@ -98,6 +100,7 @@ setup(
             [str(CSRC / name) for name in ("quant_ops.c", "quant_avx2.c", "quant_avx512.c")],
             optional=True,
         ),
+        Extension(f"{PACKAGE}._amx_ops", [str(CSRC / "amx_ops.c")], optional=True),
     ],
     cmdclass={"build_ext": BuildKernels},
 )
