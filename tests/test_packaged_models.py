@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from llmserve import packaged_models
+from llmserve.engine.backends.cpu import split_linear
+from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
 from llmserve.model_cache import MARKER
 from llmserve.models import load_model
 from llmserve.packaged_models import PackagedModel, archive_path, extract, find_packaged, resolve
@@ -117,6 +119,11 @@ def test_load_model_finds_a_packaged_model_by_name(cache: Path, monkeypatch: pyt
     loaded = load_model("all-minilm-l6-v2", device="cpu", dtype="auto", cache_root=cache)
     assert (loaded.generates, loaded.name, loaded.dtype) == (False, "all-MiniLM-L6-v2", torch.float32)
     assert loaded.pooling is not None and loaded.pooling.mode is PoolingMode.MEAN and loaded.pooling.normalize
+    # --fp32-matmul reaches the encoder: auto is the split where AMX runs it, ieee float32's own GEMM
+    auto = Fp32Matmul.BF16X3 if split_linear.why_unavailable() is None else Fp32Matmul.IEEE
+    assert loaded.model.matmul is auto
+    ieee = load_model("all-minilm-l6-v2", device="cpu", dtype="auto", cache_root=cache, fp32_matmul="ieee")
+    assert ieee.model.matmul is Fp32Matmul.IEEE
     opened: list[Path] = []
 
     def load_folder(folder: Path, dtype: object, device: object, classifier: bool = False) -> SimpleNamespace:

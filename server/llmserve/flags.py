@@ -152,6 +152,10 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--gguf-activations", "model.gguf_activations", _one_of("int8", "float32"),
                   "with a GGUF's blocks: the linears' input rows quantized to int8 per block of 32 as llama.cpp does "
                   "(fastest), or kept float32 (the float32 path's tokens, about its speed from 32 rows)"),
+            _flag("--fp32-matmul", "model.fp32_matmul", _one_of("auto", "ieee", "bf16x3"),
+                  "an encoder's float32 linears: bf16x3 computes each as three bfloat16 products on AMX tiles (error "
+                  "~4e-6 of the output, float32's ~6e-7; about twice as fast), ieee as float32's own GEMM; auto: "
+                  "bf16x3 where the CPU has AMX-BF16"),
             _flag("--cache-dir", "model.cache_dir", str, "where converted models are cached; unset: ~/.cache/llmserve"),
             _flag("--pooling", "model.pooling", _one_of("last", "mean", "cls", "max"),
                   "serve Embed from a generative model too: its final hidden states pooled over each input's tokens "

@@ -152,6 +152,7 @@ def load_model(
     lora: bool = False,
     gguf_activations: str = "int8",
     pooling: str | None = None,
+    fp32_matmul: str = "auto",
 ) -> LoadedModel:
     """Load a model for serving.
 
@@ -168,11 +169,12 @@ def load_model(
     so (unnormalized by default); None: a folder's sentence-transformers pooling where it has one (an encoder folder
     always serves its own; `pooling` then only changes its mode). A `*ForSequenceClassification` folder (a Llama/Qwen
     decoder with a `score` head, or a BERT classifier) is served as a classifier: Embed only, its head's logits per
-    input (`classifier`, `head`); `pooling` is refused for it (the head fixes the token it reads).
+    input (`classifier`, `head`); `pooling` is refused for it (the head fixes the token it reads). `fp32_matmul`:
+    how an encoder's float32 linears multiply ("auto", "ieee", "bf16x3": split_linear.Fp32Matmul).
     Raises gguf_file.GGUFError, naming the file, for a GGUF that is truncated, corrupt, or holds block types or an
     architecture its blocks cannot be served in.
     """
-    loaded = _load(spec, device, dtype, cache_root, lora, gguf_activations)
+    loaded = _load(spec, device, dtype, cache_root, lora, gguf_activations, fp32_matmul)
     return with_pooling(loaded, folder_of(spec, cache_root), pooling)
 
 
@@ -216,6 +218,7 @@ def _load(
     cache_root: Path | None,
     lora: bool,
     gguf_activations: str,
+    fp32_matmul: str,
 ) -> LoadedModel:
     dev = resolve_device(device)
     spec = os.fspath(spec) if spec is not None else None
@@ -252,8 +255,9 @@ def _load(
     if folder is None:  # not reached: a spec that is neither random nor a GGUF named its folder above
         raise ValueError(f"model spec {spec!r} names no model")
     if _is_encoder(folder):
-        # An encoder runs in float32 unless asked otherwise: its vectors are compared with the library's.
-        return load_encoder(folder, torch.float32 if dtype == "auto" else dt, dev)
+        # An encoder runs in float32 unless asked otherwise: its vectors are compared with the library's. Its linears
+        # multiply as --fp32-matmul says (auto: three bfloat16 products on AMX, within ~4e-6 of float32's).
+        return load_encoder(folder, torch.float32 if dtype == "auto" else dt, dev, fp32_matmul)
     classifier = read_classifier_config(folder)
     loaded = _load_folder(folder, dt, dev, classifier=classifier is not None)
     loaded.weights = weights
@@ -292,12 +296,14 @@ def _is_encoder(folder: Path) -> bool:
     return isinstance(config, dict) and config.get("model_type") in ENCODER_TYPES
 
 
-def load_encoder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_encoder(folder: Path, dtype: torch.dtype, device: torch.device, fp32_matmul: str = "ieee") -> LoadedModel:
     """A BERT-family encoder folder with its sentence-transformers pipeline (modules.json), or a BERT classifier
     (BertForSequenceClassification: its pooler and classifier over [CLS]): served for Embed only, its `model` the
     engine's BertEncoder over the folder's weights (no transformers model is built). ValueError for an encoder folder
-    with neither a pipeline the server reproduces (pooling_config.py) nor a classifier head it serves."""
+    with neither a pipeline the server reproduces (pooling_config.py) nor a classifier head it serves. `fp32_matmul`:
+    how its float32 linears multiply (split_linear.Fp32Matmul: auto, ieee, bf16x3)."""
     from llmserve.engine.backends.classifier import classifier_head
+    from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
     from llmserve.engine.backends.encoder import BertEncoder, EncoderConfig
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
@@ -312,7 +318,7 @@ def load_encoder(folder: Path, dtype: torch.dtype, device: torch.device) -> Load
         pooling = read_pooling_config(folder)
     if pooling is None:
         raise ValueError(f"{folder}: an encoder without sentence-transformers' modules.json (no pooling to serve)")
-    encoder = BertEncoder(EncoderConfig.of(config), state, dtype=dtype, device=device)
+    encoder = BertEncoder(EncoderConfig.of(config), state, dtype=dtype, device=device, matmul=Fp32Matmul(fp32_matmul))
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     try:
         shape = ModelShape.of(config)

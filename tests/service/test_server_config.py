@@ -33,11 +33,13 @@ def test_flags() -> None:
             "--block-size", "32", "--session-ttl", "60", "--max-sessions", "10", "--session-pool-fraction", "0.5",
             "--pooling-share", "0.5", "--no-prefix-caching", "--max-concurrent-streams", "3", "--grace-period", "2.5",
             "--log-prompts", "--no-reflection", "--no-cuda-graphs", "--no-native-attention", "--no-packed-linear",
+            "--fp32-matmul", "ieee",
         ],
         env={},
     )  # fmt: skip
     assert config.model.spec == "/models/x.gguf"
-    assert (config.model.device, config.model.dtype) == ("cuda:1", "bfloat16")
+    assert (config.model.device, config.model.dtype, config.model.fp32_matmul) == ("cuda:1", "bfloat16", "ieee")
+    assert from_args([], env={}).model.fp32_matmul == "auto"
     assert config.server.address == "127.0.0.1:6000"
     assert config.server.max_concurrent_streams == 3
     assert config.server.grace_period_s == 2.5

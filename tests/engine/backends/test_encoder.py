@@ -1,7 +1,8 @@
 """The encoder's forward (engine/backends/encoder.py) with pooling.py's mean pooling and normalization, against
 the reference no one here wrote: SentenceTransformer(folder).encode on the packaged all-MiniLM-L6-v2, for 200 real
 sentences of mixed length (tests/data/sentences.txt), float32, each sentence alone and in batches of mixed sizes,
-with oneDNN-packed and plain linears; dimensions = 128 against sentence-transformers' own truncate_dim."""
+with oneDNN-packed, plain and split (bf16x3, on AMX) linears; dimensions = 128 against sentence-transformers' own
+truncate_dim."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from llmserve.engine.backends.cpu import split_linear
+from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
 from llmserve.engine.backends.encoder import PADDING_SLACK, BertEncoder, EncoderBatch, EncoderConfig
 from llmserve.engine.backends.pooling import finish, pool
 from llmserve.packaged_models import extract, find_packaged
@@ -69,10 +72,18 @@ def pipeline(folder: Path) -> PoolingConfig:
     return config
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["packed", "plain"])
+@pytest.fixture(scope="module", params=["packed", "plain", "bf16x3"])
 def encoder(request: pytest.FixtureRequest, folder: Path) -> BertEncoder:
+    """oneDNN-packed float32 linears, F.linear, or three bfloat16 products on AMX tiles (where the CPU has them)."""
+    if request.param == "bf16x3" and (missing := split_linear.why_unavailable()) is not None:
+        pytest.skip(f"bf16x3 linears cannot run here: {missing}")
     config = EncoderConfig.of(json.loads((folder / "config.json").read_text()))
-    return BertEncoder(config, load_file(str(folder / "model.safetensors")), pack=request.param)
+    matmul = Fp32Matmul.BF16X3 if request.param == "bf16x3" else Fp32Matmul.IEEE
+    encoder = BertEncoder(
+        config, load_file(str(folder / "model.safetensors")), pack=request.param == "packed", matmul=matmul
+    )
+    assert encoder.matmul is matmul
+    return encoder
 
 
 def _embed(

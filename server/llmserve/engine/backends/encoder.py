@@ -30,13 +30,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from llmserve.engine.backends.cpu import packed_linear
+from llmserve.engine.backends.cpu.split_linear import Fp32Matmul, SplitLinear
 
 __all__ = ["BertEncoder", "EncoderBatch", "EncoderConfig"]
 
@@ -195,7 +196,10 @@ def _groups(lens: tuple[int, ...], positions: np.ndarray, device: torch.device |
     return groups
 
 
-Linear = Callable[[torch.Tensor], torch.Tensor]
+class Linear(Protocol):
+    """x @ weight.T + bias, plus `residual` where given (the split linear adds it as it writes its output)."""
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -208,11 +212,17 @@ class _Layer:
     norm2: tuple[torch.Tensor, torch.Tensor]
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Linear:
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, matmul: Fp32Matmul) -> Linear:
+    if matmul is Fp32Matmul.BF16X3:
+        return SplitLinear(weight, bias)
     if pack:
         packed = packed_linear.pack_weight(weight.contiguous())
-        return lambda x: packed_linear.linear(x.contiguous(), packed, bias)
-    return lambda x: F.linear(x, weight, bias)
+        return lambda x, residual=None: _plus(packed_linear.linear(x.contiguous(), packed, bias), residual)
+    return lambda x, residual=None: _plus(F.linear(x, weight, bias), residual)
+
+
+def _plus(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return y if residual is None else y + residual
 
 
 class BertEncoder:
@@ -231,16 +241,20 @@ class BertEncoder:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         pack: bool | None = None,
+        matmul: Fp32Matmul = Fp32Matmul.IEEE,
     ) -> None:
         """`weights`: a transformers state dict of BertModel (or RobertaModel), with or without a "bert."/"roberta."
         prefix; the pooler's and any head's tensors are ignored. `pack`: float32 linears packed for oneDNN (None:
-        where available). KeyError names a missing tensor."""
+        where available). `matmul`: how float32 linears multiply (split_linear.py; `auto` resolved here, and
+        bf16x3 only for float32 on the CPU). KeyError names a missing tensor."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         if pack is None:
             pack = packed_linear.available(self.device, dtype)
         self.packed = pack
+        matmul = matmul.resolve() if dtype == torch.float32 and self.device.type == "cpu" else Fp32Matmul.IEEE
+        self.matmul = matmul
         w = _prefixed(weights)
 
         def t(name: str) -> torch.Tensor:
@@ -252,24 +266,28 @@ class BertEncoder:
         self._type = None if types is None else types.to(device=self.device, dtype=dtype)
         self._norm = (t("embeddings.LayerNorm.weight"), t("embeddings.LayerNorm.bias"))
         self._layers = []
+
+        def linear(name: str) -> Linear:
+            return _linear(t(f"{name}.weight"), t(f"{name}.bias"), pack, matmul)
+
         for i in range(config.num_layers):
             p = f"encoder.layer.{i}."
             qkv_w = torch.cat([t(f"{p}attention.self.{n}.weight") for n in ("query", "key", "value")])
             qkv_b = torch.cat([t(f"{p}attention.self.{n}.bias") for n in ("query", "key", "value")])
             self._layers.append(
                 _Layer(
-                    qkv=_linear(qkv_w, qkv_b, pack),
-                    out=_linear(t(f"{p}attention.output.dense.weight"), t(f"{p}attention.output.dense.bias"), pack),
+                    qkv=_linear(qkv_w, qkv_b, pack, matmul),
+                    out=linear(f"{p}attention.output.dense"),
                     norm1=(t(f"{p}attention.output.LayerNorm.weight"), t(f"{p}attention.output.LayerNorm.bias")),
-                    up=_linear(t(f"{p}intermediate.dense.weight"), t(f"{p}intermediate.dense.bias"), pack),
-                    down=_linear(t(f"{p}output.dense.weight"), t(f"{p}output.dense.bias"), pack),
+                    up=linear(f"{p}intermediate.dense"),
+                    down=linear(f"{p}output.dense"),
                     norm2=(t(f"{p}output.LayerNorm.weight"), t(f"{p}output.LayerNorm.bias")),
                 )
             )
         self._act = _ACTIVATIONS[config.activation]
 
     @classmethod
-    def from_model(cls, model: Any, *, pack: bool | None = None) -> BertEncoder:
+    def from_model(cls, model: Any, *, pack: bool | None = None, matmul: Fp32Matmul = Fp32Matmul.IEEE) -> BertEncoder:
         """Over a loaded transformers BertModel (or *ForSequenceClassification), in its dtype and on its device."""
         parameter = next(model.parameters())
         return cls(
@@ -278,6 +296,7 @@ class BertEncoder:
             dtype=parameter.dtype,
             device=parameter.device,
             pack=pack,
+            matmul=matmul,
         )
 
     def forward(self, batch: EncoderBatch) -> torch.Tensor:
@@ -292,8 +311,8 @@ class BertEncoder:
         x = F.layer_norm(x, (hidden,), *self._norm, cfg.layer_norm_eps)
         for layer in self._layers:
             attended = self._attention(layer.qkv(x), batch)
-            x = F.layer_norm(layer.out(attended) + x, (hidden,), *layer.norm1, cfg.layer_norm_eps)
-            x = F.layer_norm(layer.down(self._act(layer.up(x))) + x, (hidden,), *layer.norm2, cfg.layer_norm_eps)
+            x = F.layer_norm(layer.out(attended, x), (hidden,), *layer.norm1, cfg.layer_norm_eps)
+            x = F.layer_norm(layer.down(self._act(layer.up(x)), x), (hidden,), *layer.norm2, cfg.layer_norm_eps)
         return x
 
     __call__ = forward

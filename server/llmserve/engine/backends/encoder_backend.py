@@ -18,6 +18,7 @@ import torch
 
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.classifier import ClassifierHead
+from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
 from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch
 from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pool
 from llmserve.engine.backends.prompt_logprobs import PromptScores
@@ -56,6 +57,8 @@ class EncoderBackend:
         # A BERT classifier's pooler and classifier (models.load_encoder), over [CLS]; None for an embedding model.
         self.head: ClassifierHead | None = loaded.head
         packed = "oneDNN-packed linears" if self.encoder.packed else "torch linears"
+        if self.encoder.matmul is Fp32Matmul.BF16X3:
+            packed = "linears as three bfloat16 products on AMX tiles (--fp32-matmul bf16x3)"
         head = "" if self.head is None else f" into a {self.head.num_classes}-class classifier"
         self.description = (
             f"encoder forward over packed rows ({loaded.dtype}, {packed}), "

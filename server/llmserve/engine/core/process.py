@@ -376,6 +376,7 @@ def load_served_model(model: ModelConfig, lora: bool) -> LoadedModel:
         device=model.device,
         dtype=model.dtype,
         gguf_activations=model.gguf_activations,
+        fp32_matmul=model.fp32_matmul,
         cache_root=cache_root,
         lora=lora,
         pooling=model.pooling,
