@@ -1,14 +1,16 @@
 """Embeddings (issue 44): sentence-transformers' own encode in one process against llmserve's Embed over gRPC, on
 all-MiniLM-L6-v2 and the 2,000 sentences of tests/data/sentences.txt, window by window, systems alternated.
 
-Three systems, each in windows of its own (a warm-up not counted, then `--window-s` counted; the order reversed
+Four systems, each in windows of its own (a warm-up not counted, then `--window-s` counted; the order reversed
 every other set, so that the machine's drift hits all alike):
 
 - `sentence-transformers`: SentenceTransformer(folder).encode(texts, batch_size=32) in this process, the library's
   best case, over chunks of `--st-chunk` sentences taken in turn (encode sorts each chunk by length, as it sorts
   a whole list), one after another;
 - `llmserve 1/call`: `--clients` concurrent callers, each sending one sentence per Embed call, closed loop;
-- `llmserve 32/call`: `--batch-clients` callers, each sending 32 sentences per call.
+- `llmserve 32/call`: `--batch-clients` callers, each sending 32 sentences per call;
+- `llmserve 32/call, --fp32-matmul ieee`: the same against a second server whose encoder multiplies in float32's own
+  GEMM (the first runs `auto`: three bfloat16 products on AMX where the CPU has it); idle while the others run.
 
 The server is `python -m llmserve --model all-minilm-l6-v2` as `make run` starts it (benchmarks/serve.py), idle while
 the library's windows run. Per window: embeddings/s (inputs whose answer arrived inside the window, window.Window),
@@ -60,7 +62,7 @@ from llmserve_client import AsyncClient
 TITLE = "Embeddings: sentence-transformers' encode vs llmserve's Embed (issue 44)"
 MODEL = "all-minilm-l6-v2"
 SENTENCES = Path(__file__).parents[2] / "tests" / "data" / "sentences.txt"
-SYSTEMS = ("sentence-transformers", "llmserve 1/call", "llmserve 32/call")
+SYSTEMS = ("sentence-transformers", "llmserve 1/call", "llmserve 32/call", "llmserve 32/call, --fp32-matmul ieee")
 PARTS = ("encode", "mixed")  # the library against Embed; generation with embeddings beside it (embed_mixed.py)
 CPU = torch.device("cpu")
 
@@ -114,8 +116,12 @@ def summary(window: Window, peak: int | None) -> dict[str, Any]:
     }
 
 
-def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+def measure(server: Server, ieee: Server | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The library and `server` (as `make run` starts it) at both call shapes, and `ieee` (the same server with
+    float32's own GEMM in the encoder's linears) at 32 texts per call where given."""
     from sentence_transformers import SentenceTransformer
+
+    from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
 
     folder = packaged_models.resolve(MODEL, None)
     if folder is None:
@@ -128,16 +134,22 @@ def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
         SYSTEMS[1]: lambda: asyncio.run(server_window(server.address, texts, args.clients, 1, args)),
         SYSTEMS[2]: lambda: asyncio.run(server_window(server.address, texts, args.batch_clients, 32, args)),
     }
+    pids = {SYSTEMS[0]: os.getpid(), SYSTEMS[1]: server.pid, SYSTEMS[2]: server.pid}
+    if ieee is not None:
+        windows[SYSTEMS[3]] = lambda: asyncio.run(server_window(ieee.address, texts, args.batch_clients, 32, args))
+        pids[SYSTEMS[3]] = ieee.pid
+    systems = tuple(windows)
 
     def run(system: str) -> dict[str, Any]:
-        pid = os.getpid() if system == SYSTEMS[0] else server.pid
-        window, peak = memory.peak_of(pid, CPU, windows[system])
+        window, peak = memory.peak_of(pids[system], CPU, windows[system])
         return summary(window, peak)
 
-    runs = alternation.in_turn(SYSTEMS, args.windows, run, {})
+    runs = alternation.in_turn(systems, args.windows, run, {})
     medians = alternation.medians(runs, ("embeddings_per_s", "p50_s", "p99_s", "peak_rss_bytes"))
     base = medians[SYSTEMS[0]]["embeddings_per_s"]
     return {
+        # what --fp32-matmul auto (the server as `make run` starts it) runs on this machine
+        "fp32_matmul": Fp32Matmul.AUTO.resolve().value,
         "sentences": len(texts),
         "windows": args.windows,
         "window_s": args.window_s,
@@ -149,7 +161,7 @@ def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
         "median": medians,
         "ratio_to_library": {
             system: None if not base else round((medians[system]["embeddings_per_s"] or 0) / base, 3)
-            for system in SYSTEMS[1:]
+            for system in systems[1:]
         },
     }
 
@@ -164,11 +176,14 @@ def section(result: dict[str, Any]) -> list[str]:
 def encode_section(result: dict[str, Any]) -> list[str]:
     """The library against Embed, from its JSON."""
     med, ratio = result["median"], result["ratio_to_library"]
+    systems = list(med)  # the ieee server from 2026-12-04 on
+    matmul = result.get("fp32_matmul")
     lines = [
         f"{result['sentences']} sentences (tests/data/sentences.txt), {result['windows']} sets of one window per "
         f"system ({result['warmup_s']:.0f} s warm-up, {result['window_s']:.0f} s counted, order alternated); "
         f"llmserve: {result['clients']} callers at one text per call, {result['batch_clients']} callers at 32; the "
-        f"library: encode(batch_size=32) over chunks of {result['st_chunk']}.",
+        f"library: encode(batch_size=32) over chunks of {result['st_chunk']}."
+        + (f" The server's encoder linears (--fp32-matmul auto): {matmul} on this machine." if matmul else ""),
         "",
     ]
     rows = [
@@ -180,12 +195,12 @@ def encode_section(result: dict[str, Any]) -> list[str]:
             writer.seconds(med[system]["p99_s"]),
             writer.mib(med[system]["peak_rss_bytes"]),
         ]
-        for system in SYSTEMS
+        for system in systems
     ]
     lines += writer.table(["system (median of windows)", "embeddings/s", "vs library", "p50", "p99", "peak RSS"], rows)
     every = [
         [system, k, run["embeddings_per_s"], run["calls"], run["p50_s"], run["p99_s"]]
-        for system in SYSTEMS
+        for system in systems
         for k, run in enumerate(result["runs"][system])
     ]
     header = ["system", "set", "emb/s", "calls", "p50 s", "p99 s"]
@@ -212,9 +227,15 @@ def main(argv: list[str]) -> int:
     run = writer.Run(options.command("embed", argv))
     figures: dict[str, Any] = {}
     if "encode" in args.parts:
-        with Server(model=args.model or MODEL, device=args.device, dtype=args.dtype) as server:
+        model = args.model or MODEL
+        with Server(model=model, device=args.device, dtype=args.dtype) as server:
             asyncio.run(server.wait_serving())
-            figures["encode"] = measure(server, args)
+            if args.quick:  # a smoke run: the server as `make run` starts it only
+                figures["encode"] = measure(server, None, args)
+            else:
+                with Server(["--fp32-matmul", "ieee"], model=model, device=args.device, dtype=args.dtype) as ieee:
+                    asyncio.run(ieee.wait_serving())
+                    figures["encode"] = measure(server, ieee, args)
     if "mixed" in args.parts:
         figures["mixed"] = embed_mixed.measure(sentences()[: args.sentences], args)
     run.model = {"model": args.model or MODEL, "dtype": "float32", "device": args.device}

@@ -129,6 +129,8 @@ def test_embed_mode_measures_the_library_and_both_call_shapes(tmp_path: Path) ->
         (window,) = data["encode"]["runs"][system]
         assert window["embeddings_per_s"] > 0 and window["calls"] > 0 and window["peak_rss_bytes"] > 0
     assert data["run"]["model"] == "all-minilm-l6-v2" and "| llmserve 32/call |" in page
+    matmul = data["encode"]["fp32_matmul"]
+    assert matmul in ("ieee", "bf16x3") and f"(--fp32-matmul auto): {matmul} on this machine" in page
     assert "mixed" not in data
 
 
