@@ -81,18 +81,31 @@ static void split_row(const float *x, int64_t k, int64_t kp, uint16_t *a) {
   for (int64_t j = 3 * k; j < kp; j++) a[(j / 32) * TILE + j % 32] = 0;
 }
 
+/* The calling thread's scratch (the split rows, the float32 sums), grown to the largest call and kept: allocated
+ * and freed per call, each call of 512 rows faulted its megabytes of fresh pages in again (and glibc returned them),
+ * which cost the server a quarter of its embeddings/s at 32 texts per call (benchmarks/README.md). Per thread, so
+ * callers on several threads never share it; it lives as long as the thread. */
+static __thread void *scratch[2];
+static __thread size_t scratch_bytes[2];
+
+static void *scratch_of(int which, size_t bytes) {
+  if (scratch_bytes[which] < bytes) {
+    free(scratch[which]);
+    bytes = (bytes + 4095) / 4096 * 4096;
+    scratch[which] = aligned_alloc(4096, bytes);
+    scratch_bytes[which] = scratch[which] ? bytes : 0;
+  }
+  return scratch[which];
+}
+
 /* x [m, k] float32 rows, w packed as above for [n, k] (np, kp: its padded sizes), bias [n] or NULL, residual
  * [m, n] or NULL, y [m, n]. Returns 0, or -1 where scratch memory could not be had. */
 int amx_linear_split3(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, int64_t np, int64_t kp,
                       const float *bias, const float *residual, float *y, int threads) {
   int64_t mp = (m + 31) / 32 * 32, ktiles = kp / 32, mblocks = mp / 32, nblocks = np / 32;
-  uint16_t *a = aligned_alloc(64, (size_t)(mp * kp) * sizeof(uint16_t));
-  float *c = aligned_alloc(64, (size_t)(mp * np) * sizeof(float));
-  if (a == NULL || c == NULL) {
-    free(a);
-    free(c);
-    return -1;
-  }
+  uint16_t *a = scratch_of(0, (size_t)(mp * kp) * sizeof(uint16_t));
+  float *c = scratch_of(1, (size_t)(mp * np) * sizeof(float));
+  if (a == NULL || c == NULL) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < mp; i++) {
     uint16_t *row = a + (i / 16) * ktiles * TILE + (i % 16) * 32;
@@ -167,8 +180,6 @@ int amx_linear_split3(const float *x, int64_t m, int64_t k, const uint16_t *w, i
       }
     }
   }
-  free(a);
-  free(c);
   return 0;
 }
 #endif
