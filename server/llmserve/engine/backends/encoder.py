@@ -23,8 +23,9 @@ order. Every variant's hidden states are within 7.3e-6 of transformers'. A call 
 The linears are the CPU backend's: float32 weights packed once for oneDNN (packed_linear.py) where this torch build
 has it, else F.linear; or, with `matmul` bf16x3 (`--fp32-matmul`, auto where the CPU has AMX), each as three
 bfloat16 products on AMX tiles (split_linear.py: within ~4e-6 of float32's, about twice as fast), which also adds
-the residual of the attention output and of the MLP as it writes. Weights are read from a transformers state dict (`BertModel`, or the `bert.` prefix of
-`BertForSequenceClassification`) by name; RoBERTa's learned positions start after its padding index.
+the residual of the attention output and of the MLP as it writes. Weights are read from a transformers state dict
+(`BertModel`, or the `bert.` prefix of `BertForSequenceClassification`) by name; RoBERTa's learned positions start
+after its padding index.
 """
 
 from __future__ import annotations
