@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.paths import ROOT
+from llmserve.cpu_features import cpu_level, cpu_name
 
 if TYPE_CHECKING:
     from llmserve.models import LoadedModel
@@ -102,6 +103,7 @@ class Run:
             "command": self.command,
             "date": self.date,
             **self.model,
+            "cpu": f"{cpu_name()} ({cpu_level()})",
             "wall_s": round(time.perf_counter() - self.started, 1),
             "loadavg_before": self.loadavg_before,
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
@@ -112,11 +114,12 @@ def header(title: str, run: dict[str, Any]) -> list[str]:
     """A page's first lines: its title, the command, the date, the model, the whole run's time and the load
     around it."""
     model = f" {run['model']} ({run['dtype']}) on {run['device']};" if "model" in run else ""
+    cpu = f" CPU {run['cpu']};" if "cpu" in run else ""
     return [
         f"# {title}",
         "",
-        f"`{run['command']}` — {run['date']} —{model} whole run {run['wall_s']:.0f} s; load average before / after: "
-        f"{loads(run['loadavg_before'])} / {loads(run['loadavg_after'])}.",
+        f"`{run['command']}` — {run['date']} —{model}{cpu} whole run {run['wall_s']:.0f} s; "
+        f"load average before / after: {loads(run['loadavg_before'])} / {loads(run['loadavg_after'])}.",
         "",
     ]
 

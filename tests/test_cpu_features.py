@@ -57,3 +57,12 @@ def test_flags_come_from_proc_cpuinfo(tmp_path: Path) -> None:
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\nbugs\t\t: none\nprocessor\t: 1\nflags\t\t: fpu\n")
     assert cpu_features.cpu_flags(info) == {"fpu", "avx2", "fma"}
     assert cpu_features.cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_name_comes_from_proc_cpuinfo(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R45\nflags\t: fpu\nprocessor\t: 1\nmodel name\t: other\n")
+    assert cpu_features.cpu_name(info) == "AMD EPYC 9R45"
+    (tmp_path / "bare").write_text("processor\t: 0\nflags\t\t: fpu\n")
+    assert cpu_features.cpu_name(tmp_path / "bare") == "unknown"
+    assert cpu_features.cpu_name(tmp_path / "missing") == "unknown"

@@ -45,18 +45,30 @@ class IsaError(ValueError):
     """LLMSERVE_CPU_ISA names no level."""
 
 
+def _first(cpuinfo: Path, key: str) -> str | None:
+    """The first processor's `key` line's value in /proc/cpuinfo; None where the file cannot be read or has none."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, colon, value = line.partition(":")
+        if colon and name.strip() == key:
+            return value.strip()
+    return None
+
+
 @functools.cache
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The first processor's flags; empty where /proc/cpuinfo cannot be read (not Linux). Read once per file: the
     fused forward asks the level for each of its linears, and the file lists every processor."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+    return frozenset((_first(cpuinfo, "flags") or "").split())
+
+
+@functools.cache
+def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first processor's model name ("unknown" where /proc/cpuinfo cannot be read or has none)."""
+    return _first(cpuinfo, "model name") or "unknown"
 
 
 def detected_level(flags: frozenset[str]) -> str:
