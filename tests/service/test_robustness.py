@@ -61,9 +61,12 @@ def _os_threads() -> Counter[str]:
 
 # gRPC core's own threads: its event engine's work-stealing pool starts workers ("event_engine") while every worker
 # is busy and lets one beyond its reserve end only after 20 s idle, checked every 3 s at most (kIdleThreadLimit in
-# work_stealing_thread_pool.cc); its timer manager does likewise. They come back later than ours.
+# work_stealing_thread_pool.cc); its timer manager does likewise. They come back later than ours, and not always
+# all: a fresh-clone CI once kept one more event_engine worker after 30 s (7 against 6). GRPC_SLACK allows the
+# pool's spare workers; a thread leaked per call would add hundreds over the soak's calls.
 GRPC_THREADS = ("event_engine", "grpc_global_tim", "lifeguard")
 GRPC_IDLE_S = 30.0
+GRPC_SLACK = 2
 
 
 def _grpc_threads() -> int:
@@ -167,7 +170,10 @@ def test_soak_with_cancels() -> None:
             grown,
             _os_threads(),
         )
-        assert wait_until(lambda: _grpc_threads() <= grpc_threads, timeout=GRPC_IDLE_S), (grpc_threads, _os_threads())
+        assert wait_until(lambda: _grpc_threads() <= grpc_threads + GRPC_SLACK, timeout=GRPC_IDLE_S), (
+            grpc_threads,
+            _os_threads(),
+        )
         assert wait_until(lambda: _fds() <= fds + 2, timeout=10), (fds, _fds())
         start_rss, end_rss = result.rss[0][2], result.rss[-1][2]
         calls = result.completed + result.cancelled
