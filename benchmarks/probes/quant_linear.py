@@ -2,7 +2,8 @@
 
 Systems, each on a decoder layer's projections (qkv, o, gate_up, down, as the fused forward runs them) of a
 shape, at M = 1, 4, 32, 256 rows:
-- `f32`: packed_linear's float32 oneDNN linear (the yardstick), `int8`: its u8 x s8 linear with per-row activation
+- `f32`: packed_linear's float32 oneDNN linear (the yardstick), `plain`: F.linear on the float32 weight (what an
+  `nn.Linear` runs: torch's BLAS, MKL in the x86 build), `int8`: its u8 x s8 linear with per-row activation
   scales (activation quantization included);
 - `int4pack` / `int4pack-bf16`: torch's `_weight_int4pack_mm_for_cpu` (4-bit weights, group-wise scales and zeros:
   represents Q4_0/Q4_1/Q4_K exactly in float32), float32 / bfloat16 activations (the conversions included);
@@ -95,6 +96,9 @@ def layer(
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
     if name == "f32":
         layers = [packed_linear.PackedF32(packed_linear.pack_weight(w), None) for w in weights]
+        nbytes = sum(w.numel() * 4 for w in weights)
+    elif name == "plain":
+        layers = [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]
         nbytes = sum(w.numel() * 4 for w in weights)
     elif name == "int8":
         ops = native.load_mixed()
