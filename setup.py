@@ -14,8 +14,12 @@ the server runs the slower torch paths, or refuses to start with `--cpu-kernels 
 - `_amx_ops`: float32 linears as three bfloat16 products on AMX tiles (amx_ops.c, split_linear.py); built for the
   baseline like `_quant_ops` (its target pragma asks for AMX), run only where the CPU has it.
 
-LLMSERVE_KERNEL_MARCH picks the target CPU (default `native`, the machine that installs; an image built on one
-machine and run on others wants a portable level such as `x86-64-v3`).
+On x86-64 the two libraries whose C the compiler vectorizes for its target (`_paged_decode`, `_fused_ops`) are built
+once per instruction-set level the server runs them at (native.py picks by cpu_features' level, as capped): the
+plain name for AVX2 and up (`-march=x86-64-v3`: AVX2, FMA, F16C), `<name>_portable` for the x86-64 baseline (SSE2).
+So one build serves every x86 CPU, and a server capped with LLMSERVE_CPU_ISA runs the very code a CPU of that level
+runs (CI's capped legs, tests/engine/backends/cpu/test_kernel_isa.py). LLMSERVE_KERNEL_MARCH overrides the AVX2
+build's target (another machine's `-march=native`, say); elsewhere than x86-64 it defaults to `native`.
 """
 
 from __future__ import annotations
@@ -39,10 +43,13 @@ GROUPS = tuple(range(1, 9))
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 # Tried in order: with glibc's vector exp (x86-64 glibc >= 2.22), then without.
 VARIANTS = (("-DVECTOR_EXP", "-lmvec"), ())
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+PORTABLE = "_portable"  # the suffix of the x86-64 baseline builds (native.py's library names)
 
 
-def paged_decode_source(folder: Path) -> Path:
-    """A translation unit that includes paged_decode.c once per (head dim, group) pair."""
+def paged_decode_source(folder: Path, name: str) -> Path:
+    """A translation unit that includes paged_decode.c once per (head dim, group) pair, named after the library
+    `name` (the levels' builds run side by side)."""
     lines = []
     for head_dim, group in itertools.product(HEAD_DIMS, GROUPS):
         lines += [
@@ -54,7 +61,7 @@ def paged_decode_source(folder: Path) -> Path:
             "#undef GROUP",
             "#undef VARIANT",
         ]
-    path = folder / "paged_decode_variants.c"
+    path = folder / f"{name}_variants.c"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -73,12 +80,14 @@ class BuildKernels(build_ext):
         target.parent.mkdir(parents=True, exist_ok=True)
         temp = Path(self.build_temp)
         temp.mkdir(parents=True, exist_ok=True)
-        sources = [paged_decode_source(temp)] if ext.name.endswith("_paged_decode") else [Path(s) for s in ext.sources]
+        paged = ext.name.endswith(("_paged_decode", f"_paged_decode{PORTABLE}"))
+        sources = [paged_decode_source(temp, ext.name.split(".")[-1])] if paged else [Path(s) for s in ext.sources]
         compiler = os.environ.get("CC", "cc")
-        march = os.environ.get("LLMSERVE_KERNEL_MARCH", "native")
-        if ext.name.endswith(("_quant_ops", "_amx_ops")) and platform.machine().lower() in ("x86_64", "amd64"):
+        march = os.environ.get("LLMSERVE_KERNEL_MARCH", "x86-64-v3" if X86 else "native")
+        if ext.name.endswith(("_quant_ops", "_amx_ops", PORTABLE)) and X86:
             march = "x86-64"
-        extra = ["-ffp-contract=off"] if ext.name.endswith(("_fused_ops", "_quant_ops")) else []
+        exact = ("_fused_ops", "_quant_ops", f"_fused_ops{PORTABLE}")  # no fused multiply-adds the C did not ask for
+        extra = ["-ffp-contract=off"] if ext.name.endswith(exact) else []
         detail = ""
         for variant in VARIANTS:
             defines, libraries = variant[:1], variant[1:]
@@ -91,10 +100,17 @@ class BuildKernels(build_ext):
         raise CompileError(f"building {ext.name} failed: {detail}")
 
 
+# The compiler-vectorized libraries, once per level on x86-64 (see the module docstring).
+LEVEL_SUFFIXES = ("", PORTABLE) if X86 else ("",)
+VECTORIZED = {"_paged_decode": ["paged_decode.c"], "_fused_ops": ["fused_ops.c", "mixed_ops.c"]}
+
 setup(
     ext_modules=[
-        Extension(f"{PACKAGE}._paged_decode", [str(CSRC / "paged_decode.c")], optional=True),
-        Extension(f"{PACKAGE}._fused_ops", [str(CSRC / "fused_ops.c"), str(CSRC / "mixed_ops.c")], optional=True),
+        *(
+            Extension(f"{PACKAGE}.{name}{suffix}", [str(CSRC / f) for f in files], optional=True)
+            for name, files in VECTORIZED.items()
+            for suffix in LEVEL_SUFFIXES
+        ),
         Extension(
             f"{PACKAGE}._quant_ops",
             [str(CSRC / name) for name in ("quant_ops.c", "quant_avx2.c", "quant_avx512.c")],

@@ -8,6 +8,9 @@
 - `MixedOps` (csrc/mixed_ops.c, the same library): those operations over bfloat16 and int8-quantized rows, for
   the bfloat16 and int8 linears (QuantizedRows).
 
+On x86-64 `_paged_decode` and `_fused_ops` come in two builds (setup.py): for AVX2 and up, and `_portable` for the
+x86-64 baseline, which a CPU below AVX2 (or a server capped to `LLMSERVE_CPU_ISA=none`) loads instead.
+
 A start never compiles anything. Where a library is missing (no compiler at install time), `usable` decides by
 the `--cpu-kernels` policy: `auto` runs the torch paths, which compute the same things, after one warning;
 `require` refuses to start; `off` never loads them.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import platform
 import sysconfig
 import threading
 from dataclasses import dataclass
@@ -24,10 +28,16 @@ from pathlib import Path
 
 import torch
 
+from llmserve import cpu_features
+
 log = logging.getLogger(__name__)
 
 LIBRARY_DIR = Path(__file__).parent
 LIBRARIES = ("_paged_decode", "_fused_ops")
+# Built per level on x86-64 (setup.py's PORTABLE suffix for the baseline build).
+PER_LEVEL = frozenset(LIBRARIES)
+PORTABLE = "_portable"
+X86 = platform.machine().lower() in ("x86_64", "amd64")
 POLICIES = ("auto", "require", "off")
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64", torch.bfloat16: "paged_decode_bf16"}
 
@@ -40,11 +50,20 @@ class KernelsMissing(RuntimeError):
     """`--cpu-kernels require`, and the compiled kernels are not installed."""
 
 
+def library_file(name: str, level: str | None = None) -> Path:
+    """Where the installed library `name` lies: for LIBRARIES on x86-64, the build of the CPU's `level` (this one's,
+    as LLMSERVE_CPU_ISA caps it, by default): the baseline build below AVX2, the AVX2 build from AVX2 up."""
+    if name in PER_LEVEL and X86 and (cpu_features.cpu_level() if level is None else level) == "none":
+        name += PORTABLE
+    return LIBRARY_DIR / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
 def library(name: str) -> ctypes.CDLL | None:
-    """The installed library `name` (one of LIBRARIES), loaded once; None where it is not installed."""
+    """The installed library `name` (of LIBRARIES, or quant's and split_linear's) for this CPU's level, loaded once;
+    None where it is not installed."""
     with _lock:
         if name not in _libraries:
-            path = LIBRARY_DIR / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+            path = library_file(name)
             try:
                 _libraries[name] = ctypes.CDLL(str(path))
             except OSError as exc:
