@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmserve import cpu_features
-from llmserve.cpu_features import IsaError, at_least, auto_dtype, cap_onednn, capped, detected_level
+from llmserve.cpu_features import IsaError, at_least, auto_dtype, cap_onednn, capped, detected_level, refusal
 
 AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 # This session's machine and an AMX one, by their /proc/cpuinfo flags.
@@ -66,3 +66,22 @@ def test_name_comes_from_proc_cpuinfo(tmp_path: Path) -> None:
     (tmp_path / "bare").write_text("processor\t: 0\nflags\t\t: fpu\n")
     assert cpu_features.cpu_name(tmp_path / "bare") == "unknown"
     assert cpu_features.cpu_name(tmp_path / "missing") == "unknown"
+
+
+def test_each_dtype_is_refused_exactly_below_its_level_and_auto_never_picks_a_refused_one() -> None:
+    served = {level: [d for d in ("float32", "bfloat16", "int8", "float16") if refusal(d, level, {}) is None]
+              for level in cpu_features.LEVELS}  # fmt: skip
+    assert served == {
+        "none": ["float32"],
+        "avx2": ["float32"],
+        "avx512_core": ["float32", "bfloat16"],
+        "avx512_core_vnni": ["float32", "bfloat16", "int8"],
+        "avx512_core_bf16": ["float32", "bfloat16", "int8"],
+        "avx512_core_amx": ["float32", "bfloat16", "int8"],
+    }
+    assert all(refusal(auto_dtype(level), level, {}) is None for level in cpu_features.LEVELS)
+    assert refusal("gguf", "none", {}) is None and refusal("float64", "none", {}) is None
+    message = refusal("bfloat16", "avx2", {"LLMSERVE_CPU_ISA": "avx2"})
+    assert message is not None and message.startswith("--dtype bfloat16 on the CPU needs AVX-512 (F, BW, VL, DQ)")
+    assert "level is avx2, capped by LLMSERVE_CPU_ISA." in message and "--dtype gguf" in message
+    assert "level is avx2." in (refusal("int8", "avx2", {}) or "")

@@ -118,9 +118,11 @@ def test_dtype_and_device_resolution() -> None:
     amx = cpu_features.at_least(cpu_features.cpu_level(), "avx512_core_amx")
     assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if amx else torch.float32)
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+    assert resolve_dtype("float16", torch.device("cuda")) == torch.float16
+    with pytest.raises(ValueError, match="--dtype float16 on the CPU needs a float16 path"):  # none on any level
+        resolve_dtype("float16", torch.device("cpu"))
     # int8: a bfloat16 model whose linears the CPU backend quantizes; CPU only (and AVX512-VNNI or AMX).
-    with pytest.raises(ValueError, match="int8 runs on CPUs"):
+    with pytest.raises(ValueError, match="int8 runs on the CPU only"):
         resolve_dtype("int8", torch.device("cuda"))
     with pytest.raises(ValueError, match="unknown dtype 'int4'"):
         resolve_dtype("int4", torch.device("cpu"))

@@ -36,6 +36,7 @@ from benchmarks.systems.base import System
 from benchmarks.systems.grpc_e2e import GrpcSystem
 from benchmarks.systems.llama_cpp import LlamaCppSystem, find_binary
 from benchmarks.workload import PromptMaker, WorkloadSpec
+from llmserve import cpu_features
 from llmserve.engine.config import EngineConfig
 from llmserve.models import load_model
 
@@ -66,6 +67,10 @@ def systems(args: argparse.Namespace, work: Path, slots: int, notes: list[str]) 
     """Every system by name, with its (weight bytes, KV bytes, peak dtype)."""
     out: dict[str, tuple[System, tuple]] = {}
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+        refused = cpu_features.refusal(dtype, cpu_features.cpu_level())
+        if refused is not None:  # the server would refuse to start: say why instead of measuring nothing
+            notes.append(f"llmserve {dtype} skipped: {refused}")
+            continue
         server = GrpcSystem(args.model, torch.device("cpu"), dtype, EngineConfig(), work / f"llmserve-{dtype}.log")
         server.name = f"llmserve {dtype}"
         out[server.name] = (server, LLMSERVE[dtype])

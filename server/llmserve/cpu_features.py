@@ -39,6 +39,23 @@ BF16_FROM = "avx512_core_amx"
 # --dtype int8 multiplies u8 x s8 on oneDNN's kernels; below VNNI those add pairs of products into int16 with
 # saturation, which int8 activations of full range overflow.
 INT8_FROM = "avx512_core_vnni"
+# --dtype bfloat16's packed linears: oneDNN refuses bfloat16 weights without AVX-512 BW/VL/DQ (or AVX-NE-CONVERT,
+# which no level here names), and transformers' bfloat16 layers on such a CPU are several times slower than float32.
+BF16_MIN = "avx512_core"
+# The lowest level each --dtype serves from on the CPU, with what it needs there and why. A dtype not named serves at
+# every level (float32, float64, gguf: our own kernels and oneDNN's float32 ones at whatever level the CPU has).
+# float16 has no fused forward and no packed kernel on any CPU level (transformers' layers, converting every
+# operation): it is refused on the CPU at every level.
+DTYPE_NEEDS = {
+    "bfloat16": (BF16_MIN, "AVX-512 (F, BW, VL, DQ) for oneDNN's bfloat16 linears"),
+    "int8": (INT8_FROM, "AVX512-VNNI or AMX for oneDNN's int8 linears (below VNNI they saturate int16 sums)"),
+    "float16": (None, "a float16 path, which no CPU level has here (transformers' layers, several times slower)"),
+}
+# What serves instead, by whether the model is a GGUF file (its blocks run at every level through our kernels).
+INSTEAD = (
+    "--dtype float32 (exact: packed oneDNN linears at every level), or a GGUF file with --dtype gguf (its blocks "
+    "through llmserve's kernels at every level; a Q8_0 file is the int8 weights' counterpart)"
+)
 
 
 class IsaError(ValueError):
@@ -105,6 +122,18 @@ def auto_dtype(level: str) -> str:
     return "bfloat16" if at_least(level, BF16_FROM) else "float32"
 
 
+def refusal(dtype: str, level: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why `--dtype dtype` cannot serve on a CPU of `level` (as capped), naming the instruction set it misses and
+    what serves instead; None where it serves. `environ` says whether LLMSERVE_CPU_ISA capped the level."""
+    if dtype not in DTYPE_NEEDS:
+        return None
+    floor, needs = DTYPE_NEEDS[dtype]
+    if floor is not None and at_least(level, floor):
+        return None
+    shown = f"{level}, capped by {ENV}" if environ.get(ENV, "").strip() else level
+    return f"--dtype {dtype} on the CPU needs {needs}; this CPU's level is {shown}. Serve {INSTEAD}"
+
+
 def cap_onednn(environ: MutableMapping[str, str] = os.environ) -> None:
     """Hand a LLMSERVE_CPU_ISA cap to oneDNN (ONEDNN_MAX_CPU_ISA), which reads it once, when torch first uses it:
     call before torch is imported. A cap of `none` leaves oneDNN at its lowest vector level it knows (SSE4.1)."""
@@ -114,3 +143,7 @@ def cap_onednn(environ: MutableMapping[str, str] = os.environ) -> None:
     if cap not in LEVELS:
         raise IsaError(f"{ENV}={cap!r} is not one of {', '.join(LEVELS)}")
     environ[ONEDNN_ENV] = "SSE41" if cap == "none" else cap.upper()
+
+
+if __name__ == "__main__":  # `python -m llmserve.cpu_features`: the level detected, uncapped (make pytest-isa)
+    print(detected_level(cpu_flags()))

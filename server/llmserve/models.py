@@ -450,8 +450,9 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str, device: torch.device, *, lora: bool = False) -> torch.dtype:
     """The model's dtype: "auto" is bfloat16 on CUDA, and on the CPU what cpu_features.auto_dtype picks for its
     instruction set (bfloat16 with AMX, else float32), or float32 with `lora` (the fused CPU forward adds adapter
-    deltas in float32 only); "int8" (CPU only) is bfloat16, its linears
-    quantized by the CPU backend, and needs AVX512-VNNI or AMX; else one of float32/float16/bfloat16/float64."""
+    deltas in float32 only); "int8" (CPU only) is bfloat16, its linears quantized by the CPU backend; else one of
+    float32/float16/bfloat16/float64. On the CPU a dtype its level cannot serve is refused (cpu_features.refusal:
+    bfloat16 below AVX-512, int8 below AVX512-VNNI, float16 everywhere), naming what serves instead."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
@@ -465,12 +466,13 @@ def resolve_dtype(dtype: str, device: torch.device, *, lora: bool = False) -> to
         if picked != "bfloat16":
             log.info("dtype auto: %s on a CPU of level %s (bfloat16 is picked with AMX only)", picked, level)
         return _DTYPES[picked]
+    if dtype == INT8 and device.type != "cpu":
+        raise ValueError(f"dtype int8 runs on the CPU only (device {device.type}): CUDA serves bfloat16")
+    if device.type == "cpu":
+        refused = cpu_features.refusal(dtype, cpu_features.cpu_level())
+        if refused is not None:
+            raise ValueError(refused)
     if dtype == INT8:
-        level = cpu_features.cpu_level()
-        if device.type != "cpu" or not cpu_features.at_least(level, cpu_features.INT8_FROM):
-            raise ValueError(
-                f"dtype int8 runs on CPUs with AVX512-VNNI or AMX (this one: {level}, device {device.type})"
-            )
         return torch.bfloat16
     if dtype == GGUF:
         return torch.float32  # the rows' dtype beside a GGUF's blocks

@@ -25,6 +25,7 @@ from llmserve.models import LoadedModel, from_config
 from llmserve.testing import TINY_VOCAB, tiny_config
 from tests.engine.engine_helpers import inner
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
+from tests.isa import dtype_param
 
 SESSIONS = 8  # of the 32 requests, 8 are the second turns of sessions whose first turn ran just before
 TIMEOUT_S = 120
@@ -55,7 +56,7 @@ def request(rid: str, prompt: list[int], max_new: int, session: str | None = Non
     return GenerationRequest(rid, tuple(prompt), stopping=StoppingParams(max_new, ignore_eos=True), session_id=session)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "gguf"])
+@pytest.mark.parametrize("dtype", [dtype_param("bfloat16"), dtype_param("int8"), "gguf"])
 async def test_greedy_tokens_alone_equal_those_among_32_concurrent_requests(dtype: str) -> None:
     loaded = model(dtype)
     rng = random.Random(5)

@@ -23,6 +23,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.models import from_config, load_model
 from llmserve.testing import tiny_config
+from tests.isa import needs_dtype
 
 START = """
 import json, sys
@@ -33,26 +34,50 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.models import load_model, resolve_dtype
 auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-try:
-    loaded = load_model("random:tiny", device="cpu", dtype=sys.argv[1])
-except ValueError as exc:
-    print(json.dumps({"auto": auto, "error": str(exc)}))
-    raise SystemExit(0)
-backend = EngineCore(loaded, EngineConfig(kv_cache_tokens=256)).backend
-print(json.dumps({"auto": auto, "description": backend.description}))
+for dtype in sys.argv[1:]:
+    try:
+        loaded = load_model("random:tiny", device="cpu", dtype=dtype)
+        backend = EngineCore(loaded, EngineConfig(kv_cache_tokens=256)).backend
+    except ValueError as exc:
+        print(json.dumps({"auto": auto, "error": str(exc)}))
+        continue
+    print(json.dumps({"auto": auto, "description": backend.description}))
 """
 LEVEL = cpu_features.cpu_level()
+# The caps whose outcome differs (cpu_features.DTYPE_NEEDS), each tried where this CPU reaches it.
+CAPS = ("none", "avx2", "avx512_core", "avx512_core_vnni")
 
 
-def start(cap: str | None, dtype: str) -> dict[str, str]:
+def start(cap: str | None, *dtypes: str) -> list[dict[str, str]]:
+    """A server's start-up as far as its backend, in a process of its own capped at `cap`, once per dtype."""
     env = {k: v for k, v in os.environ.items() if k not in (cpu_features.ENV, cpu_features.ONEDNN_ENV)}
     if cap is not None:
         env[cpu_features.ENV] = cap
     out = subprocess.run(
-        [sys.executable, "-c", START, dtype], env=env, capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", START, *dtypes], env=env, capture_output=True, text=True, timeout=120, check=True
     )
-    result: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(dtypes) :]]
+
+
+@pytest.mark.parametrize("cap", CAPS)
+def test_each_dtype_serves_or_is_refused_at_start_naming_the_instruction_set(cap: str) -> None:
+    """At each level this CPU reaches (capped): a dtype the level cannot serve is refused before serving, the
+    message naming what it needs, the level, and what serves instead; the rest serve through the fused forward
+    (no fallback to transformers' layers); `auto` picks one that serves."""
+    if not cpu_features.at_least(LEVEL, cap):
+        pytest.skip(f"this CPU is below {cap}")
+    dtypes = ("float32", "bfloat16", "int8", "float16", "auto")
+    for dtype, served in zip(dtypes, start(cap, *dtypes), strict=True):
+        refused = cpu_features.refusal(dtype, cap, {cpu_features.ENV: cap})
+        if refused is None:
+            assert "error" not in served, (dtype, served)
+            assert served["description"].startswith("fused Llama-family forward"), (dtype, served)
+            assert served["description"].endswith(f"CPU {cap}"), served
+            continue
+        error = served["error"]
+        assert error == refused and f"this CPU's level is {cap}, capped by {cpu_features.ENV}." in error, error
+        assert "--dtype float32" in error and "--dtype gguf" in error, error
+    assert cpu_features.refusal(served["auto"], cap) is None
 
 
 @pytest.mark.skipif(not cpu_features.at_least(LEVEL, "avx512_core"), reason="needs AVX-512")
@@ -63,18 +88,39 @@ def test_a_cpu_without_amx_or_bf16_falls_back_for_real(cap: str) -> None:
     below AVX512-VNNI."""
     if not cpu_features.at_least(LEVEL, cap):
         pytest.skip(f"this CPU is below {cap}")
-    served = start(cap, "bfloat16")
+    served, int8 = start(cap, "bfloat16", "int8")
     description = served["description"]
     assert description.endswith(f"CPU {cap}") and "amx" not in description
     assert served["auto"] == cpu_features.auto_dtype(cap)
     kernel = description.split("packed oneDNN linears (")[1].split(")")[0]
     if cap == "avx512_core":  # no AVX512-BF16 instructions either (oneDNN converts through float32: gemm:jit)
         assert "bf16" not in kernel, kernel
-        assert "int8 runs on CPUs with AVX512-VNNI or AMX (this one: avx512_core" in start(cap, "int8")["error"]
+        assert "needs AVX512-VNNI or AMX" in int8["error"] and "level is avx512_core," in int8["error"], int8
     else:
         assert kernel.endswith("avx512_core_bf16"), kernel
 
 
+def test_the_float32_description_names_precision_and_level() -> None:
+    f32 = EngineCore(from_config(tiny_config("llama"), dtype=torch.float32), EngineConfig(kv_cache_tokens=256))
+    description = f32.backend.description
+    assert description.startswith("fused Llama-family forward (float32, float32 residual)"), description
+    assert "compiled decode kernel over a float32 KV cache" in description and "for every token" not in description
+    assert "packed oneDNN linears" in description and description.endswith(f"CPU {LEVEL}")
+
+
+def test_a_bfloat16_model_built_in_process_is_refused_where_its_level_cannot_serve_it() -> None:
+    """A model built without --dtype (from_config) meets the same refusal as the flag: no quiet fallback to
+    transformers' bfloat16 layers, several times slower."""
+    loaded = from_config(tiny_config("llama"), dtype=torch.bfloat16)
+    refused = cpu_features.refusal("bfloat16", LEVEL)
+    if refused is None:
+        assert EngineCore(loaded, EngineConfig(kv_cache_tokens=256)).backend.fused is not None
+    else:
+        with pytest.raises(ValueError, match="needs AVX-512"):
+            EngineCore(loaded, EngineConfig(kv_cache_tokens=256))
+
+
+@needs_dtype("bfloat16")
 def test_the_description_names_precision_cache_and_kernel() -> None:
     loaded = from_config(tiny_config("llama"), dtype=torch.bfloat16)
     backend = EngineCore(loaded, EngineConfig(kv_cache_tokens=256)).backend
@@ -86,8 +132,6 @@ def test_the_description_names_precision_cache_and_kernel() -> None:
     if cpu_features.at_least(LEVEL, "avx512_core_bf16") and cpu_features.ENV not in os.environ:
         # Uncapped, oneDNN uses what the CPU has: AMX tiles, else AVX512-BF16 dot products.
         assert ("amx" if LEVEL == "avx512_core_amx" else "avx512_core_bf16") in description, description
-    f32 = EngineCore(from_config(tiny_config("llama"), dtype=torch.float32), EngineConfig(kv_cache_tokens=256))
-    assert "(float32, float32 residual)" in f32.backend.description and "for every token" not in f32.backend.description
 
 
 def test_a_classifier_gets_no_lm_head(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.models import from_config
 from llmserve.testing import TINY_VOCAB, one_prompt_attention, tiny_config
+from tests.isa import dtype_param
 
 OPS = native.load_fused()
 assert OPS is not None, "the CPU kernels are not installed: run `make kernels`"
@@ -116,7 +117,7 @@ def kernel_prefill_logits(runner: CpuBackend, ids: torch.Tensor) -> torch.Tensor
         return runner.fused.run(ids, torch.arange(tokens)[None], None, batch)[0]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", [dtype_param("bfloat16"), dtype_param("int8")])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_bfloat16_and_int8_forwards_give_the_models_logits_within_their_rounding(family: str, dtype: str) -> None:
     """Against the model's own forward in float32 on the same (bfloat16) weights. Every linear is packed (a layer

@@ -11,6 +11,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.models import from_config
 from llmserve.testing import TINY_VOCAB, tiny_config
+from tests.isa import dtype_param, needs_dtype
 
 # Decided without the function under test, so that a broken `available` fails here instead of skipping.
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -61,7 +62,7 @@ def rows_of(rows: native.Rows, start: int, end: int) -> native.Rows:
     return rows[start:end]
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+@pytest.mark.parametrize("kind", [dtype_param("bfloat16"), dtype_param("int8")])
 @pytest.mark.parametrize("k", [576, 1536])  # SmolLM2's hidden size, and its MLP's (down's reduction, > 1,024)
 def test_a_row_gives_the_same_alone_and_among_any_number_of_rows(kind: str, k: int) -> None:
     """Batch invariance of the bfloat16 and int8 linears: every row count from 1 to 70, and longer ones, at varied
@@ -78,6 +79,7 @@ def test_a_row_gives_the_same_alone_and_among_any_number_of_rows(kind: str, k: i
         assert torch.equal(linear(rows_of(rows, start, start + m)), alone[start : start + m]), m
 
 
+@needs_dtype("bfloat16")
 def test_bfloat16_rows_run_in_blocks_on_amx_only() -> None:
     """On AMX a bfloat16 call runs at most a block of rows (the kernel blocks more rows by their count), the largest
     the process's kernels keep invariant (32 where they are at every count); a longer input, in blocks, gives each
@@ -99,6 +101,7 @@ def test_bfloat16_rows_run_in_blocks_on_amx_only() -> None:
         assert torch.equal(packed_linear.PackedBF16.of(weight, bias)(x), alone)
 
 
+@needs_dtype("bfloat16")
 def test_the_row_block_falls_back_to_what_keeps_each_row_alike() -> None:
     """largest_invariant_block over a real kernel that is not invariant at every row count: oneDNN's bfloat16 linear
     over an unsplit reduction of 1,536 (the module docstring; without AMX it gives a row other results among as few
@@ -118,7 +121,7 @@ def test_the_row_block_falls_back_to_what_keeps_each_row_alike() -> None:
         assert torch.equal(blocked(x[start : start + m]), alone[start : start + m]), (block, m)
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+@pytest.mark.parametrize("kind", [dtype_param("bfloat16"), dtype_param("int8")])
 def test_bfloat16_and_int8_linears_within_their_rounding(kind: str) -> None:
     g = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(200, 1536, generator=g) * 0.05, torch.randn(200, generator=g)
@@ -131,7 +134,7 @@ def test_bfloat16_and_int8_linears_within_their_rounding(kind: str) -> None:
     assert error < {"bfloat16": 0.01, "int8": 0.02}[kind], error
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+@pytest.mark.parametrize("kind", [dtype_param("bfloat16"), dtype_param("int8")])
 def test_the_refined_head_picks_what_a_float32_head_picks(kind: str) -> None:
     """The cheap head's best candidates recomputed in float32: the argmax and those logits of a float32 head on
     the same (bfloat16) weights, each row alike alone or in a batch."""

@@ -47,6 +47,12 @@ class CpuBackend(TorchPagedBackend):
     name = "cpu"
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, kv: KVCache, max_model_len: int) -> None:
+        # What --dtype refuses at load (models.resolve_dtype), refused here too for a model built otherwise: no
+        # bfloat16 model quietly falls back to transformers' layers on a CPU without oneDNN's bfloat16 kernels.
+        precision = loaded.weights if loaded.weights not in (None, "gguf") else str(loaded.dtype).removeprefix("torch.")
+        refused = cpu_features.refusal(precision, cpu_features.cpu_level())
+        if refused is not None:
+            raise ValueError(refused)
         super().__init__(loaded, config, kv, max_model_len)
         self.varlen_kernel = None  # the CPU has its own decode kernel and blocked chunk attention
         model, s = loaded.model, self.shape
