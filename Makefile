@@ -39,7 +39,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora bench-embed bench-gguf perplexity-gguf gateway image image-test docker nginx redis demo clean
+.PHONY: venv install kernels model run test pytest pytest-isa soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora bench-embed bench-gguf perplexity-gguf gateway image image-test docker nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -81,11 +81,33 @@ run: $(STAMP_MODEL)
 # in one piece; then the tests, their output live (-Onone: a sub-make would otherwise hold it until the end).
 test: proto-check lint model nginx redis
 	$(MAKE) --no-print-directory -Onone pytest
+	$(MAKE) --no-print-directory -Onone pytest-isa
 
 # Two workers (pytest-xdist), a test file per worker at a time (module fixtures start servers once per file), the
 # slowest files first (tests/conftest.py's SLOW_FIRST, in collection order); the slowest tests are listed at the end.
 pytest: $(STAMP_KERNELS)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+
+# CI's capped legs (issue 51): the CPU path's tests again at each instruction-set level below this machine's, as
+# LLMSERVE_CPU_ISA caps it (tests/isa.py), so that an AVX-512 or AMX machine runs what an AVX2 one runs: the kernels,
+# the fused forward, the GGUF backend, exactness, batch invariance and one served greedy call at `avx2`; the block
+# kernels and the portable builds of the others at `none`. A level at or above the machine's own is left out (the
+# whole suite ran there).
+ISA_AVX2_TESTS := tests/engine/backends/cpu tests/engine/test_exactness.py tests/engine/test_batch_invariance.py \
+	tests/test_gguf_model.py tests/test_models.py tests/service/test_real_model_service.py
+ISA_PORTABLE_TESTS := tests/engine/backends/cpu/test_quant.py tests/engine/backends/cpu/test_gguf_linear.py \
+	tests/engine/backends/cpu/test_native.py tests/engine/backends/cpu/test_fused_layers.py \
+	tests/engine/backends/cpu/test_backend.py
+pytest-isa: $(STAMP_KERNELS)
+	@level=$$(env -u LLMSERVE_CPU_ISA $(PY) -m llmserve.cpu_features); echo "CPU level: $$level"; \
+	if [ "$$level" != none ] && [ "$$level" != avx2 ]; then \
+		echo "capped leg: LLMSERVE_CPU_ISA=avx2"; \
+		LLMSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -n 2 --dist loadfile $(ISA_AVX2_TESTS) || exit 1; \
+	fi; \
+	if [ "$$level" != none ]; then \
+		echo "capped leg: LLMSERVE_CPU_ISA=none"; \
+		LLMSERVE_CPU_ISA=none $(PY) -m pytest -q -n 2 --dist loadfile $(ISA_PORTABLE_TESTS) || exit 1; \
+	fi
 
 # The long variants, on demand only (CI runs a 20-s soak and 3 failover turns): a 30-minute soak with cancels, six
 # failover turns per conversation, and the keepalive tests
