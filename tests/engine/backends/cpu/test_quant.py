@@ -149,6 +149,31 @@ def test_every_level_gives_the_portable_kernels_bits(kind: GGMLType, level: str,
         assert torch.equal(vector(x[:m]), portable(x[:m])), m
 
 
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_activations_are_quantized_as_llama_cpps_q8_0_bit_for_bit(level: str) -> None:
+    """The int8 activations are llama.cpp's (the gguf package's Q8_0 quantize, bit-exact with ggml-quants.c): read
+    back through a Q8_0 identity weight, where output c is a_c * dx * d (exactly recoverable: |a_c| <= 127), for
+    random rows and rows built to round at ties (x / d = k + 1/2: away from zero, where round-to-even or a
+    truncation gives other quants; the float64 error bound of the linear tests would pass either)."""
+    k = 128
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal(k).astype(np.float32) * scale for scale in (1.0, 1e-3, 30.0)]
+    ties = np.tile(np.arange(-63, 65, dtype=np.float32) + 0.5, 1)[:k]  # every x / d a half: d = 127 / 127 = 1
+    ties[::32] = 127.0  # each block's largest, so d = 1 exactly
+    rows += [ties, -ties, np.where(np.arange(k) % 2, ties, ties / 3).astype(np.float32)]
+    x = np.stack(rows)
+    identity = QuantWeight(
+        GGMLType.Q8_0, k, k, torch.from_numpy(gguf.quants.quantize(np.eye(k, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0))
+    )
+    y = QuantLinear(identity, level, "int8")(torch.from_numpy(x)).double().numpy()
+    w_scale = np.float64(np.float16(1 / 127))  # the identity's block scale (its quants are 127)
+    dx = np.abs(x.reshape(len(rows), k // 32, 32)).max(-1).astype(np.float32) / np.float32(127)
+    got = np.rint(y / (127 * w_scale * np.repeat(dx.astype(np.float64), 32, axis=1))).astype(np.int64)
+    reference = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(len(rows), k // 32, 34)[..., 2:]
+    expected = reference.view(np.int8).reshape(len(rows), k).astype(np.int64)
+    assert (got == expected).all(), np.argwhere(got != expected)[:5]
+
+
 def _invariant(linear: QuantLinear, x: torch.Tensor) -> None:
     everything = linear(x)
     for start, count in ((0, 1), (5, 1), (x.shape[0] - 1, 1), (3, 4), (10, 32), (0, x.shape[0] - 1), (1, 257)):

@@ -3,7 +3,8 @@
  *
  * Arithmetic (the contract; every level computes exactly this, so that results are bitwise equal across levels,
  * row counts and thread counts). Activations are quantized per block of 32 as llama.cpp's Q8_0 does:
- *   dx = max|x| / 127, a = round-to-nearest-even(x * (127 / max|x|)) in [-127, 127], A = sum(a) over the block.
+ *   dx = max|x| / 127, a = roundf(x * (1 / dx)) (half away from zero) in [-127, 127], A = sum(a) over the block
+ *   (llama.cpp's quantize_row_q8_0 bit for bit, checked against the gguf package's Q8_0).
  * A weight block of 32 decodes to w = ws * (q - z) + wm, q small unsigned integers, z an integer zero (see the
  * table), ws and wm floats exactly representable in float32 (float16 scales times integer sub-scales). For each
  * output (row r, column n) the kernel starts at acc = 0 and, block after block in order of k:
@@ -23,10 +24,18 @@
  *   Q5_K   5       0    d * sc_j        -(dmin * m_j)
  *   Q6_K   6       32   (see above)
  *
- * Float activations (quant_linear_f32): the weights are decoded from the packed blocks to exactly the float32 values
- * llama.cpp's dequantize_row_* gives (ws * (q - z), or fma(ws, q, wm) with a min; Q6_K (d * sc) * (q - 32)), and each
- * output sums x * w in float32 in order of k into four partial sums by k mod 4 (fma each), added at the end as
- * (p0 + p1) + (p2 + p3). Again the same at every level and row count.
+ * Float activations (quant_linear_f32): x stays float32 and the weights are never rounded to float on their own:
+ * per group g (a block of 32; Q6_K: each half of 16) the kernel sums x times the stored quants q, then applies the
+ * group's zero and scales once. With X = the group's sum of x:
+ *   p_j  = fma(x_k, (float)q_k, p_j) over k = j mod 4 in increasing k, from 0        (four chains, j = 0..3)
+ *   S    = (p0 + p1) + (p2 + p3);   S = fma(-z, X, S) for a type with a zero z
+ *   acc  = fma(ws, S, acc);         acc = fma(wm, X, acc) for a type with a min (wm = m; K types: -(dmin * m_j))
+ * (Q6_K: acc = fma(d * sc_h, S_h, acc) per half.) X is computed once per call and row, the same way with adds:
+ * (s0 + s1) + (s2 + s3), s_j the chain of k = j mod 4. This is x @ dequantize(w).T to float32 rounding (the
+ * products x * q are exact-ish small-integer multiples; the bound is float32 GEMM's, a few times wider where the
+ * zero cancels) with the same arithmetic at every level, row count and thread count; at one or two rows a call the
+ * quants are extracted as the blocks stream in, from three rows up decoded once into tiles of floats that every
+ * row reads. The AVX-512 level runs the AVX2 float kernel (the FMAs' order is the contract, not the width).
  *
  * Packed layout (quant_pack): output columns in strips of 16 (the last strip padded with zero columns); a strip is
  * its payload (one part per block of 32, in order of k), then its metadata, then padding to 64 bytes.
@@ -138,13 +147,20 @@ void q_kernel_avx2_vnni(const qmat *w, const qact *x, long m, long s0, long s1, 
 void q_kernel_avx512_vnni(const qmat *w, const qact *x, long m, long s0, long s1, float *y, long ldy);
 #endif
 
-/* The float-activation kernels: x [m][k] float32 rows, `acc` scratch of m * 64 floats (the partial sums). */
-typedef void (*q_kernel_f32)(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
-void q_kernel_f32_portable(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
+/* The float-activation kernels: x [m][k] float32 rows, xs [m][groups] each row's group sums X, `acc` scratch of
+ * m * 16 floats. */
+typedef void (*q_kernel_f32)(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y,
+                             long ldy, float *acc);
+void q_kernel_f32_portable(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
+                           float *acc);
 #if defined(__x86_64__)
-void q_kernel_f32_avx2(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
-void q_kernel_f32_avx2_vnni(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
-void q_kernel_f32_avx512_vnni(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc);
+void q_kernel_f32_avx2(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
+                       float *acc);
+void q_kernel_f32_avx2_vnni(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y,
+                            long ldy, float *acc);
 #endif
+
+/* Groups of the float contract per row: one per block of 32, two for Q6_K. */
+static inline long q_groups(int type, long k) { return (type == Q_Q6_K ? 2 : 1) * (k / QBLOCK); }
 
 #endif

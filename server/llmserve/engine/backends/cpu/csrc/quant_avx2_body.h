@@ -165,131 +165,245 @@ AI void NAME(strips)(const qmat *w, const qact *x, long m, long s0, long s1, flo
     }
 }
 
-/* --- float activations (quant.h), as quant_avx512.c's: blocks decoded to float32 tiles, one row a pass ---------- */
+/* --- float activations (quant.h's float contract): per group, sums of x times the stored quants in four chains by
+ * k mod 4, then the group's zero and scales applied once. A row runs either straight from the packed blocks (`direct`,
+ * one row: the quants extracted as it goes) or over tiles of quants decoded once for every row of the call
+ * (`tiles`); both add the same products in the same order, so a row's result does not depend on the other rows. -- */
 
-AI void NAME(tile_block)(const uint8_t *strip, const uint8_t *meta, long b, const int T, const __m256 *d,
-                         const __m256 *dmin, float *tile) {
-  const uint8_t *p = strip + b * q_payload(T);
-  for (long o = 0; o < q_payload(T); o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
-  const __m256i low = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF), zero = _mm256_set1_epi32(q_zero(T));
-  for (int h = 0; h < 2; ++h) {
-    __m256 ws = _mm256_setzero_ps(), wm = _mm256_setzero_ps(), ws1 = _mm256_setzero_ps();
-    if (q_is_k(T)) {
-      const uint8_t *mu = meta + (b / 8) * q_meta(T);
-      const int j = (int)(b % 8);
-      if (T == Q_Q6_K) {
-        const __m128i s0 = _mm_loadl_epi64((const __m128i *)(mu + 32 + 16 * (2 * j) + 8 * h));
-        const __m128i s1 = _mm_loadl_epi64((const __m128i *)(mu + 32 + 16 * (2 * j + 1) + 8 * h));
-        ws = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s0)));
-        ws1 = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s1)));
-      } else {
-        ws = _mm256_mul_ps(d[h], NAME(bytes_u8)(mu + 64 + 16 * j + 8 * h));
-        wm = _mm256_mul_ps(dmin[h], NAME(bytes_u8)(mu + 192 + 16 * j + 8 * h));
-      }
+/* Byte j of each 32-bit lane, zero-extended, for VPSHUFB (its indices are per 128-bit half: lane d's byte j is
+ * 4d + j there). */
+AI __m256i NAME(byte_of_lane)(int j) {
+  return _mm256_setr_epi32(0x80808000 + j, 0x80808004 + j, 0x80808008 + j, 0x8080800C + j, 0x80808000 + j,
+                           0x80808004 + j, 0x80808008 + j, 0x8080800C + j);
+}
+
+/* Block b's scales for half h (8 columns): ws, and wm (added times X: +m, or -(dmin * m_j) for the K types);
+ * Q6_K: ws and ws1, its two halves' d * sc. `d`/`dmin`: the superblock's, for the K types. */
+AI void NAME(block_scales)(const uint8_t *meta, long b, const int T, int h, __m256 d, __m256 dmin, __m256 *ws,
+                           __m256 *wm, __m256 *ws1) {
+  *ws = *wm = *ws1 = _mm256_setzero_ps();
+  if (q_is_k(T)) {
+    const uint8_t *mu = meta + (b / 8) * q_meta(T);
+    const int j = (int)(b % 8);
+    if (T == Q_Q6_K) {
+      const __m128i s0 = _mm_loadl_epi64((const __m128i *)(mu + 32 + 16 * (2 * j) + 8 * h));
+      const __m128i s1 = _mm_loadl_epi64((const __m128i *)(mu + 32 + 16 * (2 * j + 1) + 8 * h));
+      *ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s0)));
+      *ws1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s1)));
     } else {
-      const uint8_t *mb = meta + b * q_meta(T);
-      ws = NAME(halves)(mb + 16 * h);
-      if (q_has_min(T)) wm = NAME(halves)(mb + 32 + 16 * h);
+      *ws = _mm256_mul_ps(d, NAME(bytes_u8)(mu + 64 + 16 * j + 8 * h));
+      *wm = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, NAME(bytes_u8)(mu + 192 + 16 * j + 8 * h)));
     }
-    if (T == Q_Q8_0) {
-      for (int g = 0; g < 8; ++g) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * g + 32 * h));
-        for (int j = 0; j < 4; ++j) {
-          const __m256i qi = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 8 * j), byte), zero);
-          _mm256_store_ps(tile + 16 * (4 * g + j) + 8 * h, _mm256_mul_ps(ws, _mm256_cvtepi32_ps(qi)));
-        }
-      }
-      continue;
-    }
-    for (int i = 0; i < 4; ++i) {
-      const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i + 32 * h));
-      __m256i part[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
-      for (int pl = 0; pl < q_planes(T); ++pl) {
-        part[0] = NAME(plane)(part[0], p + 256 + 64 * pl + 16 * i + 4 * h, pl);
-        part[1] = NAME(plane)(part[1], p + 256 + 64 * pl + 16 * i + 8 + 4 * h, pl);
-      }
-      for (int lh = 0; lh < 2; ++lh)
-        for (int j = 0; j < 4; ++j) {
-          const __m256i qi = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(part[lh], 8 * j), byte), zero);
-          const __m256 q = _mm256_cvtepi32_ps(qi);
-          __m256 value;
-          if (T == Q_Q6_K)
-            value = _mm256_mul_ps(lh ? ws1 : ws, q);
-          else if (q_is_k(T))
-            value = _mm256_fmsub_ps(ws, q, wm);
-          else if (q_has_min(T))
-            value = _mm256_fmadd_ps(ws, q, wm);
-          else
-            value = _mm256_mul_ps(ws, q);
-          _mm256_store_ps(tile + 16 * (16 * lh + 4 * i + j) + 8 * h, value);
-        }
-    }
+  } else {
+    const uint8_t *mb = meta + b * q_meta(T);
+    *ws = NAME(halves)(mb + 16 * h);
+    if (q_has_min(T)) *wm = NAME(halves)(mb + 32 + 16 * h);
   }
 }
 
-AI void NAME(strips_f32)(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc,
-                         const int T) {
-  const long k = w->k, nb = k / QBLOCK;
-  float tiles[8 * 512] __attribute__((aligned(32)));
+/* A group's sum from its four chains, its zero folded in: (p0 + p1) + (p2 + p3), then - z * X. */
+AI __m256 NAME(group_sum)(const __m256 p[4], __m256 xsum, const int T) {
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
+  return q_zero(T) ? _mm256_fnmadd_ps(_mm256_set1_ps((float)q_zero(T)), xsum, sum) : sum;
+}
+
+/* acc + the group's sum scaled (and the min's term): acc = fma(ws, S, acc), then acc = fma(wm, X, acc). */
+AI __m256 NAME(scaled)(__m256 acc, __m256 sum, __m256 ws, __m256 wm, __m256 xsum, const int T) {
+  acc = _mm256_fmadd_ps(ws, sum, acc);
+  return q_has_min(T) ? _mm256_fmadd_ps(wm, xsum, acc) : acc;
+}
+
+/* The quants of chunk i's half h (8 columns x 4 k), low nibbles (`high` 0: k = 4i + j) or high (k = 16 + 4i + j),
+ * with their planes' bits, as bytes. */
+AI __m256i NAME(chunk_quants)(const uint8_t *p, int i, int h, int high, const int T) {
+  const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i + 32 * h));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256i q = high ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
+  _Pragma("GCC unroll 8") for (int pl = 0; pl < q_planes(T); ++pl) q = NAME(plane)(q, p + 256 + 64 * pl + 16 * i + 8 * high + 4 * h, pl);
+  return q;
+}
+
+AI void NAME(store_cols)(float *out, long here, __m256 v) {
+  if (here >= 8) {
+    _mm256_storeu_ps(out, v);
+  } else if (here > 0) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)here), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(out, mask, v);
+  }
+}
+
+/* One row (x: its k floats; xs: its group sums) over strip s, straight from the packed blocks. */
+AI void NAME(direct_f32)(const qmat *w, const float *x, const float *xs, long s, float *y, const int T) {
+  const long k = w->k, nb = k / QBLOCK, payload = q_payload(T);
+  const uint8_t *strip = w->packed + s * q_strip_bytes(T, k), *meta = strip + q_meta_offset(T, k);
+  const int groups = T == Q_Q6_K ? 2 : 1;
+  __m256i ctrl[4];
+  _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j) ctrl[j] = NAME(byte_of_lane)(j);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (long b = 0; b < nb; ++b) {
+    const uint8_t *p = strip + b * payload;
+    for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+    const float *xb = x + b * QBLOCK;
+    __m256 ws[2], wm[2], ws1[2];
+    _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) {
+      if (q_is_k(T) && b % 8 == 0) {
+        const uint8_t *mu = meta + (b / 8) * q_meta(T);
+        d[h] = NAME(halves)(mu + 16 * h);
+        if (T != Q_Q6_K) dmin[h] = NAME(halves)(mu + 32 + 16 * h);
+      }
+      NAME(block_scales)(meta, b, T, h, d[h], dmin[h], &ws[h], &wm[h], &ws1[h]);
+    }
+    __m256 part[2][4];
+    if (T == Q_Q8_0) {
+      _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h)
+        _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j) part[h][j] = _mm256_setzero_ps();
+      _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g)
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * g + 32 * h));
+          _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j)
+            part[h][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + 4 * g + j),
+                                         _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, ctrl[j])), part[h][j]);
+        }
+      const __m256 xsum = _mm256_broadcast_ss(xs + b);
+      _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) acc[h] = NAME(scaled)(acc[h], NAME(group_sum)(part[h], xsum, T), ws[h], wm[h], xsum, T);
+      continue;
+    }
+    _Pragma("GCC unroll 8") for (int high = 0; high < 2; ++high) {
+      if (high == 0 || groups == 2)
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h)
+          _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j) part[h][j] = _mm256_setzero_ps();
+      _Pragma("GCC unroll 8") for (int i = 0; i < 4; ++i)
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) {
+          const __m256i q = NAME(chunk_quants)(p, i, h, high, T);
+          _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j)
+            part[h][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + 16 * high + 4 * i + j),
+                                         _mm256_cvtepi32_ps(_mm256_shuffle_epi8(q, ctrl[j])), part[h][j]);
+        }
+      if (groups == 2) {  /* Q6_K: each half of 16 its own group and scale */
+        const __m256 xsum = _mm256_broadcast_ss(xs + 2 * b + high);
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h)
+          acc[h] = _mm256_fmadd_ps(high ? ws1[h] : ws[h], NAME(group_sum)(part[h], xsum, T), acc[h]);
+      }
+    }
+    if (groups == 1) {
+      const __m256 xsum = _mm256_broadcast_ss(xs + b);
+      _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) acc[h] = NAME(scaled)(acc[h], NAME(group_sum)(part[h], xsum, T), ws[h], wm[h], xsum, T);
+    }
+  }
+  const long cols = w->n - s * STRIP;
+  _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) NAME(store_cols)(y + s * STRIP + 8 * h, cols - 8 * h, acc[h]);
+}
+
+#define F_GROUP 8 /* blocks decoded at a time: 8 tiles of 2 KiB stay in L1 while every row runs over them */
+
+/* Block b's stored quants as floats, tile[16 * k + c] (no zero, no scale: those come per group). */
+AI void NAME(tile_quants)(const uint8_t *p, const int T, float *tile) {
+  __m256i ctrl[4];
+  _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j) ctrl[j] = NAME(byte_of_lane)(j);
+  if (T == Q_Q8_0) {
+    _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g)
+      _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * g + 32 * h));
+        _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j)
+          _mm256_store_ps(tile + 16 * (4 * g + j) + 8 * h, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, ctrl[j])));
+      }
+    return;
+  }
+  _Pragma("GCC unroll 8") for (int high = 0; high < 2; ++high)
+    _Pragma("GCC unroll 8") for (int i = 0; i < 4; ++i)
+      _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) {
+        const __m256i q = NAME(chunk_quants)(p, i, h, high, T);
+        _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j)
+          _mm256_store_ps(tile + 16 * (16 * high + 4 * i + j) + 8 * h, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(q, ctrl[j])));
+      }
+}
+
+/* One row over `count` decoded blocks from b0: the same chains and scaling as direct_f32, acc (16 floats) updated. */
+AI void NAME(row_tiles)(const float *tiles, const __m256 *scales, long count, const float *x, const float *xs, long b0,
+                        float *acc, const int T) {
+  __m256 a[2] = {_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)};
+  for (long t = 0; t < count; ++t) {
+    const float *tile = tiles + 512 * t, *xb = x + (b0 + t) * QBLOCK;
+    const __m256 *sc = scales + 6 * t;  /* per half h: ws, wm, ws1 */
+    __m256 part[2][4];
+    _Pragma("GCC unroll 8") for (int g = 0; g < (T == Q_Q6_K ? 2 : 1); ++g) {
+      const int k0 = T == Q_Q6_K ? 16 * g : 0, kn = T == Q_Q6_K ? 16 : QBLOCK;
+      _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h)
+        _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j) part[h][j] = _mm256_setzero_ps();
+      _Pragma("GCC unroll 8") for (int kk = k0; kk < k0 + kn; kk += 4)
+        _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j) {
+          const __m256 xv = _mm256_broadcast_ss(xb + kk + j);
+          _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h)
+            part[h][j] = _mm256_fmadd_ps(xv, _mm256_load_ps(tile + 16 * (kk + j) + 8 * h), part[h][j]);
+        }
+      if (T == Q_Q6_K) {
+        const __m256 xsum = _mm256_broadcast_ss(xs + 2 * (b0 + t) + g);
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) a[h] = _mm256_fmadd_ps(sc[3 * h + 2 * g], NAME(group_sum)(part[h], xsum, T), a[h]);
+      } else {
+        const __m256 xsum = _mm256_broadcast_ss(xs + b0 + t);
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h)
+          a[h] = NAME(scaled)(a[h], NAME(group_sum)(part[h], xsum, T), sc[3 * h], sc[3 * h + 1], xsum, T);
+      }
+    }
+  }
+  _mm256_storeu_ps(acc, a[0]);
+  _mm256_storeu_ps(acc + 8, a[1]);
+}
+
+/* Rows [0, m) over strips [s0, s1): one or two rows straight from the blocks, more over decoded tiles. `xs`: each
+ * row's group sums ([m][groups]); `acc`: scratch of 16 floats a row. */
+AI void NAME(strips_f32)(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
+                         float *acc, const int T) {
+  const long k = w->k, nb = k / QBLOCK, payload = q_payload(T);
+  const long groups = T == Q_Q6_K ? 2 * nb : nb;
+  if (m <= 2) {
+    for (long s = s0; s < s1; ++s)
+      for (long r = 0; r < m; ++r) NAME(direct_f32)(w, x + r * k, xs + r * groups, s, y + r * ldy, T);
+    return;
+  }
+  float tiles[F_GROUP * 512] __attribute__((aligned(32)));
+  __m256 scales[F_GROUP * 6];
   for (long s = s0; s < s1; ++s) {
     const uint8_t *strip = w->packed + s * q_strip_bytes(T, k), *meta = strip + q_meta_offset(T, k);
-    memset(acc, 0, sizeof(float) * 64 * (size_t)m);
+    memset(acc, 0, sizeof(float) * 16 * (size_t)m);
     __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (long b0 = 0; b0 < nb; b0 += 8) {
-      const long count = nb - b0 < 8 ? nb - b0 : 8;
+    for (long b0 = 0; b0 < nb; b0 += F_GROUP) {
+      const long count = nb - b0 < F_GROUP ? nb - b0 : F_GROUP;
       for (long t = 0; t < count; ++t) {
-        if (q_is_k(T) && (b0 + t) % 8 == 0) {
-          const uint8_t *mu = meta + ((b0 + t) / 8) * q_meta(T);
-          for (int h = 0; h < 2; ++h) {
+        const long b = b0 + t;
+        const uint8_t *p = strip + b * payload;
+        for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) {
+          if (q_is_k(T) && b % 8 == 0) {
+            const uint8_t *mu = meta + (b / 8) * q_meta(T);
             d[h] = NAME(halves)(mu + 16 * h);
             if (T != Q_Q6_K) dmin[h] = NAME(halves)(mu + 32 + 16 * h);
           }
+          __m256 *sc = scales + 6 * t + 3 * h;
+          NAME(block_scales)(meta, b, T, h, d[h], dmin[h], sc, sc + 1, sc + 2);
         }
-        NAME(tile_block)(strip, meta, b0 + t, T, d, dmin, tiles + 512 * t);
+        NAME(tile_quants)(p, T, tiles + 512 * t);
       }
-      for (long r = 0; r < m; ++r) {
-        __m256 part[2][4];
-        for (int h = 0; h < 2; ++h)
-          for (int j = 0; j < 4; ++j) part[h][j] = _mm256_loadu_ps(acc + 64 * r + 16 * j + 8 * h);
-        for (long t = 0; t < count; ++t)
-          for (int k4 = 0; k4 < QBLOCK; k4 += 4)
-            for (int j = 0; j < 4; ++j) {  /* j a constant after unrolling: the partial sums stay in registers */
-              const __m256 xv = _mm256_set1_ps(x[r * k + (b0 + t) * QBLOCK + k4 + j]);
-              for (int h = 0; h < 2; ++h)
-                part[h][j] = _mm256_fmadd_ps(xv, _mm256_load_ps(tiles + 512 * t + 16 * (k4 + j) + 8 * h), part[h][j]);
-            }
-        for (int h = 0; h < 2; ++h)
-          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + 64 * r + 16 * j + 8 * h, part[h][j]);
-      }
+      for (long r = 0; r < m; ++r) NAME(row_tiles)(tiles, scales, count, x + r * k, xs + r * groups, b0, acc + 16 * r, T);
     }
     const long cols = w->n - s * STRIP;
     for (long r = 0; r < m; ++r)
-      for (int h = 0; h < 2; ++h) {
-        const float *pr = acc + 64 * r + 8 * h;
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(pr), _mm256_loadu_ps(pr + 16)),
-                                         _mm256_add_ps(_mm256_loadu_ps(pr + 32), _mm256_loadu_ps(pr + 48)));
-        float *out = y + r * ldy + s * STRIP + 8 * h;
-        const long here = cols - 8 * h;
-        if (here >= 8) {
-          _mm256_storeu_ps(out, sum);
-        } else if (here > 0) {
-          const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)here), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-          _mm256_maskstore_ps(out, mask, sum);
-        }
-      }
+      _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) NAME(store_cols)(y + r * ldy + s * STRIP + 8 * h, cols - 8 * h, _mm256_loadu_ps(acc + 16 * r + 8 * h));
   }
 }
 
-void NAME(q_kernel_f32)(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc) {
+void NAME(q_kernel_f32)(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
+                        float *acc) {
   switch (w->type) {
-    case Q_Q4_0: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q4_0); break;
-    case Q_Q4_1: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q4_1); break;
-    case Q_Q5_0: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q5_0); break;
-    case Q_Q5_1: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q5_1); break;
-    case Q_Q8_0: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q8_0); break;
-    case Q_Q4_K: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q4_K); break;
-    case Q_Q5_K: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q5_K); break;
-    case Q_Q6_K: NAME(strips_f32)(w, x, m, s0, s1, y, ldy, acc, Q_Q6_K); break;
+    case Q_Q4_0: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q4_0); break;
+    case Q_Q4_1: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q4_1); break;
+    case Q_Q5_0: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q5_0); break;
+    case Q_Q5_1: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q5_1); break;
+    case Q_Q8_0: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q8_0); break;
+    case Q_Q4_K: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q4_K); break;
+    case Q_Q5_K: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q5_K); break;
+    case Q_Q6_K: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q6_K); break;
     default: break;
   }
 }

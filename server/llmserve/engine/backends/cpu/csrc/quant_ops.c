@@ -175,13 +175,15 @@ static void prepare(int type, const float *x, long m, long k, int8_t *a, float *
         bad |= !(f <= FLT_MAX);
         top = f > top ? f : top;
       }
-      /* A non-finite input makes the block's scale NaN (its quants 0), so that every output it reaches is NaN. */
-      const float d = bad ? NAN : top / 127.0f, inv = bad || top == 0 ? 0.0f : 127.0f / top;
-      /* Below ~3.7e-37 the reciprocal overflows: such a block divides by its scale instead. */
+      /* A non-finite input makes the block's scale NaN (its quants 0), so that every output it reaches is NaN.
+       * As llama.cpp's quantize_row_q8_0 (and the gguf package's Q8_0): d = max|x| / 127, x times 1 / d, rounded
+       * half away from zero (roundf). */
+      const float d = bad ? NAN : top / 127.0f, inv = bad || d == 0.0f ? 0.0f : 1.0f / d;
+      /* For a subnormal scale the reciprocal overflows: such a block divides by its scale instead. */
       const int tiny = !bad && !(inv <= FLT_MAX);
       int sum[2] = {0, 0};
       for (int i = 0; i < QBLOCK; ++i) {
-        float t = tiny ? nearbyintf(v[i] / d) : nearbyintf(v[i] * inv);
+        float t = tiny ? roundf(v[i] / d) : roundf(v[i] * inv);
         t = t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t);
         q[i] = bad ? 0 : (int8_t)t;
         sum[i / 16] += q[i];
@@ -256,35 +258,68 @@ void q_kernel_portable(const qmat *w, const qact *x, long m, long s0, long s1, f
   }
 }
 
-/* The float32 value of weight kk of column c in block b, as llama.cpp's dequantize_row_* computes it. */
-static float packed_weight(int type, const uint8_t *strip, const uint8_t *meta, long b, int c, int kk) {
-  const float q = (float)(packed_quant(type, strip + b * q_payload(type), c, kk) - q_zero(type));
+/* Block b's scales for column c under the float contract (quant.h): ws, wm (0 without a min), and Q6_K's second
+ * half's ws1. */
+static void packed_scales(int type, const uint8_t *meta, long b, int c, float *ws, float *wm, float *ws1) {
+  *wm = *ws1 = 0.0f;
   if (q_is_k(type)) {
     const uint8_t *mu = meta + (b / 8) * q_meta(type);
     const int j = (int)(b % 8);
     const float d = q_half(q_load16(mu + 2 * c));
-    if (type == Q_Q6_K) return d * (float)(int8_t)mu[32 + 16 * (2 * j + kk / 16) + c] * q;
-    const float ws = d * (float)mu[64 + 16 * j + c], dm = q_half(q_load16(mu + 32 + 2 * c)) * (float)mu[192 + 16 * j + c];
-    return fmaf(ws, q, -dm);
+    if (type == Q_Q6_K) {
+      *ws = d * (float)(int8_t)mu[32 + 16 * (2 * j) + c];
+      *ws1 = d * (float)(int8_t)mu[32 + 16 * (2 * j + 1) + c];
+      return;
+    }
+    *ws = d * (float)mu[64 + 16 * j + c];
+    *wm = -(q_half(q_load16(mu + 32 + 2 * c)) * (float)mu[192 + 16 * j + c]);
+    return;
   }
   const uint8_t *mb = meta + b * q_meta(type);
-  const float ws = q_half(q_load16(mb + 2 * c));
-  return q_has_min(type) ? fmaf(ws, q, q_half(q_load16(mb + 32 + 2 * c))) : ws * q;
+  *ws = q_half(q_load16(mb + 2 * c));
+  if (q_has_min(type)) *wm = q_half(q_load16(mb + 32 + 2 * c));
 }
 
-void q_kernel_f32_portable(const qmat *w, const float *x, long m, long s0, long s1, float *y, long ldy, float *acc) {
+/* Group sums of x for the float contract: xs[r][g] = (s0 + s1) + (s2 + s3), s_j the adds of k = j mod 4 in order. */
+static void group_sums(int type, const float *x, long m, long k, float *xs) {
+  const long groups = q_groups(type, k), size = k / groups;
+  for (long r = 0; r < m; ++r)
+    for (long g = 0; g < groups; ++g) {
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (long kk = 0; kk < size; ++kk) part[kk % 4] += x[r * k + g * size + kk];
+      xs[r * groups + g] = (part[0] + part[1]) + (part[2] + part[3]);
+    }
+}
+
+void q_kernel_f32_portable(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
+                           float *acc) {
   (void)acc;
-  const int type = w->type;
-  const long k = w->k, nb = k / QBLOCK, sb = q_strip_bytes(type, k);
+  const int type = w->type, halves = type == Q_Q6_K;
+  const long k = w->k, nb = k / QBLOCK, sb = q_strip_bytes(type, k), groups = q_groups(type, k);
+  const float z = (float)q_zero(type);
   for (long s = s0; s < s1; ++s) {
     const uint8_t *strip = w->packed + s * sb, *meta = strip + q_meta_offset(type, k);
     for (int c = 0; c < STRIP && s * STRIP + c < w->n; ++c) {
       for (long r = 0; r < m; ++r) {
-        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (long b = 0; b < nb; ++b)
-          for (int kk = 0; kk < QBLOCK; ++kk)
-            part[kk % 4] = fmaf(x[r * k + b * QBLOCK + kk], packed_weight(type, strip, meta, b, c, kk), part[kk % 4]);
-        y[r * ldy + s * STRIP + c] = (part[0] + part[1]) + (part[2] + part[3]);
+        const float *xr = x + r * k;
+        float out = 0.0f;
+        for (long b = 0; b < nb; ++b) {
+          const uint8_t *p = strip + b * q_payload(type);
+          float ws, wm, ws1;
+          packed_scales(type, meta, b, c, &ws, &wm, &ws1);
+          for (int g = 0; g <= halves; ++g) {
+            const int k0 = halves ? 16 * g : 0, kn = halves ? 16 : QBLOCK;
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int kk = k0; kk < k0 + kn; ++kk)
+              part[kk % 4] = fmaf(xr[b * QBLOCK + kk], (float)packed_quant(type, p, c, kk), part[kk % 4]);
+            const float xsum = xs[r * groups + (halves ? 2 * b + g : b)];
+            float sum = (part[0] + part[1]) + (part[2] + part[3]);
+            if (z != 0.0f) sum = fmaf(-z, xsum, sum);
+            out = fmaf(g ? ws1 : ws, sum, out);
+            if (q_has_min(type)) out = fmaf(wm, xsum, out);
+          }
+        }
+        y[r * ldy + s * STRIP + c] = out;
       }
     }
   }
@@ -325,7 +360,7 @@ static q_kernel_f32 kernel_f32_of(int level) {
 #if defined(__x86_64__)
     case LEVEL_AVX2: return q_kernel_f32_avx2;
     case LEVEL_AVX2_VNNI: return q_kernel_f32_avx2_vnni;
-    case LEVEL_AVX512_VNNI: return q_kernel_f32_avx512_vnni;
+    case LEVEL_AVX512_VNNI: return q_kernel_f32_avx2;  /* the contract's order, not the width, decides the bits */
 #endif
     default: return NULL;
   }
@@ -346,6 +381,9 @@ int quant_linear_f32(int level, int type, const uint8_t *packed, long n, long k,
   const qmat w = {type, n, k, packed};
   const long strips = (n + STRIP - 1) / STRIP;
   const int parallel = threads > 1 && m * n * k >= QUANT_PARALLEL_MIN && strips > 1;
+  float *xs = malloc(sizeof(float) * (size_t)(m * q_groups(type, k)));
+  if (xs == NULL) return 2;
+  group_sums(type, x, m, k, xs);
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (parallel) reduction(| : failed)
   {
@@ -354,11 +392,12 @@ int quant_linear_f32(int level, int type, const uint8_t *packed, long n, long k,
 #else
     const long t = 0, count = 1;
 #endif
-    float *acc = aligned_alloc(64, sizeof(float) * 64 * (size_t)m);
+    float *acc = aligned_alloc(64, sizeof(float) * 16 * (size_t)(m > 0 ? m : 1));
     failed = acc == NULL;
-    if (acc != NULL) kernel(&w, x, m, strips * t / count, strips * (t + 1) / count, y, ldy, acc);
+    if (acc != NULL) kernel(&w, x, xs, m, strips * t / count, strips * (t + 1) / count, y, ldy, acc);
     free(acc);
   }
+  free(xs);
   return failed ? 2 : 0;
 }
 
