@@ -7,7 +7,7 @@ the server runs the slower torch paths, or refuses to start with `--cpu-kernels 
 
 - `_paged_decode`: decode attention, once per common (head dim, query heads per kv head) pair;
 - `_fused_ops`: the fused elementwise parts of a Llama-family layer (float32/float64, and the bfloat16/int8 rows of
-  mixed_ops.c).
+  mixed_ops.c), and forward.c's whole step over a GGUF's blocks in one call.
 - `_quant_ops`: linears over llama.cpp's block-quantized weights (quant*.c). On x86-64 it is built for the baseline
   (`-march=x86-64`) whatever LLMSERVE_KERNEL_MARCH says: its AVX2 and AVX-512 kernels carry their own target
   pragmas and the library picks among them at run time by what the CPU reports, so one build serves every level.
@@ -102,7 +102,7 @@ class BuildKernels(build_ext):
 
 # The compiler-vectorized libraries, once per level on x86-64 (see the module docstring).
 LEVEL_SUFFIXES = ("", PORTABLE) if X86 else ("",)
-VECTORIZED = {"_paged_decode": ["paged_decode.c"], "_fused_ops": ["fused_ops.c", "mixed_ops.c"]}
+VECTORIZED = {"_paged_decode": ["paged_decode.c"], "_fused_ops": ["fused_ops.c", "mixed_ops.c", "forward.c"]}
 
 setup(
     ext_modules=[

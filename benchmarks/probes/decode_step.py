@@ -9,7 +9,8 @@ inside the engine, without the gRPC edge or the process boundary (benchmarks/mod
     python benchmarks/probes/decode_step.py --systems gguf:default float32:default gguf:Q8_0=FILE --batches 1 32
     LLMSERVE_CPU_ISA=avx2 python benchmarks/probes/decode_step.py ...   # at a capped level
 
-A system is DTYPE[/ACTIVATIONS]:MODEL, MODEL `default` (the shipped GGUF) or a path; e.g. `gguf/float32:default`.
+A system is DTYPE[/ACTIVATIONS]:MODEL[@loop], MODEL `default` (the shipped GGUF) or a path, `@loop` with
+--no-compiled-steps (the fused forward's Python loop); e.g. `gguf/float32:default`.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ PROMPT = 16
 
 
 def load(system: str) -> EngineCore:
+    system, _, variant = system.partition("@")
     dtype, _, spec = system.partition(":")
     dtype, _, activations = dtype.partition("/")
     spec = "" if spec == "default" else spec.split("=", 1)[-1]
     loaded = load_model(spec or None, device="cpu", dtype=dtype, gguf_activations=activations or "int8")
-    core = EngineCore(loaded, EngineConfig(kv_cache_tokens=8192, max_num_seqs=256))
+    config = EngineConfig(kv_cache_tokens=8192, max_num_seqs=256, compiled_steps=variant != "loop")
+    core = EngineCore(loaded, config)
     core.warm_up()
     core.take_outputs()
     return core

@@ -363,6 +363,9 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                     "CPU float32: plain linear layers instead of packed oneDNN weights", invert=True),
             _switch("--no-fused-layers", "engine.fused_layers",
                     "CPU: transformers' own layer forward instead of the fused one (Llama family)", invert=True),
+            _switch("--no-compiled-steps", "engine.compiled_steps",
+                    "CPU, a GGUF's blocks: every step through the fused forward's Python loop instead of one C call "
+                    "(the same kernels and results)", invert=True),
         ),
     ),
 )  # fmt: skip

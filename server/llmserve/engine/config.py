@@ -48,6 +48,9 @@ class EngineConfig:
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 4 << 30
     fused_layers: bool = True  # CPU Llama-family models through the fused forward (backends/cpu/fused_layers.py)
+    # CPU, a GGUF's blocks: a step whose every token the decode kernel attends runs in one C call
+    # (backends/cpu/step_program.py), the same kernels in the same order as the fused forward's Python loop.
+    compiled_steps: bool = True
     # Constraints (sample/constraints.py): compiled off the step thread within this bound, cached per kind and text.
     constraint_compile_timeout_s: float = 10.0
     constraint_cache_size: int = 256

@@ -162,9 +162,8 @@ def test_activations_are_quantized_as_llama_cpps_q8_0_bit_for_bit(level: str) ->
     ties[::32] = 127.0  # each block's largest, so d = 1 exactly
     rows += [ties, -ties, np.where(np.arange(k) % 2, ties, ties / 3).astype(np.float32)]
     x = np.stack(rows)
-    identity = QuantWeight(
-        GGMLType.Q8_0, k, k, torch.from_numpy(gguf.quants.quantize(np.eye(k, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0))
-    )
+    blocks = gguf.quants.quantize(np.eye(k, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    identity = QuantWeight(GGMLType.Q8_0, k, k, torch.from_numpy(blocks))
     y = QuantLinear(identity, level, "int8")(torch.from_numpy(x)).double().numpy()
     w_scale = np.float64(np.float16(1 / 127))  # the identity's block scale (its quants are 127)
     dx = np.abs(x.reshape(len(rows), k // 32, 32)).max(-1).astype(np.float32) / np.float32(127)

@@ -27,6 +27,7 @@ from llmserve.engine.backends.attention import AttentionMetadata, paged_attentio
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.cpu import native, packed_linear, quant
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
+from llmserve.engine.backends.cpu.step_program import StepProgram
 from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder
 from llmserve.engine.backends.torch_paged import Packed, TorchPagedBackend
@@ -94,6 +95,10 @@ class CpuBackend(TorchPagedBackend):
                     "forward adds adapter deltas in float32 only; serve adapters with --dtype float32"
                 )
             self.lora = BackendLora(config, s, model, self.dtype, self.device, fused=True)
+        # A whole step over a GGUF's blocks in one C call, where the step fits it (step_program.py).
+        self.program: StepProgram | None = None
+        if self.fused is not None and config.compiled_steps:
+            self.program = StepProgram.build(self.fused, kv.tensor, self.kernel)
         if self.fused is not None:
             self.num_packed_linears = self.fused.num_packed
         elif pack:
@@ -135,6 +140,8 @@ class CpuBackend(TorchPagedBackend):
         batch: AttentionMetadata,
         lora: LoraRows | None = None,
     ) -> torch.Tensor:
+        if self.program is not None and self.program.fits(batch, lora, input_ids.shape[1]):
+            return self.program.run(input_ids, position_ids, keep, batch)
         if self.fused is not None:
             weights = None if lora is None or self.lora is None else self.lora.weights
             return self.fused.run(input_ids, position_ids, keep, batch, lora, weights)[0]

@@ -327,10 +327,7 @@ class FusedForward:
         tokens = input_ids.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_width, kv_width = heads * dim, kv_heads * dim
-        # A fresh tensor (the embedding's rows, or their float32 copy): the residual stream is added to in place.
-        residual = self.embed(input_ids[0]).to(self.precision.residual)
-        cos, sin = self.rotary(residual[None], position_ids)
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        residual, cos, sin = self.inputs(input_ids, position_ids)
         first = self.layers[0]
         x = ops.norm(residual, first.input_norm, first.qkv.takes)
         delta: torch.Tensor | None = None
@@ -388,6 +385,18 @@ class FusedForward:
             raise ValueError("this model has no LM head (it does not generate): no row can sample")
         x = ops.add_norm(rows.contiguous(), last, self.final_norm, self.lm_head.takes)
         return self.lm_head(x).float(), hidden
+
+    def inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A step's residual stream (a fresh tensor, the embedding's rows in the residual's dtype: it is added to in
+        place) and its rotary cos and sin [tokens, head dim], contiguous."""
+        residual = self.embed(input_ids[0]).to(self.precision.residual)
+        cos, sin = self.rotary(residual[None], position_ids)
+        return residual, cos[0].contiguous(), sin[0].contiguous()
+
+    @property
+    def activations(self) -> str:
+        """How the GGUF block kernels take their rows: "float32" or "int8" (meaningful for the gguf precisions)."""
+        return "float32" if self.precision.linears == "gguf-float32" else "int8"
 
     def linears(self) -> list[Linear]:
         """Every linear of the forward: the LM head (where there is one), then each layer's four."""

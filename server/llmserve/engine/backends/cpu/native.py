@@ -25,6 +25,7 @@ import sysconfig
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,6 +112,10 @@ class PagedDecode:
                 ctypes.c_double, ctypes.c_void_p, ctypes.c_int,  # scale, out, threads
             ]  # fmt: skip
             self._fns[dtype] = fn
+
+    def function(self, dtype: torch.dtype) -> Any:
+        """The C function for `dtype` rows, for a caller in C (step_program.py)."""
+        return self._fns[dtype]
 
     def __call__(
         self,

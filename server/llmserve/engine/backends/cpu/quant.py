@@ -257,6 +257,14 @@ class QuantLinear:
         self._fn = lib.quant_linear if activations == "int8" else lib.quant_linear_f32
         self._args = (LEVELS.index(self.level), int(w.kind), packed.data_ptr(), w.rows, w.cols)
 
+    def kernel_args(self) -> tuple[int, int, int, int, int] | None:
+        """The compiled kernel's leading arguments (level, type, packed blocks' address, out and in features), for
+        a caller in C; None where this linear runs no compiled block kernel (a float type, the torch level)."""
+        if self._fn is None:
+            return None
+        level, kind, packed, rows, cols = self._args
+        return level, kind, packed, rows, cols
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T, written into `out` when given (float32 [M, out_features] with contiguous rows, e.g. a column
         slice of a wider output) and returned."""
@@ -347,6 +355,20 @@ def _library() -> ctypes.CDLL | None:
 def compiled() -> bool:
     """Whether the compiled kernels are installed (setup.py builds them with the others)."""
     return _library() is not None
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels' library, its functions typed; None where it is not installed."""
+    return _library()
+
+
+def kernel_function(activations: str) -> Any:
+    """The C function QuantLinear calls for `activations` (quant_linear or quant_linear_f32), for a caller in C
+    (step_program.py). Raises QuantKernelError without the compiled library."""
+    lib = _library()
+    if lib is None:
+        raise QuantKernelError(f"the compiled library {LIBRARY} is not installed")
+    return lib.quant_linear if activations == "int8" else lib.quant_linear_f32
 
 
 def _check_input(x: torch.Tensor, cols: int) -> None:
