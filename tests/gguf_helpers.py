@@ -102,9 +102,10 @@ def write_llama_gguf(
     return path
 
 
-def gguf_loaded(path: Path, config: Any, name: str = "tiny-gguf") -> Any:
+def gguf_loaded(path: Path, config: Any, name: str = "tiny-gguf", activations: str = "float32") -> Any:
     """A LoadedModel over the GGUF at `path` written from a model of `config` (no tokenizer), as
-    models.load_gguf_blocks makes one from a real file."""
+    models.load_gguf_blocks makes one from a real file, its kernels taking `activations` (the server's default:
+    float32)."""
     from llmserve.gguf_file import GGUFFile
     from llmserve.gguf_model import build_model
     from llmserve.model_shape import ModelShape
@@ -113,4 +114,5 @@ def gguf_loaded(path: Path, config: Any, name: str = "tiny-gguf") -> Any:
     file = GGUFFile.open(path)
     model = build_model(file, config)
     eos = (int(config.eos_token_id),)
-    return LoadedModel(model, None, name, torch.float32, torch.device("cpu"), ModelShape.of(config), eos, "gguf", file)
+    shape = ModelShape.of(config)
+    return LoadedModel(model, None, name, torch.float32, torch.device("cpu"), shape, eos, "gguf", file, activations)

@@ -35,7 +35,7 @@ class ModelConfig:
     dtype: str = "auto"
     # How the kernels over a GGUF's blocks take a linear's input rows: "int8" per block of 32 (llama.cpp's scheme,
     # the fastest), or "float32" (the float32 path's tokens; as fast at 1-4 rows, about float32's speed from 32).
-    gguf_activations: str = "int8"
+    gguf_activations: str = "float32"
     # How an encoder's float32 linears multiply: "auto" (three bfloat16 products on AMX where the CPU has it, else
     # float32's own), "ieee" or "bf16x3" (engine/backends/cpu/split_linear.py).
     fp32_matmul: str = "auto"

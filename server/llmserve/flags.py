@@ -149,9 +149,10 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--dtype", "model.dtype", str, "weights' dtype: auto, gguf, float32, bfloat16, float16, int8; gguf "
                   "serves a .gguf file from its own blocks on the CPU (what auto does for a GGUF there), the others "
                   "dequantize it once into a cached float copy"),
-            _flag("--gguf-activations", "model.gguf_activations", _one_of("int8", "float32"),
-                  "with a GGUF's blocks: the linears' input rows quantized to int8 per block of 32 as llama.cpp does "
-                  "(fastest), or kept float32 (the float32 path's tokens, about its speed from 32 rows)"),
+            _flag("--gguf-activations", "model.gguf_activations", _one_of("float32", "int8"),
+                  "with a GGUF's blocks: the linears' input rows kept float32 (the default: the float32 path's "
+                  "greedy tokens on the file's weights), or quantized to int8 per block of 32 as llama.cpp does "
+                  "(llama.cpp's tokens; less compute per weight, for throughput)"),
             _flag("--fp32-matmul", "model.fp32_matmul", _one_of("auto", "ieee", "bf16x3"),
                   "an encoder's float32 linears: bf16x3 computes each as three bfloat16 products on AMX tiles (error "
                   "~4e-6 of the output, float32's ~6e-7; about twice as fast), ieee as float32's own GEMM; auto: "

@@ -97,7 +97,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     weights: str | None = None
     gguf: GGUFFile | None = None
-    activations: str = "int8"  # with `gguf`: how the kernels take the linears' rows (quant.QuantLinear's activations)
+    activations: str = "float32"  # with `gguf`: how the kernels take the rows (quant.QuantLinear's activations)
     # Pooling (Embed): the folder's sentence-transformers pipeline, or the --pooling of a generative model, or the
     # token a classifier's head reads; None when the model serves no Embed. `generates`: False for an encoder or a
     # classifier. `encoder`: `model` is a BertEncoder (its own forward, no KV cache).
@@ -150,7 +150,7 @@ def load_model(
     dtype: str = "auto",
     cache_root: Path | None = None,
     lora: bool = False,
-    gguf_activations: str = "int8",
+    gguf_activations: str = "float32",
     pooling: str | None = None,
     fp32_matmul: str = "auto",
 ) -> LoadedModel:
@@ -164,7 +164,8 @@ def load_model(
     first use; "int8" (CPU only) loads the model in bfloat16 for the CPU backend to quantize its linears. `lora`:
     LoRA adapters will be served, which the CPU serves in float32 only, so that "auto" picks float32 there (a
     GGUF's blocks take float32 rows: they serve adapters as they are).
-    `gguf_activations`: with a GGUF's blocks, "int8" (per block of 32, as llama.cpp) or "float32" input rows.
+    `gguf_activations`: with a GGUF's blocks, "float32" input rows (the default: the float32 path's tokens) or
+    "int8" (quantized per block of 32, as llama.cpp does).
     `pooling` ("last", "mean", "cls", "max"): a generative model serves Embed too, its final hidden states pooled
     so (unnormalized by default); None: a folder's sentence-transformers pooling where it has one (an encoder folder
     always serves its own; `pooling` then only changes its mode). A `*ForSequenceClassification` folder (a Llama/Qwen
@@ -374,7 +375,7 @@ def _read_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tenso
     return out
 
 
-def load_gguf_blocks(path: Path, cache_root: Path | None = None, activations: str = "int8") -> LoadedModel:
+def load_gguf_blocks(path: Path, cache_root: Path | None = None, activations: str = "float32") -> LoadedModel:
     """A GGUF served from its own blocks on the CPU: the file mapped (nothing of its tensors read but the norms),
     the tokenizer and config from their cache folder (gguf.file_metadata, made on first use), the model built
     over the blocks (gguf_model.build_model). `weights` "gguf", `dtype` float32 (the rows' and the KV cache's);

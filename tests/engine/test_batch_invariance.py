@@ -34,11 +34,11 @@ TIMEOUT_S = 120
 def model(dtype: str) -> LoadedModel:
     config = tiny_config("llama")
     config.intermediate_size = 1536
-    if dtype == "gguf":  # a GGUF's blocks (q/k Q4_0, the rest Q8_0), whose kernels quantize activations per block
-        source = from_config(config, dtype=torch.float32, seed=3).model
+    if dtype.startswith("gguf"):  # a GGUF's blocks (q/k Q4_0, the rest Q8_0), activations quantized per block
+        source = from_config(config, dtype=torch.float32, seed=3).model  # ("gguf") or float32 ("gguf-float32")
         kinds = {f"blk.{i}.{n}.weight": Q.Q4_0 for i in range(2) for n in ("attn_q", "attn_k")}
         path = write_llama_gguf(Path(tempfile.mkdtemp(prefix="llmserve-gguf-")) / "tiny.gguf", source, kinds)
-        return gguf_loaded(path, config)
+        return gguf_loaded(path, config, activations="int8" if dtype == "gguf" else "float32")
     loaded = from_config(config, dtype=torch.bfloat16, seed=3)
     loaded.weights = "int8" if dtype == "int8" else None
     return loaded
@@ -56,7 +56,7 @@ def request(rid: str, prompt: list[int], max_new: int, session: str | None = Non
     return GenerationRequest(rid, tuple(prompt), stopping=StoppingParams(max_new, ignore_eos=True), session_id=session)
 
 
-@pytest.mark.parametrize("dtype", [dtype_param("bfloat16"), dtype_param("int8"), "gguf"])
+@pytest.mark.parametrize("dtype", [dtype_param("bfloat16"), dtype_param("int8"), "gguf", "gguf-float32"])
 async def test_greedy_tokens_alone_equal_those_among_32_concurrent_requests(dtype: str) -> None:
     loaded = model(dtype)
     rng = random.Random(5)

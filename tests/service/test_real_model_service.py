@@ -15,10 +15,12 @@ pytestmark = [pytest.mark.real_model]
 def test_chat_capital_of_france_streams_paris() -> None:
     from llmserve.engine.frontend.async_engine import AsyncEngine
 
-    # float32: greedy from the Q4_1 file's own blocks (the default, --dtype gguf) answers "L'Étoile, la Marseillaise,
-    # ..." here, token for token what llama.cpp's llama-server answers on the same file (its best two first tokens are
-    # 0.24 apart; the kernels quantize activations as llama.cpp does), where the float32 weights answer Paris.
-    loaded = load_model(dtype="float32")
+    # What `make run` serves: the shipped Q4_1 file from its own blocks with float activations (the default), which
+    # answers as the float32 weights do. With --gguf-activations int8 it answers "L'Étoile, la Marseillaise, ...",
+    # token for token what llama.cpp's llama-server answers on the same file (its best two first tokens are 0.24
+    # apart; int8 activations as llama.cpp quantizes them).
+    loaded = load_model()
+    assert (loaded.weights, loaded.activations) == ("gguf", "float32")
     engine = AsyncEngine(loaded, EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, cuda_graphs=False))
     srv = ServerThread(engine).start()
     try:

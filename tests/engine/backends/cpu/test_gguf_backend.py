@@ -21,11 +21,11 @@ from tests.engine.engine_helpers import inner
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
 
 
-def tiny(tmp_path: Path):  # noqa: ANN201 - a LoadedModel over a GGUF's blocks
+def tiny(tmp_path: Path, activations: str = "float32"):  # noqa: ANN201 - a LoadedModel over a GGUF's blocks
     config = tiny_config("llama")
     source = from_config(config, dtype=torch.float32, seed=9).model
     kinds = {"blk.0.attn_v.weight": Q.Q4_1, "blk.1.ffn_down.weight": Q.Q4_0}  # mixed types, as Q4_K_M files are
-    return gguf_loaded(write_llama_gguf(tmp_path / "tiny.gguf", source, kinds), config)
+    return gguf_loaded(write_llama_gguf(tmp_path / "tiny.gguf", source, kinds), config, activations=activations)
 
 
 async def run(engine: AsyncEngine, requests: list[GenerationRequest], together: bool) -> list[list[tuple[int, float]]]:
@@ -40,8 +40,11 @@ async def run(engine: AsyncEngine, requests: list[GenerationRequest], together: 
     return [await asyncio.wait_for(one(r), 120) for r in requests]
 
 
-async def test_logprobs_are_bitwise_the_same_alone_and_chunked_among_others(tmp_path: Path) -> None:
-    loaded = tiny(tmp_path)
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+async def test_logprobs_are_bitwise_the_same_alone_and_chunked_among_others(tmp_path: Path, activations: str) -> None:
+    """Both activation schemes attend every token through the decode kernel: a token's logprob is the same bits
+    whatever chunk computed its prompt and whatever ran beside it."""
+    loaded = tiny(tmp_path, activations)
     rng = random.Random(2)
     prompts = [[rng.randrange(TINY_VOCAB) for _ in range(n)] for n in (61, 130, 97, 5, 44, 118)]
     requests = [
@@ -57,7 +60,8 @@ async def test_logprobs_are_bitwise_the_same_alone_and_chunked_among_others(tmp_
         await engine.start()
         try:
             backend = inner(engine).backend
-            assert backend.fused is not None and backend.fused.precision.linears == "gguf"
+            linears = "gguf-float32" if activations == "float32" else "gguf"
+            assert backend.fused is not None and backend.fused.precision.linears == linears
             results.append(await run(engine, requests, together))
         finally:
             await engine.shutdown()
@@ -66,16 +70,17 @@ async def test_logprobs_are_bitwise_the_same_alone_and_chunked_among_others(tmp_
     assert together_ == alone
 
 
-def test_the_description_names_the_block_types_and_the_kernels(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("activations", "linears"), [("float32", "gguf-float32"), ("int8", "gguf")])
+def test_the_description_names_the_block_types_and_the_kernels(tmp_path: Path, activations: str, linears: str) -> None:
     from llmserve.engine.backends import create_backend
     from llmserve.engine.backends.cpu import quant
 
-    backend = create_backend(tiny(tmp_path), EngineConfig(kv_cache_tokens=1024))
+    backend = create_backend(tiny(tmp_path, activations), EngineConfig(kv_cache_tokens=1024))
     text = backend.description
-    assert "fused Llama-family forward (gguf, float32 residual)" in text
+    assert f"fused Llama-family forward ({linears}, float32 residual)" in text
     assert "for every token" in text
     # 2 layers x (qkv, o, gate_up, down) + the tied head: layer 0's qkv is two kernels (Q8_0 q/k, Q4_1 v).
-    kinds = f"8 Q8_0, 1 Q4_1, 1 Q4_0; {quant.kernel_level()} kernels, int8 activations"
+    kinds = f"8 Q8_0, 1 Q4_1, 1 Q4_0; {quant.kernel_level()} kernels, {activations} activations"
     assert f"linears from the GGUF's blocks ({kinds})" in text
 
 

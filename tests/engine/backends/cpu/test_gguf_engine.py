@@ -122,7 +122,7 @@ async def test_a_lora_adapter_applies_on_the_quantized_base(tiny: tuple[Any, Pat
     mixed = [request(f"m{i}", p, adapter="a") for i, p in enumerate(prompts)]
     mixed += [request(f"b{i}", p) for i, p in enumerate(prompts)]
     together, core = await serve(loaded(tiny), config, mixed)
-    assert core.backend.fused is not None and core.backend.fused.precision.linears == "gguf"
+    assert core.backend.fused is not None and core.backend.fused.precision.linears == "gguf-float32"
     assert together[:3] == alone  # an adapter row computes the same beside base rows
     assert together[3:] != together[:3], "the adapter changed nothing"
 

@@ -85,7 +85,7 @@ class CpuBackend(TorchPagedBackend):
                 f"--dtype {loaded.weights} needs the fused CPU forward (a Llama/Mistral/Qwen2/Qwen3 model, the CPU "
                 "kernels installed, --no-fused-layers off)"
             )
-        if self.fused is not None and not self.fused.precision.exact and self.kernel is not None:
+        if self.fused is not None and self.fused.precision.every_token and self.kernel is not None:
             self.attention = KernelDecodeBuilder(self.inputs, kv, self.kernel, self.chunks, every_token=True)
         if self.fused is not None and self.lora is not None:  # the fused forward applies the slots itself
             self.lora.close()

@@ -100,6 +100,15 @@ class Precision:
         return self.linears in ("float32", "gguf-float32")
 
     @property
+    def every_token(self) -> bool:
+        """Every token attends through the decode kernel, prompt chunks' too (metadata.KernelDecodeBuilder), so that
+        a token's result does not depend on the chunk or step that computed it: all but the dense float32/float64
+        linears, which attend prompts as transformers does (SDPA) and so equal its `generate` exactly. A GGUF's
+        blocks with float activations keep the float32 path's greedy tokens either way (float32 rounding in
+        another order), and become batch-invariant bit for bit."""
+        return self.linears not in ("float32",)
+
+    @property
     def float_rows(self) -> bool:
         """Every row in the model's dtype (float32 or float64) through csrc/fused_ops.c: the exact precision and
         a GGUF's blocks, whose linears read and give float32 rows; LoRA deltas add to such rows."""
