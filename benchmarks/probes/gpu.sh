@@ -66,11 +66,17 @@ part() {  # part SECONDS NAME COMMAND...: one part under its time limit; its out
 
 if [ "$mode" = dry ]; then
   export TRITON_INTERPRET=1  # the varlen kernel through Triton's interpreter, as the tests run it
-  perf=("$py" benchmarks/run.py --mode gpu-perf --device cpu --smoke --cap-s 30 --shapes smollm2-135m --out "$out")
-  part 120 check "$py" benchmarks/run.py --mode gpu-check --device cpu --smoke --shapes none --out "$out"
-  part 300 perf "${perf[@]}" --parts start,inprocess,decode,grpc,mixed
-  part 120 ladder "$py" benchmarks/run.py --device cpu --model random:tiny --plan tiny --isolation inline \
-    --systems hf_continuous,llmserve --out-dir "$out" --name gpu-ladder-dry
+  # The parts as below at tiny sizes, in one Python (run_parts.py prints each part's "== NAME: exit N"): a process
+  # per part pays ~7 s of CPU to start torch and transformers, more than most of these parts' own work. On the
+  # 2-core machine (loaded, two runs each): 87 and 95 s of CPU as three processes, 79 and 77 s as one, the check's
+  # Embed and GGUF steps included.
+  o=$(printf %q "$out")
+  part 500 dry "$py" benchmarks/probes/run_parts.py \
+    "check: --mode gpu-check --device cpu --smoke --shapes none --out $o" \
+    "perf: --mode gpu-perf --device cpu --smoke --cap-s 30 --shapes smollm2-135m --out $o
+      --parts start,inprocess,decode,grpc,mixed" \
+    "ladder: --device cpu --model random:tiny --plan tiny --isolation inline --systems hf_continuous,llmserve
+      --out-dir $o --name gpu-ladder-dry"
   exit "$status"
 fi
 

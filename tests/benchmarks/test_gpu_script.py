@@ -1,6 +1,6 @@
 """benchmarks/probes/gpu.sh, the GPU run prepared for a lent H200, kept from rotting on machines without one: its
-dry run (every part on the CPU at tiny sizes, the varlen kernel through Triton's interpreter) exits 0 and
-writes every figure the GPU run is to fill in, with the argument wiring of each part: the check's Embed call
+dry run (every part on the CPU at tiny sizes in one process, the varlen kernel through Triton's interpreter) exits
+0 and writes every figure the GPU run is to fill in, with the argument wiring of each part: the check's Embed call
 matches sentence-transformers and its GGUF is served from the float folder it converts into, as on the device."""
 
 from __future__ import annotations
