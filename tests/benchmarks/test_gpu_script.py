@@ -1,6 +1,7 @@
 """benchmarks/probes/gpu.sh, the GPU run prepared for a lent H200, kept from rotting on machines without one: its
-dry run (every part on the CPU at tiny sizes, the varlen kernel through Triton's interpreter) exits 0 and writes
-every figure the GPU run is to fill in, with the argument wiring of each part."""
+dry run (every part on the CPU at tiny sizes in one process, the varlen kernel through Triton's interpreter) exits
+0 and writes every figure the GPU run is to fill in, with the argument wiring of each part: the check's Embed call
+matches sentence-transformers and its GGUF is served from the float folder it converts into, as on the device."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ def test_the_gpu_script_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     check = json.loads((tmp_path / "gpu_check.json").read_text())
     assert check["exactness_fp64"]["equal"] == check["exactness_fp64"]["requests"] > 0
     assert "tokens_agreeing_before_first_difference" in check["agreement_bf16"]
+    embed = check["embed"]
+    assert embed["model"].startswith("random weights") and embed["inputs"] == 4, embed  # the device's stand-in
+    assert embed.get("close") and embed["max_cosine_between_inputs"] < 0.99, embed
+    gguf = check["gguf_dequantized"]
+    assert gguf["file"].endswith(".Q4_1.gguf") and gguf["dequantized"] and gguf["dtype"] == "float32", gguf
+    assert len(gguf["tokens_agreeing_before_first_difference"]) == gguf["requests"] > 0, gguf
     summary = json.loads((tmp_path / "gpu-perf-smoke.json").read_text())
     shape = summary["smollm2-135m"]
     assert "errors" not in shape, shape["errors"]
