@@ -1,4 +1,4 @@
-"""The server's layout holds: the folders draw the engine's layers (README, Architecture), no import cycle among
+"""The server's layout holds: the folders draw the engine's layers (docs/architecture.md), no import cycle among
 llmserve's modules (those made for type checking and inside functions included), no engine class split across files
 by inheritance (no mixin, no multiple inheritance, no NotImplementedError stub, no attribute declared in one class
 and assigned in another), the engine knows nothing of gRPC, and the front end runs without a tensor library: no
@@ -22,7 +22,7 @@ import llmserve
 PACKAGE = Path(llmserve.__file__).parent
 ENGINE = PACKAGE / "engine"
 TENSOR_LIBRARIES = {"torch", "numpy", "transformers", "triton", "safetensors", "peft"}
-# The engine's layers, one folder each (README, Architecture).
+# The engine's layers, one folder each (docs/architecture.md).
 LAYERS = ("frontend", "core", "sched", "sample", "spec", "lora", "kv_tiers", "backends")
 # The modules the server process runs besides engine/frontend/ (the engine in a process of its own): the flags,
 # the gRPC edge, its stores and its telemetry, and the torch-free side of the core it talks to.
@@ -250,7 +250,7 @@ def test_importing_the_front_end_and_the_edge_loads_no_tensor_library() -> None:
 
 
 def test_the_layers_import_only_what_the_readme_says() -> None:
-    """README, Architecture: the books (sched/) and sampling (sample/) import no step loop, backend, speculation or
+    """docs/architecture.md: the books (sched/) and sampling (sample/) import no step loop, backend, speculation or
     asyncio front end; backends/ import no step loop, speculation or front end; speculation, LoRA and the KV tiers,
     each reached through one object the core holds, import no step loop; the front end imports of the core only its
     client side; the core imports nothing of the front end's asyncio side. Type-level imports count."""

@@ -330,7 +330,7 @@ def idle_server(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
 
 
 def _pinging_client_survives(address: str, ping_ms: int) -> None:
-    # What the README asks of clients of long streams: keepalive pings, also with no data in between.
+    # What docs/deployment.md asks of clients of long streams: keepalive pings, also with no data in between.
     options = [
         ("grpc.keepalive_time_ms", ping_ms),
         ("grpc.keepalive_timeout_ms", 20_000),
