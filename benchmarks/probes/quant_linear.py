@@ -8,7 +8,9 @@ shape, at M = 1, 4, 32, 256 rows:
 - `int4pack` / `int4pack-bf16`: torch's `_weight_int4pack_mm_for_cpu` (4-bit weights, group-wise scales and zeros:
   represents Q4_0/Q4_1/Q4_K exactly in float32), float32 / bfloat16 activations (the conversions included);
 - `quant:TYPE[:LEVEL]`: QuantLinear on random blocks of TYPE (its bytes as a file holds them); `quantf:...` the same
-  with float32 activations.
+  with float32 activations;
+- `read`: the machine's read bandwidth in the same run: a sum over as many bytes as a Q8_0 layer holds (each copy's
+  own buffer), the yardstick for GB/s at one row.
 
 Systems alternate within each round so that all see the same load; the figure is the median over rounds of the
 per-call time. On a machine shared with other work, `--clock cpu` (one thread) counts the calling thread's CPU time
@@ -94,7 +96,12 @@ def layer(
 ) -> tuple[list[Callable[..., object]], int]:
     """One layer's projections in system `name`, and their bytes."""
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
-    if name == "f32":
+    if name == "read":  # the machine's read bandwidth on a layer's bytes of Q8_0 (a STREAM-like sum, torch's threads)
+        size = sum(n * k * 34 // 32 for n, k in shapes) // 4
+        buffer = torch.randn(size)
+        layers = [lambda x, b=buffer: b.sum()] + [lambda x: None] * (len(shapes) - 1)
+        nbytes = size * 4
+    elif name == "f32":
         layers = [packed_linear.PackedF32(packed_linear.pack_weight(w), None) for w in weights]
         nbytes = sum(w.numel() * 4 for w in weights)
     elif name == "plain":
