@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass, field
 from benchmarks.loadgen import Measurement
 
 # A system's window is steady (`steady`) when every client had finished a call before it began and at least this many
-# calls finished inside it: the fewest a median of per-call figures is taken over (one call is an anecdote, two a
-# mean), and more than a fragment of one call at a single client.
+# calls finished inside it. Three: at one client, a window in which three calls finished holds at least two whole ones
+# (the first may have begun before it), so its decode per stream is never one call's figure; fewer finished calls make
+# a fragment of a call, not a window.
 STEADY_MIN_CALLS = 3
 
 FIGURES = (
