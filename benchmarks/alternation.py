@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks.loadgen import Schedule
-from benchmarks.metrics import summarize
+from benchmarks.loadgen import Measurement, Schedule
+from benchmarks.metrics import WindowStats, steady, summarize
 from benchmarks.systems.base import System
 from benchmarks.workload import PromptMaker, RequestStream
 
@@ -24,18 +24,26 @@ async def alternate(
     chosen: dict[str, tuple[System, tuple]], clients: list[int], args: argparse.Namespace, maker: PromptMaker
 ) -> dict[str, dict[int, list[Any]]]:
     """One window per system per round at each client count, the systems' order reversed every other round;
-    within a round every system gets the same requests. Returns each system's measurements per client count."""
+    within a round every system gets the same requests. Each system is `prepare`d for a client count before its
+    windows there. Returns each system's measurements per client count."""
     names = list(chosen)
     out: dict[str, dict[int, list[Any]]] = {n: {c: [] for c in clients} for n in names}
     start = 0
     for c in clients:
+        for name in names:  # outside the windows: a server sized by its client count restarts here
+            await chosen[name][0].prepare(c)
         for r in range(args.rounds):
             for name in turn(names, r):
                 schedule = Schedule(c, args.warmup_s, args.window_s, 1)
                 measurement = await chosen[name][0].run(RequestStream(maker, start), schedule)
                 out[name][c].append(measurement)
-                rate = summarize(name, measurement).mean["output_tokens_per_s"] or 0.0
-                print(f"{c} clients, round {r + 1}: {name} {rate:.1f} output tok/s", flush=True)
+                w = window_of(measurement)
+                decode = "–" if w.decode_per_stream_p50 is None else f"{w.decode_per_stream_p50:.1f}"
+                print(
+                    f"{c} clients, round {r + 1}: {name} {w.output_tokens_per_s:.1f} output tok/s, "
+                    f"decode per stream {decode}",
+                    flush=True,
+                )
                 await asyncio.sleep(ROOM_S)
             start += 10_000  # the next round's prompts are new to every server's cache
     return out
@@ -81,22 +89,53 @@ def rotated_times(variants: dict[str, Callable[[], object]], reps: int) -> dict[
     return times
 
 
-def point(measurements: list[Any]) -> dict[str, Any]:
-    """A system at one client count, from its windows: each window's output tokens/s, the medians of throughput and
-    TTFT, the errors and the peak resident memory."""
-    windows = [summarize("", m).windows[0] for m in measurements]
+def window_of(measurement: Measurement) -> WindowStats:
+    """The one window of an `alternate` measurement."""
+    return summarize("", measurement).windows[0]
+
+
+def steady_rounds(measurements: dict[str, list[Measurement]], clients: int) -> list[bool]:
+    """Each round's steadiness at `clients` clients: a round counts when every system's window in it is steady
+    (metrics.steady), so that no ratio compares one system's warm-up with another's steady state."""
+    rounds = zip(*measurements.values(), strict=True)
+    return [all(steady(window_of(m), clients) for m in ms) for ms in rounds]
+
+
+def point(measurements: list[Any], counted: Sequence[bool] | None = None) -> dict[str, Any]:
+    """A system at one client count, from its windows: each window's output tokens/s, the medians of throughput,
+    TTFT and decode per stream, the errors and the peak resident memory. With `counted` (a flag per window, as
+    `steady_rounds` gives), the medians are over the counted windows only (None where none is); each window's
+    figures and flag are listed under "rounds" all the same."""
+    windows = [window_of(m) for m in measurements]
+    counts = list(counted) if counted is not None else [True] * len(windows)
+    kept = [w for w, keep in zip(windows, counts, strict=True) if keep]
 
     def median(figure: str) -> float | None:
-        values = [getattr(w, figure) for w in windows if getattr(w, figure) is not None]
+        values = [getattr(w, figure) for w in kept if getattr(w, figure) is not None]
         return statistics.median(values) if values else None
 
     peaks = [m.peak_memory_bytes for m in measurements if m.peak_memory_bytes is not None]
     return {
         "output_tokens_per_s": [round(w.output_tokens_per_s, 2) for w in windows],
         "median_output_tokens_per_s": median("output_tokens_per_s"),
+        "median_decode_per_stream": median("decode_per_stream_p50"),
         "ttft_p50_s": median("ttft_p50_s"),
         "ttft_p99_s": median("ttft_p99_s"),
-        "ttft_samples": sum(w.ttft_samples for w in windows),
+        "ttft_samples": sum(w.ttft_samples for w in kept),
+        "decode_samples": sum(w.decode_samples for w in kept),
+        "counted_windows": len(kept),
+        "rounds": [
+            {
+                "output_tokens_per_s": round(w.output_tokens_per_s, 2),
+                "decode_per_stream": None if w.decode_per_stream_p50 is None else round(w.decode_per_stream_p50, 2),
+                "decode_samples": w.decode_samples,
+                "ttft_p50_s": w.ttft_p50_s,
+                "completed": w.completed,
+                "warm_clients": w.warm_clients,
+                "counted": keep,
+            }
+            for w, keep in zip(windows, counts, strict=True)
+        ],
         "errors": sum(w.errors for w in windows),
         "peak_memory_bytes": max(peaks) if peaks else None,
     }

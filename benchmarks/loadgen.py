@@ -29,7 +29,8 @@ class RequestRecord:
     `group`/`started` are set by single-worker systems: the batch the request ran in and when that batch
     began. `composed_wait` is queueing time added by `compose_fifo` (0 for measured runs). `warmup` marks a
     client's shortened first request (see `closed_loop`): its tokens count, its latencies do not.
-    `wanted_tokens` is how many tokens the request asked for.
+    `wanted_tokens` is how many tokens the request asked for; `client` is the closed-loop client that sent it
+    (None where no closed loop did, as in a composed run).
     """
 
     request_id: str
@@ -44,6 +45,7 @@ class RequestRecord:
     error: str | None = None
     warmup: bool = False
     wanted_tokens: int = 0
+    client: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,7 +119,7 @@ async def closed_loop(
                 if wanted < request.max_new_tokens:
                     request, shortened = replace(request, max_new_tokens=wanted), True
             record = RequestRecord(request.request_id, len(request.prompt_ids), time.perf_counter())
-            record.warmup, record.wanted_tokens = shortened, request.max_new_tokens
+            record.warmup, record.wanted_tokens, record.client = shortened, request.max_new_tokens, index
             records.append(record)
             try:
                 await generate(request, record)

@@ -9,6 +9,10 @@ What each window counts (all on token timestamps, so partly finished requests co
   queue wait), so the start-up transient is left out;
 - inter-token latency: gaps between consecutive tokens of a request, the later token inside the window;
 - end-to-end latency: requests that finished inside the window (plus any composed queue wait);
+- decode per stream: for each request that finished and whose first token came inside the window, the tokens
+  after its first over the time from its first token to its last (`decode_rate`: what a user watching one stream
+  sees once the answer has begun, prefill left out); the window's figure is the median over those requests;
+- warm clients: the closed-loop clients that had finished a request before the window began (`steady` reads it);
 - the work served, for the roofline: the prompts (new and cached tokens) of requests whose first token came
   inside the window, and the mean context (prompt plus tokens before) of the tokens generated in it.
 Shortened first requests (see `loadgen.closed_loop`) count their tokens only.
@@ -21,6 +25,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from benchmarks.loadgen import Measurement
+
+# A system's window is steady (`steady`) when every client had finished a call before it began and at least this many
+# calls finished inside it. Three: at one client, a window in which three calls finished holds at least two whole ones
+# (the first may have begun before it), so its decode per stream is never one call's figure; fewer finished calls make
+# a fragment of a call, not a window.
+STEADY_MIN_CALLS = 3
 
 FIGURES = (
     "requests_per_s",
@@ -52,6 +62,9 @@ class WindowStats:
     window_s: float = 0.0
     prefills: list[tuple[int, int]] = field(default_factory=list)  # (new, cached) prompt tokens
     decode_context_mean: float | None = None
+    decode_per_stream_p50: float | None = None  # tokens/s after the first token, median over calls (`decode_rate`)
+    decode_samples: int = 0
+    warm_clients: int = 0  # closed-loop clients that had finished a call before the window began
 
 
 @dataclass(slots=True)
@@ -89,6 +102,24 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def decode_rate(token_times: Sequence[float]) -> float | None:
+    """One call's decode rate as its user watches it: the tokens after the first over the time from the first token to
+    the last, in tokens/s; None for a call of fewer than two tokens or whose tokens all came at once."""
+    if len(token_times) < 2 or token_times[-1] <= token_times[0]:
+        return None
+    return (len(token_times) - 1) / (token_times[-1] - token_times[0])
+
+
+def steady(window: WindowStats, clients: int) -> bool:
+    """Whether one system's window measured its steady state, not its start (issue 52): each of its `clients`
+    closed-loop clients had finished a call before the window began, so the opening round (every client's first
+    prompt prefilled at once, the clients joining) was over; and at least STEADY_MIN_CALLS calls finished inside it.
+    A window that caught one server still in its opening prefills and the other decoding compared two warm-ups
+    (40x at 32 clients). Whole calls need not fit in the window: at 32 clients a call can outlive a minute's window
+    while the load of desynchronised clients is steady all the same."""
+    return window.warm_clients >= clients and window.completed >= STEADY_MIN_CALLS
+
+
 def window_stats(measurement: Measurement, index: int) -> WindowStats:
     start = measurement.window_starts[index]
     end = start + measurement.window_s
@@ -101,8 +132,12 @@ def window_stats(measurement: Measurement, index: int) -> WindowStats:
     completed = errors = 0
     prefills: list[tuple[int, int]] = []
     context_sum = 0
+    decode: list[float] = []
+    warm: set[int] = set()
     for r in measurement.records:
         times = r.token_times
+        if r.finished and r.client is not None and r.end is not None and r.end < start:
+            warm.add(r.client)
         inside = [i for i, t in enumerate(times) if start <= t < end]  # token i had prompt + i tokens before it
         tokens += len(inside)
         context_sum += sum(r.prompt_tokens + i for i in inside)
@@ -121,6 +156,8 @@ def window_stats(measurement: Measurement, index: int) -> WindowStats:
             e2e.append(r.end - r.submit + r.composed_wait)
         elif r.error is not None and start <= r.submit < end:
             errors += 1
+        if r.finished and times and start <= times[0] < end and (rate := decode_rate(times)) is not None:
+            decode.append(rate)
     return WindowStats(
         requests_per_s=request_share / measurement.window_s,
         output_tokens_per_s=tokens / measurement.window_s,
@@ -136,6 +173,9 @@ def window_stats(measurement: Measurement, index: int) -> WindowStats:
         window_s=measurement.window_s,
         prefills=prefills,
         decode_context_mean=context_sum / tokens if tokens else None,
+        decode_per_stream_p50=percentile(decode, 50),
+        decode_samples=len(decode),
+        warm_clients=len(warm),
     )
 
 

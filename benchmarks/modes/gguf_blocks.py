@@ -1,20 +1,30 @@
-"""GGUF files served from their blocks (issue 42): llmserve as `make run` starts it (`python -m llmserve --model
+"""GGUF files served from their blocks (issues 42, 52): llmserve as `make run` starts it (`python -m llmserve --model
 FILE`, the default flags: `--dtype auto` is the file's own blocks on the CPU) beside llama.cpp's `llama-server` on
 the same file, both with the machine's threads, in alternated windows (benchmarks/alternation.py's `alternate`:
 each system one window per round, the order reversed every other round, the same token prompts in a round).
+llama-server is started with one slot per client of each client count (`-np C`, a context of C requests' worth),
+restarted between client counts; llmserve is one server throughout, as a user starts it.
 
 Files (`--files`): `default` (the shipped Q4_1 SmolLM2-135M-Instruct), and random-weight files of Llama-3.2-1B's and
 Llama-3-8B's shapes in Q4_K_M and Q8_0 (`1b-q4km`, `1b-q8`, `8b-q4km`, `8b-q8`), made once under --gguf-dir
 (default $LLMSERVE_GGUF_FILES or /work/gguf-files): an F16 file written with the `gguf` package one tensor at a time
 (the 8B file, 16 GB, is never whole in memory), the default model's tokenizer padded with plain tokens (no merge
 reaches them) to the shape's vocabulary, then `llama-quantize`d; the F16 file is deleted afterwards (--keep-f16
-keeps it). The 8B shape runs at 1 and 4 clients only. Per file, system and client count: output tokens/s, TTFT
+keeps it). The 8B shape runs at 1 and 4 clients only. A path to a GGUF file (a Q8_0 of the default model, say) is
+served as the default file is.
+
+Workloads (`--workload`): `chat` (the default: 256-512-token prompts, the file's new tokens, 1/4/32 clients) and
+`decode` (what a chatting user watches: 40-64-token prompts, 256 new tokens, 1 and 4 clients). Per file, system and
+client count: output tokens/s over the window (whole calls, prefill included), decode per stream (per call, the
+tokens after the first over the time from the first token to the last: benchmarks/metrics.py's `decode_rate`), TTFT
 P50/P99, peak resident memory (llmserve: the server and its engine process; llama.cpp: its process), and each
 server's start time (to SERVING / healthy; llmserve's tokenizer and config cache made before, its one-time cost
-reported apart). The
-issue's targets are checked on the page: >= 1.0x llama-server's tokens/s at 1 client and >= 2x at 32, resident
-memory <= the file + the KV pool + 1 GiB. `--float32` serves the default file also as `--dtype float32` (its
-dequantized copy: the path `make run` took before), a third system in the same alternation.
+reported apart). Only steady rounds count (metrics.steady: every client of every system had finished a call before
+the window, and each system finished at least 3 calls in it); the others are marked on the page and left out of the
+medians and ratios. The issues' targets are checked on the page for steady client counts: llmserve / llama-server
+whole calls >= 1.0x at 1 client and >= 2x at 32, decode per stream >= 1.0x at 1 client; resident memory <= the file +
+the KV pool + 1 GiB. `--float32` serves the default file also as `--dtype float32` (its dequantized copy: the path
+`make run` took before), a third system in the same alternation.
 
 `--perplexity` measures accuracy instead: llmserve's perplexity against `llama-perplexity`'s on the same file, the
 default Q4_1 file and a Q8_0 file made from it with llama-quantize, over tests/data/perplexity.txt and
@@ -22,8 +32,9 @@ tests/data/apache-2.0.txt (the Apache License 2.0, the longer one the 1% target 
 both sides (chunks, BOS first, the second half of each chunk scored, on the token ids llama.cpp tokenized: read from
 its --kl-divergence-base file).
 
-    python benchmarks/run.py --mode gguf [--files default,1b-q4km,1b-q8,8b-q4km,8b-q8] [--clients 1,4,32]
-        [--rounds 2] [--window-s 30] [--warmup-s 20] [--llama-bin DIR] [--gguf-dir DIR] [--float32] [--quick]
+    python benchmarks/run.py --mode gguf [--files default,1b-q4km,1b-q8,8b-q4km,8b-q8,PATH.gguf]
+        [--workload chat|decode] [--clients 1,4,32] [--rounds 2] [--window-s 30] [--warmup-s 20]
+        [--llama-bin DIR] [--gguf-dir DIR] [--float32] [--quick]
     python benchmarks/run.py --mode gguf --perplexity
 
 llama.cpp's binaries are found in --llama-bin or $LLAMA_CPP_BIN (llama-server, llama-quantize, llama-perplexity);
@@ -51,14 +62,15 @@ import numpy as np
 import torch
 
 from benchmarks import options, writer
-from benchmarks.alternation import alternate, point
+from benchmarks.alternation import alternate, point, steady_rounds
+from benchmarks.metrics import STEADY_MIN_CALLS
 from benchmarks.systems.base import System
 from benchmarks.systems.grpc_e2e import GrpcSystem
 from benchmarks.systems.llama_cpp import LlamaCppSystem
 from benchmarks.workload import PromptMaker, WorkloadSpec
 from llmserve.engine.config import EngineConfig
 
-TITLE = "GGUF files served from their blocks vs llama.cpp's llama-server on the same file (issue 42)"
+TITLE = "GGUF files served from their blocks vs llama.cpp's llama-server on the same file (issues 42, 52)"
 FILES_ENV = "LLMSERVE_GGUF_FILES"
 DEFAULT_FILES = Path("/work/gguf-files")
 BIN_ENV = "LLAMA_CPP_BIN"
@@ -200,14 +212,16 @@ def ensure_files(
 
 @dataclass(slots=True, frozen=True)
 class FileSpec:
-    """A file to serve: its key for --files, the shape (None: the shipped default), llama-quantize's type, the client
-    counts it is measured at and the tokens each request generates."""
+    """A file to serve: its key for --files, the shape (None: the shipped default, or a file given by its `path`),
+    llama-quantize's type, the client counts it is measured at and the tokens each request generates (the chat
+    workload's)."""
 
     key: str
     shape: str | None
     kind: str
     clients: tuple[int, ...]
     new_tokens: int
+    path: Path | None = None
 
 
 FILES = {
@@ -220,6 +234,24 @@ FILES = {
         FileSpec("8b-q8", "llama-3-8b", "Q8_0", (1, 4), 32),
     )
 }
+
+
+def given_file(path: Path) -> FileSpec:
+    """A GGUF file named by its path in --files (a Q8_0 of the default model, say): keyed by its name, its type read
+    from the file, measured as the default file is."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(path).fields.get("general.file_type")
+    kind = "?" if field is None else LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
+    return FileSpec(path.stem, None, kind, FILES["default"].clients, FILES["default"].new_tokens, path)
+
+
+def file_name(path: Path) -> str:
+    """The model's name in a GGUF file's metadata (general.name), else the file's."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get("general.name")
+    return path.name if field is None else str(field.contents())
 
 
 def binary(args: argparse.Namespace, name: str) -> Path | None:
@@ -235,6 +267,8 @@ def file_path(spec: FileSpec, args: argparse.Namespace, quantizer: Path | None) 
     """The GGUF file of `spec`, made where missing (needs llama-quantize); None where it cannot be had."""
     from llmserve.gguf import default_gguf_path
 
+    if spec.path is not None:
+        return spec.path
     if spec.shape is None:
         return default_gguf_path()
     root = files_root(args.gguf_dir)
@@ -263,25 +297,54 @@ def kv_pool_bytes(path: Path) -> int:
 # --- serving: llmserve beside llama-server ---------------------------------------------------------------------
 
 
+@dataclass(slots=True, frozen=True)
+class Workload:
+    """What the clients send (--workload): prompt lengths (log-uniform, token ids inside the chat template), the new
+    tokens of each call (None: the file's own), the client counts and the windows' lengths by default."""
+
+    name: str
+    summary: str
+    min_prompt: int
+    max_prompt: int
+    new_tokens: int | None
+    clients: tuple[int, ...]
+    warmup_s: float
+    window_s: float
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("chat", "chat-length prompts, the file's new tokens", 256, 512, None, (1, 4, 32), 20.0, 30.0),
+        # A chatting user's view (issue 52): the prompt is soon computed, the answer streams for seconds.
+        Workload(
+            "decode", "what a chatting user watches: short prompts, 256 new tokens", 40, 64, 256, (1, 4), 30.0, 30.0
+        ),
+    )
+}
+
+
+def workload_spec(spec: FileSpec, args: argparse.Namespace) -> WorkloadSpec:
+    """The requests' shape for `spec` under --workload, with --min-prompt, --max-prompt and --new-tokens over it;
+    --quick: a few new tokens (and shorter chat prompts)."""
+    w = WORKLOADS[args.workload]
+    low, high, new = w.min_prompt, w.max_prompt, w.new_tokens or spec.new_tokens
+    if args.quick:
+        low, high, new = (low, high, 16) if w.new_tokens else (32, 96, 8)
+    return WorkloadSpec(
+        min_prompt=args.min_prompt or low, max_prompt=args.max_prompt or high, max_new_tokens=args.new_tokens or new
+    )
+
+
 async def start_timed(system: System) -> float:
     started = time.monotonic()
     await system.start()
     return time.monotonic() - started
 
 
-async def start_llama(system: LlamaCppSystem, key: str, notes: list[str]) -> float:
-    """Start llama-server; where it dies at start, again with --no-repack (noted under `key`)."""
-    try:
-        return await start_timed(system)
-    except RuntimeError:
-        await system.stop()
-        system.command.append("--no-repack")
-        notes.append(f"{key}: llama-server died at start; served with --no-repack (no weight repacking)")
-        return await start_timed(system)
-
-
 async def serve_file(spec: FileSpec, path: Path, args: argparse.Namespace, work: Path, notes: list[str]) -> dict:
-    """Both systems on one file, alternated windows at each client count."""
+    """Both systems on one file, alternated windows at each client count; llama-server restarted for each client
+    count with as many slots (`-np`), llmserve one server throughout, as `make run` starts it."""
     from transformers import AutoTokenizer
 
     from llmserve.gguf import file_metadata
@@ -291,42 +354,50 @@ async def serve_file(spec: FileSpec, path: Path, args: argparse.Namespace, work:
     folder = file_metadata(path)  # the one-time cache of the tokenizer and config (llmserve's first start makes it)
     metadata_s = time.monotonic() - started
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    workload = WorkloadSpec(min_prompt=args.min_prompt, max_prompt=args.max_prompt, max_new_tokens=spec.new_tokens)
-    if args.quick:
-        workload = WorkloadSpec(min_prompt=32, max_prompt=96, max_new_tokens=8)
+    workload = workload_spec(spec, args)
     maker = PromptMaker(workload, tokenizer, len(tokenizer))
     ours = GrpcSystem(str(path), torch.device("cpu"), "auto", EngineConfig(), work / f"llmserve-{spec.key}.log")
     ours.name = "llmserve"
     chosen: dict[str, tuple[System, tuple]] = {"llmserve": (ours, ())}
-    starts: dict[str, float] = {"llmserve": await start_timed(ours)}
-    if args.float32 and spec.shape is None:  # today's path beside: the file dequantized once into float32
+    if args.float32 and spec.key == "default":  # today's path beside: the file dequantized once into float32
         dense = GrpcSystem(str(path), torch.device("cpu"), "float32", EngineConfig(), work / "llmserve-float32.log")
         dense.name = "llmserve float32"
         chosen[dense.name] = (dense, ())
-        starts[dense.name] = await start_timed(dense)
+    theirs: LlamaCppSystem | None = None
     server = binary(args, "llama-server")
     if server is None:
         notes.append(f"{spec.key}: llama.cpp skipped (no llama-server in --llama-bin / ${BIN_ENV})")
     else:
-        context = workload.max_prompt + workload.max_new_tokens + 64
-        theirs = LlamaCppSystem(server, path, spec.kind, max(clients), context, work / f"llama-{spec.key}.log")
+        context = workload.max_prompt + workload.max_new_tokens + 64  # one request's context per slot
+        log = work / f"llama-{spec.key}.log"
+        # the same thread count as llmserve's where --threads is given (OMP_NUM_THREADS, set in main)
+        theirs = LlamaCppSystem(server, path, spec.kind, clients[0], context, log, args.threads, per_clients=True)
         theirs.name = "llama.cpp"
-        if args.threads:  # the same thread count as llmserve's (OMP_NUM_THREADS, set in main)
-            for flag in ("-t", "-tb"):
-                theirs.command[theirs.command.index(flag) + 1] = str(args.threads)
-        chosen["llama.cpp"] = (theirs, ())
-        starts["llama.cpp"] = await start_llama(theirs, spec.key, notes)
+        chosen[theirs.name] = (theirs, ())
+    starts: dict[str, float] = {}
     try:
+        for name, (system, _) in chosen.items():
+            starts[name] = await start_timed(system)
         windows = await alternate(chosen, clients, args, maker)
-    finally:
+    finally:  # a system that never started has nothing to stop
         for system, _ in chosen.values():
             await system.stop()
-    points = {name: {str(c): point(windows[name][c]) for c in clients} for name in chosen}
+    if theirs is not None and theirs.no_repack:
+        notes.append(f"{spec.key}: llama-server died at start; served with --no-repack (no weight repacking)")
+    counted = {c: steady_rounds({name: windows[name][c] for name in chosen}, c) for c in clients}
+
+    def by_clients(system: System, name: str) -> tuple[dict[str, list[str]], dict[str, float]]:
+        if isinstance(system, LlamaCppSystem):
+            return {str(c): system.commands[c] for c in clients}, {str(c): system.start_s[c] for c in clients}
+        command = system.command if isinstance(system, GrpcSystem) else []
+        return {str(c): command for c in clients}, {str(c): starts[name] for c in clients}
+
+    served = {name: by_clients(system, name) for name, (system, _) in chosen.items()}
     return {
         "file": str(path),
         "file_bytes": path.stat().st_size,
         "kind": spec.kind,
-        "shape": spec.shape or "SmolLM2-135M-Instruct",
+        "shape": spec.shape or ("SmolLM2-135M-Instruct" if spec.path is None else file_name(path)),
         "kv_pool_bytes": kv_pool_bytes(path),
         "clients": clients,
         "workload": {
@@ -334,10 +405,11 @@ async def serve_file(spec: FileSpec, path: Path, args: argparse.Namespace, work:
             "max_prompt": workload.max_prompt,
             "new_tokens": workload.max_new_tokens,
         },
-        "start_s": starts,
+        "start_s": {name: starts_ for name, (_, starts_) in served.items()},
         "metadata_cache_s": metadata_s,
-        "commands": {name: system.command for name, (system, _) in chosen.items()},
-        "points": points,
+        "commands": {name: commands for name, (commands, _) in served.items()},
+        "steady": {str(c): flags for c, flags in counted.items()},
+        "points": {name: {str(c): point(windows[name][c], counted[c]) for c in clients} for name in chosen},
     }
 
 
@@ -346,62 +418,113 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="llmserve-gguf-") as tmp:
-        for key in args.file_keys:
-            spec = FILES[key]
+        for spec in args.file_specs:
             path = file_path(spec, args, quantizer)
             if path is None:
-                notes.append(f"{key}: skipped (no file, and no llama-quantize to make it)")
+                notes.append(f"{spec.key}: skipped (no file, and no llama-quantize to make it)")
                 continue
-            print(f"== {key}: {path}", flush=True)
-            results[key] = await serve_file(spec, path, args, Path(tmp), notes)
+            print(f"== {spec.key}: {path}", flush=True)
+            results[spec.key] = await serve_file(spec, path, args, Path(tmp), notes)
+    w = WORKLOADS[args.workload]
     return {
         "cpu": args.threads or os.cpu_count(),
+        "cpu_isa_cap": os.environ.get("LLMSERVE_CPU_ISA"),
+        "workload": {"name": w.name, "summary": w.summary},
         "rounds": args.rounds,
         "window_s": args.window_s,
         "warmup_s": args.warmup_s,
+        "steady_min_calls": STEADY_MIN_CALLS,
         "files": results,
         "notes": notes,
     }
 
 
+# The issue's targets, llmserve / llama.cpp: (figure, client count) -> the least ratio. Whole calls at 1 client 1.0x and
+# at 32 2x (issue 42, kept by issue 52), decode per stream at one client 1.0x (issue 52).
+TARGETS = {("whole", "1"): 1.0, ("whole", "32"): 2.0, ("decode", "1"): 1.0}
+
+
+def _ratio(ours: float | None, theirs: float | None, target: float | None) -> str:
+    if not ours or not theirs:
+        return "–"
+    ratio = ours / theirs
+    if target is None:
+        return writer.times(ratio)
+    return writer.times(ratio) + (" (target met)" if ratio >= target else f" (target {target:g}× missed)")
+
+
+def _round(r: dict[str, Any], clients: int, min_calls: int) -> str:
+    """One round's figures for the page, tokens/s / decode per stream, and why it is left out where it is."""
+    cell = f"{r['output_tokens_per_s']:.1f} / {writer.num(r['decode_per_stream'], 1)}"
+    if r["counted"]:
+        return cell
+    why = []
+    if r["warm_clients"] < clients:
+        why.append(f"{r['warm_clients']} of {clients} clients had finished a call before it")
+    if r["completed"] < min_calls:
+        why.append(f"{r['completed']} calls finished in it")
+    return f"{cell} (not steady: {', '.join(why) or 'another system was not'})"
+
+
 def section(data: dict[str, Any]) -> list[str]:
     """The page's section, from the JSON."""
+    min_calls, workload, cap = data["steady_min_calls"], data["workload"], data["cpu_isa_cap"]
     lines = [
-        f"{data['rounds']} window(s) of {data['window_s']:g} s per system and client count "
-        f"(after {data['warmup_s']:g} s of warm-up each), systems alternated; {data['cpu']} CPU threads; "
-        "token-id prompts, greedy, EOS ignored. "
-        "Figures are medians over the windows. Memory: peak resident set (llmserve: server + engine process).",
+        f"Workload **{workload['name']}** ({workload['summary']}): token-id prompts in the model's chat template, "
+        "the same for every system in a round, greedy, EOS ignored. "
+        f"{data['rounds']} round(s) of one {data['window_s']:g}-s window per system and client count, each after "
+        f"{data['warmup_s']:g} s of warm-up, systems alternated (the order reversed every other round); "
+        f"{data['cpu']} CPU thread(s) per server"
+        + (f"; llmserve's kernels capped at LLMSERVE_CPU_ISA={cap}" if cap else "")
+        + ". llama-server is started with `-np` equal to each window's client count (restarted between client "
+        "counts; the commands below).",
+        "",
+        "Output tok/s: every token of the window over its length (whole calls, their prefill included). Decode per "
+        "stream: for each call that began and finished in the window, its tokens after the first over the time from "
+        "its first token to its last, the window's median over calls (– where no call ran whole inside a window); its "
+        "calls: how many, in the steady rounds. TTFT of the calls submitted after the warm-up. Peak memory: "
+        "resident set (llmserve: server + engine process).",
+        "",
+        f"Steady rounds: a round counts only if, for every system, each of its clients had finished a call before "
+        f"its window began (the opening prefills over) and at least {min_calls} calls finished inside the window. "
+        "Medians and ratios are over the steady rounds; a round that is not steady is marked and left out, and a "
+        "client count without a steady round gets no ratio and no target label.",
         "",
     ]
-    rows, checks = [], []
+    rows, ratios, checks = [], [], []
     for key, f in data["files"].items():
         w = f["workload"]
         for name, by_clients in f["points"].items():
             for c, p in by_clients.items():
+                per_round = [_round(r, int(c), min_calls) for r in p["rounds"]]
                 rows.append(
                     [
                         key,
                         name,
                         c,
                         writer.num(p["median_output_tokens_per_s"], 1),
-                        " / ".join(f"{x:.1f}" for x in p["output_tokens_per_s"]),
+                        writer.num(p["median_decode_per_stream"], 1),
+                        p["decode_samples"],
                         writer.seconds(p["ttft_p50_s"]),
+                        writer.seconds(p["ttft_p99_s"]),
+                        " · ".join(per_round),
                         writer.mib(p["peak_memory_bytes"]),
-                        f"{f['start_s'][name]:.1f} s",
+                        f"{f['start_s'][name][c]:.1f} s",
                         f"{w['min_prompt']}-{w['max_prompt']} / {w['new_tokens']}",
                         p["errors"],
                     ]
                 )
         ours, theirs = f["points"].get("llmserve", {}), f["points"].get("llama.cpp", {})
-        for c in ours:
-            a = ours[c]["median_output_tokens_per_s"]
-            b = theirs.get(c, {}).get("median_output_tokens_per_s")
-            if a and b:
-                target = 1.0 if c == "1" else 2.0 if c == "32" else None
-                met = (
-                    "" if target is None else (" (target met)" if a / b >= target else f" (target {target:g}x missed)")
-                )
-                checks.append([f"{key}, {c} client(s): llmserve / llama.cpp tokens/s", writer.times(a / b) + met])
+        for c in ours if theirs else []:
+            flags = f["steady"][c]
+            counted = f"{sum(flags)} of {len(flags)}"
+            if not any(flags):
+                ratios.append([key, c, counted, "not steady", "not steady"])
+                continue
+            a, b = ours[c], theirs[c]
+            whole = _ratio(a["median_output_tokens_per_s"], b["median_output_tokens_per_s"], TARGETS.get(("whole", c)))
+            decode = _ratio(a["median_decode_per_stream"], b["median_decode_per_stream"], TARGETS.get(("decode", c)))
+            ratios.append([key, c, counted, whole, decode])
         peak = max((p["peak_memory_bytes"] or 0) for p in ours.values()) if ours else 0
         budget = f["file_bytes"] + f["kv_pool_bytes"] + GIB
         checks.append(
@@ -410,23 +533,18 @@ def section(data: dict[str, Any]) -> list[str]:
                 f"{writer.mib(peak)} vs {writer.mib(budget)}" + (" (met)" if peak <= budget else " (over)"),
             ]
         )
-    lines += writer.table(
-        [
-            "file",
-            "system",
-            "clients",
-            "output tok/s",
-            "per window",
-            "TTFT P50",
-            "peak memory",
-            "start",
-            "prompt / new",
-            "errors",
-        ],
-        rows,
-    )
-    if checks:
-        lines += ["", *writer.table(["the issue's targets", "measured"], checks)]
+    header = ["file", "system", "clients", "output tok/s", "decode per stream", "its calls", "TTFT P50", "TTFT P99"]
+    header += ["per round: tok/s / decode", "peak memory", "start", "prompt / new", "errors"]
+    lines += writer.table(header, rows)
+    if ratios:
+        lines += [
+            "",
+            "llmserve / llama.cpp, medians over the steady rounds (the issue's targets: whole calls 1.0× at 1 client "
+            "and 2× at 32, decode per stream 1.0× at 1 client):",
+            "",
+            *writer.table(["file", "clients", "steady rounds", "whole calls", "decode per stream"], ratios),
+        ]
+    lines += ["", *writer.table(["memory", "measured"], checks)]
     lines += ["", "Files and commands:", ""]
     for key, f in data["files"].items():
         lines.append(
@@ -434,7 +552,12 @@ def section(data: dict[str, Any]) -> list[str]:
             f"{writer.mib(f['kv_pool_bytes'])}; llmserve's tokenizer and config cache "
             f"{f['metadata_cache_s']:.1f} s once)"
         )
-        lines += [f"  - {name}: `{' '.join(cmd)}`" for name, cmd in f["commands"].items()]
+        for name, by_clients in f["commands"].items():
+            grouped: dict[str, list[str]] = {}
+            for c, command in by_clients.items():
+                grouped.setdefault(" ".join(command), []).append(c)
+            for command, cs in grouped.items():
+                lines.append(f"  - {name}, {', '.join(cs)} client(s): `{command}`")
     lines += [f"- {note}" for note in data["notes"]]
     return lines
 
@@ -590,13 +713,19 @@ def ppl_section(data: dict[str, Any]) -> list[str]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = options.parser("gguf", __doc__)
-    p.add_argument("--files", default=",".join(FILES), help=f"files, comma-separated, of {', '.join(FILES)}")
-    p.add_argument("--clients", default="1,4,32", help="client counts (each file runs those it lists)")
+    p.add_argument(
+        "--files", default=",".join(FILES), help=f"files, comma-separated, of {', '.join(FILES)} or GGUF paths"
+    )
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="chat", help="what the clients send (see above)")
+    p.add_argument(
+        "--clients", default=None, help="client counts (default: the workload's; each file runs those it lists)"
+    )
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--window-s", type=float, default=30.0)
-    p.add_argument("--warmup-s", type=float, default=20.0)
-    p.add_argument("--min-prompt", type=int, default=256)
-    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--window-s", type=float, default=None, help="default: the workload's")
+    p.add_argument("--warmup-s", type=float, default=None, help="default: the workload's")
+    p.add_argument("--min-prompt", type=int, default=None, help="default: the workload's")
+    p.add_argument("--max-prompt", type=int, default=None, help="default: the workload's")
+    p.add_argument("--new-tokens", type=int, default=None, help="default: the workload's, else the file's")
     p.add_argument("--llama-bin", default=None, help=f"llama.cpp's build/bin folder (default: ${BIN_ENV})")
     p.add_argument("--gguf-dir", default=None, help=f"where the random files are made (default: ${FILES_ENV})")
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 files the quantized ones were made from")
@@ -610,11 +739,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--perplexity", action="store_true", help="measure perplexity against llama-perplexity instead")
     args = p.parse_args(argv)
-    args.file_keys = [k.strip() for k in args.files.split(",") if k.strip()]
-    unknown = [k for k in args.file_keys if k not in FILES]
-    if unknown:
-        p.error(f"unknown --files {', '.join(unknown)}; known: {', '.join(FILES)}")
-    args.client_counts = [int(c) for c in args.clients.split(",")]
+    args.file_specs = []
+    for item in (k.strip() for k in args.files.split(",")):
+        if item in FILES:
+            args.file_specs.append(FILES[item])
+        elif item.endswith(".gguf") and Path(item).is_file():
+            args.file_specs.append(given_file(Path(item)))
+        elif item:
+            p.error(f"unknown --files {item}: neither one of {', '.join(FILES)} nor a GGUF file")
+    workload = WORKLOADS[args.workload]
+    args.client_counts = [int(c) for c in args.clients.split(",")] if args.clients else list(workload.clients)
+    args.window_s = args.window_s or workload.window_s
+    args.warmup_s = args.warmup_s or workload.warmup_s
     if args.quick:
         args.rounds, args.window_s, args.warmup_s = 1, 2.0, 0.5
         args.client_counts = [1]

@@ -31,6 +31,10 @@ class System:
     async def stop(self) -> None:
         """Release everything `start` acquired."""
 
+    async def prepare(self, clients: int) -> None:
+        """Called before the windows at `clients` closed-loop clients (benchmarks/alternation.py's `alternate`): a
+        server sized by its client count (llama-server's slots) restarts here. Nothing by default."""
+
     async def generate(self, request: BenchRequest, record: RequestRecord) -> None:
         """Serve `request`: append a timestamp per output token, set `record.end` when done.
 

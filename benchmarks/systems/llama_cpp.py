@@ -3,8 +3,11 @@ loopback port, one streaming `/completion` call per request with the prompt as t
 a token prompt), greedy, EOS ignored, the generated token ids returned in each streamed event.
 
 Nothing of llama.cpp is part of llmserve: the binary is found by `--llama-server` or $LLAMA_SERVER, and a mode
-that wants it says so and skips it when it is absent. The server gets the CPU's threads and one slot per client
-of the largest concurrency measured, each slot the context a request of the workload needs.
+that wants it says so and skips it when it is absent. The server gets the CPU's threads (or `threads`) and one slot
+per client, each slot the context a request of the workload needs: of the largest concurrency measured, or, with
+`per_clients`, of each client count's windows, the server restarted between them (`prepare`): a server of 32 slots
+serving one client is not what a user of one stream would start. A server that dies at start (this machine's AMX
+repacking faults: `Illegal instruction`) is started again with `--no-repack`, and keeps it.
 """
 
 from __future__ import annotations
@@ -37,21 +40,65 @@ def find_binary(flag: str | None) -> Path | None:
 
 
 class LlamaCppSystem(System):
-    """`llama-server -m GGUF` in a subprocess; see the module docstring. Peak memory is the server process's."""
+    """`llama-server -m GGUF` in a subprocess; see the module docstring. Peak memory is the server process's.
+    `commands` and `start_s` hold each start's command line and seconds to healthy, by slot count."""
 
-    def __init__(self, binary: Path, gguf: Path, label: str, slots: int, slot_context: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        binary: Path,
+        gguf: Path,
+        label: str,
+        slots: int,
+        slot_context: int,
+        log_path: Path,
+        threads: int | None = None,
+        per_clients: bool = False,
+    ) -> None:
         super().__init__(torch.device("cpu"))
         self.name = f"llama.cpp {label}"
+        self.binary, self.gguf, self.log_path = binary, gguf, log_path
+        self.slots, self.slot_context = slots, slot_context
+        self.threads = threads or os.cpu_count() or 1
+        self.per_clients = per_clients
+        self.no_repack = False
         self.port = free_port()
-        threads = str(os.cpu_count() or 1)
-        self.command = [
-            str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-            "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * slot_context),
-        ]  # fmt: skip
-        self.log_path = log_path
+        self.command = self.command_for(slots)
+        self.commands: dict[int, list[str]] = {}
+        self.start_s: dict[int, float] = {}
         self.process: subprocess.Popen | None = None
 
+    def command_for(self, slots: int) -> list[str]:
+        """The command line of a server with `slots` slots, each of `slot_context` tokens."""
+        threads = str(self.threads)
+        command = [
+            str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+            "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * self.slot_context),
+        ]  # fmt: skip
+        return [*command, "--no-repack"] if self.no_repack else command
+
     async def start(self) -> None:
+        try:
+            await self._launch()
+        except RuntimeError:
+            if self.no_repack:
+                raise
+            await self.stop()
+            self.no_repack = True
+            self.command = self.command_for(self.slots)
+            await self._launch()
+
+    async def prepare(self, clients: int) -> None:
+        """With `per_clients`, a server of `clients` slots: the running one restarted where its slots differ."""
+        if not self.per_clients or (clients == self.slots and self.process is not None):
+            return
+        await self.stop()
+        self.slots, self.port = clients, free_port()
+        self.command = self.command_for(clients)
+        await self.start()
+
+    async def _launch(self) -> None:
+        """Start `command` and wait until it answers /health; RuntimeError where it exits first."""
+        started = time.monotonic()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the subprocess until stop()
         self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
@@ -63,12 +110,14 @@ class LlamaCppSystem(System):
             try:
                 status, _ = await self._request("GET", "/health", None)
                 if status == 200:
-                    return
+                    break
             except OSError:
                 pass  # not listening yet
             if time.monotonic() > deadline:
                 raise TimeoutError(f"llama-server not healthy after {START_TIMEOUT_S:.0f} s; see {self.log_path}")
             await asyncio.sleep(0.5)
+        self.commands[self.slots] = list(self.command)
+        self.start_s[self.slots] = time.monotonic() - started
 
     async def stop(self) -> None:
         if self.process is not None:

@@ -1,11 +1,12 @@
-"""benchmarks/loadgen.py, metrics.py and the plan's timing on hand-made records: windows, composition, percentiles."""
+"""benchmarks/loadgen.py, metrics.py and the plan's timing on hand-made records: windows, composition, percentiles,
+decode per stream and the steady-window rule."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks.loadgen import Measurement, RequestRecord, Schedule, compose_fifo
-from benchmarks.metrics import percentile, summarize, window_stats
+from benchmarks.metrics import STEADY_MIN_CALLS, decode_rate, percentile, steady, summarize, window_stats
 
 
 def record(rid: str, submit: float, first: float, gap: float, n: int, group: int | None = None) -> RequestRecord:
@@ -51,6 +52,66 @@ def test_window_records_the_work_it_served() -> None:
     assert w0.decode_context_mean == pytest.approx((11 + 12 + 40) / 3)
     assert w0.window_s == 2.0
     assert w1.prefills == [] and w1.decode_context_mean == pytest.approx(41)
+
+
+def test_decode_rate_is_the_tokens_after_the_first_over_the_time_after_the_first() -> None:
+    # A 100-ms first token (prefill) then 9 tokens 20 ms apart: 50 tokens/s once the answer has begun, whatever the
+    # prefill cost; the whole call's 10 tokens over 0.28 s would say 35.7.
+    assert decode_rate([0.1 + 0.02 * i for i in range(10)]) == pytest.approx(50.0)
+    assert decode_rate([1.0, 1.0, 1.5]) == pytest.approx(4.0)  # two in the first message: both after-first count
+    assert decode_rate([1.0]) is None and decode_rate([]) is None
+    assert decode_rate([2.0, 2.0]) is None  # all at once: no time to divide by
+
+
+def test_a_window_takes_the_median_decode_rate_of_calls_begun_and_finished_in_it() -> None:
+    schedule = Schedule(concurrency=1, warmup_s=1.0, window_s=4.0, windows=1)
+    records = [
+        record("a", submit=1.0, first=1.5, gap=0.1, n=11),  # 10 tokens in 1.0 s after its first: 10/s
+        record("b", submit=2.6, first=2.7, gap=0.05, n=11),  # 20/s
+        record("c", submit=3.8, first=3.9, gap=0.025, n=5),  # 40/s
+        record("early", submit=0.0, first=0.5, gap=0.01, n=101),  # first token in the warm-up: not counted
+        RequestRecord("cut", 10, 4.8, [4.9, 4.95], None),  # cut off at the end: unfinished, not counted
+        RequestRecord("failed", 10, 4.0, [4.1, 4.2], 4.2, error="RuntimeError: x"),
+    ]
+    shortened = record("short", submit=1.0, first=1.1, gap=0.001, n=3)
+    shortened.warmup = True  # a client's shortened first call: its tokens count, its rate does not
+    w = window_stats(Measurement(schedule, [*records, shortened], window_starts=[1.0]), 0)
+    assert w.decode_samples == 3 and w.decode_per_stream_p50 == pytest.approx(20.0)
+    empty = window_stats(Measurement(schedule, records[3:], window_starts=[1.0]), 0)
+    assert empty.decode_samples == 0 and empty.decode_per_stream_p50 is None
+
+
+def client_records(clients: int, first_end: list[float | None], inside: int) -> list[RequestRecord]:
+    """Each client's opening call (ending at first_end[i], None: still running), then `inside` calls in 10..20."""
+    out = []
+    for i, end in enumerate(first_end):
+        opening = RequestRecord(f"o{i}", 10, 0.0, [0.5], end, client=i)
+        opening.warmup = i < clients - 1  # the closed loop shortens every first call but the last client's
+        out.append(opening)
+    for k in range(inside):
+        out.append(record(f"w{k}", submit=10.0 + k * 0.1, first=10.5 + k * 0.1, gap=0.1, n=5))
+        out[-1].client = k % clients
+    return out
+
+
+def test_a_window_is_steady_when_every_client_had_finished_a_call_and_enough_finished_in_it() -> None:
+    schedule = Schedule(concurrency=4, warmup_s=10.0, window_s=10.0, windows=1)
+
+    def window(first_end: list[float | None], inside: int) -> bool:
+        m = Measurement(schedule, client_records(4, first_end, inside), window_starts=[10.0])
+        return steady(window_stats(m, 0), 4)
+
+    assert window([2.0, 4.0, 6.0, 9.9], STEADY_MIN_CALLS)
+    # One client's opening call (its prompt's prefill, say) ran into the window: the start, not the steady state.
+    assert not window([2.0, 4.0, 6.0, 10.5], STEADY_MIN_CALLS)
+    assert not window([2.0, 4.0, 6.0, None], 20)
+    assert not window([2.0, 4.0, 6.0, 9.0], STEADY_MIN_CALLS - 1)  # too few calls finished in it for a median
+    m = Measurement(schedule, client_records(4, [2.0, 4.0, 6.0, 9.0], 5), window_starts=[10.0])
+    stats = window_stats(m, 0)
+    assert (stats.warm_clients, stats.completed) == (4, 5)
+    # A failed opening call does not warm its client.
+    m.records[0].error = "RuntimeError: x"
+    assert window_stats(m, 0).warm_clients == 3
 
 
 def test_compose_fifo_adds_the_wait_for_the_groups_ahead() -> None:

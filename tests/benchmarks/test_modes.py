@@ -105,14 +105,109 @@ def test_gguf_mode_serves_the_default_file_from_its_blocks_and_skips_an_absent_l
     page = (tmp_path / "gguf.md").read_text()
     f = data["files"]["default"]
     point = f["points"]["llmserve"]["1"]
-    assert point["median_output_tokens_per_s"] > 0 and point["errors"] == 0 and point["peak_memory_bytes"] > 0
-    assert "--dtype auto" in " ".join(f["commands"]["llmserve"]) and f["start_s"]["llmserve"] > 0
-    assert f["kind"] == "Q4_1" and f["kv_pool_bytes"] > 0
+    (window,) = point["rounds"]
+    assert window["output_tokens_per_s"] > 0 and point["errors"] == 0 and point["peak_memory_bytes"] > 0
+    assert window["decode_per_stream"] > 0 and window["decode_samples"] > 0
+    # The one round counts where it was steady (a loaded machine may hold the first call past the short warm-up).
+    assert f["steady"]["1"] == [window["counted"]]
+    if window["counted"]:
+        assert point["median_decode_per_stream"] == window["decode_per_stream"]
+    else:
+        assert point["median_output_tokens_per_s"] is None and "(not steady:" in page
+    assert "--dtype auto" in " ".join(f["commands"]["llmserve"]["1"]) and f["start_s"]["llmserve"]["1"] > 0
+    assert f["kind"] == "Q4_1" and f["kv_pool_bytes"] > 0 and data["workload"]["name"] == "chat"
     assert "default: llama.cpp skipped" in page and "| default | llmserve | 1 |" in page
-    assert "peak memory vs file + KV pool + 1 GiB" in page
+    assert "peak memory vs file + KV pool + 1 GiB" in page and "decode per stream" in page
     # Perplexity needs llama.cpp's tools: without them the page says so.
     assert run.main(["--mode", "gguf", "--perplexity", "--out-dir", str(tmp_path), "--name", "ppl"]) == 0
     assert "skipped: no llama-perplexity" in (tmp_path / "ppl.md").read_text()
+
+
+def test_gguf_modes_decode_workload_is_short_prompts_and_256_new_tokens_at_1_and_4_clients() -> None:
+    from benchmarks.modes import gguf_blocks
+
+    args = gguf_blocks.parse_args(["--workload", "decode", "--files", "default,1b-q8"])
+    assert args.client_counts == [1, 4] and (args.warmup_s, args.window_s) == (30.0, 30.0)
+    for spec in args.file_specs:  # every file's calls the same size, whatever its chat workload's
+        w = gguf_blocks.workload_spec(spec, args)
+        assert (w.min_prompt, w.max_prompt, w.max_new_tokens) == (40, 64, 256)
+    chat = gguf_blocks.parse_args(["--files", "1b-q8", "--clients", "1,32", "--new-tokens", "16"])
+    assert chat.client_counts == [1, 32] and gguf_blocks.workload_spec(chat.file_specs[0], chat).max_new_tokens == 16
+    plain = gguf_blocks.parse_args(["--files", "1b-q8"])
+    assert gguf_blocks.workload_spec(plain.file_specs[0], plain).max_new_tokens == 64  # the file's own
+    # A GGUF file by its path (a Q8_0 of the default model, say), its type read from the file.
+    from llmserve.gguf import default_gguf_path
+
+    (given,) = gguf_blocks.parse_args(["--files", str(default_gguf_path())]).file_specs
+    assert (given.kind, given.path, given.clients) == ("Q4_1", default_gguf_path(), (1, 4, 32))
+    with pytest.raises(SystemExit):
+        gguf_blocks.parse_args(["--files", "nope"])
+
+
+def gguf_figures(rounds: dict[str, list[tuple[float, float | None, int, int]]], steady: list[bool]) -> dict:
+    """A gguf run's JSON at one client with the given rounds per system: (tok/s, decode, warm clients, calls)."""
+
+    def point(rs: list[tuple[float, float | None, int, int]]) -> dict:
+        kept = [r for r, keep in zip(rs, steady, strict=True) if keep]
+        return {
+            "median_output_tokens_per_s": kept[0][0] if kept else None,
+            "median_decode_per_stream": kept[0][1] if kept else None,
+            "decode_samples": 7 * len(kept),
+            "ttft_p50_s": 0.08,
+            "ttft_p99_s": 0.1,
+            "peak_memory_bytes": 1 << 30,
+            "errors": 0,
+            "rounds": [
+                {"output_tokens_per_s": t, "decode_per_stream": d, "warm_clients": w, "completed": n, "counted": keep}
+                for (t, d, w, n), keep in zip(rs, steady, strict=True)
+            ],
+        }
+
+    return {
+        "cpu": 2,
+        "cpu_isa_cap": "avx2",
+        "workload": {"name": "decode", "summary": "short prompts, 256 new tokens"},
+        "rounds": len(steady),
+        "window_s": 30.0,
+        "warmup_s": 30.0,
+        "steady_min_calls": 3,
+        "notes": [],
+        "files": {
+            "default": {
+                "file": "/f.gguf",
+                "file_bytes": 1 << 27,
+                "kind": "Q4_1",
+                "shape": "SmolLM2",
+                "kv_pool_bytes": 1 << 30,
+                "metadata_cache_s": 0.0,
+                "workload": {"min_prompt": 40, "max_prompt": 64, "new_tokens": 256},
+                "start_s": {"llmserve": {"1": 5.0}, "llama.cpp": {"1": 1.0}},
+                "commands": {"llmserve": {"1": ["python", "-m", "llmserve"]}, "llama.cpp": {"1": ["ls", "-np", "1"]}},
+                "steady": {"1": steady},
+                "points": {name: {"1": point(rs)} for name, rs in rounds.items()},
+            }
+        },
+    }
+
+
+def test_the_gguf_page_labels_targets_on_steady_rounds_only() -> None:
+    from benchmarks.modes.gguf_blocks import section
+
+    rounds = {
+        "llmserve": [(70.0, 68.0, 1, 8), (300.0, 290.0, 1, 9)],
+        "llama.cpp": [(40.0, 100.0, 1, 5), (7.0, None, 0, 1)],
+    }
+    page = "\n".join(section(gguf_figures(rounds, [True, False])))
+    assert "| default | 1 | 1 of 2 | 1.75× (target met) | 0.68× (target 1× missed) |" in page
+    assert "300.0 / 290.0 (not steady: another system was not)" in page
+    assert "7.0 / – (not steady: 0 of 1 clients had finished a call before it, 1 calls finished in it)" in page
+    assert "llama.cpp, 1 client(s): `ls -np 1`" in page and "LLMSERVE_CPU_ISA=avx2" in page
+    # No steady round: figures listed, no ratio and no target label.
+    page = "\n".join(section(gguf_figures(rounds, [False, False])))
+    assert (
+        "| default | 1 | 0 of 2 | not steady | not steady |" in page
+        and "target" not in page.split("| file | clients")[1]
+    )
 
 
 def test_host_overhead_times_the_engine_process_through_the_front_end(tmp_path: Path) -> None:
