@@ -46,7 +46,7 @@ STAMP_KERNELS := $(VENV)/.stamp-kernels
 STAMP_MODEL := .cache/.stamp-model
 KERNEL_SOURCES := setup.py $(wildcard server/llmserve/engine/backends/cpu/csrc/*)
 
-.PHONY: venv install kernels model run test pytest pytest-isa soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora bench-embed bench-gguf perplexity-gguf gateway image image-test docker nginx redis demo clean
+.PHONY: venv install kernels model run test test-suite pytest pytest-isa soak mutation proto proto-check lint buf bench bench-quick bench-structured bench-n bench-gateway bench-spec bench-lora bench-embed bench-gguf perplexity-gguf gateway image image-test docker nginx redis demo clean
 
 venv: $(STAMP_INSTALL)
 install: $(STAMP_INSTALL)
@@ -101,9 +101,12 @@ run: $(STAMP_MODEL)
 	$(PY) -m llmserve $(ARGS)
 
 # CI runs `make -j2 -Otarget test` (.ci/run): the checks, the model's conversion and the system packages side by side
-# (buf's npm install beside the venv's pip installs, mypy's cold run beside the conversion), each target's output
-# in one piece; then the tests, their output live (-Onone: a sub-make would otherwise hold it until the end).
-test: proto-check lint model nginx redis
+# (buf's npm install beside the venv's installs, mypy's cold run beside the conversion and then beside the tests:
+# alone it kept one core of two idle for ~45 s), each target's output in one piece; the tests' output live (-Onone:
+# a sub-make would otherwise hold it until the end).
+test: test-suite lint
+
+test-suite: proto-check model nginx redis
 	$(MAKE) --no-print-directory -Onone pytest
 	$(MAKE) --no-print-directory -Onone pytest-isa
 
