@@ -305,14 +305,14 @@ def test_only_the_backends_and_the_sampler_ask_which_device_they_are_on() -> Non
     assert all(a.startswith("backends/") or a == "sample/sampler.py" for a in askers), askers
 
 
-@pytest.mark.parametrize("module", ["frontend.request", "sample.constraints", "core.process"])
+@pytest.mark.parametrize("module", ["types.request", "sample.constraints", "core.process"])
 def test_the_request_types_the_constraints_and_the_core_client_import_no_tensor_library_at_all(module: str) -> None:
-    """frontend/request.py names no tensor type, not even for type checking (the sampler keeps the random streams,
+    """types/request.py names no tensor type, not even for type checking (the sampler keeps the random streams,
     sample/streams.py); the constraint checker and compiler are torch-free (the masks are the sampler's); the
     engine process's client loads none (the server starts it before torch). Importing each in a fresh interpreter
     loads no tensor library."""
-    if module == "frontend.request":
-        found = imported(ENGINE / "frontend" / "request.py", at_import_only=False)
+    if module == "types.request":
+        found = imported(ENGINE / "types" / "request.py", at_import_only=False)
         assert not sorted(m for m in found if m.split(".")[0] in TENSOR_LIBRARIES)
     code = (
         f"import sys, llmserve.engine.{module}; "

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from llmserve import cpu_features  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core.engine_core import EngineCore  # noqa: E402
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams  # noqa: E402
+from llmserve.engine.types.request import GenerationRequest, StoppingParams  # noqa: E402
 from llmserve.models import load_model  # noqa: E402
 
 PROMPT = 16

@@ -106,7 +106,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def greedy(core: Any, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+    from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
     handle_tokens: list[int] = []
     core.submit(GenerationRequest("g", tuple(prompt), stopping=StoppingParams(new_tokens, ignore_eos=True)))

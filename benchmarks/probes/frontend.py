@@ -28,7 +28,7 @@ from benchmarks.paths import ROOT, child_env
 from benchmarks.probes.host_overhead import VOCAB, stub_model_call
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.models import from_config
 from llmserve.testing import tiny_config
 

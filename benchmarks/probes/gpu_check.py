@@ -35,7 +35,7 @@ from benchmarks.probes import stand_ins
 from llmserve import packaged_models
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.gguf import default_gguf_path
 from llmserve.model_shape import RANDOM_SHAPES
 from llmserve.models import LoadedModel, from_config, load_model, random_model

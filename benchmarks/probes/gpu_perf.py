@@ -38,7 +38,7 @@ from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.model_shape import RANDOM_SHAPES
 from llmserve.models import LoadedModel, random_model
 from llmserve_client import AsyncClient, pb

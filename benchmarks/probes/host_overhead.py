@@ -39,7 +39,7 @@ from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.core.process import ChildSpec, ProcessCore
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
+from llmserve.engine.types.request import GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
 

@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from llmserve.app import run
     from llmserve.auth import TokenFileError
     from llmserve.engine.kv_tiers.disk import DiskTierError
-    from llmserve.engine.lora.catalog import AdapterRefused, LoraUnsupported
+    from llmserve.engine.types.adapters import AdapterRefused, LoraUnsupported
 
     try:
         return asyncio.run(run(config))

@@ -29,7 +29,7 @@ from llmserve.models import LoadedModel, from_config
 
 if TYPE_CHECKING:
     from llmserve.engine.backends.cpu.backend import CpuBackend
-    from llmserve.engine.frontend.protocol import Engine
+    from llmserve.engine.types.protocol import Engine
 
 T = TypeVar("T")
 

@@ -16,12 +16,12 @@ from llmserve.engine.core.engine_core import EngineCore, ThreadCore
 from llmserve.engine.core.process import ChildSpec, ProcessCore
 from llmserve.engine.frontend.async_engine import AsyncEngine, build_engine
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.request import (
+from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.types.request import (
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.sched.block_pool import BlockPool
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
 

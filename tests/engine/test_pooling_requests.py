@@ -15,8 +15,8 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.outputs import Delta, FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, PoolingParams, StoppingParams
+from llmserve.engine.types.outputs import Delta, FinishReason
+from llmserve.engine.types.request import GenerationRequest, PoolingParams, StoppingParams
 from llmserve.models import LoadedModel, from_config, with_pooling
 from llmserve.pooling_config import PoolingMode
 from llmserve.testing import tiny_config

@@ -18,10 +18,10 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.outputs import Delta
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.spec.calibrate import table_rows
 from llmserve.engine.spec.policy import CostTable
+from llmserve.engine.types.outputs import Delta
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import tiny_config
 

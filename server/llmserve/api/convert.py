@@ -11,8 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llmserve.engine.frontend.outputs import Delta, TokenLogprob
-from llmserve.engine.frontend.request import (
+from llmserve.engine.types.outputs import Delta, TokenLogprob
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
@@ -25,7 +25,7 @@ from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS, clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
-    from llmserve.engine.frontend.protocol import ModelInfo
+    from llmserve.engine.types.protocol import ModelInfo
 
 # The field an error about the prompt names, per input kind.
 _PROMPT_FIELDS = {"text": "text", "chat": "chat", "token_ids": "token_ids.ids"}

@@ -81,7 +81,7 @@ async def test_every_step_reads_the_buffers_allocated_at_start() -> None:
     import asyncio
 
     from llmserve.engine.frontend.async_engine import AsyncEngine
-    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+    from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
     loaded = from_config(tiny_config(max_positions=256), dtype=torch.float32)
     config = EngineConfig(

@@ -92,7 +92,7 @@ def _one_seq() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 async def _generate_all(engine, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:  # noqa: ANN001
-    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+    from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
     async def one(i: int) -> list[int]:
         request = GenerationRequest(f"r{i}", tuple(prompts[i]), stopping=StoppingParams(max_new[i], ignore_eos=True))

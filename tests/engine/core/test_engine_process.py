@@ -22,9 +22,9 @@ from llmserve.engine.core.client import Core
 from llmserve.engine.core.engine_core import ThreadCore
 from llmserve.engine.core.process import ChildSpec, ProcessCore
 from llmserve.engine.frontend.async_engine import build_engine
-from llmserve.engine.frontend.errors import EngineDead
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import (
+from llmserve.engine.types.errors import EngineDead
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,

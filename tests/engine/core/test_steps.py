@@ -14,18 +14,18 @@ import pytest
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.core.steps import OverlapRunner, TokenSink
-from llmserve.engine.frontend.outputs import FinishReason, RequestStart, TokenLogprob
-from llmserve.engine.frontend.request import (
+from llmserve.engine.sample.constraints import ConstraintCompiler, Vocabulary
+from llmserve.engine.sample.sampler import Sampled
+from llmserve.engine.sched.plan import PENDING, StepPlan
+from llmserve.engine.sched.sequence import Sequence
+from llmserve.engine.types.outputs import FinishReason, RequestStart, TokenLogprob
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.sample.constraints import ConstraintCompiler, Vocabulary
-from llmserve.engine.sample.sampler import Sampled
-from llmserve.engine.sched.plan import PENDING, StepPlan
-from llmserve.engine.sched.sequence import Sequence
 from tests.engine.engine_helpers import CONFIG, req, run, serve, start_engine, stepped_core, with_text
 
 SAMPLED = SamplingParams(temperature=1.0, seed=99)

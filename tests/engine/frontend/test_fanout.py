@@ -9,13 +9,13 @@ import asyncio
 import pytest
 
 from llmserve.engine.frontend.async_engine import DeltaStream
-from llmserve.engine.frontend.errors import InvalidRequest
 from llmserve.engine.frontend.fanout import SEED_MODULUS, derive_seed, split
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.outputs import Delta, FinishReason, Usage
-from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, validate
 from llmserve.engine.sample.sampler import RowFailed
 from llmserve.engine.sched.sequence import SeqStatus
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.outputs import Delta, FinishReason, Usage
+from llmserve.engine.types.request import GenerationRequest, SamplingParams, validate
 from tests.engine.engine_helpers import req, run, stepped_core
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)

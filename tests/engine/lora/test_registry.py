@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.engine.lora.registry import (
-    AdapterExists,
-    AdapterRegistry,
-    AdaptersBusy,
-    AdapterState,
-    NotResident,
-    UnknownAdapter,
-)
+from llmserve.engine.lora.registry import AdapterRegistry, AdapterState, NotResident
+from llmserve.engine.types.adapters import AdapterExists, AdaptersBusy, UnknownAdapter
 
 
 def test_bounds_must_be_positive() -> None:

@@ -9,11 +9,19 @@ from pathlib import Path
 import pytest
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused, ListAdapters, LoadAdapter, UnloadAdapter
-from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
 from llmserve.engine.lora.serving import LoraServing
 from llmserve.engine.lora.slot_books import TooManyAdapters
 from llmserve.engine.sched.plan import NO_ADAPTER, SeqStep, StepPlan
+from llmserve.engine.types.adapters import (
+    AdapterExists,
+    AdapterNotFound,
+    AdapterRefused,
+    AdaptersBusy,
+    ListAdapters,
+    LoadAdapter,
+    UnknownAdapter,
+    UnloadAdapter,
+)
 from llmserve.models import LoadedModel
 from tests.engine.lora.peft_adapters import make_adapter
 

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmserve.engine.lora.registry import AdapterRegistry, AdaptersBusy, NotResident, UnknownAdapter
+from llmserve.engine.lora.registry import AdapterRegistry, NotResident
 from llmserve.engine.lora.slot_books import SlotBooks, TooManyAdapters
+from llmserve.engine.types.adapters import AdaptersBusy, UnknownAdapter
 
 
 def test_bounds_must_be_positive() -> None:

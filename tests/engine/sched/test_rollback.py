@@ -16,8 +16,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from llmserve.engine.sched.block_pool import BlockPool, blocks_for, chain_hash
+from llmserve.engine.sched.block_pool import BlockPool, chain_hash
 from llmserve.engine.sched.rollback import settle
+from llmserve.engine.types.kv_cache import blocks_for
 
 BS = 4
 VOCAB = 5  # few tokens: prompts share prefixes and drafts collide with the truth often

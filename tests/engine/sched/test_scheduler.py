@@ -18,14 +18,14 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, PoolingParams, StoppingParams
 from llmserve.engine.kv_tiers.index import TierIndex
 from llmserve.engine.sched.block_pool import BlockContent, BlockPool, Evicted, chain_hash
 from llmserve.engine.sched.plan import StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.request import GenerationRequest, PoolingParams, StoppingParams
 from llmserve.pooling_config import PoolingMode
 from tests.engine.engine_helpers import clear_cache
 

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.outputs import Delta, FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.sched.block_pool import BlockPool, prefix_root
 from llmserve.engine.sched.sessions import SessionStore
+from llmserve.engine.types.outputs import Delta, FinishReason
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.models import from_config
 from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
 from tests.engine.engine_helpers import clear_cache

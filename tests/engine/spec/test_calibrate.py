@@ -8,8 +8,8 @@ import pytest
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.spec.calibrate import BATCHES, KS
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.testing import tiny_model
 
 

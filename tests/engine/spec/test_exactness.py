@@ -22,15 +22,15 @@ from transformers import LlamaConfig
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import (
+from llmserve.engine.spec.calibrate import table_rows
+from llmserve.engine.spec.policy import CostTable
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.spec.calibrate import table_rows
-from llmserve.engine.spec.policy import CostTable
 from llmserve.models import LoadedModel, from_config
 from llmserve.testing import TINY_VOCAB, tiny_config
 

@@ -1,7 +1,7 @@
 """The backend of an encoder model (BERT family): each step's inputs through the encoder's forward as packed rows,
 each input's hidden states pooled into its vector. No KV cache, no sampling.
 
-An encoder's requests are pooling requests only (frontend/request.PoolingParams); the scheduler admits each prompt
+An encoder's requests are pooling requests only (types/request.PoolingParams); the scheduler admits each prompt
 whole (Scheduler(whole_prompts=True): bidirectional attention needs every token of an input in one forward) under the
 same token budget as a decoder's steps, so that one step is one forward over at most `max_num_batched_tokens` rows
 (encoder.py: packed rows, shortest first, attention padded per group of like length). Each entry of a plan is a
@@ -23,11 +23,11 @@ from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch
 from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pool
 from llmserve.engine.backends.prompt_logprobs import PromptScores
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.frontend.request import PoolingParams
 from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sample.streams import RandomStreams
-from llmserve.engine.sched.block_pool import blocks_for
 from llmserve.engine.sched.plan import Pooled, StepPlan
+from llmserve.engine.types.kv_cache import blocks_for
+from llmserve.engine.types.request import PoolingParams
 from llmserve.models import LoadedModel
 
 __all__ = ["EncoderBackend"]

@@ -27,12 +27,12 @@ from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, 
 from llmserve.engine.backends.prompt_logprobs import PromptScores, score
 from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.frontend.outputs import TokenLogprob
-from llmserve.engine.frontend.request import PoolingParams
 from llmserve.engine.lora.ops import LoraRows
 from llmserve.engine.sample.sampler import RowFailed, Sampled, sample_each
 from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.plan import Pooled, SeqStep, StepPlan
+from llmserve.engine.types.outputs import TokenLogprob
+from llmserve.engine.types.request import PoolingParams
 from llmserve.models import LoadedModel
 
 

@@ -45,22 +45,23 @@ from llmserve.engine.core.client import (
 from llmserve.engine.core.compiling import Compiling
 from llmserve.engine.core.stats import CoreStats
 from llmserve.engine.core.steps import Appended, OverlapRunner, PlainRunner, StepRunner, TokenSink
-from llmserve.engine.frontend.errors import EngineDead
-from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, ended, ended_unstarted
-from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
-from llmserve.engine.frontend.request import CoreFacts, GenerationRequest, PoolingParams, StoppingParams
 from llmserve.engine.kv_tiers.worker import build_tiers
-from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters, LoadAdapter
 from llmserve.engine.lora.serving import LoraOff, LoraServing
 from llmserve.engine.sample.constraints import ConstraintCompiler, ConstraintState, Vocabulary
 from llmserve.engine.sample.sampler import RowFailed
 from llmserve.engine.sched.block_pool import BlockPool
-from llmserve.engine.sched.kv_events import KvEvent, KvEventLog
+from llmserve.engine.sched.kv_events import KvEventLog
 from llmserve.engine.sched.plan import Pooled, StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.spec.speculation import Speculation
+from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp, ListAdapters, LoadAdapter
+from llmserve.engine.types.errors import EngineDead
+from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.outputs import EngineOutput, FinishReason, ended, ended_unstarted
+from llmserve.engine.types.protocol import EngineStats, SessionInfo
+from llmserve.engine.types.request import CoreFacts, GenerationRequest, PoolingParams, StoppingParams
 from llmserve.models import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -48,12 +48,13 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.client import Abort, Add, ClientRequests, Emit
-from llmserve.engine.frontend.errors import EngineDead
-from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, RequestStart, ended, ended_unstarted
-from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
-from llmserve.engine.frontend.request import CoreFacts, GenerationRequest
-from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
-from llmserve.engine.sched.kv_events import KvEvent, KvEventLog
+from llmserve.engine.sched.kv_events import KvEventLog
+from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp
+from llmserve.engine.types.errors import EngineDead
+from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.outputs import EngineOutput, FinishReason, RequestStart, ended, ended_unstarted
+from llmserve.engine.types.protocol import EngineStats, SessionInfo
+from llmserve.engine.types.request import CoreFacts, GenerationRequest
 from llmserve.model_card import ModelCard
 from llmserve.telemetry.request_log import configure_logging
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused
+from llmserve.engine.types.adapters import AdapterNotFound, AdapterRefused
 from llmserve.model_shape import ModelShape
 
 __all__ = ["AdapterNotFound", "AdapterRefused", "LoraAdapter", "LoraModule", "projection_shapes", "read_adapter"]

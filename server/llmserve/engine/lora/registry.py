@@ -22,18 +22,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from llmserve.engine.types.adapters import AdapterExists, AdaptersBusy, UnknownAdapter
+
 T = TypeVar("T")
-
-
-class UnknownAdapter(LookupError):
-    """No adapter is registered under `name`."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"no adapter named {name!r} is loaded")
-        self.name = name
-
-    def __reduce__(self) -> tuple[type, tuple[str]]:  # across the engine process's pipe, as it was raised
-        return type(self), (self.name,)
 
 
 class NotResident(LookupError):
@@ -43,32 +34,6 @@ class NotResident(LookupError):
         super().__init__(f"adapter {name!r} is not in memory; reload it from {source}")
         self.name = name
         self.source = source
-
-
-class AdapterExists(ValueError):
-    """A load under a name that is registered already (unload it first to replace it)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"an adapter named {name!r} is loaded already; unload it first to replace it")
-        self.name = name
-
-    def __reduce__(self) -> tuple[type, tuple[str]]:
-        return type(self), (self.name,)
-
-
-class AdaptersBusy(RuntimeError):
-    """No room: all `max_cpu_loras` resident adapters are held by requests (or draining)."""
-
-    def __init__(self, name: str, max_cpu_loras: int) -> None:
-        super().__init__(
-            f"cannot load adapter {name!r}: all {max_cpu_loras} adapters in memory (--max-cpu-loras) are in use by "
-            "requests; retry when one finishes"
-        )
-        self.name = name
-        self.max_cpu_loras = max_cpu_loras
-
-    def __reduce__(self) -> tuple[type, tuple[str, int]]:
-        return type(self), (self.name, self.max_cpu_loras)
 
 
 @dataclass(slots=True, eq=False)

@@ -24,26 +24,22 @@ from typing import TYPE_CHECKING
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.lora.adapters import AdapterRefused, LoraAdapter, read_adapter
 from llmserve.engine.lora.cache_keys import adapter_root
-from llmserve.engine.lora.catalog import (
-    AdapterAnswer,
-    AdapterInfo,
-    AdapterOp,
-    LoadAdapter,
-    LoraLimits,
-    LoraStats,
-    UnloadAdapter,
-)
-from llmserve.engine.lora.registry import (
-    AdapterExists,
-    AdapterRegistry,
-    AdaptersBusy,
-    NotResident,
-    Resident,
-    UnknownAdapter,
-)
+from llmserve.engine.lora.registry import AdapterRegistry, NotResident, Resident
 from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
+from llmserve.engine.types.adapters import (
+    AdapterAnswer,
+    AdapterExists,
+    AdapterInfo,
+    AdapterOp,
+    AdaptersBusy,
+    LoadAdapter,
+    LoraLimits,
+    UnknownAdapter,
+    UnloadAdapter,
+)
+from llmserve.engine.types.stats import LoraStats
 from llmserve.model_shape import ModelShape
 
 if TYPE_CHECKING:

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import llguidance
 
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.request import ConstraintKind, ConstraintSpec
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -28,7 +28,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from llmserve.engine.sched.kv_events import UNKNOWN_SALT, KvEventLog
+from llmserve.engine.sched.kv_events import KvEventLog
+from llmserve.engine.types.kv_cache import UNKNOWN_SALT, blocks_for
 
 BlockHash = bytes  # 16 bytes: see chain_hash
 _DIGEST_BYTES = 16
@@ -70,11 +71,6 @@ def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     digest = hashlib.blake2b(_UNSALTED_ROOT if parent is None else parent, digest_size=_DIGEST_BYTES)
     digest.update(array("q", tokens).tobytes())
     return digest.digest()
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """How many blocks of `block_size` tokens hold `num_tokens` tokens."""
-    return -(-num_tokens // block_size)
 
 
 class BlockPool:

@@ -39,13 +39,13 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from llmserve.engine.frontend.outputs import FinishReason
 from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.sched.block_pool import BlockContent, BlockHash, BlockPool, chain_hash
 from llmserve.engine.sched.plan import SeqStep, StepPlan, step_of
 from llmserve.engine.sched.rollback import settle
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
+from llmserve.engine.types.outputs import FinishReason
 from llmserve.pooling_config import PoolingMode
 
 

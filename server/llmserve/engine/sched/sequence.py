@@ -1,7 +1,7 @@
 """The engine's own state for one request: `Sequence` (mutable, on the step thread only) and the `SampleRow` the
 sampler reads from it each step.
 
-Neither leaves the engine: the caller's types are frontend/request.py's (in) and frontend/outputs.py's (out). A
+Neither leaves the engine: the caller's types are types/request.py's (in) and types/outputs.py's (out). A
 constrained request's grammar state is a `GrammarState`, the small protocol below, so that this module needs neither
 the constraint compiler (sample/constraints.py) nor a tensor library.
 """
@@ -13,10 +13,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from llmserve.engine.frontend.outputs import FinishReason, Timing, Usage
-from llmserve.engine.frontend.request import GenerationRequest, SamplingParams
 from llmserve.engine.lora.registry import Resident
 from llmserve.engine.sched.block_pool import prefix_root
+from llmserve.engine.types.outputs import FinishReason, Timing, Usage
+from llmserve.engine.types.request import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
     import llguidance

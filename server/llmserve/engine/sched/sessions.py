@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmserve.engine.frontend.protocol import SessionInfo
 from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.types.protocol import SessionInfo
 
 if TYPE_CHECKING:
     from llmserve.engine.kv_tiers.worker import KVTiers

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from llmserve.engine.frontend.outputs import EngineOutput
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.spec.policy import CostTable
+from llmserve.engine.types.outputs import EngineOutput
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
 if TYPE_CHECKING:
     from llmserve.engine.sched.scheduler import Scheduler

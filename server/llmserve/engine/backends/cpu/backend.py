@@ -32,8 +32,8 @@ from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder
 from llmserve.engine.backends.torch_paged import Packed, TorchPagedBackend
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.lora.catalog import LoraUnsupported
 from llmserve.engine.lora.ops import LoraRows
+from llmserve.engine.types.adapters import LoraUnsupported
 from llmserve.models import LoadedModel
 
 __all__ = ["QUERY_BLOCK", "CpuBackend"]

@@ -5,10 +5,10 @@ The caller's side: one `Delta` per step of its stream, the last with its `Finish
 are (api/convert.py).
 
 The core's side: per request and per step, an `EngineOutput` (token ids, logprobs and finish facts; no text: the core
-never detokenizes). The front end's output processor (output_processor.py) turns these into the caller's deltas (text,
-stop strings, usage and timing) on the event loop, off the step thread (vLLM v1's EngineCoreOutput and OutputProcessor
-split the same way). Every way a request ends (finished, aborted, failed, the core dead or stopped) gives one final
-output, built by `ended`, with its usage and timing.
+never detokenizes). The front end's output processor (frontend/output_processor.py) turns these into the caller's
+deltas (text, stop strings, usage and timing) on the event loop, off the step thread (vLLM v1's EngineCoreOutput and
+OutputProcessor split the same way). Every way a request ends (finished, aborted, failed, the core dead or stopped)
+gives one final output, built by `ended`, with its usage and timing.
 """
 
 from __future__ import annotations

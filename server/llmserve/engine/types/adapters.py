@@ -1,5 +1,6 @@
 """What the flags, the gRPC edge and the engine share about adapters, torch-free: the name rule and the rank bound,
-the errors of reading an adapter, and an adapter as the list RPC shows it."""
+the errors of reading, naming and loading an adapter (each mapped to a status at the edge), the AdapterService's
+operations and answers, and an adapter as the list RPC shows it."""
 
 from __future__ import annotations
 
@@ -50,6 +51,43 @@ class AdapterNotFound(AdapterRefused):
     """The adapter's folder, or a file it must hold, does not exist."""
 
 
+class UnknownAdapter(LookupError):
+    """No adapter is registered under `name`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no adapter named {name!r} is loaded")
+        self.name = name
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # across the engine process's pipe, as it was raised
+        return type(self), (self.name,)
+
+
+class AdapterExists(ValueError):
+    """A load under a name that is registered already (unload it first to replace it)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"an adapter named {name!r} is loaded already; unload it first to replace it")
+        self.name = name
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return type(self), (self.name,)
+
+
+class AdaptersBusy(RuntimeError):
+    """No room: all `max_cpu_loras` resident adapters are held by requests (or draining)."""
+
+    def __init__(self, name: str, max_cpu_loras: int) -> None:
+        super().__init__(
+            f"cannot load adapter {name!r}: all {max_cpu_loras} adapters in memory (--max-cpu-loras) are in use by "
+            "requests; retry when one finishes"
+        )
+        self.name = name
+        self.max_cpu_loras = max_cpu_loras
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return type(self), (self.name, self.max_cpu_loras)
+
+
 @dataclass(slots=True, frozen=True)
 class AdapterInfo:
     """One registered adapter as the list RPC shows it."""
@@ -70,21 +108,6 @@ class LoraLimits:
     max_loras: int
     max_cpu_loras: int
     max_lora_rank: int
-
-
-@dataclass(slots=True, frozen=True)
-class LoraStats:
-    """The adapters' part of EngineStats, for the metrics: a snapshot taken on the step thread."""
-
-    max_loras: int
-    running: tuple[str, ...]  # adapters with a running request, sorted
-    waiting: tuple[str, ...]  # adapters with waiting requests only, sorted
-    changed: float  # unix time the running or waiting set last changed
-    registered: int
-    resident: int  # in host memory
-    requests: tuple[tuple[str, int], ...]  # requests admitted per registered adapter since start (or its load)
-    slot_writes: int  # adapters copied into a device slot
-    reads: int  # adapter folders read (loads, and re-reads of adapters unloaded to make room)
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,9 +14,9 @@ import enum
 import math
 from dataclasses import dataclass
 
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.lora.catalog import AdapterAnswer, adapter_name_problem
-from llmserve.engine.sched.block_pool import blocks_for
+from llmserve.engine.types.adapters import AdapterAnswer, adapter_name_problem
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.kv_cache import blocks_for
 from llmserve.pooling_config import PoolingMode
 
 MAX_TOP_LOGPROBS = 20

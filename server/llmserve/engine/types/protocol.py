@@ -8,16 +8,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from llmserve.engine.frontend.outputs import Delta
-from llmserve.engine.frontend.request import GenerationRequest
-from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, LoraStats
-from llmserve.engine.sched.kv_events import KvEvent
-
-if TYPE_CHECKING:
-    from llmserve.engine.kv_tiers.worker import TierStats
-    from llmserve.engine.spec.drafter import SpecStats
+from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp
+from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.outputs import Delta
+from llmserve.engine.types.request import GenerationRequest
+from llmserve.engine.types.stats import LoraStats, SpecStats, TierStats
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""telemetry/histogram.py: the one latency histogram type (history stores, KV tier reloads)."""
+"""engine/types/stats.py: the one latency histogram type (history stores, KV tier reloads)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmserve.telemetry.histogram import LatencyHistogram
+from llmserve.engine.types.stats import LatencyHistogram
 
 BOUNDS = (0.001, 0.01, 0.1, 1.0)
 
