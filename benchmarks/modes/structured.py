@@ -33,6 +33,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.sample.constraints import Compiled, ConstraintCompiler, Vocabulary
 from llmserve.engine.sample.masks import constraint_masks
+from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
@@ -40,7 +41,6 @@ from llmserve.engine.types.request import (
     SamplingParams,
     StoppingParams,
 )
-from llmserve.models import LoadedModel
 
 TITLE = "Structured output: a JSON schema vs unconstrained (issue 22)"
 ITEM = {

@@ -35,7 +35,7 @@ from llmserve import cpu_features  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core.engine_core import EngineCore  # noqa: E402
 from llmserve.engine.types.request import GenerationRequest, StoppingParams  # noqa: E402
-from llmserve.models import load_model  # noqa: E402
+from llmserve.models.loader import load_model  # noqa: E402
 
 PROMPT = 16
 

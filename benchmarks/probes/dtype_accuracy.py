@@ -69,7 +69,7 @@ def load(dtype: str, swaps: dict[str, str]) -> Any:
     from llmserve.engine.backends.cpu.packed_linear import RefinedHead, make_linear
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.core.engine_core import EngineCore
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     loaded = load_model(None, device="cpu", dtype=dtype)
     core = EngineCore(loaded, EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, max_num_batched_tokens=1024))
@@ -140,7 +140,7 @@ def perplexity(core: Any, ids: list[int]) -> float:
 
 def transformers_bf16(prompts: list[list[int]]) -> list[list[int]]:
     """transformers' own greedy generate on the bfloat16 model, each prompt alone."""
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
     from llmserve.testing import greedy_reference
 
     loaded = load_model(None, device="cpu", dtype="bfloat16")
@@ -157,7 +157,7 @@ def main() -> int:
     import torch
 
     torch.manual_seed(0)
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     tokenizer = load_model(None, device="cpu", dtype="float32").tokenizer
     prompts = [

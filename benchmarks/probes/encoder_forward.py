@@ -30,8 +30,9 @@ import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModel, AutoTokenizer  # noqa: E402
 
 from benchmarks.alternation import rotated_times  # noqa: E402
-from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch  # noqa: E402
-from llmserve.packaged_models import extract, find_packaged  # noqa: E402
+from llmserve.engine.backends.encoder_batch import EncoderBatch  # noqa: E402
+from llmserve.models.encoder import BertEncoder  # noqa: E402
+from llmserve.models.packaged import extract, find_packaged  # noqa: E402
 
 SENTENCES = ROOT / "tests" / "data" / "sentences.txt"
 

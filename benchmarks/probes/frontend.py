@@ -29,7 +29,7 @@ from benchmarks.probes.host_overhead import VOCAB, stub_model_call
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
-from llmserve.models import from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import tiny_config
 
 PROMPT = tuple(range(1, 17))

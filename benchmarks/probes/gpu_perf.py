@@ -38,9 +38,10 @@ from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
-from llmserve.model_shape import RANDOM_SHAPES
-from llmserve.models import LoadedModel, random_model
+from llmserve.models.loader import random_model
+from llmserve.models.random_shapes import RANDOM_SHAPES
 from llmserve_client import AsyncClient, pb
 
 SHAPES = ("smollm2-135m", "qwen3-0.6b", "llama-1b")

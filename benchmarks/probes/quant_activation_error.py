@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from llmserve.engine.backends.cpu import quant as q  # noqa: E402
-from llmserve.gguf import convert_gguf, default_gguf_path  # noqa: E402
+from llmserve.models.gguf import convert_gguf, default_gguf_path  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "perplexity.txt"
 # transformers' module name -> the GGUF tensor name's tail

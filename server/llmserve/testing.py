@@ -25,7 +25,8 @@ from transformers import (
 from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
 from llmserve.engine.backends.attention import KernelDecodeAttention
-from llmserve.models import LoadedModel, from_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.models.loader import from_config
 
 if TYPE_CHECKING:
     from llmserve.engine.backends.cpu.backend import CpuBackend

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import run
-from llmserve.models import from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import tiny_config
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.models import from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import mend_triton_interpreter, tiny_config
 from tests.engine.engine_helpers import CONFIG
 

@@ -17,12 +17,13 @@ from llmserve.engine.core.process import ChildSpec, ProcessCore
 from llmserve.engine.frontend.async_engine import AsyncEngine, build_engine
 from llmserve.engine.frontend.output_processor import OutputProcessor
 from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.request import (
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.models import LoadedModel, from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)

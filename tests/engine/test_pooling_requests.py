@@ -15,10 +15,11 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
+from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.outputs import Delta, FinishReason
+from llmserve.engine.types.pooling import PoolingMode
 from llmserve.engine.types.request import GenerationRequest, PoolingParams, StoppingParams
-from llmserve.models import LoadedModel, from_config, with_pooling
-from llmserve.pooling_config import PoolingMode
+from llmserve.models.loader import from_config, with_pooling
 from llmserve.testing import tiny_config
 from tests.engine.engine_helpers import inner
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from llmserve.engine.types.outputs import Delta, TokenLogprob
+from llmserve.engine.types.pooling import PoolingMode
 from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
@@ -20,7 +21,6 @@ from llmserve.engine.types.request import (
     SamplingParams,
     StoppingParams,
 )
-from llmserve.pooling_config import PoolingMode
 from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS, clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 

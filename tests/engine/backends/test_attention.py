@@ -13,7 +13,7 @@ from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.attention import GatheredAttention, paged_attention
 from llmserve.engine.backends.cpu.backend import QUERY_BLOCK
 from llmserve.engine.config import EngineConfig
-from llmserve.models import from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import tiny_config
 
 

@@ -26,9 +26,10 @@ from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import Sequence
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.types.adapters import LoraUnsupported
+from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.outputs import FinishReason
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
-from llmserve.models import LoadedModel, load_model
+from llmserve.models.loader import load_model
 from llmserve.testing import greedy_reference, tiny_model
 from tests.engine.lora.peft_adapters import make_adapter
 

@@ -13,7 +13,7 @@ from llmserve.engine.core.engine_core import EngineCore, ThreadCore
 from llmserve.engine.types.errors import InvalidRequest
 from llmserve.engine.types.outputs import FinishReason, Usage
 from llmserve.engine.types.request import SamplingParams, StoppingParams, validate
-from llmserve.models import from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import tiny_config
 from tests.engine.engine_helpers import RUN_TIMEOUT_S, PieceTokenizer, req, serve, stepped_core, with_text
 

@@ -31,7 +31,7 @@ from llmserve.engine.types.request import (
     SamplingParams,
     StoppingParams,
 )
-from llmserve.models import load_model
+from llmserve.models.loader import load_model
 from llmserve.telemetry.metrics import EngineCollector
 from tests.engine.engine_helpers import CONFIG, RUN_TIMEOUT_S, req, run, start_engine, tiny64
 

@@ -31,7 +31,7 @@ from llmserve.engine.types.request import (
     SamplingParams,
     StoppingParams,
 )
-from llmserve.models import from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import greedy_reference, tiny_config
 from tests.engine.engine_helpers import (
     CONFIG,

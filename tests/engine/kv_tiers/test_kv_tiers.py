@@ -19,8 +19,9 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.kv_tiers.disk import DiskTier, DiskTierError
 from llmserve.engine.sched.block_pool import BlockContent, chain_hash, prefix_root
+from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
-from llmserve.models import LoadedModel, from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
 
 BS = 16

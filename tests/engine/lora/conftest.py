@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 from llmserve.testing import tiny_model
 
 

@@ -20,7 +20,8 @@ from llmserve.engine.lora.adapters import (
     projection_shapes,
     read_adapter,
 )
-from llmserve.models import LoadedModel, from_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.models.loader import from_config
 from llmserve.testing import tiny_config
 from tests.engine.lora.peft_adapters import ALL_TARGETS, make_adapter
 

@@ -21,7 +21,7 @@ from llmserve.engine.lora.hooks import LoraHooks
 from llmserve.engine.lora.ops import NO_ADAPTER, LoraRows
 from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.lora.weights import MODULE_GROUPS, LoraWeights
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 from llmserve.testing import greedy_reference
 from tests.engine.lora.peft_adapters import make_adapter
 

@@ -22,7 +22,7 @@ from llmserve.engine.types.adapters import (
     UnknownAdapter,
     UnloadAdapter,
 )
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 from tests.engine.lora.peft_adapters import make_adapter
 
 

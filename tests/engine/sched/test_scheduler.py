@@ -25,8 +25,8 @@ from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.pooling import PoolingMode
 from llmserve.engine.types.request import GenerationRequest, PoolingParams, StoppingParams
-from llmserve.pooling_config import PoolingMode
 from tests.engine.engine_helpers import clear_cache
 
 BLOCK_SIZE = 4

@@ -16,7 +16,7 @@ from llmserve.engine.sched.block_pool import BlockPool, prefix_root
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.types.outputs import Delta, FinishReason
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
-from llmserve.models import from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
 from tests.engine.engine_helpers import clear_cache
 

@@ -19,7 +19,6 @@ import torch
 
 from llmserve.engine.backends.attention import ATTN_IMPLEMENTATION, AttentionMetadata, VarlenKernel, register_attention
 from llmserve.engine.backends.base import KVCache
-from llmserve.engine.backends.classifier import ClassifierHead
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
@@ -31,9 +30,9 @@ from llmserve.engine.lora.ops import LoraRows
 from llmserve.engine.sample.sampler import RowFailed, Sampled, sample_each
 from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.plan import Pooled, SeqStep, StepPlan
+from llmserve.engine.types.model import ClassifierHead, LoadedModel
 from llmserve.engine.types.outputs import TokenLogprob
 from llmserve.engine.types.request import PoolingParams
-from llmserve.models import LoadedModel
 
 
 class Packed(NamedTuple):

@@ -59,10 +59,10 @@ from llmserve.engine.spec.speculation import Speculation
 from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp, ListAdapters, LoadAdapter
 from llmserve.engine.types.errors import EngineDead
 from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.outputs import EngineOutput, FinishReason, ended, ended_unstarted
 from llmserve.engine.types.protocol import EngineStats, SessionInfo
 from llmserve.engine.types.request import CoreFacts, GenerationRequest, PoolingParams, StoppingParams
-from llmserve.models import LoadedModel
 
 log = logging.getLogger(__name__)
 

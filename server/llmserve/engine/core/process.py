@@ -52,16 +52,16 @@ from llmserve.engine.sched.kv_events import KvEventLog
 from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp
 from llmserve.engine.types.errors import EngineDead
 from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.model import ModelCard
 from llmserve.engine.types.outputs import EngineOutput, FinishReason, RequestStart, ended, ended_unstarted
 from llmserve.engine.types.protocol import EngineStats, SessionInfo
 from llmserve.engine.types.request import CoreFacts, GenerationRequest
-from llmserve.model_card import ModelCard
 from llmserve.telemetry.request_log import configure_logging
 
 if TYPE_CHECKING:
     from llmserve.config import ModelConfig
     from llmserve.engine.core.engine_core import EngineCore
-    from llmserve.models import LoadedModel
+    from llmserve.engine.types.model import LoadedModel
 
 __all__ = ["ChildSpec", "ProcessCore", "load_served_model"]
 
@@ -367,9 +367,9 @@ class ProcessCore:
 
 
 def load_served_model(model: ModelConfig, lora: bool) -> LoadedModel:
-    """The served model (llmserve.models.load_model, imported when called): a ChildSpec's `load` that this process
+    """The served model (models/loader.load_model, imported when called): a ChildSpec's `load` that this process
     can name without loading torch (the server starts its engine process before it imports the rest)."""
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     cache_root = Path(model.cache_dir) if model.cache_dir else None
     return load_model(

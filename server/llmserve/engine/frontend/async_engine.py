@@ -25,15 +25,15 @@ from llmserve.engine.sample.constraints import ConstraintChecker, Vocabulary
 from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp, UnknownAdapter
 from llmserve.engine.types.errors import EngineDead, InvalidRequest, QueueFull
 from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.model import ModelCard
 from llmserve.engine.types.outputs import Delta, EngineOutput, FinishReason, Usage
 from llmserve.engine.types.protocol import EngineStats, ModelInfo, SessionInfo
 from llmserve.engine.types.request import ConstraintSpec, GenerationRequest, validate
-from llmserve.model_card import ModelCard
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from llmserve.models import LoadedModel  # the torch side: imported only where a core runs here
+    from llmserve.engine.types.model import LoadedModel  # the torch side: imported only where a core runs here
 
 
 class AsyncEngine:

@@ -33,7 +33,7 @@ from llmserve.engine.sched.plan import StepPlan
 from llmserve.engine.types.stats import LatencyHistogram, TierStats
 
 if TYPE_CHECKING:
-    from llmserve.models import LoadedModel
+    from llmserve.engine.types.model import LoadedModel
 
 log = logging.getLogger(__name__)
 

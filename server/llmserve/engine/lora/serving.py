@@ -39,8 +39,8 @@ from llmserve.engine.types.adapters import (
     UnknownAdapter,
     UnloadAdapter,
 )
+from llmserve.engine.types.model import ModelShape
 from llmserve.engine.types.stats import LoraStats
-from llmserve.model_shape import ModelShape
 
 if TYPE_CHECKING:
     from llmserve.engine.sched.scheduler import Scheduler

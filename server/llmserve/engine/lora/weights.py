@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmserve.engine.lora.adapters import LoraAdapter, LoraModule, projection_shapes
-from llmserve.model_shape import ModelShape
+from llmserve.engine.types.model import ModelShape
 
 # The linears of the CPU's fused forward (backends/cpu/fused_layers.py), and of a forward that runs each alone.
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {

@@ -38,8 +38,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from llmserve.engine.config import EngineConfig
-    from llmserve.model_card import ModelCard
-    from llmserve.models import LoadedModel
+    from llmserve.engine.types.model import LoadedModel, ModelCard
 
 # Fixed JSON layout: ", " and ": " and no other whitespace. Free whitespace lets a model loop on it forever;
 # `lenient: False` makes unimplemented schema keywords an error instead of being ignored. Overrides, so that a

@@ -46,7 +46,7 @@ from llmserve.engine.sched.rollback import settle
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.types.outputs import FinishReason
-from llmserve.pooling_config import PoolingMode
+from llmserve.engine.types.pooling import PoolingMode
 
 
 @dataclass(slots=True)

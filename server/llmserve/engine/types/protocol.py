@@ -35,7 +35,7 @@ class ModelInfo:
     # head (0 / "" when it serves no Embed).
     tasks: tuple[str, ...] = ("generate",)
     embedding_size: int = 0
-    pooling: str = ""  # pooling_config.PoolingMode's value
+    pooling: str = ""  # types/pooling.PoolingMode's value
     normalize: bool = False
     max_embed_input_tokens: int = 0
     do_lower_case: bool = False  # sentence-transformers lowercases texts before tokenizing

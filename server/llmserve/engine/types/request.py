@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from llmserve.engine.types.adapters import AdapterAnswer, adapter_name_problem
 from llmserve.engine.types.errors import InvalidRequest
 from llmserve.engine.types.kv_cache import blocks_for
-from llmserve.pooling_config import PoolingMode
+from llmserve.engine.types.pooling import PoolingMode
 
 MAX_TOP_LOGPROBS = 20
 # Sampling values past these act as the bound (see SamplingParams): beyond them float32 arithmetic would

@@ -21,7 +21,7 @@ from llmserve import cpu_features
 from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.models import from_config, load_model
+from llmserve.models.loader import from_config, load_model
 from llmserve.testing import tiny_config
 from tests.isa import needs_dtype
 

@@ -19,7 +19,7 @@ from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.spec.calibrate import table_rows
 from llmserve.engine.spec.policy import CostTable
 from llmserve.engine.types.request import ConstraintKind, ConstraintSpec, GenerationRequest, StoppingParams
-from llmserve.models import from_config, load_model
+from llmserve.models.loader import from_config, load_model
 from llmserve.testing import TINY_VOCAB, tiny_config
 from tests.engine.engine_helpers import inner
 from tests.engine.lora.peft_adapters import make_adapter

@@ -9,7 +9,7 @@ import torch
 from llmserve.engine.backends.cpu import native, packed_linear
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.models import from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import TINY_VOCAB, tiny_config
 from tests.isa import dtype_param, needs_dtype
 

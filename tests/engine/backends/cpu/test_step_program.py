@@ -17,7 +17,7 @@ import torch
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
-from llmserve.models import from_config
+from llmserve.models.loader import from_config
 from llmserve.testing import TINY_VOCAB, tiny_config
 from tests.engine.engine_helpers import inner
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf

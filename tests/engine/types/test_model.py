@@ -1,5 +1,5 @@
-"""Tests for llmserve.model_shape: a config's dimensions read once, for every family the engine serves, and the
-attention window read where the config enables it."""
+"""Tests for engine/types/model.py's ModelShape (and models/random_shapes.py): a config's dimensions read once, for
+every family the engine serves, and the attention window read where the config enables it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 from transformers import MistralConfig, Qwen2Config
 
-from llmserve.model_shape import RANDOM_SHAPES, ModelShape, sliding_window
-from llmserve.models import from_config
+from llmserve.engine.types.model import ModelShape, sliding_window
+from llmserve.models.loader import from_config
+from llmserve.models.random_shapes import RANDOM_SHAPES
 from llmserve.testing import tiny_config
 
 

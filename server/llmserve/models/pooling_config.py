@@ -9,17 +9,15 @@ unknown module or activation) is refused with ValueError naming the file, never 
 
 from __future__ import annotations
 
-import enum
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from llmserve.engine.types.pooling import DENSE_ACTIVATIONS, ClassifierConfig, DenseModule, PoolingConfig, PoolingMode
 
 MODULES_FILE = "modules.json"
 SENTENCE_BERT_CONFIG = "sentence_bert_config.json"
 
-# sentence-transformers' mode names, old and new, to ours.
-_MODE_NAMES = {"cls": "cls", "mean": "mean", "max": "max", "lasttoken": "last", "last": "last"}
 # The legacy config's flags (sentence-transformers < 5), in the order of its concatenation.
 _LEGACY_FLAGS = {
     "pooling_mode_cls_token": "cls",
@@ -29,77 +27,11 @@ _LEGACY_FLAGS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
-# Dense activations the server reproduces, by the torch class path sentence-transformers saves.
-DENSE_ACTIVATIONS = frozenset({"identity", "tanh", "relu", "gelu", "sigmoid"})
-# Architectures whose classifier pools the first token (BERT's pooler over [CLS]); other
-# *ForSequenceClassification heads (Llama, Qwen, Mistral...) score the last token.
 # transformers writes model_max_length = int(1e30) for a tokenizer without a limit.
 _NO_LIMIT = 1 << 40
+# Architectures whose classifier pools the first token (BERT's pooler over [CLS]); other
+# *ForSequenceClassification heads (Llama, Qwen, Mistral...) score the last token.
 _FIRST_TOKEN_CLASSIFIERS = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert"})
-
-
-class PoolingMode(enum.Enum):
-    """How one vector is made from an input's final hidden states."""
-
-    CLS = "cls"  # the first token's
-    MEAN = "mean"  # the mean over all tokens, special tokens included
-    LAST = "last"  # the last token's
-    MAX = "max"  # the element-wise maximum over tokens
-
-    @classmethod
-    def parse(cls, name: str) -> PoolingMode:
-        """A mode from its name (`--pooling`, or sentence-transformers' "lasttoken"); ValueError for others."""
-        mode = _MODE_NAMES.get(name.strip().lower())
-        if mode is None:
-            raise ValueError(f"unknown pooling {name!r}; known: cls, mean, last, max")
-        return cls(mode)
-
-
-@dataclass(frozen=True, slots=True)
-class DenseModule:
-    """A sentence-transformers Dense projection after pooling: `activation(x @ W.T + b)`.
-
-    `folder` holds its weights (model.safetensors, or pytorch_model.bin in older saves) under the names
-    "linear.weight" and "linear.bias"; `activation` is one of DENSE_ACTIVATIONS.
-    """
-
-    folder: Path
-    in_features: int
-    out_features: int
-    bias: bool
-    activation: str
-
-
-@dataclass(frozen=True, slots=True)
-class PoolingConfig:
-    """An embedding model's pipeline after its transformer: pool, project (`dense`, in order), normalize.
-
-    `hidden_size` is the width pooling sees. `max_seq_length` is sentence-transformers' input limit in tokens
-    (None: the model's context); it truncates longer inputs, where the server refuses them unless asked to
-    truncate. `do_lower_case`: sentence-transformers lowercases texts before tokenizing.
-    """
-
-    mode: PoolingMode
-    normalize: bool
-    hidden_size: int
-    dense: tuple[DenseModule, ...] = ()
-    max_seq_length: int | None = None
-    do_lower_case: bool = False
-
-    @property
-    def embedding_size(self) -> int:
-        """The length of the vectors: the last Dense module's output, else the hidden size."""
-        return self.dense[-1].out_features if self.dense else self.hidden_size
-
-
-@dataclass(frozen=True, slots=True)
-class ClassifierConfig:
-    """A `*ForSequenceClassification` checkpoint: its architecture, its class labels in class order, and the
-    token its head reads (CLS for BERT-family encoders, LAST for decoders)."""
-
-    architecture: str
-    labels: tuple[str, ...]
-    pooling: PoolingMode
 
 
 def read_pooling_config(folder: str | Path) -> PoolingConfig | None:

@@ -1,7 +1,8 @@
-"""classifier.py against transformers' own *ForSequenceClassification: small models with random weights (fixed
+"""models/classifier.py against transformers' own *ForSequenceClassification: small models with random weights (fixed
 seed) built here. A decoder classifier's score head over the last token's final hidden state (hidden states from
-transformers' base model, pooled by pooling.py), and BERT's pooler and classifier over [CLS] after the encoder's
-forward; the logits and their softmax, each sequence alone and batched (padded, as transformers runs a batch)."""
+transformers' base model, pooled by backends/pooling.py), and BERT's pooler and classifier over [CLS] after the
+encoder's forward; the logits and their softmax, each sequence alone and batched (padded, as transformers runs a batch).
+"""
 
 from __future__ import annotations
 
@@ -10,15 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from llmserve.engine.backends.classifier import (
-    BertClassifierHead,
-    ScoreHead,
-    classifier_head,
-    probabilities,
-)
-from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch, EncoderConfig
+from llmserve.engine.backends.encoder_batch import EncoderBatch
 from llmserve.engine.backends.pooling import pool
-from llmserve.pooling_config import PoolingMode
+from llmserve.engine.types.pooling import PoolingMode
+from llmserve.models.classifier import BertClassifierHead, ScoreHead, classifier_head, probabilities
+from llmserve.models.encoder import BertEncoder, EncoderConfig
 from llmserve.testing import tiny_config
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}

@@ -7,33 +7,25 @@ Two heads cover transformers' `*ForSequenceClassification` checkpoints:
 - `BertClassifierHead` (BertForSequenceClassification): BERT's pooler, tanh(dense(h)), over the first token
   ([CLS]), then `classifier`, a linear with bias (dropout is off in inference).
 
-The pooled state comes from pooling.py (LAST or CLS, as `pooling_config.ClassifierConfig.pooling` says); the
-probabilities Embed returns are `probabilities(logits)`.
+Each is an engine/types/model.ClassifierHead, the protocol the backends run a head by. The pooled state comes from
+backends/pooling.py (LAST or CLS, as `ClassifierConfig.pooling` says); the probabilities Embed returns are
+`probabilities(logits)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from llmserve.pooling_config import PoolingMode, classifier_from_config
+from llmserve.engine.types.model import ClassifierHead
+from llmserve.engine.types.pooling import PoolingMode
+from llmserve.models.pooling_config import classifier_from_config
 
-__all__ = ["BertClassifierHead", "ClassifierHead", "ScoreHead", "classifier_head", "probabilities"]
-
-
-class ClassifierHead(Protocol):
-    """Logits [B, classes] from pooled hidden states [B, hidden]; `pooling` says which token to pool."""
-
-    pooling: PoolingMode
-
-    @property
-    def num_classes(self) -> int: ...
-
-    def __call__(self, pooled: torch.Tensor) -> torch.Tensor: ...
+__all__ = ["BertClassifierHead", "ScoreHead", "classifier_head", "probabilities"]
 
 
 @dataclass(slots=True)

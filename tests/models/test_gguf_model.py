@@ -1,5 +1,5 @@
-"""Tests for llmserve.gguf_model: a model built over a GGUF's blocks holds the file's weights, in the Hugging Face
-layout (llama.cpp's q/k permutation undone by row order), without a float copy; what it cannot serve is refused
+"""Tests for llmserve.models.gguf_model: a model built over a GGUF's blocks holds the file's weights, in the Hugging
+Face layout (llama.cpp's q/k permutation undone by row order), without a float copy; what it cannot serve is refused
 naming the file, the tensor and its type."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from llmserve.engine.backends.cpu import quant
-from llmserve.gguf_file import GGUFError, GGUFFile
-from llmserve.gguf_model import QuantEmbedding, QuantProjection, build_model
-from llmserve.models import from_config, load_model
+from llmserve.engine.backends.cpu.gguf_linear import QuantProjection
+from llmserve.models.gguf_file import GGUFError, GGUFFile
+from llmserve.models.gguf_model import QuantEmbedding, build_model
+from llmserve.models.loader import from_config, load_model
 from llmserve.testing import tiny_config
 from tests.gguf_helpers import LINEARS, Q, round_trip, write_llama_gguf
 

@@ -1,11 +1,12 @@
 """A transformers model whose linears and token embedding compute from a GGUF file's blocks, memory-mapped.
 
 `build_model(file, config)` makes the model's skeleton on torch's meta device (no memory), then gives it what the
-file holds: each projection becomes a `QuantProjection` over the tensor's blocks as the file maps them (quant.py's
-QuantWeight; nothing is read until a kernel touches it), the token embedding a `QuantEmbedding` (rows read with
-pread and decoded on lookup, so that its pages never join the process's mapping: a tied LM head holds the same
-blocks packed), the LM head a QuantProjection over `output.weight` or, tied, over the embedding's own blocks; the norms
-(F32, a few KB each) are copied into float32 parameters and the rotary embedding is rebuilt on the CPU. The
+file holds: each projection becomes a `QuantProjection` (backends/cpu/gguf_linear.py, beside the kernels it calls)
+over the tensor's blocks as the file maps them (quant.py's QuantWeight; nothing is read until a kernel touches it),
+the token embedding a `QuantEmbedding` (rows read with pread and decoded on lookup, so that its pages never join the
+process's mapping: a tied LM head holds the same blocks packed), the LM head a QuantProjection over `output.weight`
+or, tied, over the embedding's own blocks; the norms (F32, a few KB each) are copied into float32 parameters and the
+rotary embedding is rebuilt on the CPU. The
 skeleton runs transformers' own forward as it is (the torch backend, `generate` in tests); the CPU backend's fused
 forward takes the projections' blocks instead (backends/cpu/gguf_linear.py).
 
@@ -29,7 +30,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from llmserve.engine.backends.cpu import quant
-from llmserve.gguf_file import GGUFError, GGUFFile
+from llmserve.engine.backends.cpu.gguf_linear import QuantProjection
+from llmserve.models.gguf_file import GGUFError, GGUFFile
 
 # GGUF architectures served from their blocks; "llama" permutes q/k rows (llama.cpp's LlamaModel converter).
 ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
@@ -46,38 +48,6 @@ _PROJECTIONS = {  # Hugging Face module (parent, name) -> llama.cpp tensor stem
 _NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 _HEAD_NORMS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}  # Qwen3's per-head norms
 DEQUANTIZED_HINT = "serve it dequantized with --dtype float32 (or bfloat16)"
-
-
-class QuantProjection(nn.Module):
-    """y = x @ W.T (+ bias) from W's blocks (a GGUF tensor as the file holds it), outputs in the Hugging Face
-    model's order (`order`: which of the file's rows is each output; None: the file's order).
-
-    The blocks are a buffer (state_dict names them, so that a model fingerprint sees the weights); the kernel
-    (quant.QuantLinear) is made on the first call, so that a model served by the fused forward, which builds its
-    own from the same blocks, never holds two."""
-
-    def __init__(
-        self, weight: quant.QuantWeight, bias: torch.Tensor | None, order: torch.Tensor | None, source: str
-    ) -> None:
-        super().__init__()
-        self.weight_blocks = weight
-        self.in_features, self.out_features = weight.cols, weight.rows
-        self.order = order
-        self.source = source  # the GGUF tensor's name, for messages and for releasing its pages
-        self.register_buffer("blocks", weight.data, persistent=True)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._kernel: quant.QuantLinear | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is None:
-            self._kernel = quant.QuantLinear(self.weight_blocks)
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        y = self._kernel(flat)
-        if self.order is not None:
-            y = y.index_select(1, self.order)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
 
 
 class QuantEmbedding(nn.Module):

@@ -1,5 +1,5 @@
 """Folders made once under the cache root (`$LLMSERVE_CACHE_DIR`, else `~/.cache/llmserve`): a GGUF's converted
-copy or its tokenizer and config (gguf.py), a packaged model's extracted archive (packaged_models.py).
+copy or its tokenizer and config (gguf.py), a packaged model's extracted archive (packaged.py).
 
 Each folder appears in one atomic rename of a finished temporary folder beside it, with a marker file naming its
 source and the source's size: a run killed halfway leaves no half-written folder (its partial folder is removed by a

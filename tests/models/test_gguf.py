@@ -1,4 +1,4 @@
-"""Tests for llmserve.gguf: finding the default GGUF, naming, and converting and caching a GGUF once."""
+"""Tests for llmserve.models.gguf: finding the default GGUF, naming, and converting and caching a GGUF once."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from llmserve import gguf as llm_gguf
-from llmserve.gguf import convert_gguf, default_gguf_path, model_name
-from llmserve.model_cache import MARKER
+from llmserve.models import gguf as llm_gguf
+from llmserve.models.cache import MARKER
+from llmserve.models.gguf import convert_gguf, default_gguf_path, model_name
 
 # --- the default GGUF and its conversion ------------------------------------------------------------------
 
