@@ -8,7 +8,8 @@ of the file (a truncated download) raises `GGUFError` naming the file.
 
 The parser is our own (~100 lines) rather than the `gguf` package's GGUFReader, which builds a numpy view for
 every element of every metadata array: 1.9 s to open the default model's file (its 49,152 tokens and 48,900
-merges) against 0.03 s here, on every start. Block sizes come from the `gguf` package (GGML_QUANT_SIZES).
+merges) against 0.03 s here, on every start. Block sizes come from the `gguf` package (GGML_QUANT_SIZES), the one
+table of block types: the kernels (engine/backends/cpu/quant.py) take theirs from it too.
 """
 
 from __future__ import annotations
