@@ -59,9 +59,12 @@ class BackendLora:
         if self.hooks is not None:
             self.hooks.remove()
 
-    def write(self, writes: Sequence[tuple[int, LoraAdapter]]) -> None:
-        """Copy each (slot, adapter) of a step's plan into its slot, before the forward."""
+    def write(self, writes: Sequence[tuple[int, object]]) -> None:
+        """Copy each (slot, adapter) of a step's plan into its slot, before the forward (the books carry each
+        adapter unread: a LoraAdapter, or a TypeError here)."""
         for slot, adapter in writes:
+            if not isinstance(adapter, LoraAdapter):
+                raise TypeError(f"a plan's LoRA write for slot {slot} holds a {type(adapter).__name__}")
             self.weights.write(slot, adapter)
         self.slot_writes += len(writes)
 

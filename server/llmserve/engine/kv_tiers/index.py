@@ -11,16 +11,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
 
 from llmserve.engine.sched.block_pool import BlockContent, BlockHash
 from llmserve.engine.types.stats import TierCounters
-
-
-class TierLookup(Protocol):
-    """What the scheduler asks of the tiers: does some tier hold this exact block (parent and tokens checked)?"""
-
-    def has(self, block_hash: BlockHash, parent: BlockHash, tokens: Sequence[int]) -> bool: ...
 
 
 class TierIndex:

@@ -37,9 +37,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.sched.block_pool import BlockContent, BlockHash, BlockPool, chain_hash
 from llmserve.engine.sched.plan import SeqStep, StepPlan, step_of
 from llmserve.engine.sched.rollback import settle
@@ -47,6 +48,13 @@ from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.types.outputs import FinishReason
 from llmserve.engine.types.pooling import PoolingMode
+
+
+class TierLookup(Protocol):
+    """What the scheduler asks of the KV tiers below the pool (kv_tiers/worker.KVTiers): does some tier hold this exact
+    block (parent and tokens checked)?"""
+
+    def has(self, block_hash: BlockHash, parent: BlockHash, tokens: Tokens[int]) -> bool: ...
 
 
 @dataclass(slots=True)
