@@ -12,14 +12,14 @@ from transformers import AutoTokenizer
 
 from llmserve.models import packaged
 from llmserve.models.gguf import default_gguf_path, file_metadata
-from llmserve.testing import tiny_config
+from tests.testing import tiny_config
 
 SEED = 0
 
 
 def save_llama_classifier(folder: Path, labels: dict[int, str] | None = None, *, qwen2: bool = False) -> Path:
     """A 2-layer LlamaForSequenceClassification (`qwen2`: Qwen2ForSequenceClassification, biased q/k/v) of width 64
-    (llmserve.testing's tiny config, without a pad id) over the SmolLM2 vocabulary, saved with its tokenizer.
+    (tests.testing's tiny config, without a pad id) over the SmolLM2 vocabulary, saved with its tokenizer.
     `labels`: id2label (default: three named classes)."""
     from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
 
@@ -33,7 +33,7 @@ def save_llama_classifier(folder: Path, labels: dict[int, str] | None = None, *,
 
 
 def save_bert_classifier(folder: Path, labels: dict[int, str] | None = None) -> Path:
-    """A 2-layer BertForSequenceClassification of width 64 (llmserve.testing's tiny config) over all-MiniLM-L6-v2's
+    """A 2-layer BertForSequenceClassification of width 64 (tests.testing's tiny config) over all-MiniLM-L6-v2's
     vocabulary, saved with its tokenizer. `labels`: id2label (default: two named classes)."""
     from transformers import BertForSequenceClassification
 

@@ -607,7 +607,7 @@ def llmserve_perplexity(gguf: Path, tokens: list[int], ctx: int, dtype: str = "a
     token's attention through the decode kernel, as the engine computes it."""
     from llmserve.engine.core.engine_core import EngineCore
     from llmserve.models.loader import load_model
-    from llmserve.testing import one_prompt_attention
+    from tests.testing import one_prompt_attention
 
     loaded = load_model(str(gguf), device="cpu", dtype=dtype)
     core = EngineCore(loaded, EngineConfig(kv_cache_tokens=4 * ctx, max_num_batched_tokens=ctx))

@@ -124,7 +124,7 @@ def perplexity(core: Any, ids: list[int]) -> float:
     import torch
 
     from llmserve.engine.backends.attention import Chunk, GatheredAttention
-    from llmserve.testing import one_prompt_attention
+    from tests.testing import one_prompt_attention
 
     backend = core.backend
     tokens = len(ids)
@@ -141,7 +141,7 @@ def perplexity(core: Any, ids: list[int]) -> float:
 def transformers_bf16(prompts: list[list[int]]) -> list[list[int]]:
     """transformers' own greedy generate on the bfloat16 model, each prompt alone."""
     from llmserve.models.loader import load_model
-    from llmserve.testing import greedy_reference
+    from tests.testing import greedy_reference
 
     loaded = load_model(None, device="cpu", dtype="bfloat16")
     loaded.model.set_attn_implementation("sdpa")

@@ -40,7 +40,7 @@ from llmserve.models import packaged
 from llmserve.models.gguf import default_gguf_path
 from llmserve.models.loader import from_config, load_model, random_model
 from llmserve.models.random_shapes import RANDOM_SHAPES
-from llmserve.testing import ServerThread, greedy_reference, tiny_config
+from tests.testing import ServerThread, greedy_reference, tiny_config
 
 
 async def run_engine(loaded: LoadedModel, config: EngineConfig, prompts: list[list[int]], max_new: int):

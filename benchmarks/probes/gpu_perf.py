@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.device == "cpu":  # the dry run: the varlen kernel through Triton's interpreter, mended for NumPy 2.4
-        from llmserve.testing import mend_triton_interpreter
+        from tests.testing import mend_triton_interpreter
 
         mend_triton_interpreter()
     args.out.mkdir(parents=True, exist_ok=True)

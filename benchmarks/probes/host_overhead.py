@@ -42,7 +42,7 @@ from llmserve.engine.frontend.output_processor import OutputProcessor
 from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.request import GenerationRequest, SamplingParams, StoppingParams
 from llmserve.models.loader import from_config
-from llmserve.testing import tiny_config
+from tests.testing import tiny_config
 
 VOCAB = 512
 

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import run
 from llmserve.models.loader import from_config
-from llmserve.testing import tiny_config
+from tests.testing import tiny_config
 
 
 @pytest.fixture(scope="module")

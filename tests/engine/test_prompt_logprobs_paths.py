@@ -18,13 +18,13 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.spec.calibrate import table_rows
 from llmserve.engine.spec.policy import CostTable
 from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.outputs import Delta
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.models.loader import from_config
-from llmserve.testing import tiny_config
+from tests.engine.engine_helpers import table_rows
+from tests.testing import tiny_config
 
 # A budget of 64 tokens a step: a prompt of 150 is read in three chunks.
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=8192, max_num_seqs=8, max_num_batched_tokens=64)

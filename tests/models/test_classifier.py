@@ -16,7 +16,7 @@ from llmserve.engine.backends.pooling import pool
 from llmserve.engine.types.pooling import PoolingMode
 from llmserve.models.classifier import BertClassifierHead, ScoreHead, classifier_head, probabilities
 from llmserve.models.encoder import BertEncoder, EncoderConfig
-from llmserve.testing import tiny_config
+from tests.testing import tiny_config
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 SEQS = [[5, 17, 99, 3, 42, 8, 61], [7, 7, 120], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [33]]

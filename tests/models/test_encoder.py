@@ -24,7 +24,7 @@ from llmserve.engine.types.pooling import PoolingConfig, PoolingMode
 from llmserve.models.encoder import BertEncoder, EncoderConfig
 from llmserve.models.packaged import extract, find_packaged
 from llmserve.models.pooling_config import read_pooling_config
-from llmserve.testing import tiny_config
+from tests.testing import tiny_config
 
 SENTENCES = Path(__file__).resolve().parents[1] / "data" / "sentences.txt"
 # The acceptance bar of issue 44: float32 vectors within these of the reference.

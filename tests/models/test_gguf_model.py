@@ -17,8 +17,8 @@ from llmserve.engine.backends.cpu.gguf_linear import QuantProjection
 from llmserve.models.gguf_file import GGUFError, GGUFFile
 from llmserve.models.gguf_model import QuantEmbedding, build_model
 from llmserve.models.loader import from_config, load_model
-from llmserve.testing import tiny_config
 from tests.gguf_helpers import LINEARS, Q, round_trip, write_llama_gguf
+from tests.testing import tiny_config
 
 # q/k in one type, v in another (as Q4_K_M files mix Q4_K and Q6_K), the rest in a third.
 KINDS = {

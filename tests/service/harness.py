@@ -19,7 +19,7 @@ from transformers import LlamaConfig
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.types.model import LoadedModel
 from llmserve.models.loader import from_config
-from llmserve.testing import ServerThread
+from tests.testing import ServerThread
 
 __all__ = ["ServerThread"]  # tests import it from here with the rest of the harness
 

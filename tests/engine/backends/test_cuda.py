@@ -15,7 +15,7 @@ from llmserve.engine.backends.cuda import CudaBackend, DecodeGraphs
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.models.loader import from_config
-from llmserve.testing import TINY_VOCAB, tiny_config
+from tests.testing import TINY_VOCAB, tiny_config
 
 pytest.importorskip("triton", reason="the CUDA backend's graphs are built on the Triton varlen kernel")
 

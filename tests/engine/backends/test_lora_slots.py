@@ -30,8 +30,8 @@ from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.outputs import FinishReason
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.models.loader import load_model
-from llmserve.testing import greedy_reference, tiny_model
 from tests.engine.lora.peft_adapters import make_adapter
+from tests.testing import greedy_reference, tiny_model
 
 ADAPTERS: dict[str, dict[str, Any]] = {
     "all-r2": dict(r=2, lora_alpha=4),

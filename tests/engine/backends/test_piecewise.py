@@ -23,7 +23,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.models.loader import from_config
-from llmserve.testing import greedy_reference, tiny_config
+from tests.testing import greedy_reference, tiny_config
 
 pytest.importorskip("triton", reason="the CUDA backend is built on the Triton varlen kernel")
 

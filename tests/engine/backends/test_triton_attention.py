@@ -118,7 +118,7 @@ async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> No
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.frontend.async_engine import AsyncEngine
     from llmserve.models.loader import from_config
-    from llmserve.testing import greedy_reference, tiny_config
+    from tests.testing import greedy_reference, tiny_config
 
     loaded = from_config(tiny_config(), dtype=torch.float32)
     loaded.model.set_attn_implementation("sdpa")  # the reference runs transformers' own attention

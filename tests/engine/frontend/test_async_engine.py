@@ -32,7 +32,6 @@ from llmserve.engine.types.request import (
     StoppingParams,
 )
 from llmserve.models.loader import from_config
-from llmserve.testing import greedy_reference, tiny_config
 from tests.engine.engine_helpers import (
     CONFIG,
     CORES,
@@ -46,6 +45,7 @@ from tests.engine.engine_helpers import (
     with_text,
 )
 from tests.stepspy import StepSpy
+from tests.testing import greedy_reference, tiny_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

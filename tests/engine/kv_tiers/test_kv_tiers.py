@@ -22,7 +22,7 @@ from llmserve.engine.sched.block_pool import BlockContent, chain_hash, prefix_ro
 from llmserve.engine.types.model import LoadedModel
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.models.loader import from_config
-from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
+from tests.testing import TINY_VOCAB, greedy_reference, tiny_config
 
 BS = 16
 

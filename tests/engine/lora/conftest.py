@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve.engine.types.model import LoadedModel
-from llmserve.testing import tiny_model
+from tests.testing import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.spec.calibrate import table_rows
 from llmserve.engine.spec.policy import CostTable
 from llmserve.engine.types.adapters import (
     AdapterExists,
@@ -32,9 +31,9 @@ from llmserve.engine.types.adapters import (
     UnknownAdapter,
     UnloadAdapter,
 )
-from llmserve.testing import greedy_reference, tiny_model
-from tests.engine.engine_helpers import CORES, req, run, start_engine
+from tests.engine.engine_helpers import CORES, req, run, start_engine, table_rows
 from tests.engine.lora.peft_adapters import make_adapter
+from tests.testing import greedy_reference, tiny_model
 
 ADAPTERS: dict[str, dict[str, Any]] = {
     "all-r2": dict(r=2, lora_alpha=4),

@@ -22,8 +22,8 @@ from llmserve.engine.lora.ops import NO_ADAPTER, LoraRows
 from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.lora.weights import MODULE_GROUPS, LoraWeights
 from llmserve.engine.types.model import LoadedModel
-from llmserve.testing import greedy_reference
 from tests.engine.lora.peft_adapters import make_adapter
+from tests.testing import greedy_reference
 
 # Three adapters of different ranks, targets and scaling rules.
 ADAPTERS: dict[str, dict[str, Any]] = {

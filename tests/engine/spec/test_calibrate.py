@@ -10,7 +10,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.spec.calibrate import BATCHES, KS
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
-from llmserve.testing import tiny_model
+from tests.testing import tiny_model
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from transformers import MistralConfig, Qwen2Config
 from llmserve.engine.types.model import ModelShape, sliding_window
 from llmserve.models.loader import from_config
 from llmserve.models.random_shapes import RANDOM_SHAPES
-from llmserve.testing import tiny_config
+from tests.testing import tiny_config
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen2", "qwen3"])

@@ -98,9 +98,6 @@ class AdapterRegistry(Generic[T]):
             for r in sorted(self._names.values(), key=lambda r: r.name)
         ]
 
-    def resident(self, adapter_id: int) -> Resident[T] | None:
-        return self._idle.get(adapter_id) or self._held.get(adapter_id)
-
     def resident_of(self, name: str) -> Resident[T] | None:
         """The resident adapter registered under `name` (None: unknown, or unloaded to make room); its LRU
         position is left as it is."""
@@ -196,28 +193,3 @@ class AdapterRegistry(Generic[T]):
         self._next_id += 1
         self._idle[resident.adapter_id] = resident
         return resident
-
-    # -- checking --------------------------------------------------------------------------------
-
-    def check(self) -> None:
-        """Verify the books' invariants; raises ValueError. For tests and debugging."""
-        if self.num_resident > self.max_cpu_loras:
-            raise ValueError(f"{self.num_resident} resident adapters, at most {self.max_cpu_loras}")
-        if set(self._idle) & set(self._held):
-            raise ValueError("an adapter is both idle and held")
-        if any(r.pins != 0 or r.name is None for r in self._idle.values()):
-            raise ValueError("an idle adapter is held, or unnamed")
-        if any(r.pins <= 0 for r in self._held.values()):
-            raise ValueError("a held adapter has no pins")
-        named = [reg.resident for reg in self._names.values() if reg.resident is not None]
-        if len({r.adapter_id for r in named}) != len(named):
-            raise ValueError("two names share a resident adapter")
-        for reg in self._names.values():
-            resident = reg.resident
-            if resident is not None and (
-                resident.name != reg.name or self.resident(resident.adapter_id) is not resident
-            ):
-                raise ValueError(f"registration {reg.name!r} disagrees with its resident adapter")
-        unnamed = [r for r in self._held.values() if r.name is None]
-        if len(named) + len(unnamed) != self.num_resident:
-            raise ValueError("a resident adapter is neither registered nor draining")

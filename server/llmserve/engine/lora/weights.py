@@ -61,10 +61,6 @@ class StackedProjection:
         bts = tuple(torch.zeros(num_slots, rank, n, dtype=dtype, device=device) for n in outs)
         return cls(at, bts, rank, tuple((s, s + n) for s, n in zip(starts, outs, strict=True)))
 
-    @property
-    def num_slots(self) -> int:
-        return int(self.at.shape[0])
-
     def write(self, slot: int, modules: list[LoraModule | None]) -> None:
         """Fill `slot` with one module per projection of the linear (None: not targeted, zeros)."""
         if len(modules) != len(self.columns):

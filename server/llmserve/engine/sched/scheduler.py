@@ -111,10 +111,6 @@ class Scheduler:
         self._load_waiters: dict[int, list[int]] = {}  # loading block -> seq_nos that wait for it
         self.num_tier_loads = 0  # admissions that started at least one load (for the metrics)
 
-    def pinned(self) -> list[list[int]]:
-        """The blocks waiting sequences hold while their reloads run, for BlockPool.check()."""
-        return [p.pins for p in self._pending.values()]
-
     def is_loading(self, seq: Sequence) -> bool:
         """Whether a waiting sequence still waits for blocks to load."""
         pending = self._pending.get(seq.seq_no)

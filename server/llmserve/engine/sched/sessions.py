@@ -92,10 +92,6 @@ class SessionStore:
         in_pool, in_tiers = tiers.where(departed[0], self._pool)
         return SessionInfo(session_id, in_pool, departed[1], in_tiers) if in_pool or in_tiers else None
 
-    def owners(self) -> list[list[int]]:
-        """Every session's block list, for BlockPool.check()."""
-        return [s.blocks for s in self._sessions.values()]
-
     def match(self, session_id: str, token_ids: Sequence[int], root: bytes) -> tuple[int, list[int]]:
         """Longest common prefix of `token_ids` with the session's tokens, and the blocks that hold it; nothing
         when the session's KV was computed under another `root` (another LoRA adapter, or none: its KV is not

@@ -22,8 +22,8 @@ from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.models.loader import from_config, load_model
-from llmserve.testing import tiny_config
 from tests.isa import needs_dtype
+from tests.testing import tiny_config
 
 START = """
 import json, sys

@@ -16,14 +16,13 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.spec.calibrate import table_rows
 from llmserve.engine.spec.policy import CostTable
 from llmserve.engine.types.request import ConstraintKind, ConstraintSpec, GenerationRequest, StoppingParams
 from llmserve.models.loader import from_config, load_model
-from llmserve.testing import TINY_VOCAB, tiny_config
-from tests.engine.engine_helpers import inner
+from tests.engine.engine_helpers import inner, table_rows
 from tests.engine.lora.peft_adapters import make_adapter
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
+from tests.testing import TINY_VOCAB, tiny_config
 
 FREE = CostTable((1, 64), (0, 8), ((10.0, 10.0), (10.0, 10.0)))  # drafts cost nothing: verify all that is offered
 

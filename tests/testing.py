@@ -2,7 +2,7 @@
 where the family has it), transformers' own greedy generation as the reference the engine is held to, and a
 whole server on a loopback port in a thread of its own (`ServerThread`).
 
-Shared by tests/ and benchmarks/, so neither imports the other; the served process never imports it."""
+Shared by tests/ and benchmarks/ (whose probes import it from here): test code, not part of the shipped package."""
 
 from __future__ import annotations
 
