@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from llmserve.process import configure_process
+from llmserve.process_settings import configure_process
 
 configure_process(
     shared_cores=True

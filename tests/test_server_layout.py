@@ -26,7 +26,18 @@ TENSOR_LIBRARIES = {"torch", "numpy", "transformers", "triton", "safetensors", "
 LAYERS = ("frontend", "core", "sched", "sample", "spec", "lora", "kv_tiers", "backends")
 # The modules the server process runs besides engine/frontend/ (the engine in a process of its own): the flags,
 # the gRPC edge, its stores and its telemetry, and the torch-free side of the core it talks to.
-SERVER_PROCESS = ("__main__", "app", "config", "flags", "process", "auth", "model_card", "api", "history", "telemetry")
+SERVER_PROCESS = (
+    "__main__",
+    "app",
+    "config",
+    "flags",
+    "process_settings",
+    "auth",
+    "model_card",
+    "api",
+    "history",
+    "telemetry",
+)
 CORE_CLIENT_SIDE = ("engine.core.client", "engine.core.process")
 
 

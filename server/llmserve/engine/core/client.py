@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from llmserve.engine.lora.adapters import LoraAdapter
 
 T = TypeVar("T")
+# Why a request ends, and a call fails, once its core has stopped (on a thread or in an engine process).
+STOPPED = "the engine has stopped"
 
 
 @dataclass(slots=True, frozen=True)

@@ -33,6 +33,7 @@ from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.base import BlockCopier, StepResult
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.client import (
+    STOPPED,
     Abort,
     Add,
     ClientRequests,
@@ -67,7 +68,6 @@ from llmserve.engine.types.request import CoreFacts, GenerationRequest, PoolingP
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_FAILURES = 3
-STOPPED = "the engine has stopped"
 Query = TypeVar("Query", GetSession, DeleteSession, ManageAdapters)
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core.client import Abort, Add, ClientRequests, Emit
+from llmserve.engine.core.client import STOPPED, Abort, Add, ClientRequests, Emit
 from llmserve.engine.sched.kv_events import KvEventLog
 from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp
 from llmserve.engine.types.errors import EngineDead
@@ -72,7 +72,6 @@ START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 # The most outputs of passes that queued up handed to the front end as one batch.
 MAX_MERGED = 4096
-STOPPED = "the engine has stopped"
 T = TypeVar("T")
 
 

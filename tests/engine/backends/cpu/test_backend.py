@@ -27,7 +27,7 @@ from tests.testing import tiny_config
 
 START = """
 import json, sys
-from llmserve.process import configure_process
+from llmserve.process_settings import configure_process
 configure_process()
 import torch
 from llmserve.engine.config import EngineConfig

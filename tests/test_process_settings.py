@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmserve.process import configure_process
+from llmserve.process_settings import configure_process
 
 
 def test_defaults_and_what_an_operator_set_wins() -> None:
