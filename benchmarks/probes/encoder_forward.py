@@ -1,4 +1,4 @@
-"""How the encoder's forward (server/llmserve/engine/backends/encoder.py) should run a batch of sentences of
+"""How the encoder's forward (server/llmserve/models/encoder.py) should run a batch of sentences of
 different lengths, on the CPU, all-MiniLM-L6-v2 in float32, sentences from tests/data/sentences.txt:
 
 - `padded-attn/packed`: the product's path: packed rows for the linears (oneDNN-packed weights), attention over a

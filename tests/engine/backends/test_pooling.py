@@ -135,7 +135,7 @@ def test_every_mode_with_dense_equals_sentence_transformers(
     tmp_path: Path, minilm: Path, mode: str, st_mode: str
 ) -> None:
     """A pipeline sentence-transformers saves (pooling, two Dense projections, Normalize), read back by
-    pooling_config.py and computed by the encoder, pooling and DenseStack, against the library's encode."""
+    models/pooling_config.py and computed by the encoder, pooling and DenseStack, against the library's encode."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling

@@ -32,7 +32,7 @@ configure_process()
 import torch
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.models import load_model, resolve_dtype
+from llmserve.models.loader import load_model, resolve_dtype
 auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 for dtype in sys.argv[1:]:
     try:
