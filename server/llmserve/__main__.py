@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -42,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LoraUnsupported as exc:  # LoRA beside a setting it is not served with (--dtype bfloat16 on the CPU)
         logging.getLogger("llmserve").error("LoRA: %s", exc)
         return 2
+    finally:
+        # Served and stopped: the interpreter's teardown need not collect what is left. With --engine-in-process
+        # (torch and the model in this process) SIGTERM's "stopped" to the exit took 3.4 s without this.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -243,7 +243,11 @@ async def run(config: Config) -> int:
     draining in-flight streams before returning."""
     # Imported here so that `--help` and config errors answer without loading torch (core/process.py loads none).
     from llmserve.engine.core.process import ChildSpec, ProcessCore, load_served_model
+    from llmserve.engine.kv_tiers.disk import check_folder
 
+    if config.engine.kv_offload_dir is not None:
+        # Refused before the model loads (DiskTierError: exit 2), not seconds later from the engine process.
+        check_folder(Path(config.engine.kv_offload_dir))
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 

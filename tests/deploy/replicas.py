@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from llmserve_client import NO_RETRY, Client
@@ -99,6 +99,15 @@ class Replica:
             self.proc.wait()
 
 
+def stop_all(replicas: Iterable[Replica]) -> None:
+    """SIGTERM to every replica, then wait for each: they drain and exit side by side, not one after another."""
+    replicas = list(replicas)
+    for replica in replicas:
+        replica.terminate()
+    for replica in replicas:
+        replica.stop()
+
+
 @contextlib.contextmanager
 def serving(*replicas: Replica) -> Iterator[tuple[Replica, ...]]:
     """The replicas (started when built) once each is SERVING; every one stopped on the way out, whatever happened."""
@@ -107,8 +116,7 @@ def serving(*replicas: Replica) -> Iterator[tuple[Replica, ...]]:
             replica.wait_serving()
         yield replicas
     finally:
-        for replica in replicas:
-            replica.stop()
+        stop_all(replicas)
 
 
 def nginx_binary() -> str | None:
@@ -243,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if nginx is not None:
                 nginx.stop()
-            for r in replicas:
-                r.stop()
+            stop_all(replicas)
     return 0
 
 

@@ -22,7 +22,7 @@ import pytest
 from redis_server import RedisServer
 
 from llmserve_client import CallInfo, Client, Retry
-from tests.deploy.replicas import Nginx, Replica, needs_nginx
+from tests.deploy.replicas import Nginx, Replica, needs_nginx, stop_all
 
 RETRY = Retry(attempts=3, initial_backoff_s=0.05, max_backoff_s=0.5)
 LEASE_S = 2.0
@@ -62,8 +62,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         if c.nginx is not None:
             c.nginx.stop()
-        for r in c.replicas:
-            r.stop()
+        stop_all(c.replicas)
         redis.stop()
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmserve_client import CallInfo, Client, Retry, pb
-from tests.deploy.replicas import Nginx, Replica, accepts, needs_nginx
+from tests.deploy.replicas import Nginx, Replica, accepts, needs_nginx, stop_all
 
 SESSIONS = 12
 TURNS = 3
@@ -95,8 +95,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Rep
     finally:
         if nginx is not None:
             nginx.stop()
-        for r in replicas:
-            r.stop()
+        stop_all(replicas)
 
 
 def test_the_shipped_config_passes_nginx_t(tmp_path: Path) -> None:

@@ -39,6 +39,19 @@ def checksum(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
+def check_folder(root: Path, folder: Path | None = None) -> None:
+    """Create `folder` (default `root`) and write a file in it, or raise DiskTierError naming --kv-offload-dir
+    `root`. The server checks `root` before its engine process loads the model, the tier its own folder."""
+    folder = root if folder is None else folder
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise DiskTierError(f"--kv-offload-dir {str(root)!r} is not a writable folder: {exc}") from exc
+
+
 class DiskTier:
     """Block files in one folder, at most `capacity_bytes` of payload, least recently used deleted first.
 
@@ -53,13 +66,7 @@ class DiskTier:
             )
         self.fingerprint = fingerprint
         self.folder = Path(root) / fingerprint.hex()
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            probe = self.folder / ".probe"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise DiskTierError(f"--kv-offload-dir {str(root)!r} is not a writable folder: {exc}") from exc
+        check_folder(Path(root), self.folder)
         self.index = TierIndex(capacity_bytes, block_bytes)
         self.block_bytes = block_bytes
 
