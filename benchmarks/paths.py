@@ -15,7 +15,7 @@ def child_env(root: Path = ROOT) -> dict[str, str]:
     """The environment for a subprocess running the code of the checkout at `root`: ours, with its import roots
     first on PYTHONPATH and the process settings `python -m llmserve` makes (offline, bounded oneDNN caches),
     which must be in place before the child loads torch."""
-    from llmserve.process import configure_process
+    from llmserve.process_settings import configure_process
 
     paths = [str(root), str(root / "server"), str(root / "client")]
     if os.environ.get("PYTHONPATH"):

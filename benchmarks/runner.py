@@ -21,7 +21,8 @@ from benchmarks.loadgen import Measurement, RequestRecord, Schedule
 from benchmarks.settings import BenchSettings
 from benchmarks.systems.base import System
 from benchmarks.workload import PromptMaker, RequestStream
-from llmserve.models import LoadedModel, load_model
+from llmserve.engine.types.model import LoadedModel
+from llmserve.models.loader import load_model
 
 # Each run's prompts start at concurrency * STREAM_STRIDE: runs at one concurrency see the same prompts in
 # every system, and no run meets a prompt (or its cached prefix) from another run.

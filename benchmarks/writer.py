@@ -22,7 +22,7 @@ from benchmarks.paths import ROOT
 from llmserve.cpu_features import cpu_level, cpu_name
 
 if TYPE_CHECKING:
-    from llmserve.models import LoadedModel
+    from llmserve.engine.types.model import LoadedModel
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -91,7 +91,7 @@ class Run:
 
     def load(self, args: argparse.Namespace) -> LoadedModel:
         """The model the run measures, as the mode's --model, --device and --dtype name it, recorded (`measured_on`)."""
-        from llmserve.models import load_model
+        from llmserve.models.loader import load_model
 
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
         self.measured_on(loaded)

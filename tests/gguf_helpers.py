@@ -106,10 +106,9 @@ def gguf_loaded(path: Path, config: Any, name: str = "tiny-gguf", activations: s
     """A LoadedModel over the GGUF at `path` written from a model of `config` (no tokenizer), as
     models.load_gguf_blocks makes one from a real file, its kernels taking `activations` (the server's default:
     float32)."""
-    from llmserve.gguf_file import GGUFFile
-    from llmserve.gguf_model import build_model
-    from llmserve.model_shape import ModelShape
-    from llmserve.models import LoadedModel
+    from llmserve.engine.types.model import LoadedModel, ModelShape
+    from llmserve.models.gguf_file import GGUFFile
+    from llmserve.models.gguf_model import build_model
 
     file = GGUFFile.open(path)
     model = build_model(file, config)

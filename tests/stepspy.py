@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from llmserve.engine.frontend.outputs import EngineOutput
+from llmserve.engine.types.outputs import EngineOutput
 
 
 class StepSpy:

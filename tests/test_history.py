@@ -17,8 +17,8 @@ import pytest
 from redis_server import RedisServer
 
 from llmserve.api.prompts import continue_chat, continue_tokens
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.frontend.outputs import Delta, FinishReason
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.outputs import Delta, FinishReason
 from llmserve.history import (
     HistoryBusy,
     HistoryConfig,

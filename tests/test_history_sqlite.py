@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from test_history import Clock, finish, held_ids, tokens_turn
 
 from llmserve.api.prompts import continue_tokens
-from llmserve.engine.frontend.outputs import FinishReason
+from llmserve.engine.types.outputs import FinishReason
 from llmserve.history import (
     HistoryBusy,
     HistoryConfig,

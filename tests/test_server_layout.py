@@ -1,8 +1,10 @@
-"""The server's layout holds: the folders draw the engine's layers (docs/architecture.md), no import cycle among
-llmserve's modules (those made for type checking and inside functions included), no engine class split across files
-by inheritance (no mixin, no multiple inheritance, no NotImplementedError stub, no attribute declared in one class
-and assigned in another), the engine knows nothing of gRPC, and the front end runs without a tensor library: no
-torch import is reachable from engine/frontend/ and the edge the server process runs.
+"""The server's layout holds: the folders draw the engine's layers (docs/architecture.md), the packages import only
+what docs/layers.md's table allows them (no package cycle: the table is a stack), no import cycle among llmserve's
+modules (those made for type checking and inside functions included), the front end imports no backend, no engine
+class split across files by inheritance (no mixin, no multiple inheritance, no NotImplementedError stub, no attribute
+declared in one class and assigned in another), the engine knows nothing of gRPC, and the front end runs without a
+tensor library: no torch import is reachable from engine/frontend/, the shared types and the edge the server process
+runs.
 
 Module length is no rule here: a module holds one role, whatever its length (STYLE.md).
 """
@@ -10,6 +12,7 @@ Module length is no rule here: a module holds one role, whatever its length (STY
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,12 +24,27 @@ import llmserve
 
 PACKAGE = Path(llmserve.__file__).parent
 ENGINE = PACKAGE / "engine"
+LAYER_TABLE = Path(__file__).resolve().parents[1] / "docs" / "layers.md"
 TENSOR_LIBRARIES = {"torch", "numpy", "transformers", "triton", "safetensors", "peft"}
 # The engine's layers, one folder each (docs/architecture.md).
-LAYERS = ("frontend", "core", "sched", "sample", "spec", "lora", "kv_tiers", "backends")
+LAYERS = ("types", "frontend", "core", "sched", "sample", "spec", "lora", "kv_tiers", "backends")
 # The modules the server process runs besides engine/frontend/ (the engine in a process of its own): the flags,
-# the gRPC edge, its stores and its telemetry, and the torch-free side of the core it talks to.
-SERVER_PROCESS = ("__main__", "app", "config", "flags", "process", "auth", "model_card", "api", "history", "telemetry")
+# the gRPC edge, its stores and its telemetry, the types they share with the engine, and the torch-free side of the
+# core it talks to.
+SERVER_PROCESS = (
+    "__main__",
+    "app",
+    "config",
+    "flags",
+    "process_settings",
+    "auth",
+    "api",
+    "history",
+    "telemetry",
+    "engine.types",
+)
+# Packages whose __init__.py holds only their docstring: no package of their own in the layer table.
+DOCSTRING_PACKAGES = ("llmserve", "llmserve.engine")
 CORE_CLIENT_SIDE = ("engine.core.client", "engine.core.process")
 
 
@@ -130,6 +148,102 @@ def test_no_import_cycle_among_llmserves_modules_type_level_ones_included() -> N
 def test_first_cycle_finds_a_cycle() -> None:
     assert first_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert first_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to, as docs/layers.md names it: `api/`, `engine/sched/`, a loose module by its
+    file name (`config.py`, `engine/config.py`)."""
+    parts = module.split(".")[1:]
+    if parts[:1] == ["engine"] and len(parts) > 1:
+        return f"engine/{parts[1]}/" if (ENGINE / parts[1]).is_dir() else f"engine/{parts[1]}.py"
+    return f"{parts[0]}/" if (PACKAGE / parts[0]).is_dir() else f"{parts[0]}.py"
+
+
+def layer_table(text: str) -> dict[str, set[str]]:
+    """A layer table's rows: each package (its first cell) -> the packages it may import (those named in its last
+    cell; "nothing" names none)."""
+    rows: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or not re.fullmatch(r"`[^`]+`", cells[0]):
+            continue
+        rows[cells[0].strip("`")] = set(re.findall(r"`([^`]+)`", cells[-1]))
+    return rows
+
+
+def package_imports(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(package, package it imports) -> the module imports that make the edge, from a module graph."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, deps in graph.items():
+        if name in DOCSTRING_PACKAGES:
+            continue
+        for dep in deps:
+            if dep not in DOCSTRING_PACKAGES and package_of(name) != package_of(dep):
+                edges.setdefault((package_of(name), package_of(dep)), []).append(f"{name} -> {dep}")
+    return edges
+
+
+def test_package_of_names_packages_as_the_table_does() -> None:
+    assert package_of("llmserve.engine.sched.scheduler") == "engine/sched/"
+    assert package_of("llmserve.engine.backends.cpu.quant") == "engine/backends/"
+    assert package_of("llmserve.engine.config") == "engine/config.py"
+    assert package_of("llmserve.models.loader") == "models/"
+    assert package_of("llmserve.api") == "api/"
+    assert package_of("llmserve.config") == "config.py"
+
+
+def test_the_layer_table_names_every_package_once_and_is_a_stack() -> None:
+    """docs/layers.md has a row for every package of llmserve and for nothing else, every package a row allows is
+    one of them, and the rows form no cycle (so that no two packages can import each other within the rules)."""
+    table = layer_table(LAYER_TABLE.read_text())
+    packages = {package_of(m) for m in MODULES if m not in DOCSTRING_PACKAGES}
+    missing, extra = sorted(packages - set(table)), sorted(set(table) - packages)
+    assert set(table) == packages, {"no row": missing, "no package": extra}
+    assert {p for allowed in table.values() for p in allowed} <= packages
+    cycle = first_cycle(table)
+    assert cycle is None, " -> ".join(cycle or [])
+    assert layer_table("| `a/` | what | `b/`, `c.py` |\n| `b/` | what | nothing |\n| x | y | z |") == {
+        "a/": {"b/", "c.py"},
+        "b/": set(),
+    }
+
+
+def test_packages_import_only_what_the_layer_table_allows() -> None:
+    """Every import across packages (type-level and lazy ones included) is one its package's row of docs/layers.md
+    allows; the packages docstring-only import nothing of llmserve."""
+    table = layer_table(LAYER_TABLE.read_text())
+    graph = llmserve_graph(at_import_only=False)
+    assert all(not graph[name] for name in DOCSTRING_PACKAGES), {name: graph[name] for name in DOCSTRING_PACKAGES}
+    unlisted = {
+        f"{package} -> {imported_package}": sorted(via)
+        for (package, imported_package), via in package_imports(graph).items()
+        if imported_package not in table.get(package, set())
+    }
+    assert unlisted == {}
+
+
+def test_no_import_cycle_among_llmserves_packages() -> None:
+    """The packages' own graph, from the imports themselves (whatever the table says): no cycle."""
+    edges = package_imports(llmserve_graph(at_import_only=False))
+    packages: dict[str, set[str]] = {}
+    for package, imported_package in edges:
+        packages.setdefault(package, set()).add(imported_package)
+        packages.setdefault(imported_package, set())
+    assert {"engine/sched/", "engine/lora/", "engine/kv_tiers/", "engine/types/", "models/"} <= set(packages)
+    cycle = first_cycle(packages)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_front_end_imports_no_backend() -> None:
+    """No module of engine/frontend/ imports engine/backends/, not even for type checking or inside a function: what
+    it needs of a loaded model is engine/types/model.py's."""
+    graph = llmserve_graph(at_import_only=False)
+    offenders = {
+        name: sorted(dep for dep in deps if dep.startswith("llmserve.engine.backends"))
+        for name, deps in graph.items()
+        if name.startswith("llmserve.engine.frontend")
+    }
+    assert {name: deps for name, deps in offenders.items() if deps} == {}
 
 
 def _engine_classes() -> Iterator[tuple[str, ast.ClassDef]]:
@@ -249,11 +363,12 @@ def test_importing_the_front_end_and_the_edge_loads_no_tensor_library() -> None:
     assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
 
 
-def test_the_layers_import_only_what_the_readme_says() -> None:
-    """docs/architecture.md: the books (sched/) and sampling (sample/) import no step loop, backend, speculation or
+def test_the_layers_import_only_what_the_layer_rules_say() -> None:
+    """docs/layers.md: the books (sched/) and sampling (sample/) import no step loop, backend, speculation or
     asyncio front end; backends/ import no step loop, speculation or front end; speculation, LoRA and the KV tiers,
     each reached through one object the core holds, import no step loop; the front end imports of the core only its
-    client side; the core imports nothing of the front end's asyncio side. Type-level imports count."""
+    client side; the core imports nothing of the front end's asyncio side; the models package is imported by the
+    engine process's loading alone, inside the function that loads. Type-level imports count."""
     graph = llmserve_graph(at_import_only=False)
     front_async = {
         f"llmserve.engine.frontend.{m}" for m in ("async_engine", "output_processor", "detokenizer", "fanout")
@@ -281,6 +396,10 @@ def test_the_layers_import_only_what_the_readme_says() -> None:
         if name.startswith(prefix) and graph[name] & never - composed.get(name, set())
     }
     assert broken == {}
+    models = {n for n in MODULES if n.startswith("llmserve.models")}
+    loaders = {n for n in graph if graph[n] & models and n not in models}
+    assert loaders == {"llmserve.engine.core.process"}
+    assert not llmserve_graph(at_import_only=True)["llmserve.engine.core.process"] & models
 
 
 def test_the_seam_is_where_a_reader_looks() -> None:
@@ -305,14 +424,14 @@ def test_only_the_backends_and_the_sampler_ask_which_device_they_are_on() -> Non
     assert all(a.startswith("backends/") or a == "sample/sampler.py" for a in askers), askers
 
 
-@pytest.mark.parametrize("module", ["frontend.request", "sample.constraints", "core.process"])
+@pytest.mark.parametrize("module", ["types.request", "sample.constraints", "core.process"])
 def test_the_request_types_the_constraints_and_the_core_client_import_no_tensor_library_at_all(module: str) -> None:
-    """frontend/request.py names no tensor type, not even for type checking (the sampler keeps the random streams,
+    """types/request.py names no tensor type, not even for type checking (the sampler keeps the random streams,
     sample/streams.py); the constraint checker and compiler are torch-free (the masks are the sampler's); the
     engine process's client loads none (the server starts it before torch). Importing each in a fresh interpreter
     loads no tensor library."""
-    if module == "frontend.request":
-        found = imported(ENGINE / "frontend" / "request.py", at_import_only=False)
+    if module == "types.request":
+        found = imported(ENGINE / "types" / "request.py", at_import_only=False)
         assert not sorted(m for m in found if m.split(".")[0] in TENSOR_LIBRARIES)
     code = (
         f"import sys, llmserve.engine.{module}; "

@@ -29,7 +29,7 @@ from llmserve.app import LLMServer
 from llmserve.config import ServerConfig
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 from llmserve_client import AsyncClient, build_request
 
 TITLE = "Append mode vs full resend, through gRPC (issue 15)"

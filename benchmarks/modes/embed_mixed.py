@@ -21,7 +21,7 @@ from benchmarks import alternation, memory, writer
 from benchmarks.metrics import percentile
 from benchmarks.serve import Server
 from benchmarks.window import Window
-from llmserve.models import RANDOM_PREFIX
+from llmserve.models.loader import RANDOM_PREFIX
 from llmserve_client import AsyncClient
 
 SYSTEMS = ("generation alone", "generation + embeddings")

@@ -265,7 +265,7 @@ def binary(args: argparse.Namespace, name: str) -> Path | None:
 
 def file_path(spec: FileSpec, args: argparse.Namespace, quantizer: Path | None) -> Path | None:
     """The GGUF file of `spec`, made where missing (needs llama-quantize); None where it cannot be had."""
-    from llmserve.gguf import default_gguf_path
+    from llmserve.models.gguf import default_gguf_path
 
     if spec.path is not None:
         return spec.path
@@ -285,8 +285,8 @@ def kv_pool_bytes(path: Path) -> int:
     from transformers import AutoConfig
 
     from llmserve.engine.backends.base import kv_blocks
-    from llmserve.gguf import file_metadata
-    from llmserve.model_shape import ModelShape
+    from llmserve.engine.types.model import ModelShape
+    from llmserve.models.gguf import file_metadata
 
     shape = ModelShape.of(AutoConfig.from_pretrained(file_metadata(path), local_files_only=True))
     config = EngineConfig()
@@ -347,7 +347,7 @@ async def serve_file(spec: FileSpec, path: Path, args: argparse.Namespace, work:
     count with as many slots (`-np`), llmserve one server throughout, as `make run` starts it."""
     from transformers import AutoTokenizer
 
-    from llmserve.gguf import file_metadata
+    from llmserve.models.gguf import file_metadata
 
     clients = [c for c in spec.clients if c in args.client_counts] or [spec.clients[0]]
     started = time.monotonic()
@@ -606,8 +606,8 @@ def llmserve_perplexity(gguf: Path, tokens: list[int], ctx: int, dtype: str = "a
     tokens alone, its first token replaced by BOS where the tokenizer adds one, the second half scored; every
     token's attention through the decode kernel, as the engine computes it."""
     from llmserve.engine.core.engine_core import EngineCore
-    from llmserve.models import load_model
-    from llmserve.testing import one_prompt_attention
+    from llmserve.models.loader import load_model
+    from tests.testing import one_prompt_attention
 
     loaded = load_model(str(gguf), device="cpu", dtype=dtype)
     core = EngineCore(loaded, EngineConfig(kv_cache_tokens=4 * ctx, max_num_batched_tokens=ctx))
@@ -636,7 +636,7 @@ TEXTS = (("perplexity.txt", 128, False), ("apache-2.0.txt", 256, True))
 
 
 def perplexities(args: argparse.Namespace) -> dict[str, Any]:
-    from llmserve.gguf import default_gguf_path
+    from llmserve.models.gguf import default_gguf_path
 
     data = Path(__file__).resolve().parents[2] / "tests" / "data"
     ppl, quantizer = binary(args, "llama-perplexity"), binary(args, "llama-quantize")

@@ -31,7 +31,7 @@ from benchmarks.metrics import percentile
 from benchmarks.writer import seconds
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 
 
 @dataclass(slots=True, frozen=True)

@@ -44,7 +44,7 @@ from benchmarks.settings import (
 )
 from benchmarks.workload import PromptMaker
 from benchmarks.writer import device_slug, slug
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -48,7 +48,7 @@ def make_adapters(model_spec: str | None, root: Path, count: int, rank: int) -> 
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     loaded = load_model(model_spec, device="cpu", dtype="float32")
     folders = []

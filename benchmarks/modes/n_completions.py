@@ -26,8 +26,8 @@ from benchmarks import options, writer
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.frontend.fanout import derive_seed
-from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import GenerationRequest, SamplingParams, StoppingParams
 
 TITLE = "n = 4 completions vs four separate calls (issue 22)"
 N = 4

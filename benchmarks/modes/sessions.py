@@ -33,7 +33,8 @@ from benchmarks.paths import ROOT, child_env
 from benchmarks.settings import BenchSettings
 from benchmarks.writer import seconds
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.models import LoadedModel, load_model
+from llmserve.engine.types.model import LoadedModel
+from llmserve.models.loader import load_model
 
 TITLE = "Session reuse (issues 4 and 15)"
 PARTS = ("long", "multi", "append")

@@ -31,16 +31,16 @@ from benchmarks.metrics import percentile, ratio
 from benchmarks.window import Window, window_ratios
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import (
+from llmserve.engine.sample.constraints import Compiled, ConstraintCompiler, Vocabulary
+from llmserve.engine.sample.masks import constraint_masks
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.sample.constraints import Compiled, ConstraintCompiler, Vocabulary
-from llmserve.engine.sample.masks import constraint_masks
-from llmserve.models import LoadedModel
 
 TITLE = "Structured output: a JSON schema vs unconstrained (issue 22)"
 ITEM = {

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT)]
 
-from llmserve.process import configure_process  # noqa: E402
+from llmserve.process_settings import configure_process  # noqa: E402
 
 configure_process()
 
@@ -34,8 +34,8 @@ import torch  # noqa: E402
 from llmserve import cpu_features  # noqa: E402
 from llmserve.engine.config import EngineConfig  # noqa: E402
 from llmserve.engine.core.engine_core import EngineCore  # noqa: E402
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams  # noqa: E402
-from llmserve.models import load_model  # noqa: E402
+from llmserve.engine.types.request import GenerationRequest, StoppingParams  # noqa: E402
+from llmserve.models.loader import load_model  # noqa: E402
 
 PROMPT = 16
 

@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT)]
 
-from llmserve.process import configure_process  # noqa: E402
+from llmserve.process_settings import configure_process  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "perplexity.txt"
 QUESTIONS = (
@@ -69,7 +69,7 @@ def load(dtype: str, swaps: dict[str, str]) -> Any:
     from llmserve.engine.backends.cpu.packed_linear import RefinedHead, make_linear
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.core.engine_core import EngineCore
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     loaded = load_model(None, device="cpu", dtype=dtype)
     core = EngineCore(loaded, EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, max_num_batched_tokens=1024))
@@ -106,7 +106,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def greedy(core: Any, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+    from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
     handle_tokens: list[int] = []
     core.submit(GenerationRequest("g", tuple(prompt), stopping=StoppingParams(new_tokens, ignore_eos=True)))
@@ -124,7 +124,7 @@ def perplexity(core: Any, ids: list[int]) -> float:
     import torch
 
     from llmserve.engine.backends.attention import Chunk, GatheredAttention
-    from llmserve.testing import one_prompt_attention
+    from tests.testing import one_prompt_attention
 
     backend = core.backend
     tokens = len(ids)
@@ -140,8 +140,8 @@ def perplexity(core: Any, ids: list[int]) -> float:
 
 def transformers_bf16(prompts: list[list[int]]) -> list[list[int]]:
     """transformers' own greedy generate on the bfloat16 model, each prompt alone."""
-    from llmserve.models import load_model
-    from llmserve.testing import greedy_reference
+    from llmserve.models.loader import load_model
+    from tests.testing import greedy_reference
 
     loaded = load_model(None, device="cpu", dtype="bfloat16")
     loaded.model.set_attn_implementation("sdpa")
@@ -157,7 +157,7 @@ def main() -> int:
     import torch
 
     torch.manual_seed(0)
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     tokenizer = load_model(None, device="cpu", dtype="float32").tokenizer
     prompts = [

@@ -1,4 +1,4 @@
-"""How the encoder's forward (server/llmserve/engine/backends/encoder.py) should run a batch of sentences of
+"""How the encoder's forward (server/llmserve/models/encoder.py) should run a batch of sentences of
 different lengths, on the CPU, all-MiniLM-L6-v2 in float32, sentences from tests/data/sentences.txt:
 
 - `padded-attn/packed`: the product's path: packed rows for the linears (oneDNN-packed weights), attention over a
@@ -30,8 +30,9 @@ import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModel, AutoTokenizer  # noqa: E402
 
 from benchmarks.alternation import rotated_times  # noqa: E402
-from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch  # noqa: E402
-from llmserve.packaged_models import extract, find_packaged  # noqa: E402
+from llmserve.engine.backends.encoder_batch import EncoderBatch  # noqa: E402
+from llmserve.models.encoder import BertEncoder  # noqa: E402
+from llmserve.models.packaged import extract, find_packaged  # noqa: E402
 
 SENTENCES = ROOT / "tests" / "data" / "sentences.txt"
 

@@ -26,10 +26,11 @@ import torch  # noqa: E402
 from sentence_transformers import SentenceTransformer  # noqa: E402
 
 from benchmarks.alternation import rotated_times  # noqa: E402
-from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch  # noqa: E402
+from llmserve.engine.backends.encoder_batch import EncoderBatch  # noqa: E402
 from llmserve.engine.backends.pooling import pool  # noqa: E402
-from llmserve.packaged_models import extract, find_packaged  # noqa: E402
-from llmserve.pooling_config import PoolingMode  # noqa: E402
+from llmserve.engine.types.pooling import PoolingMode  # noqa: E402
+from llmserve.models.encoder import BertEncoder  # noqa: E402
+from llmserve.models.packaged import extract, find_packaged  # noqa: E402
 
 SENTENCES = ROOT / "tests" / "data" / "sentences.txt"
 

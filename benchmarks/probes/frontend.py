@@ -28,9 +28,9 @@ from benchmarks.paths import ROOT, child_env
 from benchmarks.probes.host_overhead import VOCAB, stub_model_call
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.models import from_config
-from llmserve.testing import tiny_config
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config
+from tests.testing import tiny_config
 
 PROMPT = tuple(range(1, 17))
 WARM_UP_S = 1.0
@@ -100,7 +100,7 @@ async def _client(address: str, streams: int, tokens: int, seconds: float) -> fl
 
 
 def _over_grpc(engine: AsyncEngine, streams: int, tokens: int, seconds: float) -> float:
-    from llmserve.testing import ServerThread  # an LLMServer on a loopback port, on a loop of its own
+    from tests.testing import ServerThread  # an LLMServer on a loopback port, on a loop of its own
 
     server = ServerThread(engine, max_concurrent_streams=max(1024, streams)).start()
     try:

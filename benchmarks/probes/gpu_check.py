@@ -32,14 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.probes import stand_ins
-from llmserve import packaged_models
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.gguf import default_gguf_path
-from llmserve.model_shape import RANDOM_SHAPES
-from llmserve.models import LoadedModel, from_config, load_model, random_model
-from llmserve.testing import ServerThread, greedy_reference, tiny_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models import packaged
+from llmserve.models.gguf import default_gguf_path
+from llmserve.models.loader import from_config, load_model, random_model
+from llmserve.models.random_shapes import RANDOM_SHAPES
+from tests.testing import ServerThread, greedy_reference, tiny_config
 
 
 async def run_engine(loaded: LoadedModel, config: EngineConfig, prompts: list[list[int]], max_new: int):
@@ -136,7 +137,7 @@ def embed_folder(tmp: Path) -> tuple[Path, str]:
     BERT of random weights in its shape (tiny under --smoke) built in `tmp`."""
     if not SMOKE:
         try:
-            folder = packaged_models.resolve("all-minilm-l6-v2")
+            folder = packaged.resolve("all-minilm-l6-v2")
         except FileNotFoundError:
             folder = None
         if folder is not None:

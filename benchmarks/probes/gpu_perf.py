@@ -38,9 +38,10 @@ from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.model_shape import RANDOM_SHAPES
-from llmserve.models import LoadedModel, random_model
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import random_model
+from llmserve.models.random_shapes import RANDOM_SHAPES
 from llmserve_client import AsyncClient, pb
 
 SHAPES = ("smollm2-135m", "qwen3-0.6b", "llama-1b")
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.device == "cpu":  # the dry run: the varlen kernel through Triton's interpreter, mended for NumPy 2.4
-        from llmserve.testing import mend_triton_interpreter
+        from tests.testing import mend_triton_interpreter
 
         mend_triton_interpreter()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -39,9 +39,10 @@ from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.core.process import ChildSpec, ProcessCore
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
-from llmserve.models import LoadedModel, from_config
-from llmserve.testing import tiny_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import GenerationRequest, SamplingParams, StoppingParams
+from llmserve.models.loader import from_config
+from tests.testing import tiny_config
 
 VOCAB = 512
 
@@ -136,7 +137,7 @@ def probe_model(tokenizer: bool) -> LoadedModel:
     process builds it with this too)."""
     loaded = from_config(tiny_config("llama", vocab_size=VOCAB, max_positions=4096), dtype=torch.float32)
     if tokenizer:
-        from llmserve.models import load_model
+        from llmserve.models.loader import load_model
 
         loaded.tokenizer = load_model().tokenizer
     return loaded
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tokenizer = None
     if args.tokenizer:
-        from llmserve.models import load_model
+        from llmserve.models.loader import load_model
 
         tokenizer = load_model().tokenizer
     torch.set_num_threads(1)  # host work is one thread's work; keep the figures comparable across machines

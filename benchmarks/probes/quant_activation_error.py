@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT)]
 
-from llmserve.process import configure_process  # noqa: E402
+from llmserve.process_settings import configure_process  # noqa: E402
 
 configure_process()
 
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from llmserve.engine.backends.cpu import quant as q  # noqa: E402
-from llmserve.gguf import convert_gguf, default_gguf_path  # noqa: E402
+from llmserve.models.gguf import convert_gguf, default_gguf_path  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "perplexity.txt"
 # transformers' module name -> the GGUF tensor name's tail

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT)]
 
-from llmserve.process import configure_process  # noqa: E402
+from llmserve.process_settings import configure_process  # noqa: E402
 
 configure_process()
 

@@ -57,7 +57,7 @@ if __name__ == "__main__":
     from benchmarks.paths import IMPORT_ROOTS
 
     sys.path[1:1] = [str(p) for p in IMPORT_ROOTS if str(p) not in sys.path]
-    from llmserve.process import configure_process
+    from llmserve.process_settings import configure_process
 
     configure_process()
     sys.exit(main(sys.argv[1:]))

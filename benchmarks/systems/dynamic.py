@@ -14,7 +14,7 @@ from benchmarks.loadgen import RequestRecord
 from benchmarks.systems.base import System
 from benchmarks.systems.hf_common import generate_rows
 from benchmarks.workload import BenchRequest
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 
 
 @dataclass(slots=True)

@@ -9,9 +9,9 @@ from benchmarks.systems.base import System
 from benchmarks.workload import BenchRequest
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
 _OK = {FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE, FinishReason.STOP_TOKEN}
 

@@ -10,7 +10,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.loadgen import RequestRecord
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 
 
 class TimestampStreamer(BaseStreamer):

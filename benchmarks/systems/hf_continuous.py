@@ -27,7 +27,7 @@ from benchmarks.loadgen import RequestRecord
 from benchmarks.systems.base import System
 from benchmarks.systems.hf_common import pad_token_id
 from benchmarks.workload import BenchRequest
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 
 
 class HFContinuousSystem(System):

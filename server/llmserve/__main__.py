@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 from llmserve.config import from_args
 from llmserve.cpu_features import IsaError
-from llmserve.process import configure_process
+from llmserve.process_settings import configure_process
 from llmserve.telemetry.request_log import configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve; the exit status is 0 after a signal, 2 for bad settings, 3 when the engine died (restart me)."""
-    # Before torch and transformers are imported anywhere (see llmserve.process).
+    # Before torch and transformers are imported anywhere (see llmserve.process_settings).
     try:
         configure_process()
     except IsaError as exc:
@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from llmserve.app import run
     from llmserve.auth import TokenFileError
     from llmserve.engine.kv_tiers.disk import DiskTierError
-    from llmserve.engine.lora.catalog import AdapterRefused, LoraUnsupported
+    from llmserve.engine.types.adapters import AdapterRefused, LoraUnsupported
 
     try:
         return asyncio.run(run(config))

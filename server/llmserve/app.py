@@ -41,7 +41,7 @@ from llmserve.telemetry.tracing import from_env as tracing_from_env
 from llmserve_client.pb.llmserve.v1 import adapters_pb2_grpc, generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.frontend.protocol import Engine
+    from llmserve.engine.types.protocol import Engine
 
 log = logging.getLogger("llmserve")
 

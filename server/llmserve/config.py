@@ -28,7 +28,7 @@ DEFAULT_CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
-    """Which model to load and where; `spec` None means the default model (see llmserve.models.load_model)."""
+    """Which model to load and where; `spec` None means the default model (see llmserve.models.loader.load_model)."""
 
     spec: str | None = None
     device: str = "auto"
@@ -262,7 +262,7 @@ def _check_lora(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def _default_history_store(cache_dir: str | None) -> str:
-    """sqlite: in the cache directory (as llmserve.model_cache.default_cache_root finds it; --cache-dir and
+    """sqlite: in the cache directory (as llmserve.models.cache.default_cache_root finds it; --cache-dir and
     $LLMSERVE_CACHE_DIR are one setting)."""
     root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "llmserve"
     return f"sqlite:{root / DEFAULT_HISTORY_FILE}"

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from llmserve.engine.frontend.request import MAX_TOP_LOGPROBS
-from llmserve.engine.lora.catalog import MAX_LORA_RANK, check_adapter_name
+from llmserve.engine.types.adapters import MAX_LORA_RANK, check_adapter_name
+from llmserve.engine.types.request import MAX_TOP_LOGPROBS
 from llmserve.history import check_store_spec
 
 DEFAULT_ADDRESS = "0.0.0.0:50051"

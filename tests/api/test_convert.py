@@ -18,9 +18,9 @@ from llmserve.api.convert import (
     to_generation_request,
     to_response,
 )
-from llmserve.engine.frontend.outputs import Delta, FinishReason, Timing, TokenLogprob, Usage
-from llmserve.engine.frontend.protocol import ModelInfo
-from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec
+from llmserve.engine.types.outputs import Delta, FinishReason, Timing, TokenLogprob, Usage
+from llmserve.engine.types.protocol import ModelInfo
+from llmserve.engine.types.request import ConstraintKind, ConstraintSpec
 from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS
 from llmserve_client import build_request, pb
 

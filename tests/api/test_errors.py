@@ -16,9 +16,8 @@ from llmserve.api.errors import (
     code_name,
     status_for,
 )
-from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
-from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused
-from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
+from llmserve.engine.types.adapters import AdapterExists, AdapterNotFound, AdapterRefused, AdaptersBusy, UnknownAdapter
+from llmserve.engine.types.errors import EngineDead, InvalidRequest, QueueFull
 from llmserve.history import LeaseLost, StoreUnavailable
 
 

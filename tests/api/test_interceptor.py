@@ -18,7 +18,7 @@ from grpc_status import rpc_status
 
 from llmserve.api.errors import RETRY_DELAY_S, StreamStalled
 from llmserve.api.interceptor import ErrorInterceptor
-from llmserve.engine.frontend.errors import InvalidRequest, QueueFull
+from llmserve.engine.types.errors import InvalidRequest, QueueFull
 from llmserve_client import pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 

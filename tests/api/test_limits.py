@@ -17,7 +17,7 @@ from llmserve.api.limits import (
     quote_prefix,
 )
 from llmserve.config import InputLimits
-from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.types.errors import InvalidRequest
 from llmserve_client import build_request, pb
 
 LIMITS = InputLimits(

@@ -13,8 +13,8 @@ import pytest
 
 from llmserve.api.errors import ServiceError
 from llmserve.api.prompts import SessionPrompts, chat_token_ids, prompt_token_ids
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.frontend.outputs import Delta, FinishReason
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.outputs import Delta, FinishReason
 from llmserve.history import HistoryConfig, MemoryHistoryStore, Turn
 from llmserve_client import build_request, pb
 

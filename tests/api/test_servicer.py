@@ -21,8 +21,8 @@ def test_a_request_converts_to_the_engines_with_its_defaults() -> None:
 
     from llmserve.api.servicer import DEADLINE_MARGIN_S, GenerateServicer
     from llmserve.config import ServerConfig
-    from llmserve.engine.frontend.protocol import ModelInfo
-    from llmserve.engine.frontend.request import SamplingParams, StoppingParams
+    from llmserve.engine.types.protocol import ModelInfo
+    from llmserve.engine.types.request import SamplingParams, StoppingParams
 
     engine = SimpleNamespace(model_info=ModelInfo("m", 1000, 300, "float32", "cpu", 256))
     servicer = GenerateServicer(ServerConfig(default_max_new_tokens=200))
@@ -80,8 +80,8 @@ def test_endings_that_are_not_a_finish_end_the_stream_with_their_status(reason: 
     from llmserve.api.errors import ServiceError
     from llmserve.api.servicer import GenerateServicer
     from llmserve.config import ServerConfig
-    from llmserve.engine.frontend.outputs import Delta, FinishReason, Usage
-    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+    from llmserve.engine.types.outputs import Delta, FinishReason, Usage
+    from llmserve.engine.types.request import GenerationRequest, StoppingParams
     from llmserve.telemetry.call import CallRecord
 
     class OneDelta:
@@ -154,7 +154,7 @@ def test_attaching_an_engine_caps_histories_at_its_context_unless_configured() -
     """A servicer of its own (mutation testing maps a module fixture's start-up to that module's first test only)."""
     from llmserve.api.servicer import GenerateServicer
     from llmserve.config import ServerConfig
-    from llmserve.engine.frontend.errors import InvalidRequest
+    from llmserve.engine.types.errors import InvalidRequest
     from llmserve.history import HistoryConfig
 
     servicer = GenerateServicer(ServerConfig())

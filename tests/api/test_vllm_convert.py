@@ -19,8 +19,8 @@ from llmserve.api.vllm_convert import (
     to_llmserve_request,
     vllm_field,
 )
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.frontend.outputs import Delta, FinishReason, TokenLogprob, Usage
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.outputs import Delta, FinishReason, TokenLogprob, Usage
 
 
 def request(**sampling: object) -> vpb.GenerateRequest:

@@ -136,7 +136,7 @@ def test_gguf_modes_decode_workload_is_short_prompts_and_256_new_tokens_at_1_and
     plain = gguf_blocks.parse_args(["--files", "1b-q8"])
     assert gguf_blocks.workload_spec(plain.file_specs[0], plain).max_new_tokens == 64  # the file's own
     # A GGUF file by its path (a Q8_0 of the default model, say), its type read from the file.
-    from llmserve.gguf import default_gguf_path
+    from llmserve.models.gguf import default_gguf_path
 
     (given,) = gguf_blocks.parse_args(["--files", str(default_gguf_path())]).file_specs
     assert (given.kind, given.path, given.clients) == ("Q4_1", default_gguf_path(), (1, 4, 32))

@@ -7,7 +7,7 @@ import pytest
 from benchmarks import roofline
 from benchmarks.analysis import floor_share, targets
 from benchmarks.metrics import PointSummary, WindowStats
-from llmserve.testing import tiny_config
+from tests.testing import tiny_config
 
 PEAK = roofline.MachinePeak("cpu", "float32", matmul_flops_per_s=100e9, read_bytes_per_s=20e9, copy_bytes_per_s=20e9)
 PROMPTS = [32, 100, 300, 1000]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import run
-from llmserve.models import from_config
-from llmserve.testing import tiny_config
+from llmserve.models.loader import from_config
+from tests.testing import tiny_config
 
 
 @pytest.fixture(scope="module")

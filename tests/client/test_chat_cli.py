@@ -112,7 +112,7 @@ def test_real_model_chat_remembers_the_name() -> None:
     """The issue's example on the default model: the second answer names Ana and equals the full resend's."""
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.frontend.async_engine import AsyncEngine
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=2048, max_num_seqs=4, cuda_graphs=False))
     srv = ServerThread(engine).start()

@@ -13,7 +13,7 @@ import yaml
 
 from llmserve.api.servicer import SERVICE_NAME
 from llmserve.config import ServerConfig, from_args
-from llmserve.engine.frontend.protocol import EngineStats
+from llmserve.engine.types.protocol import EngineStats
 from llmserve.telemetry.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.models import from_config
-from llmserve.testing import mend_triton_interpreter, tiny_config
+from llmserve.models.loader import from_config
 from tests.engine.engine_helpers import CONFIG
+from tests.testing import mend_triton_interpreter, tiny_config
 
 mend_triton_interpreter()  # every engine test that runs the varlen kernel on the CPU runs it through the interpreter
 

@@ -16,14 +16,16 @@ from llmserve.engine.core.engine_core import EngineCore, ThreadCore
 from llmserve.engine.core.process import ChildSpec, ProcessCore
 from llmserve.engine.frontend.async_engine import AsyncEngine, build_engine
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.request import (
+from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.spec.policy import CostTable
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import (
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.sched.block_pool import BlockPool
-from llmserve.models import LoadedModel, from_config
-from llmserve.testing import tiny_config
+from llmserve.models.loader import from_config
+from tests.testing import tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
 # The two implementations of core/client.Core: the step loop on a thread, and in an engine process of its own.
@@ -132,3 +134,12 @@ def with_text(core: EngineCore, prompt: list[int], n: int) -> tuple[list[int], d
     pieces = {t: bytes([ord("a") + i]) for i, t in enumerate(dict.fromkeys(greedy))}
     core.loaded.tokenizer = PieceTokenizer(pieces)
     return greedy, pieces, "".join(pieces[t].decode() for t in greedy)
+
+
+def table_rows(table: CostTable) -> list[dict[str, float]]:
+    """The table as rows (what calibrate.load_table reads under "rows"), for a test's --speculative-cost-table."""
+    return [
+        {"batch": b, "k": k, "forward_ms": table.ms[i][j]}
+        for i, b in enumerate(table.batches)
+        for j, k in enumerate(table.ks)
+    ]

@@ -20,12 +20,13 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.models import LoadedModel, from_config
-from llmserve.testing import TINY_VOCAB, tiny_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config
 from tests.engine.engine_helpers import inner
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
 from tests.isa import dtype_param
+from tests.testing import TINY_VOCAB, tiny_config
 
 SESSIONS = 8  # of the 32 requests, 8 are the second turns of sessions whose first turn ran just before
 TIMEOUT_S = 120

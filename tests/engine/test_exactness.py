@@ -14,11 +14,12 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.models import LoadedModel, from_config
-from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config
 from tests.engine.engine_helpers import clear_cache
+from tests.testing import TINY_VOCAB, greedy_reference, tiny_config
 
 
 async def run_all(

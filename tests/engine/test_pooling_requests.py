@@ -15,12 +15,13 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.outputs import Delta, FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, PoolingParams, StoppingParams
-from llmserve.models import LoadedModel, from_config, with_pooling
-from llmserve.pooling_config import PoolingMode
-from llmserve.testing import tiny_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.outputs import Delta, FinishReason
+from llmserve.engine.types.pooling import PoolingMode
+from llmserve.engine.types.request import GenerationRequest, PoolingParams, StoppingParams
+from llmserve.models.loader import from_config, with_pooling
 from tests.engine.engine_helpers import inner
+from tests.testing import tiny_config
 
 # A budget of 64 tokens a step: prompts of 150 are read in three chunks.
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=8192, max_num_seqs=16, max_num_batched_tokens=64)

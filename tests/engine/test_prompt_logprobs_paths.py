@@ -18,12 +18,13 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.outputs import Delta
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.engine.spec.calibrate import table_rows
 from llmserve.engine.spec.policy import CostTable
-from llmserve.models import LoadedModel, from_config
-from llmserve.testing import tiny_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.outputs import Delta
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config
+from tests.engine.engine_helpers import table_rows
+from tests.testing import tiny_config
 
 # A budget of 64 tokens a step: a prompt of 150 is read in three chunks.
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=8192, max_num_seqs=8, max_num_batched_tokens=64)
@@ -172,7 +173,7 @@ async def test_the_gguf_blocks_score_a_prompt_as_they_pick_its_next_tokens() -> 
     """The default model (SmolLM2's GGUF blocks, float32 activations; every token's attention through the decode
     kernel, so that a row's result does not depend on the chunk that computed it): the distribution a prompt chunk
     scores at position k is the one a request for prompt[:k + 1] samples its first token from."""
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     loaded = load_model()
     assert loaded.weights == "gguf"

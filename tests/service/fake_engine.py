@@ -10,12 +10,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from llmserve.engine.frontend.errors import EngineDead, QueueFull
-from llmserve.engine.frontend.outputs import Delta, FinishReason, Timing, TokenLogprob, Usage
-from llmserve.engine.frontend.protocol import Engine, EngineStats, ModelInfo, SessionInfo
-from llmserve.engine.frontend.request import GenerationRequest
-from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
-from llmserve.engine.sched.kv_events import KvEvent
+from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp
+from llmserve.engine.types.errors import EngineDead, QueueFull
+from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.outputs import Delta, FinishReason, Timing, TokenLogprob, Usage
+from llmserve.engine.types.protocol import Engine, EngineStats, ModelInfo, SessionInfo
+from llmserve.engine.types.request import GenerationRequest
 
 
 class FakeTokenizer:

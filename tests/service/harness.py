@@ -17,8 +17,9 @@ from grpc_status import rpc_status
 from transformers import LlamaConfig
 
 from llmserve.engine.config import EngineConfig
-from llmserve.models import LoadedModel, from_config
-from llmserve.testing import ServerThread
+from llmserve.engine.types.model import LoadedModel
+from llmserve.models.loader import from_config
+from tests.testing import ServerThread
 
 __all__ = ["ServerThread"]  # tests import it from here with the rest of the harness
 
@@ -42,7 +43,7 @@ def smollm2_tokenizer() -> Any:
     weights are not loaded)."""
     from transformers import AutoTokenizer
 
-    from llmserve.models import convert_gguf, default_gguf_path
+    from llmserve.models.gguf import convert_gguf, default_gguf_path
 
     return AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path()), local_files_only=True)
 

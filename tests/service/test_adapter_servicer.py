@@ -19,11 +19,11 @@ import pytest
 from harness import ServerThread, bad_request_fields, tiny_engine, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llmserve.testing import greedy_reference
 from llmserve_client.pb.llmserve.v1 import adapters_pb2 as apb
 from llmserve_client.pb.llmserve.v1 import adapters_pb2_grpc, generate_pb2_grpc
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from tests.engine.lora.peft_adapters import make_adapter
+from tests.testing import greedy_reference
 
 PROMPT = [1, 504, 3458, 314, 260, 2913, 28]
 

@@ -127,7 +127,7 @@ def test_health_answers_not_serving_while_the_model_loads(monkeypatch: pytest.Mo
     held load is this test's; with an engine process the same wait is the child's, as every server_process
     test sees.)"""
     import llmserve.app as app
-    import llmserve.models as models
+    import llmserve.models.loader as models
     from llmserve.config import from_args
 
     release = threading.Event()

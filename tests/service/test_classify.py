@@ -20,7 +20,7 @@ from harness import ServerThread, bad_request_fields, engine_config
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from llmserve.models import load_model
+from llmserve.models.loader import load_model
 from llmserve_client import pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from tests.classifier_models import reference_logits, save_bert_classifier, save_llama_classifier

@@ -357,7 +357,7 @@ def test_limits_end_histories_and_name_their_flags() -> None:
 def real() -> Iterator[tuple[Client, ServerThread]]:
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.frontend.async_engine import AsyncEngine
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     # The same 1,024-token pool as the tiny model's: the filler evicts every idle session.
     engine = AsyncEngine(load_model(), EngineConfig(kv_cache_tokens=POOL_TOKENS, max_num_seqs=4, cuda_graphs=False))

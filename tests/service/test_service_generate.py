@@ -10,8 +10,8 @@ import grpc
 import pytest
 from harness import CONTEXT_LENGTH, ServerThread, smollm2_tokenizer, tiny_engine, wait_until
 
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve_client import build_request, pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 from tests.stepspy import StepSpy

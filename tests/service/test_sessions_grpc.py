@@ -6,7 +6,7 @@ import pytest
 from harness import ServerThread, tiny_engine
 
 from llmserve.engine.config import EngineConfig
-from llmserve.models import load_model
+from llmserve.models.loader import load_model
 from llmserve_client import Client
 
 

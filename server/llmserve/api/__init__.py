@@ -12,5 +12,5 @@
 - `errors.py`: the edge's own refusals and the google.rpc.Status each known error maps to (app.py's
   interceptor sends it).
 
-The package imports no tensor library; the engine behind it is reached through `engine.protocol.Engine`.
+The package imports no tensor library; the engine behind it is reached through `engine.types.protocol.Engine`.
 """

@@ -18,14 +18,20 @@ import grpc
 from llmserve.api.errors import FieldNotFound, ServiceError
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.lora.catalog import AdapterInfo, ListAdapters, LoadAdapter, UnloadAdapter, adapter_name_problem
-from llmserve.engine.lora.registry import UnknownAdapter
+from llmserve.engine.types.adapters import (
+    AdapterInfo,
+    ListAdapters,
+    LoadAdapter,
+    UnknownAdapter,
+    UnloadAdapter,
+    adapter_name_problem,
+)
+from llmserve.engine.types.errors import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import adapters_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import adapters_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.frontend.protocol import Engine
+    from llmserve.engine.types.protocol import Engine
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterService"].full_name
 MAX_PATH_CHARS = 4096

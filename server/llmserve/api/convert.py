@@ -11,8 +11,9 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llmserve.engine.frontend.outputs import Delta, TokenLogprob
-from llmserve.engine.frontend.request import (
+from llmserve.engine.types.outputs import Delta, TokenLogprob
+from llmserve.engine.types.pooling import PoolingMode
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
@@ -20,12 +21,11 @@ from llmserve.engine.frontend.request import (
     SamplingParams,
     StoppingParams,
 )
-from llmserve.pooling_config import PoolingMode
 from llmserve.telemetry.request_log import MAX_LOGGED_PROMPT_CHARS, clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
-    from llmserve.engine.frontend.protocol import ModelInfo
+    from llmserve.engine.types.protocol import ModelInfo
 
 # The field an error about the prompt names, per input kind.
 _PROMPT_FIELDS = {"text": "text", "chat": "chat", "token_ids": "token_ids.ids"}

@@ -10,9 +10,8 @@ import grpc
 from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
-from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused
-from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
+from llmserve.engine.types.adapters import AdapterExists, AdapterNotFound, AdapterRefused, AdaptersBusy, UnknownAdapter
+from llmserve.engine.types.errors import EngineDead, InvalidRequest, QueueFull
 from llmserve.history import LeaseLost, StoreUnavailable
 from llmserve.telemetry.request_log import clip
 

@@ -19,7 +19,7 @@ from llmserve.api.adapter_servicer import SERVICE_NAME as ADAPTER_SERVICE_NAME
 from llmserve.api.errors import StreamStalled, status_for
 from llmserve.api.servicer import SERVICE_NAME
 from llmserve.api.vllm_servicer import VLLM_SERVICE_NAME
-from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.types.errors import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import adapters_pb2, generate_pb2
 
 _SERVICES = {  # whose errors the ErrorInterceptor maps: llmserve's own, and vLLM's engine protocol

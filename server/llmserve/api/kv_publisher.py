@@ -23,8 +23,8 @@ import grpc
 from smg_grpc_proto.generated import common_pb2
 
 from llmserve.api.errors import ServiceError
-from llmserve.engine.frontend.protocol import Engine
-from llmserve.engine.sched.kv_events import UNKNOWN_SALT, KvEvent, KvStored
+from llmserve.engine.types.kv_cache import UNKNOWN_SALT, KvEvent, KvStored
+from llmserve.engine.types.protocol import Engine
 
 log = logging.getLogger("llmserve")
 

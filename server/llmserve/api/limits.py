@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmserve.config import InputLimits
-from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.types.errors import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 PREFIX_CHARS = 32

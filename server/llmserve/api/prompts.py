@@ -19,7 +19,7 @@ import grpc
 
 from llmserve.api.errors import ServiceError
 from llmserve.api.limits import quote_prefix
-from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.types.errors import InvalidRequest
 from llmserve.history import History, HistoryBusy, HistoryInput, HistoryStore, Message, NoHistory, Turn
 from llmserve.telemetry.request_log import clip
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb

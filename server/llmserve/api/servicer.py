@@ -44,9 +44,9 @@ from llmserve.api.limits import (
 from llmserve.api.prompts import SessionPrompts, embed_texts, embed_token_ids, prompt_token_ids, special_tokens
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
-from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
-from llmserve.engine.frontend.outputs import Delta, FinishReason
-from llmserve.engine.frontend.request import GenerationRequest
+from llmserve.engine.types.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.types.outputs import Delta, FinishReason
+from llmserve.engine.types.request import GenerationRequest
 from llmserve.history import HistoryInput, HistoryStore, Turn, open_store
 from llmserve.telemetry.call import CallObserver, CallRecord
 from llmserve.telemetry.request_log import log_call
@@ -54,7 +54,7 @@ from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from llmserve.engine.frontend.protocol import Engine, ModelInfo
+    from llmserve.engine.types.protocol import Engine, ModelInfo
 
 log = logging.getLogger("llmserve.requests")
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.frontend.outputs import Delta, FinishReason, TokenLogprob
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.outputs import Delta, FinishReason, TokenLogprob
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 # An unset temperature samples, as in vLLM and OpenAI.

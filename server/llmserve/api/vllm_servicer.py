@@ -38,11 +38,11 @@ from llmserve.api.vllm_convert import (
     to_llmserve_request,
 )
 from llmserve.auth import caller_identity
-from llmserve.engine.frontend.errors import InvalidRequest
+from llmserve.engine.types.errors import InvalidRequest
 from llmserve_client.pb.llmserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
-    from llmserve.engine.frontend.protocol import Engine
+    from llmserve.engine.types.protocol import Engine
 
 log = logging.getLogger("llmserve")
 

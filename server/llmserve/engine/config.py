@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmserve.engine.frontend.request import MAX_TOP_LOGPROBS
+from llmserve.engine.types.request import MAX_TOP_LOGPROBS
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from llmserve.engine.frontend.outputs import Delta, FinishReason
+from llmserve.engine.types.outputs import Delta, FinishReason
 from llmserve.history.reasons import reason_tokens
 
 # A turn is recorded only when the call produced a whole answer.

@@ -26,10 +26,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from llmserve.engine.types.stats import LatencyHistogram
 from llmserve.history.config import HistoryConfig
 from llmserve.history.errors import StoreUnavailable
 from llmserve.history.records import History, Turn
-from llmserve.telemetry.histogram import LatencyHistogram
 
 log = logging.getLogger("llmserve.history")
 

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import grpc
 
-from llmserve.engine.frontend.outputs import Delta
+from llmserve.engine.types.outputs import Delta
 
 STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
 # The finish of a call the engine had taken that ended by the caller's cancel or deadline before any finish reason.

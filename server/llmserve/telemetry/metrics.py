@@ -36,10 +36,8 @@ from llmserve.telemetry.call import CallRecord
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from llmserve.engine.frontend.protocol import Engine, EngineStats
-    from llmserve.engine.kv_tiers.worker import TierStats
-    from llmserve.engine.lora.catalog import LoraStats
-    from llmserve.engine.spec.drafter import SpecStats
+    from llmserve.engine.types.protocol import Engine, EngineStats
+    from llmserve.engine.types.stats import LoraStats, SpecStats, TierStats
     from llmserve.history import HistoryStore
 
 log = logging.getLogger("llmserve")

@@ -13,8 +13,8 @@ from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.attention import GatheredAttention, paged_attention
 from llmserve.engine.backends.cpu.backend import QUERY_BLOCK
 from llmserve.engine.config import EngineConfig
-from llmserve.models import from_config
-from llmserve.testing import tiny_config
+from llmserve.models.loader import from_config
+from tests.testing import tiny_config
 
 
 @pytest.mark.parametrize(("cached", "length"), [(0, 3 * QUERY_BLOCK + 5), (37, 2 * QUERY_BLOCK), (200, 17)])

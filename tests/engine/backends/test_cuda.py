@@ -14,8 +14,8 @@ from llmserve.engine.backends.base import kv_blocks
 from llmserve.engine.backends.cuda import CudaBackend, DecodeGraphs
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
-from llmserve.models import from_config
-from llmserve.testing import TINY_VOCAB, tiny_config
+from llmserve.models.loader import from_config
+from tests.testing import TINY_VOCAB, tiny_config
 
 pytest.importorskip("triton", reason="the CUDA backend's graphs are built on the Triton varlen kernel")
 
@@ -81,7 +81,7 @@ async def test_every_step_reads_the_buffers_allocated_at_start() -> None:
     import asyncio
 
     from llmserve.engine.frontend.async_engine import AsyncEngine
-    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+    from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
     loaded = from_config(tiny_config(max_positions=256), dtype=torch.float32)
     config = EngineConfig(

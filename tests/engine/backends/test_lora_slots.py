@@ -18,9 +18,6 @@ import torch
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.cpu.packed_linear import bf16_available
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.engine.lora.catalog import LoraUnsupported
 from llmserve.engine.lora.serving import LoraServing, ResidentAdapter
 from llmserve.engine.sample.sampler import Sampled
 from llmserve.engine.sched.block_pool import BlockPool
@@ -28,9 +25,13 @@ from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import Sequence
 from llmserve.engine.sched.sessions import SessionStore
-from llmserve.models import LoadedModel, load_model
-from llmserve.testing import greedy_reference, tiny_model
+from llmserve.engine.types.adapters import LoraUnsupported
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import load_model
 from tests.engine.lora.peft_adapters import make_adapter
+from tests.testing import greedy_reference, tiny_model
 
 ADAPTERS: dict[str, dict[str, Any]] = {
     "all-r2": dict(r=2, lora_alpha=4),

@@ -10,7 +10,7 @@ import pytest
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.memory_check import GIB, InsufficientMemory, available_bytes, check_fits
 from llmserve.engine.config import EngineConfig
-from llmserve.models import load_model
+from llmserve.models.loader import load_model
 
 
 def test_the_message_has_the_numbers_and_the_way_out() -> None:

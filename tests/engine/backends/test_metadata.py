@@ -16,8 +16,8 @@ from llmserve.engine.backends.attention import GatheredAttention, KernelDecodeAt
 from llmserve.engine.backends.base import kv_blocks
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sched.plan import SeqStep, StepPlan
-from llmserve.models import from_config
-from llmserve.testing import tiny_config
+from llmserve.models.loader import from_config
+from tests.testing import tiny_config
 
 BS = 16
 

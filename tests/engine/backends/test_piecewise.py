@@ -21,9 +21,9 @@ from llmserve.engine.backends.piecewise import MixedSteps, token_bucket
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.models import from_config
-from llmserve.testing import greedy_reference, tiny_config
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config
+from tests.testing import greedy_reference, tiny_config
 
 pytest.importorskip("triton", reason="the CUDA backend is built on the Triton varlen kernel")
 

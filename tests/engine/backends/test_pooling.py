@@ -14,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch, EncoderConfig
+from llmserve.engine.backends.encoder_batch import EncoderBatch
 from llmserve.engine.backends.pooling import DenseStack, PoolingState, finish, pool
-from llmserve.packaged_models import extract, find_packaged
-from llmserve.pooling_config import DenseModule, PoolingMode, read_pooling_config
+from llmserve.engine.types.pooling import DenseModule, PoolingMode
+from llmserve.models.encoder import BertEncoder, EncoderConfig
+from llmserve.models.packaged import extract, find_packaged
+from llmserve.models.pooling_config import read_pooling_config
 
 SENTENCES = Path(__file__).resolve().parents[2] / "data" / "sentences.txt"
 MODES = list(PoolingMode)
@@ -133,7 +135,7 @@ def test_every_mode_with_dense_equals_sentence_transformers(
     tmp_path: Path, minilm: Path, mode: str, st_mode: str
 ) -> None:
     """A pipeline sentence-transformers saves (pooling, two Dense projections, Normalize), read back by
-    pooling_config.py and computed by the encoder, pooling and DenseStack, against the library's encode."""
+    models/pooling_config.py and computed by the encoder, pooling and DenseStack, against the library's encode."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.engine.backends.prompt_logprobs import PromptScores, score
-from llmserve.engine.frontend.outputs import TokenLogprob
+from llmserve.engine.types.outputs import TokenLogprob
 
 
 def test_each_row_scores_its_target_with_its_own_top_n() -> None:

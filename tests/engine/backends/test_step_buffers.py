@@ -18,7 +18,7 @@ from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.step_buffers import StepBuffers, StepInputs
 from llmserve.engine.sched.plan import SeqStep
-from llmserve.model_shape import ModelShape
+from llmserve.engine.types.model import ModelShape
 
 BS = 4
 MAX_SEQS = 8

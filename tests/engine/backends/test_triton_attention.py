@@ -92,7 +92,7 @@ def _one_seq() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 async def _generate_all(engine, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:  # noqa: ANN001
-    from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+    from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
     async def one(i: int) -> list[int]:
         request = GenerationRequest(f"r{i}", tuple(prompts[i]), stopping=StoppingParams(max_new[i], ignore_eos=True))
@@ -117,8 +117,8 @@ async def test_engine_with_the_varlen_kernel_equals_generate(graphs: bool) -> No
     from llmserve.engine.backends.cuda import CudaBackend
     from llmserve.engine.config import EngineConfig
     from llmserve.engine.frontend.async_engine import AsyncEngine
-    from llmserve.models import from_config
-    from llmserve.testing import greedy_reference, tiny_config
+    from llmserve.models.loader import from_config
+    from tests.testing import greedy_reference, tiny_config
 
     loaded = from_config(tiny_config(), dtype=torch.float32)
     loaded.model.set_attn_implementation("sdpa")  # the reference runs transformers' own attention

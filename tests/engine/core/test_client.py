@@ -5,8 +5,8 @@ Both clients over a real core: core/test_engine_process.py and frontend/test_asy
 from __future__ import annotations
 
 from llmserve.engine.core.client import ClientRequests
-from llmserve.engine.frontend.outputs import EngineOutput, FinishReason
-from llmserve.engine.frontend.protocol import EngineStats
+from llmserve.engine.types.outputs import EngineOutput, FinishReason
+from llmserve.engine.types.protocol import EngineStats
 
 
 def stats(running: int, waiting: int) -> EngineStats:

@@ -10,12 +10,12 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore, ThreadCore
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.frontend.outputs import FinishReason, Usage
-from llmserve.engine.frontend.request import SamplingParams, StoppingParams, validate
-from llmserve.models import from_config
-from llmserve.testing import tiny_config
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.outputs import FinishReason, Usage
+from llmserve.engine.types.request import SamplingParams, StoppingParams, validate
+from llmserve.models.loader import from_config
 from tests.engine.engine_helpers import RUN_TIMEOUT_S, PieceTokenizer, req, serve, stepped_core, with_text
+from tests.testing import tiny_config
 
 
 def test_context_is_capped_at_a_sliding_window() -> None:

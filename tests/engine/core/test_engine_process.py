@@ -22,16 +22,16 @@ from llmserve.engine.core.client import Core
 from llmserve.engine.core.engine_core import ThreadCore
 from llmserve.engine.core.process import ChildSpec, ProcessCore
 from llmserve.engine.frontend.async_engine import build_engine
-from llmserve.engine.frontend.errors import EngineDead
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import (
+from llmserve.engine.types.errors import EngineDead
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.models import load_model
+from llmserve.models.loader import load_model
 from llmserve.telemetry.metrics import EngineCollector
 from tests.engine.engine_helpers import CONFIG, RUN_TIMEOUT_S, req, run, start_engine, tiny64
 

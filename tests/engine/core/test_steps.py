@@ -14,19 +14,20 @@ import pytest
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.core.steps import OverlapRunner, TokenSink
-from llmserve.engine.frontend.outputs import FinishReason, RequestStart, TokenLogprob
-from llmserve.engine.frontend.request import (
+from llmserve.engine.sample.constraints import ConstraintCompiler, Vocabulary
+from llmserve.engine.sample.sampler import Sampled
+from llmserve.engine.sched.plan import PENDING, StepPlan
+from llmserve.engine.sched.sequence import Sequence
+from llmserve.engine.types.outputs import FinishReason, RequestStart, TokenLogprob
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.sample.constraints import ConstraintCompiler, Vocabulary
-from llmserve.engine.sample.sampler import Sampled
-from llmserve.engine.sched.plan import PENDING, StepPlan
-from llmserve.engine.sched.sequence import Sequence
 from tests.engine.engine_helpers import CONFIG, req, run, serve, start_engine, stepped_core, with_text
+from tests.engine.sched.pool_checks import pinned
 
 SAMPLED = SamplingParams(temperature=1.0, seed=99)
 
@@ -82,7 +83,7 @@ def _assert_clean(core: EngineCore) -> None:
     assert not core.runner.in_flight
     assert not core.scheduler.live and len(core.backend.streams) == 0
     assert core.pool.num_free == core.pool.num_blocks
-    assert core.scheduler.pinned() == []
+    assert pinned(core.scheduler) == []
 
 
 def test_overlapped_greedy_equals_plain_steps_under_concurrency() -> None:

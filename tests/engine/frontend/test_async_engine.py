@@ -20,19 +20,18 @@ import torch
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.outputs import FinishReason, Usage
-from llmserve.engine.frontend.request import (
+from llmserve.engine.types.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.types.kv_cache import KvStored
+from llmserve.engine.types.outputs import FinishReason, Usage
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.sched.kv_events import KvStored
-from llmserve.models import from_config
-from llmserve.testing import greedy_reference, tiny_config
+from llmserve.models.loader import from_config
 from tests.engine.engine_helpers import (
     CONFIG,
     CORES,
@@ -46,6 +45,7 @@ from tests.engine.engine_helpers import (
     with_text,
 )
 from tests.stepspy import StepSpy
+from tests.testing import greedy_reference, tiny_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from llmserve.engine.frontend.detokenizer import DetokenizedDelta, IncrementalDetokenizer
-from llmserve.models import convert_gguf, default_gguf_path
+from llmserve.models.gguf import convert_gguf, default_gguf_path
 
 CORPUS = [
     "Hello world, this is a test of the tokenizer.",

@@ -9,14 +9,15 @@ import asyncio
 import pytest
 
 from llmserve.engine.frontend.async_engine import DeltaStream
-from llmserve.engine.frontend.errors import InvalidRequest
 from llmserve.engine.frontend.fanout import SEED_MODULUS, derive_seed, split
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.outputs import Delta, FinishReason, Usage
-from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, validate
 from llmserve.engine.sample.sampler import RowFailed
 from llmserve.engine.sched.sequence import SeqStatus
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.outputs import Delta, FinishReason, Usage
+from llmserve.engine.types.request import GenerationRequest, SamplingParams, validate
 from tests.engine.engine_helpers import req, run, stepped_core
+from tests.engine.sched.pool_checks import check_pool
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)
 BS = 16
@@ -127,7 +128,7 @@ def test_n_completions_compute_the_prompt_once_and_share_its_blocks(salt: str | 
     def on_step() -> None:
         running = [s for s in core.scheduler.live.values() if s.status is SeqStatus.RUNNING]
         owners = [s.block_table for s in running]
-        core.pool.check(owners)  # the books agree with the owners after every step
+        check_pool(core.pool, owners)  # the books agree with the owners after every step
         if len(running) == 4 and not shared_seen:
             shared_seen.append([core.pool.ref_count[b] for b in running[0].block_table[:full]])
             assert all(s.block_table[:full] == running[0].block_table[:full] for s in running)
@@ -141,7 +142,7 @@ def test_n_completions_compute_the_prompt_once_and_share_its_blocks(salt: str | 
     assert all(u.prompt_tokens == len(prompt) and u.completion_tokens == 6 for u in usages)
     prompt_work = sorted(spy.computed.values())  # prompt tokens computed + decode tokens (one per later token)
     assert prompt_work == [1 + 5] * 3 + [len(prompt) + 5]
-    core.pool.check([])  # nothing leaked: every block back in the pool
+    check_pool(core.pool, [])  # nothing leaked: every block back in the pool
 
 
 def test_the_completions_wait_for_completion_0s_prompt_in_chunks() -> None:
@@ -189,7 +190,7 @@ async def test_closing_the_stream_ends_all_n_and_leaks_no_block(engine) -> None:
             await asyncio.sleep(0.01)
     assert engine.num_running == 0 and engine.num_waiting == 0
     core = engine.core.engine_core
-    core.pool.check([])
+    check_pool(core.pool, [])
     assert core.pool.num_free == core.pool.num_blocks
 
 
@@ -218,4 +219,4 @@ async def test_a_failed_completion_ends_the_call_and_the_others_with_it(engine) 
     assert deltas[-1].finish_reason is FinishReason.ERROR and deltas[-1].error == "boom"
     assert not any(d.finished for d in deltas[:-1])  # the others never finished: they were stopped
     assert deltas[-1].total_usage is None
-    core.pool.check([])
+    check_pool(core.pool, [])

@@ -6,8 +6,8 @@ The engine-driven cases (real core, real steps) are in test_core.py; here each r
 from __future__ import annotations
 
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.outputs import Delta, EngineOutput, FinishReason, RequestStart, Timing, Usage
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
+from llmserve.engine.types.outputs import Delta, EngineOutput, FinishReason, RequestStart, Timing, Usage
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
 START = RequestStart(num_prompt=3, num_cached_prompt=1, seed=7, arrival=0.0, queued_s=0.01, ttft_s=0.02)
 

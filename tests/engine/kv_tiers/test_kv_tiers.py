@@ -17,11 +17,12 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.kv_tiers.disk import DiskTier, DiskTierError
 from llmserve.engine.sched.block_pool import BlockContent, chain_hash, prefix_root
-from llmserve.models import LoadedModel, from_config
-from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config
+from tests.testing import TINY_VOCAB, greedy_reference, tiny_config
 
 BS = 16
 

@@ -17,7 +17,7 @@ from llmserve.engine.kv_tiers.host import HostTier
 from llmserve.engine.kv_tiers.worker import KVTiers, LoadResult
 from llmserve.engine.sched.block_pool import BlockContent, BlockPool, Evicted, chain_hash, prefix_root
 from llmserve.engine.sched.plan import StepPlan
-from llmserve.model_shape import ModelShape
+from llmserve.engine.types.model import ModelShape
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=100, context_length=256)
 BS = 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.models import LoadedModel
-from llmserve.testing import tiny_model
+from llmserve.engine.types.model import LoadedModel
+from tests.testing import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,10 @@ from llmserve.engine.lora.adapters import (
     projection_shapes,
     read_adapter,
 )
-from llmserve.models import LoadedModel, from_config
-from llmserve.testing import tiny_config
+from llmserve.engine.types.model import LoadedModel
+from llmserve.models.loader import from_config
 from tests.engine.lora.peft_adapters import ALL_TARGETS, make_adapter
+from tests.testing import tiny_config
 
 
 def test_what_peft_saved_reads_back_with_peft_scaling(tiny: LoadedModel, tmp_path: Path) -> None:

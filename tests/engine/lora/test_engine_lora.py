@@ -20,13 +20,20 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused, ListAdapters, LoadAdapter, UnloadAdapter
-from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
-from llmserve.engine.spec.calibrate import table_rows
 from llmserve.engine.spec.policy import CostTable
-from llmserve.testing import greedy_reference, tiny_model
-from tests.engine.engine_helpers import CORES, req, run, start_engine
+from llmserve.engine.types.adapters import (
+    AdapterExists,
+    AdapterNotFound,
+    AdapterRefused,
+    AdaptersBusy,
+    ListAdapters,
+    LoadAdapter,
+    UnknownAdapter,
+    UnloadAdapter,
+)
+from tests.engine.engine_helpers import CORES, req, run, start_engine, table_rows
 from tests.engine.lora.peft_adapters import make_adapter
+from tests.testing import greedy_reference, tiny_model
 
 ADAPTERS: dict[str, dict[str, Any]] = {
     "all-r2": dict(r=2, lora_alpha=4),

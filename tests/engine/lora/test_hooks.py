@@ -21,9 +21,9 @@ from llmserve.engine.lora.hooks import LoraHooks
 from llmserve.engine.lora.ops import NO_ADAPTER, LoraRows
 from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.lora.weights import MODULE_GROUPS, LoraWeights
-from llmserve.models import LoadedModel
-from llmserve.testing import greedy_reference
+from llmserve.engine.types.model import LoadedModel
 from tests.engine.lora.peft_adapters import make_adapter
+from tests.testing import greedy_reference
 
 # Three adapters of different ranks, targets and scaling rules.
 ADAPTERS: dict[str, dict[str, Any]] = {

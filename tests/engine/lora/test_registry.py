@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.engine.lora.registry import (
-    AdapterExists,
-    AdapterRegistry,
-    AdaptersBusy,
-    AdapterState,
-    NotResident,
-    UnknownAdapter,
-)
+from llmserve.engine.lora.registry import AdapterRegistry, AdapterState, NotResident
+from llmserve.engine.types.adapters import AdapterExists, AdaptersBusy, UnknownAdapter
+from tests.engine.lora.adapter_checks import check_registry, resident
 
 
 def test_bounds_must_be_positive() -> None:
@@ -30,7 +25,7 @@ def test_load_acquire_release_unload() -> None:
     assert len(reg._held) == 0 and reg.num_resident == 1
     assert reg.unload("a") == "A"  # idle: freed at once
     assert "a" not in reg and reg.num_resident == 0
-    reg.check()
+    check_registry(reg)
 
 
 def test_the_least_recently_used_idle_adapter_makes_room_and_its_name_stays() -> None:
@@ -45,7 +40,7 @@ def test_the_least_recently_used_idle_adapter_makes_room_and_its_name_stays() ->
     assert info.value.source == "/b"
     assert reg.reload("b", "B2") == ["A"]  # a is now the least recently used
     assert reg.acquire("b").payload == "B2"
-    reg.check()
+    check_registry(reg)
 
 
 def test_a_held_adapter_is_never_unloaded_to_make_room() -> None:
@@ -58,8 +53,8 @@ def test_a_held_adapter_is_never_unloaded_to_make_room() -> None:
     assert "c" not in reg and reg.num_resident == 2  # a refused load changes nothing
     reg.release(a.adapter_id)
     assert reg.load("c", "/c", "C") == ["A"]
-    assert reg.resident(b.adapter_id) is b
-    reg.check()
+    assert resident(reg, b.adapter_id) is b
+    check_registry(reg)
 
 
 def test_reload_refused_while_all_are_held_and_a_resident_name_keeps_what_it_has() -> None:
@@ -70,8 +65,8 @@ def test_reload_refused_while_all_are_held_and_a_resident_name_keeps_what_it_has
     with pytest.raises(AdaptersBusy):
         reg.reload("a", "A2")
     assert reg.reload("b", "B2") == []  # already resident: another request reloaded it first
-    assert reg.resident(held.adapter_id) is not None and held.payload == "B"
-    reg.check()
+    assert resident(reg, held.adapter_id) is not None and held.payload == "B"
+    check_registry(reg)
 
 
 def test_unloading_a_held_adapter_drains_it() -> None:
@@ -87,7 +82,7 @@ def test_unloading_a_held_adapter_drains_it() -> None:
     assert reg.release(first.adapter_id) is None
     assert reg.release(second.adapter_id) == "A"
     assert reg.num_resident == 1
-    reg.check()
+    check_registry(reg)
 
 
 def test_errors_name_the_adapter() -> None:
@@ -111,4 +106,4 @@ def test_the_checker_catches_bad_books() -> None:
     held = reg.acquire("a")
     held.pins = 0  # a planted miscount
     with pytest.raises(ValueError, match="a held adapter has no pins"):
-        reg.check()
+        check_registry(reg)

@@ -9,12 +9,21 @@ from pathlib import Path
 import pytest
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused, ListAdapters, LoadAdapter, UnloadAdapter
-from llmserve.engine.lora.registry import AdapterExists, AdaptersBusy, UnknownAdapter
 from llmserve.engine.lora.serving import LoraServing
 from llmserve.engine.lora.slot_books import TooManyAdapters
 from llmserve.engine.sched.plan import NO_ADAPTER, SeqStep, StepPlan
-from llmserve.models import LoadedModel
+from llmserve.engine.types.adapters import (
+    AdapterExists,
+    AdapterNotFound,
+    AdapterRefused,
+    AdaptersBusy,
+    ListAdapters,
+    LoadAdapter,
+    UnknownAdapter,
+    UnloadAdapter,
+)
+from llmserve.engine.types.model import LoadedModel
+from tests.engine.lora.adapter_checks import check_registry
 from tests.engine.lora.peft_adapters import make_adapter
 
 
@@ -81,7 +90,7 @@ def test_held_adapters_stay_idle_ones_go_and_come_back(tiny: LoadedModel, folder
     with pytest.raises(UnknownAdapter):
         books.acquire("a")
     books.release(again)
-    books.registry.check()
+    check_registry(books.registry)
 
 
 def test_a_steps_slots_and_writes(tiny: LoadedModel, folders: dict[str, Path]) -> None:

@@ -10,8 +10,10 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmserve.engine.lora.registry import AdapterRegistry, AdaptersBusy, NotResident, UnknownAdapter
+from llmserve.engine.lora.registry import AdapterRegistry, NotResident
 from llmserve.engine.lora.slot_books import SlotBooks, TooManyAdapters
+from llmserve.engine.types.adapters import AdaptersBusy, UnknownAdapter
+from tests.engine.lora.adapter_checks import check_registry, check_slots, forget, resident
 
 
 def test_bounds_must_be_positive() -> None:
@@ -26,7 +28,7 @@ def test_an_adapter_keeps_its_slot_and_nothing_is_copied_again() -> None:
     again = books.assign([8])
     assert again.slot_of == {8: 1} and again.writes == []
     assert books.num_writes == 2
-    books.check()
+    check_slots(books)
 
 
 def test_the_least_recently_used_slot_not_in_the_step_is_reused() -> None:
@@ -36,15 +38,15 @@ def test_the_least_recently_used_slot_not_in_the_step_is_reused() -> None:
     out = books.assign([3, 4])
     assert out.slot_of == {3: 2, 4: 1} and out.writes == [(1, 4)]
     assert books.slot_of(2) is None
-    books.check()
+    check_slots(books)
 
 
 def test_forgotten_adapters_free_their_slot_lowest_first() -> None:
     books = SlotBooks(3)
     books.assign([1, 2, 3])
-    assert books.forget(3) == 2 and books.forget(1) == 0 and books.forget(99) is None
+    assert forget(books, 3) == 2 and forget(books, 1) == 0 and forget(books, 99) is None
     assert books.assign([5, 6]).writes == [(0, 5), (2, 6)]
-    books.check()
+    check_slots(books)
 
 
 def test_more_adapters_than_slots_in_one_step_is_refused() -> None:
@@ -53,7 +55,7 @@ def test_more_adapters_than_slots_in_one_step_is_refused() -> None:
     with pytest.raises(TooManyAdapters, match="3 adapters in one step, --max-loras is 2"):
         books.assign([2, 3, 4])
     assert books.slot_of(1) == 0 and books.slot_of(2) is None  # a refused step changes nothing
-    books.check()
+    check_slots(books)
 
 
 def test_the_checker_catches_bad_books() -> None:
@@ -61,7 +63,7 @@ def test_the_checker_catches_bad_books() -> None:
     books.assign([1])
     books._holder[1] = 1  # planted: two slots claim adapter 1
     with pytest.raises(ValueError, match="disagree"):
-        books.check()
+        check_slots(books)
 
 
 NAMES = ["a", "b", "c", "d", "e"]
@@ -82,12 +84,12 @@ class AdapterBooks(RuleBasedStateMachine):
         """The owner's side of an unload: forget each freed adapter's slot."""
         for payload in payloads:
             adapter_id = next(i for i, p in self.payload_of.items() if p == payload)
-            self.slots.forget(adapter_id)
+            forget(self.slots, adapter_id)
             self.use_order.remove(adapter_id)
 
     def _idle_lru(self) -> list[int]:
         held = {i for i, _ in self.requests}
-        return [i for i in self.use_order if i not in held and self.registry.resident(i) is not None]
+        return [i for i in self.use_order if i not in held and resident(self.registry, i) is not None]
 
     def _admit(self, name: str) -> None:
         """A load (a new name) or a reload (a registered one whose adapter was unloaded to make room)."""
@@ -169,15 +171,15 @@ class AdapterBooks(RuleBasedStateMachine):
         for slot, adapter_id in out.writes:
             self.device[slot] = self.payload_of[adapter_id]
         for adapter_id in ids:
-            assert self.registry.resident(adapter_id) is not None, "a step runs an adapter that left memory"
+            assert resident(self.registry, adapter_id) is not None, "a step runs an adapter that left memory"
             assert self.device[out.slot_of[adapter_id]] == self.payload_of[adapter_id], "a row reads another's slot"
 
     @invariant()
     def books_agree(self) -> None:
-        self.registry.check()
-        self.slots.check()
+        check_registry(self.registry)
+        check_slots(self.slots)
         for adapter_id, _ in self.requests:
-            assert self.registry.resident(adapter_id) is not None, "a held adapter was unloaded"
+            assert resident(self.registry, adapter_id) is not None, "a held adapter was unloaded"
         assert self.registry.num_resident <= self.registry.max_cpu_loras
         assert len(self.registry._held) == len({i for i, _ in self.requests})
 

@@ -11,7 +11,7 @@ import torch
 from llmserve.engine.lora.adapters import read_adapter
 from llmserve.engine.lora.ops import LoraRows, add_lora
 from llmserve.engine.lora.weights import FUSED_GROUPS, MODULE_GROUPS, LoraWeights
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 from tests.engine.lora.peft_adapters import make_adapter
 
 

@@ -21,17 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "service"))
 from harness import tiny_engine  # noqa: E402
 
 from llmserve.engine.frontend.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.frontend.errors import InvalidRequest  # noqa: E402
-from llmserve.engine.frontend.outputs import Delta, FinishReason  # noqa: E402
-from llmserve.engine.frontend.request import (  # noqa: E402
+from llmserve.engine.sample.constraints import ConstraintChecker, ConstraintCompiler, Vocabulary  # noqa: E402
+from llmserve.engine.sample.masks import TokenMasks  # noqa: E402
+from llmserve.engine.types.errors import InvalidRequest  # noqa: E402
+from llmserve.engine.types.outputs import Delta, FinishReason  # noqa: E402
+from llmserve.engine.types.request import (  # noqa: E402
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.sample.constraints import ConstraintChecker, ConstraintCompiler, Vocabulary  # noqa: E402
-from llmserve.engine.sample.masks import TokenMasks  # noqa: E402
 
 SCHEMA = ConstraintKind.JSON_SCHEMA
 COMPLETE = (FinishReason.CONSTRAINT, FinishReason.EOS)

@@ -17,8 +17,6 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from llmserve.engine.frontend.outputs import TokenLogprob
-from llmserve.engine.frontend.request import SamplingParams
 from llmserve.engine.sample import sampler
 from llmserve.engine.sample.sampler import (
     RowFailed,
@@ -29,6 +27,8 @@ from llmserve.engine.sample.sampler import (
     warped_weights,
 )
 from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.types.outputs import TokenLogprob
+from llmserve.engine.types.request import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.frontend.outputs import TokenLogprob
-from llmserve.engine.frontend.request import SamplingParams
 from llmserve.engine.sample import sampler
 from llmserve.engine.sample.sampler import _apply_additive, _apply_repetition_penalty
 from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.sequence import SampleRow
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.outputs import TokenLogprob
+from llmserve.engine.types.request import SamplingParams
 
 _keys = itertools.count()  # each row its own sequence, hence its own stream
 

@@ -17,16 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "service"))
 from harness import tiny_engine  # noqa: E402
 
 from llmserve.engine.frontend.async_engine import AsyncEngine  # noqa: E402
-from llmserve.engine.frontend.errors import InvalidRequest  # noqa: E402
-from llmserve.engine.frontend.outputs import FinishReason  # noqa: E402
-from llmserve.engine.frontend.request import (  # noqa: E402
+from llmserve.engine.sample.constraints import ConstraintChecker, ConstraintCompiler, Vocabulary  # noqa: E402
+from llmserve.engine.types.errors import InvalidRequest  # noqa: E402
+from llmserve.engine.types.outputs import FinishReason  # noqa: E402
+from llmserve.engine.types.request import (  # noqa: E402
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.sample.constraints import ConstraintChecker, ConstraintCompiler, Vocabulary  # noqa: E402
 
 CORPUS: dict[str, Any] = json.loads((Path(__file__).resolve().parents[2] / "data" / "schema_corpus.json").read_text())
 REFUSED = {"unenforceable_unique_tags": "uniqueItems", "unenforceable_if_then": "if"}

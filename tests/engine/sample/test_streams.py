@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.engine.frontend.request import SamplingParams
 from llmserve.engine.sample.sampler import sample
 from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.sequence import SampleRow
+from llmserve.engine.types.request import SamplingParams
 
 
 def test_a_streams_draws_go_on_while_its_key_lives_and_start_afresh_once_released() -> None:

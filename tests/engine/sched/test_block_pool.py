@@ -7,6 +7,7 @@ import pytest
 
 from llmserve.engine.sched.block_pool import BlockPool, NoFreeBlocks, chain_hash, prefix_root
 from tests.engine.engine_helpers import clear_cache
+from tests.engine.sched.pool_checks import check_pool
 
 
 def test_sizes_must_be_positive() -> None:
@@ -28,7 +29,7 @@ def test_fresh_blocks_come_out_low_ids_first_with_one_reference() -> None:
     assert pool.ref_count == [1, 1, 0, 0, 0]
     assert pool.allocate(3) == [2, 3, 4]
     assert pool.num_free == 0 and not pool.can_allocate(1) and pool.can_allocate(0)
-    pool.check([[0, 1], [2, 3, 4]])
+    check_pool(pool, [[0, 1], [2, 3, 4]])
 
 
 def test_allocate_exactly_what_is_free_and_not_one_more() -> None:
@@ -48,7 +49,7 @@ def test_release_returns_anonymous_blocks_to_the_free_list_last_freed_first() ->
     assert pool.num_free == 2 and pool.num_cached == 0
     assert pool.ref_count == [0, 1, 0, 1]
     assert pool.allocate(1) == [0]  # the free list is a stack
-    pool.check([[0], [1], [3]])
+    check_pool(pool, [[0], [1], [3]])
 
 
 def test_references_count_up_and_down() -> None:
@@ -91,10 +92,10 @@ def test_a_registered_block_is_cached_when_released_and_revived_by_acquire() -> 
     assert find(pool, [1, 2]) == block and pool.block_hash[block] == h
     pool.release([block])
     assert pool.num_cached == 1 and pool.num_free == 3 and find(pool, [1, 2]) == block
-    pool.check([])
+    check_pool(pool, [])
     pool.acquire([block])  # revived: no longer evictable
     assert pool.ref_count[block] == 1 and pool.num_cached == 0 and pool.num_free == 2
-    pool.check([[block]])
+    check_pool(pool, [[block]])
     assert pool.allocate(2) == [1, 2]  # the revived block is not handed out again
     assert find(pool, [1, 2]) == block
 
@@ -116,7 +117,7 @@ def test_fresh_blocks_are_preferred_to_cached_ones_and_cached_ones_go_least_rece
     assert find(pool, contents[0]) == blocks[0] and find(pool, contents[2]) == blocks[2]
     assert pool.allocate(2) == [blocks[0], blocks[2]]
     assert pool.num_cached == 0 and all(find(pool, tokens) is None for tokens in contents)
-    pool.check([[3], [blocks[1]], [blocks[0]], [blocks[2]]])
+    check_pool(pool, [[3], [blocks[1]], [blocks[0]], [blocks[2]]])
 
 
 def test_reviving_a_cached_block_takes_it_out_of_the_eviction_order() -> None:
@@ -145,7 +146,7 @@ def test_register_needs_an_owned_block_and_keeps_the_first_copy_of_a_prefix() ->
     assert pool.num_cached == 0 and pool.num_free == 2  # anonymous: straight back to the free list
     pool.release([a])
     assert pool.num_cached == 1
-    pool.check([])
+    check_pool(pool, [])
 
 
 def test_allocating_every_unreferenced_block_forgets_every_cached_prefix_in_freeing_order() -> None:
@@ -160,7 +161,7 @@ def test_allocating_every_unreferenced_block_forgets_every_cached_prefix_in_free
     assert pool.num_cached == 0 and pool.num_free == 2
     assert find(pool, [1, 1]) is None and find(pool, [2, 2]) is None and find(pool, [3, 3]) == c
     assert pool.block_hash[a] is None and pool.block_hash[b] is None
-    pool.check([[c]])
+    check_pool(pool, [[c]])
     assert pool.allocate(2) == [a, b]  # pushed in freeing order, popped from the end: the last freed comes first
 
 
@@ -198,31 +199,31 @@ def test_a_hit_is_checked_against_the_blocks_parent_and_tokens() -> None:
 def test_check_reports_a_ref_count_that_differs_from_the_owners() -> None:
     pool = BlockPool(12, 2)
     blocks = pool.allocate(12)
-    pool.check([blocks])
+    check_pool(pool, [blocks])
     with pytest.raises(ValueError, match=r"ref counts differ from owners at blocks \[3\]$"):
-        pool.check([blocks[:3] + blocks[4:]])
+        check_pool(pool, [blocks[:3] + blocks[4:]])
     with pytest.raises(ValueError, match=r"at blocks \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9\]$"):
-        pool.check([])  # at most ten listed
+        check_pool(pool, [])  # at most ten listed
     with pytest.raises(ValueError, match="ref counts differ"):
-        pool.check([blocks, [5]])
+        check_pool(pool, [blocks, [5]])
 
 
 def test_check_reports_a_block_listed_twice() -> None:
     pool = BlockPool(3, 2)
     pool._free.append(0)
     with pytest.raises(ValueError, match="^a block is listed twice among free/cached$"):
-        pool.check([])
+        check_pool(pool, [])
     pool = BlockPool(3, 2)
     pool._cached[0] = None
     with pytest.raises(ValueError, match="^a block is listed twice among free/cached$"):
-        pool.check([])
+        check_pool(pool, [])
 
 
 def test_check_reports_a_lost_block() -> None:
     pool = BlockPool(3, 2)
     pool._free.remove(1)
     with pytest.raises(ValueError, match="^unowned blocks differ from free\\+cached$"):
-        pool.check([])
+        check_pool(pool, [])
 
 
 def test_check_reports_a_hash_index_that_disagrees() -> None:
@@ -231,14 +232,14 @@ def test_check_reports_a_hash_index_that_disagrees() -> None:
     h = put(pool, block, [9, 9])
     pool._hash_to_block[h] = 2
     with pytest.raises(ValueError, match="hash index disagrees at block 2"):
-        pool.check([[block]])
+        check_pool(pool, [[block]])
 
 
 def test_check_reports_a_free_block_with_a_hash() -> None:
     pool = BlockPool(3, 2)
     pool.block_hash[1] = chain_hash(None, [4])
     with pytest.raises(ValueError, match="^a free block still has a hash$"):
-        pool.check([])
+        check_pool(pool, [])
 
 
 def test_evicted_hashed_blocks_are_listed_for_offload_and_loads_register_only_when_sound() -> None:
@@ -260,10 +261,10 @@ def test_evicted_hashed_blocks_are_listed_for_offload_and_loads_register_only_wh
     pool.release([first, second])
     ok, bad = pool.begin_load(2)
     assert len(pool._loading) == 2 and pool.is_loading(ok)
-    pool.check([])  # the loads' own references balance the books
+    check_pool(pool, [])  # the loads' own references balance the books
     pool.end_load(ok, BlockContent(h, root, (1, 2)))
     pool.end_load(bad, None)
     assert pool.lookup(h, root, [1, 2]) == ok and pool.block_hash[bad] is None
     with pytest.raises(ValueError, match="not loading"):
         pool.end_load(ok, None)
-    pool.check([])
+    check_pool(pool, [])

@@ -11,7 +11,8 @@ import pytest
 from llmserve.api.errors import ServiceError
 from llmserve.api.kv_publisher import PENDING, KvEventPublisher, block_id
 from llmserve.engine.sched.block_pool import BlockPool, chain_hash, prefix_root
-from llmserve.engine.sched.kv_events import UNKNOWN_SALT, KvEventLog, KvRemoved, KvStored
+from llmserve.engine.sched.kv_events import KvEventLog
+from llmserve.engine.types.kv_cache import UNKNOWN_SALT, KvRemoved, KvStored
 
 
 def chain(pool: BlockPool, tokens: list[int], salt: str | None) -> list[bytes]:

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.sched.plan import PENDING, StepPlan, step_of
 from llmserve.engine.sched.sequence import Sequence
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
 
 def sequence(seq_no: int, tokens: list[int], computed: int) -> Sequence:

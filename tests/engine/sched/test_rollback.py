@@ -16,8 +16,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from llmserve.engine.sched.block_pool import BlockPool, blocks_for, chain_hash
+from llmserve.engine.sched.block_pool import BlockPool, chain_hash
 from llmserve.engine.sched.rollback import settle
+from llmserve.engine.types.kv_cache import blocks_for
+from tests.engine.sched.pool_checks import check_pool
 
 BS = 4
 VOCAB = 5  # few tokens: prompts share prefixes and drafts collide with the truth often
@@ -110,7 +112,7 @@ class VerifyBooks(RuleBasedStateMachine):
 
     @invariant()
     def books_are_exact(self) -> None:
-        self.pool.check([seq.table for seq in self.seqs])
+        check_pool(self.pool, [seq.table for seq in self.seqs])
         for seq in self.seqs:
             assert len(seq.table) == blocks_for(seq.num_computed, BS)
             assert seq.num_computed == len(seq.tokens) - 1  # only the last (sampled) token is uncomputed

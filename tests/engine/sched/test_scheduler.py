@@ -18,16 +18,17 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, PoolingParams, StoppingParams
 from llmserve.engine.kv_tiers.index import TierIndex
 from llmserve.engine.sched.block_pool import BlockContent, BlockPool, Evicted, chain_hash
 from llmserve.engine.sched.plan import StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
-from llmserve.pooling_config import PoolingMode
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.pooling import PoolingMode
+from llmserve.engine.types.request import GenerationRequest, PoolingParams, StoppingParams
 from tests.engine.engine_helpers import clear_cache
+from tests.engine.sched.pool_checks import check_pool, pinned, session_owners
 
 BLOCK_SIZE = 4
 MAX_SESSIONS = 3
@@ -335,8 +336,8 @@ class EngineBooks(RuleBasedStateMachine):
     def books_balance(self) -> None:
         if not hasattr(self, "pool"):
             return
-        owners = [seq.block_table for seq in self.scheduler.running] + self.sessions.owners()
-        self.pool.check(owners + self.scheduler.pinned())
+        owners = [seq.block_table for seq in self.scheduler.running] + session_owners(self.sessions)
+        check_pool(self.pool, owners + pinned(self.scheduler))
         assert len(self.pool._loading) == len(self.loads) == len(self.scheduler._load_content)
         if self.tier is not None:
             assert len(self.tier) <= self.tier.capacity_blocks
@@ -354,7 +355,7 @@ class EngineBooks(RuleBasedStateMachine):
             # Blocks this sequence will still write into must be its alone (copy on write).
             for block in seq.block_table[seq.num_computed // BLOCK_SIZE :]:
                 assert self.pool.ref_count[block] == 1
-        assert self.sessions.num_blocks_held == sum(len(b) for b in self.sessions.owners())
+        assert self.sessions.num_blocks_held == sum(len(b) for b in session_owners(self.sessions))
         assert len(self.sessions) <= MAX_SESSIONS
         assert self.sessions.num_blocks_held <= int(self.pool.num_blocks * SESSION_POOL_FRACTION)
         assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
@@ -380,7 +381,7 @@ class EngineBooks(RuleBasedStateMachine):
         while self.sessions.evict_one():
             pass
         clear_cache(self.pool)
-        self.pool.check([])
+        check_pool(self.pool, [])
         assert self.pool.num_free == self.pool.num_blocks
         assert not self.scheduler.running and self.scheduler.num_waiting == 0
 
@@ -448,7 +449,7 @@ def test_session_reuse_and_copy_on_write() -> None:
     # The copy: the session's second block (tokens 4..7, of which 4..5 match) into the third call's own block.
     assert tables["r3"][0] == held[0]
     assert copies == [(held[1], tables["r3"][1])] and tables["r3"][1] not in held
-    pool.check(sessions.owners())
+    check_pool(pool, session_owners(sessions))
 
 
 # -- targeted cases: the counters the metrics read, and rules the state machine cannot see ----------------------------
@@ -559,7 +560,7 @@ def test_a_finished_session_keeps_the_blocks_of_its_computed_tokens_only() -> No
     drive(scheduler, seq)  # 7 + 2 tokens, the last one never computed: 8 computed, two full blocks
     assert sessions.get("s").token_ids == list(range(7)) + [3] and len(sessions.get("s").blocks) == 2
     assert seq.block_table == [] and seq.finish_reason is FinishReason.LENGTH
-    pool.check(sessions.owners())
+    check_pool(pool, session_owners(sessions))
 
 
 def test_waiting_sequences_are_admitted_by_priority_then_age_within_max_num_seqs() -> None:
@@ -600,7 +601,7 @@ def test_an_abandoned_step_lets_go_of_its_copy_sources_and_registers_nothing() -
     assert pool.ref_count[held[1]] == 1
     assert all(pool.block_hash[b] is None for b in seq.block_table[1:])
     scheduler.finish(seq, FinishReason.ERROR)
-    pool.check(sessions.owners())
+    check_pool(pool, session_owners(sessions))
 
 
 def test_a_running_sequence_evicts_as_many_sessions_as_its_chunk_needs() -> None:
@@ -647,7 +648,7 @@ def test_a_block_is_hashed_only_once_it_is_full() -> None:
     head = chain_hash(None, [1, 2, 3, 4])
     assert other.num_computed == 8 and pool.block_hash[other.block_table[1]] == chain_hash(head, [5, 6, 9, 9])
     scheduler.finish(other, FinishReason.CANCELLED)
-    pool.check([])
+    check_pool(pool, [])
 
 
 def test_a_prefix_hit_whose_tokens_differ_is_recomputed_not_reused() -> None:
@@ -705,7 +706,7 @@ def test_the_newest_running_sequence_makes_way_even_when_it_is_the_one_growing()
     assert c.status is SeqStatus.WAITING and c.block_table == [] and len(b.block_table) == 3
     for ready in scheduler.update(plan):
         ready.token_ids.append(5)
-    pool.check([a.block_table, b.block_table])
+    check_pool(pool, [a.block_table, b.block_table])
 
 
 def test_a_sequence_that_must_preempt_itself_leaves_the_step() -> None:
@@ -719,7 +720,7 @@ def test_a_sequence_that_must_preempt_itself_leaves_the_step() -> None:
     assert isinstance(plan, StepPlan)
     assert [(entry.seq, entry.num_tokens) for entry in plan.seqs] == [(older, 1)] and plan.preempted == [newer]
     assert newer.status is SeqStatus.WAITING and newer.block_table == [] and scheduler.running == [older]
-    pool.check([older.block_table])
+    check_pool(pool, [older.block_table])
 
 
 def test_a_waiting_request_evicts_sessions_and_waits_when_running_ones_hold_the_pool() -> None:
@@ -738,7 +739,7 @@ def test_a_waiting_request_evicts_sessions_and_waits_when_running_ones_hold_the_
     plan = scheduler.schedule()
     assert [entry.seq for entry in plan.seqs] == [first] and second.status is SeqStatus.WAITING
     assert second.block_table == [] and scheduler.num_waiting == 1 and len(sessions) == 0
-    pool.check([first.block_table])
+    check_pool(pool, [first.block_table])
 
 
 def test_the_budget_is_spent_to_the_last_token_and_no_further() -> None:
@@ -853,7 +854,7 @@ def test_a_later_completion_shares_only_the_first_ones_full_prompt_blocks_also_a
     step(9)
     assert later.status is SeqStatus.RUNNING
     assert later.block_table[:2] == first.block_table[:2] and later.block_table[2] != first.block_table[2]
-    pool.check([first.block_table, later.block_table])
+    check_pool(pool, [first.block_table, later.block_table])
 
 
 def scoring_seq(n: int, prompt: list[int], *, session: str | None = None) -> Sequence:

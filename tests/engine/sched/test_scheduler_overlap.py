@@ -4,13 +4,13 @@ and the same blocks and outputs as plain steps when each step lands one step lat
 
 from __future__ import annotations
 
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.sched.block_pool import BlockPool
 from llmserve.engine.sched.plan import PENDING, StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from tests.engine.engine_helpers import clear_cache
 
 BS = 4

@@ -12,13 +12,14 @@ from hypothesis import HealthCheck, given, settings
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.outputs import Delta, FinishReason
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.sched.block_pool import BlockPool, prefix_root
 from llmserve.engine.sched.sessions import SessionStore
-from llmserve.models import from_config
-from llmserve.testing import TINY_VOCAB, greedy_reference, tiny_config
+from llmserve.engine.types.outputs import Delta, FinishReason
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config
 from tests.engine.engine_helpers import clear_cache
+from tests.engine.sched.pool_checks import check_pool, session_owners
+from tests.testing import TINY_VOCAB, greedy_reference, tiny_config
 
 BASE = dict(block_size=8, max_num_seqs=16, max_num_batched_tokens=128)
 ROOT = prefix_root(None)  # the root the base model's unsalted requests hash under
@@ -236,8 +237,8 @@ def test_store_retains_matches_and_deletes() -> None:
     session = sessions.get("a")
     assert (session.session_id, session.token_ids, session.blocks) == ("a", list(range(10)), blocks)
     assert session.last_used == clock.now and abs(session.last_used_wall - time.time()) < 60
-    assert sessions.owners() == [blocks]
-    pool.check(sessions.owners())
+    assert session_owners(sessions) == [blocks]
+    check_pool(pool, session_owners(sessions))
     # The longest common prefix, and the blocks that hold it (the last one may be partly covered).
     assert sessions.match("a", list(range(10)), ROOT) == (10, blocks)
     assert sessions.match("a", list(range(12)), ROOT) == (10, blocks)
@@ -248,7 +249,7 @@ def test_store_retains_matches_and_deletes() -> None:
     assert sessions.match("a", list(range(10)), prefix_root("other")) == (0, [])
     assert sessions.delete("a") is True and sessions.delete("a") is False
     assert len(sessions) == 0 and sessions.num_blocks_held == 0 and pool.num_free == pool.num_blocks
-    pool.check([])
+    check_pool(pool, [])
     assert sessions.evictions == {"memory": 0, "limit": 0, "ttl": 0}  # a delete is not an eviction
 
 
@@ -257,7 +258,7 @@ def test_store_retain_replaces_what_the_session_held_and_checks_the_block_count(
     hold(pool, sessions, "a", 8)
     newer = hold(pool, sessions, "a", 5)
     assert sessions.get("a").blocks == newer and sessions.num_blocks_held == 2 and len(sessions) == 1
-    pool.check(sessions.owners())
+    check_pool(pool, session_owners(sessions))
     with pytest.raises(ValueError, match="^blocks do not match the token count$"):
         sessions.retain("b", [1, 2, 3, 4, 5], pool.allocate(1), ROOT)
     assert "b" not in sessions
@@ -322,7 +323,7 @@ def test_store_max_sessions_evicts_the_least_recently_used_never_the_new_one() -
     assert sorted(sessions._sessions) == ["a", "c"] and sessions.evictions["limit"] == 1
     hold(pool, sessions, "a", 4)  # retaining an existing session adds none
     assert sorted(sessions._sessions) == ["a", "c"] and sessions.evictions["limit"] == 1
-    pool.check(sessions.owners())
+    check_pool(pool, session_owners(sessions))
 
 
 def test_store_the_pool_share_evicts_others_first_then_the_session_itself() -> None:
@@ -340,7 +341,7 @@ def test_store_the_pool_share_evicts_others_first_then_the_session_itself() -> N
     hold(pool, sessions, "e", 36)  # 9 blocks: over the share on its own, so not kept at all
     assert len(sessions) == 0 and sessions.num_blocks_held == 0 and sessions.evictions["limit"] == 4
     assert pool.num_free == pool.num_blocks
-    pool.check([])
+    check_pool(pool, [])
 
 
 def test_store_the_session_kept_over_the_limit_keeps_its_place_among_the_others() -> None:

@@ -8,9 +8,9 @@ import pytest
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.spec.calibrate import BATCHES, KS
-from llmserve.testing import tiny_model
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from tests.testing import tiny_model
 
 
 @pytest.fixture

@@ -11,15 +11,14 @@ import random
 import pytest
 
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.engine.frontend.request import GenerationRequest, SamplingParams, StoppingParams
 from llmserve.engine.sched.sequence import Sequence
-from llmserve.engine.spec.calibrate import table_rows
 from llmserve.engine.spec.drafter import Drafter
 from llmserve.engine.spec.policy import CostTable
 from llmserve.engine.spec.suffix import available
-from llmserve.testing import TINY_VOCAB
-from tests.engine.engine_helpers import serve
+from llmserve.engine.types.request import GenerationRequest, SamplingParams, StoppingParams
+from tests.engine.engine_helpers import serve, table_rows
 from tests.engine.spec.test_exactness import FREE, config, tiny64
+from tests.testing import TINY_VOCAB
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,18 @@ from transformers import LlamaConfig
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import (
+from llmserve.engine.spec.policy import CostTable
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.request import (
     ConstraintKind,
     ConstraintSpec,
     GenerationRequest,
     SamplingParams,
     StoppingParams,
 )
-from llmserve.engine.spec.calibrate import table_rows
-from llmserve.engine.spec.policy import CostTable
-from llmserve.models import LoadedModel, from_config
-from llmserve.testing import TINY_VOCAB, tiny_config
+from llmserve.models.loader import from_config
+from tests.engine.engine_helpers import table_rows
+from tests.testing import TINY_VOCAB, tiny_config
 
 FREE = CostTable((1, 64), (0, 8), ((10.0, 10.0), (10.0, 10.0)))  # drafts cost nothing: verify all that is offered
 

@@ -12,7 +12,6 @@ import llguidance
 import pytest
 import torch
 
-from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec, SamplingParams
 from llmserve.engine.sample.constraints import ConstraintCompiler, Vocabulary
 from llmserve.engine.sample.masks import TokenMasks
 from llmserve.engine.sample.sampler import sample
@@ -20,6 +19,7 @@ from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.sequence import SampleRow
 from llmserve.engine.spec.forced import forced_tokens, grammar_drafts
 from llmserve.engine.spec.verify import StreamMark, accept, position_rows
+from llmserve.engine.types.request import ConstraintKind, ConstraintSpec, SamplingParams
 
 SCHEMA = {
     "type": "object",

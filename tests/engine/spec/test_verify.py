@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.frontend.outputs import TokenLogprob
-from llmserve.engine.frontend.request import SamplingParams
 from llmserve.engine.sample.sampler import sample
 from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.sequence import SampleRow
 from llmserve.engine.spec.verify import StreamMark, Verdict, accept, position_rows
+from llmserve.engine.types.outputs import TokenLogprob
+from llmserve.engine.types.request import SamplingParams
 
 VOCAB = 48
 KEY = 7

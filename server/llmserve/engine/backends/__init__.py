@@ -23,7 +23,7 @@ import torch
 from llmserve.engine.backends.base import Backend, KVCache, kv_blocks
 from llmserve.engine.backends.memory_check import available_bytes, check_fits
 from llmserve.engine.config import EngineConfig
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 
 __all__ = ["Backend", "Kind", "create_backend"]
 

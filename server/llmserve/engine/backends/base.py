@@ -21,7 +21,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.plan import Pooled, StepPlan
-from llmserve.model_shape import ModelShape
+from llmserve.engine.types.model import ModelShape
 
 # One sampling row's result: its token, its failure, or (a pooling request's last step) its vector.
 StepResult = Sampled | RowFailed | Pooled

@@ -36,7 +36,7 @@ from llmserve.engine.backends.step_buffers import StepBuffers, StepInputs
 from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import LoadedModel
 
 log = logging.getLogger(__name__)
 

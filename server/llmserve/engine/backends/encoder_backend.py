@@ -1,10 +1,10 @@
 """The backend of an encoder model (BERT family): each step's inputs through the encoder's forward as packed rows,
 each input's hidden states pooled into its vector. No KV cache, no sampling.
 
-An encoder's requests are pooling requests only (frontend/request.PoolingParams); the scheduler admits each prompt
+An encoder's requests are pooling requests only (types/request.PoolingParams); the scheduler admits each prompt
 whole (Scheduler(whole_prompts=True): bidirectional attention needs every token of an input in one forward) under the
 same token budget as a decoder's steps, so that one step is one forward over at most `max_num_batched_tokens` rows
-(encoder.py: packed rows, shortest first, attention padded per group of like length). Each entry of a plan is a
+(encoder_batch.py: packed rows, shortest first, attention padded per group of like length). Each entry of a plan is a
 whole input; its result is `Pooled`: the hidden states pooled as its request says (pooling.pool), projected by the
 folder's Dense modules, cut to its `dimensions` and normalized when asked (pooling.finish), in float32.
 
@@ -14,35 +14,49 @@ name no memory: `kv` is a cache of the one scratch block the interface requires,
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from llmserve.engine.backends.base import KVCache
-from llmserve.engine.backends.classifier import ClassifierHead
 from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
-from llmserve.engine.backends.encoder import BertEncoder, EncoderBatch
+from llmserve.engine.backends.encoder_batch import EncoderBatch
 from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pool
 from llmserve.engine.backends.prompt_logprobs import PromptScores
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.frontend.request import PoolingParams
 from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sample.streams import RandomStreams
-from llmserve.engine.sched.block_pool import blocks_for
 from llmserve.engine.sched.plan import Pooled, StepPlan
-from llmserve.models import LoadedModel
+from llmserve.engine.types.kv_cache import blocks_for
+from llmserve.engine.types.model import ClassifierHead, LoadedModel
+from llmserve.engine.types.request import PoolingParams
 
 __all__ = ["EncoderBackend"]
 
 
+class Encoder(Protocol):
+    """What this backend runs of an encoder model (models/encoder.py's BertEncoder): every token's final hidden
+    state, [tokens, hidden], packed as the batch is; how its linears multiply, for the description."""
+
+    @property
+    def packed(self) -> bool: ...  # float32 weights packed for oneDNN
+
+    @property
+    def matmul(self) -> Fp32Matmul: ...
+
+    def __call__(self, batch: EncoderBatch) -> torch.Tensor: ...
+
+
 class EncoderBackend:
-    """Runs an encoder model's steps (see the module docstring). `loaded.model` is the BertEncoder and
-    `loaded.pooling` its folder's pooling pipeline (models.load_model builds both for an encoder folder)."""
+    """Runs an encoder model's steps (see the module docstring). `loaded.model` is the encoder (`loaded.encoder`)
+    and `loaded.pooling` its folder's pooling pipeline (models/loader.load_model builds both for an encoder folder)."""
 
     name = "encoder"
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
-        if not isinstance(loaded.model, BertEncoder) or loaded.pooling is None:
+        if not loaded.encoder or loaded.pooling is None:
             raise ValueError(f"{loaded.name}: the encoder backend serves an encoder with its pooling configured")
-        self.encoder: BertEncoder = loaded.model
+        self.encoder: Encoder = loaded.model
         self.pipeline = loaded.pooling
         self.device = loaded.device
         self.dtype = loaded.dtype

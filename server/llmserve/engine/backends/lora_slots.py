@@ -18,14 +18,16 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 
+from llmserve.engine.backends.cpu.gguf_linear import QuantProjection
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.lora.adapters import LoraAdapter
 from llmserve.engine.lora.hooks import LoraHooks
 from llmserve.engine.lora.ops import NO_ADAPTER, LoraRows
 from llmserve.engine.lora.weights import FUSED_GROUPS, MODULE_GROUPS, LoraWeights
 from llmserve.engine.sched.plan import SeqStep
-from llmserve.model_shape import ModelShape
+from llmserve.engine.types.model import ModelShape
 
 
 class BackendLora:
@@ -39,7 +41,7 @@ class BackendLora:
         self.dtype, self.device = dtype, device
         groups = FUSED_GROUPS if fused else MODULE_GROUPS
         self.weights = LoraWeights(shape, config.max_loras, config.max_lora_rank, dtype, device, groups=groups)
-        self.hooks = None if fused else LoraHooks(model, self.weights)
+        self.hooks = None if fused else LoraHooks(model, self.weights, (nn.Linear, QuantProjection))
         self.slot_writes = 0  # adapters copied into a slot, all steps
 
     @classmethod
@@ -57,9 +59,12 @@ class BackendLora:
         if self.hooks is not None:
             self.hooks.remove()
 
-    def write(self, writes: Sequence[tuple[int, LoraAdapter]]) -> None:
-        """Copy each (slot, adapter) of a step's plan into its slot, before the forward."""
+    def write(self, writes: Sequence[tuple[int, object]]) -> None:
+        """Copy each (slot, adapter) of a step's plan into its slot, before the forward (the books carry each
+        adapter unread: a LoraAdapter, or a TypeError here)."""
         for slot, adapter in writes:
+            if not isinstance(adapter, LoraAdapter):
+                raise TypeError(f"a plan's LoRA write for slot {slot} holds a {type(adapter).__name__}")
             self.weights.write(slot, adapter)
         self.slot_writes += len(writes)
 

@@ -1,7 +1,7 @@
 """The host-memory check before a model's mapped weights are read: a model that cannot fit is refused at start
 with the numbers, instead of being killed by the kernel's OOM killer halfway through its first requests.
 
-A GGUF served from its blocks is mapped, not read, when it loads (gguf_file.py), and the CPU's KV pool is an
+A GGUF served from its blocks is mapped, not read, when it loads (models/gguf_file.py), and the CPU's KV pool is an
 anonymous mapping that the kernel fills page by page (base.zeroed): both cost memory only once touched, which
 serving does. So before the backend touches either, the file's tensor bytes + the KV pool + MARGIN must fit in
 what the kernel says is available (MemAvailable: free memory plus what it can reclaim, the page cache included).

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llmserve.pooling_config import DenseModule, PoolingMode
+from llmserve.engine.types.pooling import DenseModule, PoolingMode
 
 __all__ = ["DenseStack", "PoolingState", "PoolingStates", "finish", "pool", "pooled_rows"]
 

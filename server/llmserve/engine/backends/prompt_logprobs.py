@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llmserve.engine.frontend.outputs import TokenLogprob
+from llmserve.engine.types.outputs import TokenLogprob
 
 __all__ = ["PromptScores", "score"]
 

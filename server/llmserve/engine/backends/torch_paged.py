@@ -19,7 +19,6 @@ import torch
 
 from llmserve.engine.backends.attention import ATTN_IMPLEMENTATION, AttentionMetadata, VarlenKernel, register_attention
 from llmserve.engine.backends.base import KVCache
-from llmserve.engine.backends.classifier import ClassifierHead
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
@@ -27,13 +26,13 @@ from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, 
 from llmserve.engine.backends.prompt_logprobs import PromptScores, score
 from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.frontend.outputs import TokenLogprob
-from llmserve.engine.frontend.request import PoolingParams
 from llmserve.engine.lora.ops import LoraRows
 from llmserve.engine.sample.sampler import RowFailed, Sampled, sample_each
 from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.plan import Pooled, SeqStep, StepPlan
-from llmserve.models import LoadedModel
+from llmserve.engine.types.model import ClassifierHead, LoadedModel
+from llmserve.engine.types.outputs import TokenLogprob
+from llmserve.engine.types.request import PoolingParams
 
 
 class Packed(NamedTuple):

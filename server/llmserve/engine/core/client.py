@@ -30,16 +30,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from llmserve.engine.frontend.outputs import EngineOutput
-from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
-from llmserve.engine.frontend.request import CoreFacts, GenerationRequest
-from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
-from llmserve.engine.sched.kv_events import KvEvent
+from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp
+from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.outputs import EngineOutput
+from llmserve.engine.types.protocol import EngineStats, SessionInfo
+from llmserve.engine.types.request import CoreFacts, GenerationRequest
 
 if TYPE_CHECKING:
     from llmserve.engine.lora.adapters import LoraAdapter
 
 T = TypeVar("T")
+# Why a request ends, and a call fails, once its core has stopped (on a thread or in an engine process).
+STOPPED = "the engine has stopped"
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,7 +86,7 @@ class DeleteSession:
 
 @dataclass(slots=True, frozen=True)
 class ManageAdapters:
-    """An AdapterService call (lora/catalog.AdapterOp); `adapter` is a load's adapter, read before on another thread
+    """An AdapterService call (types/adapters.AdapterOp); `adapter` is a load's adapter, read before on another thread
     (lora/serving.LoraServing.prepare), so that the step thread only changes the books (None for the others)."""
 
     op: AdapterOp

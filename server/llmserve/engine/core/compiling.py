@@ -13,8 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from llmserve.engine.core.client import Add
-from llmserve.engine.frontend.request import ConstraintSpec
 from llmserve.engine.sample.constraints import Compiled, ConstraintCompiler, ConstraintState
+from llmserve.engine.types.request import ConstraintSpec
 
 
 class Compiling:

@@ -33,6 +33,7 @@ from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.base import BlockCopier, StepResult
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.client import (
+    STOPPED,
     Abort,
     Add,
     ClientRequests,
@@ -45,28 +46,28 @@ from llmserve.engine.core.client import (
 from llmserve.engine.core.compiling import Compiling
 from llmserve.engine.core.stats import CoreStats
 from llmserve.engine.core.steps import Appended, OverlapRunner, PlainRunner, StepRunner, TokenSink
-from llmserve.engine.frontend.errors import EngineDead
-from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, ended, ended_unstarted
-from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
-from llmserve.engine.frontend.request import CoreFacts, GenerationRequest, PoolingParams, StoppingParams
 from llmserve.engine.kv_tiers.worker import build_tiers
-from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp, ListAdapters, LoadAdapter
 from llmserve.engine.lora.serving import LoraOff, LoraServing
 from llmserve.engine.sample.constraints import ConstraintCompiler, ConstraintState, Vocabulary
 from llmserve.engine.sample.sampler import RowFailed
 from llmserve.engine.sched.block_pool import BlockPool
-from llmserve.engine.sched.kv_events import KvEvent, KvEventLog
+from llmserve.engine.sched.kv_events import KvEventLog
 from llmserve.engine.sched.plan import Pooled, StepPlan
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.spec.speculation import Speculation
-from llmserve.models import LoadedModel
+from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp, ListAdapters, LoadAdapter
+from llmserve.engine.types.errors import EngineDead
+from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.model import LoadedModel
+from llmserve.engine.types.outputs import EngineOutput, FinishReason, ended, ended_unstarted
+from llmserve.engine.types.protocol import EngineStats, SessionInfo
+from llmserve.engine.types.request import CoreFacts, GenerationRequest, PoolingParams, StoppingParams
 
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_FAILURES = 3
-STOPPED = "the engine has stopped"
 Query = TypeVar("Query", GetSession, DeleteSession, ManageAdapters)
 
 

@@ -47,20 +47,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.core.client import Abort, Add, ClientRequests, Emit
-from llmserve.engine.frontend.errors import EngineDead
-from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, RequestStart, ended, ended_unstarted
-from llmserve.engine.frontend.protocol import EngineStats, SessionInfo
-from llmserve.engine.frontend.request import CoreFacts, GenerationRequest
-from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
-from llmserve.engine.sched.kv_events import KvEvent, KvEventLog
-from llmserve.model_card import ModelCard
+from llmserve.engine.core.client import STOPPED, Abort, Add, ClientRequests, Emit
+from llmserve.engine.sched.kv_events import KvEventLog
+from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp
+from llmserve.engine.types.errors import EngineDead
+from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.model import ModelCard
+from llmserve.engine.types.outputs import EngineOutput, FinishReason, RequestStart, ended, ended_unstarted
+from llmserve.engine.types.protocol import EngineStats, SessionInfo
+from llmserve.engine.types.request import CoreFacts, GenerationRequest
 from llmserve.telemetry.request_log import configure_logging
 
 if TYPE_CHECKING:
     from llmserve.config import ModelConfig
     from llmserve.engine.core.engine_core import EngineCore
-    from llmserve.models import LoadedModel
+    from llmserve.engine.types.model import LoadedModel
 
 __all__ = ["ChildSpec", "ProcessCore", "load_served_model"]
 
@@ -71,7 +72,6 @@ START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 # The most outputs of passes that queued up handed to the front end as one batch.
 MAX_MERGED = 4096
-STOPPED = "the engine has stopped"
 T = TypeVar("T")
 
 
@@ -366,9 +366,9 @@ class ProcessCore:
 
 
 def load_served_model(model: ModelConfig, lora: bool) -> LoadedModel:
-    """The served model (llmserve.models.load_model, imported when called): a ChildSpec's `load` that this process
+    """The served model (models/loader.load_model, imported when called): a ChildSpec's `load` that this process
     can name without loading torch (the server starts its engine process before it imports the rest)."""
-    from llmserve.models import load_model
+    from llmserve.models.loader import load_model
 
     cache_root = Path(model.cache_dir) if model.cache_dir else None
     return load_model(

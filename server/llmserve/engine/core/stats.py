@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmserve.engine.core.compiling import Compiling
-from llmserve.engine.frontend.protocol import EngineStats
 from llmserve.engine.sched.block_pool import BlockPool
 from llmserve.engine.sched.scheduler import Scheduler
 from llmserve.engine.sched.sessions import SessionStore
+from llmserve.engine.types.protocol import EngineStats
 
 if TYPE_CHECKING:
     from llmserve.engine.kv_tiers.worker import KVTiers

@@ -48,11 +48,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
-from llmserve.engine.frontend.outputs import EngineOutput, FinishReason, RequestStart
 from llmserve.engine.sample.sampler import RowFailed, Sampled
 from llmserve.engine.sched.plan import PENDING, SeqStep, StepPlan
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.spec.verify import Verified
+from llmserve.engine.types.outputs import EngineOutput, FinishReason, RequestStart
 
 if TYPE_CHECKING:
     from llmserve.engine.backends.base import Backend, StepResult

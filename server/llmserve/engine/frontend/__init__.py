@@ -1,3 +1,2 @@
-"""The engine's front end, torch-free: the asyncio engine the gRPC edge serves from (async_engine.py), the types every
-layer shares (request.py, outputs.py, errors.py, protocol.py), and what turns the core's token outputs into a caller's
-deltas (output_processor.py, detokenizer.py; fanout.py for n > 1)."""
+"""The engine's front end, torch-free: the asyncio engine the gRPC edge serves from (async_engine.py), and what turns
+the core's token outputs into a caller's deltas (output_processor.py, detokenizer.py; fanout.py for n > 1)."""

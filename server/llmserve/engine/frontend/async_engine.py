@@ -19,22 +19,21 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.client import Core
 from llmserve.engine.core.process import ProcessCore
 from llmserve.engine.frontend.detokenizer import Decoder
-from llmserve.engine.frontend.errors import EngineDead, InvalidRequest, QueueFull
 from llmserve.engine.frontend.fanout import split
 from llmserve.engine.frontend.output_processor import OutputProcessor
-from llmserve.engine.frontend.outputs import Delta, EngineOutput, FinishReason, Usage
-from llmserve.engine.frontend.protocol import EngineStats, ModelInfo, SessionInfo
-from llmserve.engine.frontend.request import ConstraintSpec, GenerationRequest, validate
-from llmserve.engine.lora.catalog import AdapterAnswer, AdapterOp
-from llmserve.engine.lora.registry import UnknownAdapter
 from llmserve.engine.sample.constraints import ConstraintChecker, Vocabulary
-from llmserve.engine.sched.kv_events import KvEvent
-from llmserve.model_card import ModelCard
+from llmserve.engine.types.adapters import AdapterAnswer, AdapterOp, UnknownAdapter
+from llmserve.engine.types.errors import EngineDead, InvalidRequest, QueueFull
+from llmserve.engine.types.kv_cache import KvEvent
+from llmserve.engine.types.model import ModelCard
+from llmserve.engine.types.outputs import Delta, EngineOutput, FinishReason, Usage
+from llmserve.engine.types.protocol import EngineStats, ModelInfo, SessionInfo
+from llmserve.engine.types.request import ConstraintSpec, GenerationRequest, validate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from llmserve.models import LoadedModel  # the torch side: imported only where a core runs here
+    from llmserve.engine.types.model import LoadedModel  # the torch side: imported only where a core runs here
 
 
 class AsyncEngine:

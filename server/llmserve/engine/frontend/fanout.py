@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from llmserve.engine.frontend.request import GenerationRequest
+from llmserve.engine.types.request import GenerationRequest
 
 SEED_MODULUS = 2**63  # seeds are in [0, 2**63): the proto's int64, non-negative
 

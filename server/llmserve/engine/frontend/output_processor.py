@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmserve.engine.frontend.detokenizer import Decoder, IncrementalDetokenizer
-from llmserve.engine.frontend.outputs import Delta, EngineOutput, FinishReason, RequestStart
-from llmserve.engine.frontend.request import GenerationRequest
+from llmserve.engine.types.outputs import Delta, EngineOutput, FinishReason, RequestStart
+from llmserve.engine.types.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 

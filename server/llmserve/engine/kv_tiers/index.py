@@ -11,31 +11,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from llmserve.engine.sched.block_pool import BlockContent, BlockHash
-
-
-class TierLookup(Protocol):
-    """What the scheduler asks of the tiers: does some tier hold this exact block (parent and tokens checked)?"""
-
-    def has(self, block_hash: BlockHash, parent: BlockHash, tokens: Sequence[int]) -> bool: ...
-
-
-@dataclass(slots=True)
-class TierCounters:
-    """What one tier did since start (for the metrics); bytes are KV payload bytes."""
-
-    stored_blocks: int = 0
-    stored_bytes: int = 0
-    loaded_blocks: int = 0
-    loaded_bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    evicted_blocks: int = 0
-    failed_stores: int = 0  # a write that failed (full disk, I/O error) or was dropped: the block is recomputed
-    failed_loads: int = 0  # a block missing, truncated, corrupt or of another model: recomputed instead
+from llmserve.engine.types.stats import TierCounters
 
 
 class TierIndex:

@@ -28,13 +28,12 @@ from llmserve.engine.backends.base import BlockCopier, BlockData
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.kv_tiers.disk import DiskTier, DiskTierError
 from llmserve.engine.kv_tiers.host import HostTier
-from llmserve.engine.kv_tiers.index import TierCounters
 from llmserve.engine.sched.block_pool import BlockContent, BlockHash, BlockPool, Evicted
 from llmserve.engine.sched.plan import StepPlan
-from llmserve.telemetry.histogram import LatencyHistogram
+from llmserve.engine.types.stats import LatencyHistogram, TierStats
 
 if TYPE_CHECKING:
-    from llmserve.models import LoadedModel
+    from llmserve.engine.types.model import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +51,6 @@ class LoadResult:
     data: torch.Tensor | None
     tier: str
     started: float
-
-
-@dataclass(slots=True)
-class TierStats:
-    """A snapshot for the metrics: per tier counters and occupancy, and the reload time histogram."""
-
-    tiers: dict[str, TierCounters]
-    used_blocks: dict[str, int]
-    capacity_blocks: dict[str, int]
-    block_bytes: int
-    reload: LatencyHistogram  # from a block's reload request to its KV ready for the step
-    dropped_writes: int
 
 
 @dataclass(slots=True, frozen=True)

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from llmserve.engine.lora.catalog import AdapterNotFound, AdapterRefused
-from llmserve.model_shape import ModelShape
+from llmserve.engine.types.adapters import AdapterNotFound, AdapterRefused
+from llmserve.engine.types.model import ModelShape
 
 __all__ = ["AdapterNotFound", "AdapterRefused", "LoraAdapter", "LoraModule", "projection_shapes", "read_adapter"]
 

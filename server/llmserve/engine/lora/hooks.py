@@ -19,20 +19,20 @@ from torch import nn
 from llmserve.engine.lora.adapters import TARGET_MODULES
 from llmserve.engine.lora.ops import LoraRows, add_lora
 from llmserve.engine.lora.weights import LoraWeights, StackedProjection
-from llmserve.gguf_model import QuantProjection
 
 
 class LoraHooks:
     """Hooks on every target projection of `model` (layers model.model.layers) that add `weights`' deltas for the
-    `rows` of the current forward. `remove()` takes them off."""
+    `rows` of the current forward. `remove()` takes them off. `linears`: the module types a projection may be
+    (the backend adds a GGUF's, backends/cpu/gguf_linear.QuantProjection); any other is a TypeError."""
 
-    def __init__(self, model: Any, weights: LoraWeights) -> None:
+    def __init__(self, model: Any, weights: LoraWeights, linears: tuple[type[nn.Module], ...] = (nn.Linear,)) -> None:
         self.rows: LoraRows | None = None
         self._handles = []
         for i, layer in enumerate(model.model.layers[: len(weights.layers)]):
             for name, parent in TARGET_MODULES.items():
                 module = getattr(getattr(layer, parent), name)
-                if not isinstance(module, nn.Linear | QuantProjection):  # a GGUF's blocks: gguf_model.py
+                if not isinstance(module, linears):
                     raise TypeError(f"layer {i}: {parent}.{name} is a {type(module).__name__}, not a Linear")
                 hook = partial(self._add, weights.projection(i, name))
                 self._handles.append(module.register_forward_hook(hook))

@@ -22,18 +22,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from llmserve.engine.types.adapters import AdapterExists, AdaptersBusy, UnknownAdapter
+
 T = TypeVar("T")
-
-
-class UnknownAdapter(LookupError):
-    """No adapter is registered under `name`."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"no adapter named {name!r} is loaded")
-        self.name = name
-
-    def __reduce__(self) -> tuple[type, tuple[str]]:  # across the engine process's pipe, as it was raised
-        return type(self), (self.name,)
 
 
 class NotResident(LookupError):
@@ -43,32 +34,6 @@ class NotResident(LookupError):
         super().__init__(f"adapter {name!r} is not in memory; reload it from {source}")
         self.name = name
         self.source = source
-
-
-class AdapterExists(ValueError):
-    """A load under a name that is registered already (unload it first to replace it)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"an adapter named {name!r} is loaded already; unload it first to replace it")
-        self.name = name
-
-    def __reduce__(self) -> tuple[type, tuple[str]]:
-        return type(self), (self.name,)
-
-
-class AdaptersBusy(RuntimeError):
-    """No room: all `max_cpu_loras` resident adapters are held by requests (or draining)."""
-
-    def __init__(self, name: str, max_cpu_loras: int) -> None:
-        super().__init__(
-            f"cannot load adapter {name!r}: all {max_cpu_loras} adapters in memory (--max-cpu-loras) are in use by "
-            "requests; retry when one finishes"
-        )
-        self.name = name
-        self.max_cpu_loras = max_cpu_loras
-
-    def __reduce__(self) -> tuple[type, tuple[str, int]]:
-        return type(self), (self.name, self.max_cpu_loras)
 
 
 @dataclass(slots=True, eq=False)
@@ -132,9 +97,6 @@ class AdapterRegistry(Generic[T]):
             AdapterState(r.name, r.source, r.resident is not None, 0 if r.resident is None else r.resident.pins)
             for r in sorted(self._names.values(), key=lambda r: r.name)
         ]
-
-    def resident(self, adapter_id: int) -> Resident[T] | None:
-        return self._idle.get(adapter_id) or self._held.get(adapter_id)
 
     def resident_of(self, name: str) -> Resident[T] | None:
         """The resident adapter registered under `name` (None: unknown, or unloaded to make room); its LRU
@@ -231,28 +193,3 @@ class AdapterRegistry(Generic[T]):
         self._next_id += 1
         self._idle[resident.adapter_id] = resident
         return resident
-
-    # -- checking --------------------------------------------------------------------------------
-
-    def check(self) -> None:
-        """Verify the books' invariants; raises ValueError. For tests and debugging."""
-        if self.num_resident > self.max_cpu_loras:
-            raise ValueError(f"{self.num_resident} resident adapters, at most {self.max_cpu_loras}")
-        if set(self._idle) & set(self._held):
-            raise ValueError("an adapter is both idle and held")
-        if any(r.pins != 0 or r.name is None for r in self._idle.values()):
-            raise ValueError("an idle adapter is held, or unnamed")
-        if any(r.pins <= 0 for r in self._held.values()):
-            raise ValueError("a held adapter has no pins")
-        named = [reg.resident for reg in self._names.values() if reg.resident is not None]
-        if len({r.adapter_id for r in named}) != len(named):
-            raise ValueError("two names share a resident adapter")
-        for reg in self._names.values():
-            resident = reg.resident
-            if resident is not None and (
-                resident.name != reg.name or self.resident(resident.adapter_id) is not resident
-            ):
-                raise ValueError(f"registration {reg.name!r} disagrees with its resident adapter")
-        unnamed = [r for r in self._held.values() if r.name is None]
-        if len(named) + len(unnamed) != self.num_resident:
-            raise ValueError("a resident adapter is neither registered nor draining")

@@ -24,27 +24,23 @@ from typing import TYPE_CHECKING
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.lora.adapters import AdapterRefused, LoraAdapter, read_adapter
 from llmserve.engine.lora.cache_keys import adapter_root
-from llmserve.engine.lora.catalog import (
-    AdapterAnswer,
-    AdapterInfo,
-    AdapterOp,
-    LoadAdapter,
-    LoraLimits,
-    LoraStats,
-    UnloadAdapter,
-)
-from llmserve.engine.lora.registry import (
-    AdapterExists,
-    AdapterRegistry,
-    AdaptersBusy,
-    NotResident,
-    Resident,
-    UnknownAdapter,
-)
+from llmserve.engine.lora.registry import AdapterRegistry, NotResident, Resident
 from llmserve.engine.lora.slot_books import SlotBooks
 from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
-from llmserve.engine.sched.sequence import SeqStatus, Sequence
-from llmserve.model_shape import ModelShape
+from llmserve.engine.sched.sequence import HeldAdapter, SeqStatus, Sequence
+from llmserve.engine.types.adapters import (
+    AdapterAnswer,
+    AdapterExists,
+    AdapterInfo,
+    AdapterOp,
+    AdaptersBusy,
+    LoadAdapter,
+    LoraLimits,
+    UnknownAdapter,
+    UnloadAdapter,
+)
+from llmserve.engine.types.model import ModelShape
+from llmserve.engine.types.stats import LoraStats
 
 if TYPE_CHECKING:
     from llmserve.engine.sched.scheduler import Scheduler
@@ -163,10 +159,10 @@ class LoraServing:
         self.requests[name] += 1
         return held
 
-    def release(self, held: ResidentAdapter) -> None:
+    def release(self, held: HeldAdapter) -> None:
         self.registry.release(held.adapter_id)
 
-    def assign(self, plan: StepPlan, held: Seq[ResidentAdapter | None]) -> None:
+    def assign(self, plan: StepPlan, held: Seq[HeldAdapter | None]) -> None:
         """Give the plan's adapters their slots: `held[i]` is the adapter of plan.seqs[i] (None: base). Sets each
         entry's lora_slot and the plan's lora_writes. Raises TooManyAdapters past --max-loras (the scheduler's
         bound keeps a step within it)."""
@@ -180,7 +176,7 @@ class LoraServing:
 
     # -- what the list RPC, GetModelInfo and the metrics read ------------------------------------
 
-    def stats(self, running: Iterable[ResidentAdapter | None], waiting: Iterable[ResidentAdapter | None]) -> LoraStats:
+    def stats(self, running: Iterable[HeldAdapter | None], waiting: Iterable[HeldAdapter | None]) -> LoraStats:
         """The metrics' snapshot, from the adapters of the running and of the waiting requests."""
         run = {h.name for h in running if h is not None and h.name is not None}
         wait = {h.name for h in waiting if h is not None and h.name is not None} - run

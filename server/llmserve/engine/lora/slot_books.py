@@ -5,7 +5,7 @@ A step's rows may use at most `max_loras` distinct adapters (the scheduler admit
 forward, `assign` gives each of them a slot: one that holds it already keeps it (nothing is copied: the common case
 in a decode stretch), else a free slot, else the least recently used slot that no adapter of this step holds. The
 slots whose adapter changed are returned, for the backend to copy the adapter's factors into before the forward.
-An adapter that leaves host memory (registry.py) is `forget`-ed: its slot is free again. Adapter ids are unique
+An adapter that leaves host memory (registry.py) keeps its slot until the slot is reused: adapter ids are unique
 per residency, so a slot never serves an adapter read again under an old id.
 """
 
@@ -74,16 +74,3 @@ class SlotBooks:
             out.writes.sort()
             self.num_writes += len(missing)
         return out
-
-    def forget(self, adapter_id: int) -> int | None:
-        """The adapter left host memory: free its slot (returned; None if it had none)."""
-        slot = self._slot.pop(adapter_id, None)
-        if slot is not None:
-            self._holder[slot] = None
-        return slot
-
-    def check(self) -> None:
-        """Verify that the two maps agree; raises ValueError. For tests and debugging."""
-        held = {adapter_id: slot for slot, adapter_id in enumerate(self._holder) if adapter_id is not None}
-        if held != dict(self._slot):
-            raise ValueError(f"slot holders {held} disagree with the slot index {dict(self._slot)}")

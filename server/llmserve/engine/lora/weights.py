@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmserve.engine.lora.adapters import LoraAdapter, LoraModule, projection_shapes
-from llmserve.model_shape import ModelShape
+from llmserve.engine.types.model import ModelShape
 
 # The linears of the CPU's fused forward (backends/cpu/fused_layers.py), and of a forward that runs each alone.
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
@@ -60,10 +60,6 @@ class StackedProjection:
         at = torch.zeros(num_slots, fan_in, rank * len(outs), dtype=dtype, device=device)
         bts = tuple(torch.zeros(num_slots, rank, n, dtype=dtype, device=device) for n in outs)
         return cls(at, bts, rank, tuple((s, s + n) for s, n in zip(starts, outs, strict=True)))
-
-    @property
-    def num_slots(self) -> int:
-        return int(self.at.shape[0])
 
     def write(self, slot: int, modules: list[LoraModule | None]) -> None:
         """Fill `slot` with one module per projection of the linear (None: not targeted, zeros)."""

@@ -30,16 +30,15 @@ from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import llguidance
 
-from llmserve.engine.frontend.errors import InvalidRequest
-from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec
+from llmserve.engine.types.errors import InvalidRequest
+from llmserve.engine.types.request import ConstraintKind, ConstraintSpec
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from llmserve.engine.config import EngineConfig
-    from llmserve.model_card import ModelCard
-    from llmserve.models import LoadedModel
+    from llmserve.engine.types.model import LoadedModel, ModelCard
 
 # Fixed JSON layout: ", " and ": " and no other whitespace. Free whitespace lets a model loop on it forever;
 # `lenient: False` makes unimplemented schema keywords an error instead of being ignored. Overrides, so that a

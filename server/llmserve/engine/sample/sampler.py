@@ -28,11 +28,11 @@ from itertools import chain
 
 import torch
 
-from llmserve.engine.frontend.outputs import TokenLogprob
-from llmserve.engine.frontend.request import MAX_TEMPERATURE, PENALTY_RANGE, SamplingParams
 from llmserve.engine.sample.masks import constraint_masks
 from llmserve.engine.sample.streams import RandomStreams
 from llmserve.engine.sched.sequence import SampleRow
+from llmserve.engine.types.outputs import TokenLogprob
+from llmserve.engine.types.request import MAX_TEMPERATURE, PENALTY_RANGE, SamplingParams
 
 __all__ = ["RowFailed", "SampleRow", "Sampled", "sample", "sample_each", "warped_weights", "nucleus_floor"]
 

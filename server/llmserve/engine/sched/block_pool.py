@@ -28,7 +28,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from llmserve.engine.sched.kv_events import UNKNOWN_SALT, KvEventLog
+from llmserve.engine.sched.kv_events import KvEventLog
+from llmserve.engine.types.kv_cache import UNKNOWN_SALT, blocks_for
 
 BlockHash = bytes  # 16 bytes: see chain_hash
 _DIGEST_BYTES = 16
@@ -70,11 +71,6 @@ def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     digest = hashlib.blake2b(_UNSALTED_ROOT if parent is None else parent, digest_size=_DIGEST_BYTES)
     digest.update(array("q", tokens).tobytes())
     return digest.digest()
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """How many blocks of `block_size` tokens hold `num_tokens` tokens."""
-    return -(-num_tokens // block_size)
 
 
 class BlockPool:
@@ -251,34 +247,3 @@ class BlockPool:
             del self._hash_to_block[block_hash]
             self.block_hash[block] = None
             self._content[block] = None
-
-    # -- checking --------------------------------------------------------------------------------
-
-    def check(self, owners: Iterable[Sequence[int]]) -> None:
-        """Verify the books against the given owners' block lists (one entry per reference held).
-
-        Raises ValueError on any leak, double free or miscount; for tests and debugging.
-        """
-        expected = [0] * self.num_blocks
-        for block in self._loading:
-            expected[block] += 1  # the load's own reference
-        for blocks in owners:
-            for block in blocks:
-                expected[block] += 1
-        if expected != self.ref_count:
-            bad = [b for b in range(self.num_blocks) if expected[b] != self.ref_count[b]]
-            raise ValueError(f"ref counts differ from owners at blocks {bad[:10]}")
-        free = set(self._free)
-        cached = set(self._cached)
-        if len(free) != len(self._free) or free & cached:
-            raise ValueError("a block is listed twice among free/cached")
-        unowned = {b for b in range(self.num_blocks) if self.ref_count[b] == 0}
-        if unowned != free | cached:
-            raise ValueError("unowned blocks differ from free+cached")
-        for block_hash, block in self._hash_to_block.items():
-            if self.block_hash[block] != block_hash:
-                raise ValueError(f"hash index disagrees at block {block}")
-        if any(self.block_hash[b] is not None for b in free):
-            raise ValueError("a free block still has a hash")
-        if any(self.block_hash[b] is not None for b in self._loading):
-            raise ValueError("a loading block already has a hash")

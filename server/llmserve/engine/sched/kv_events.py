@@ -1,5 +1,6 @@
-"""What the block pool's prefix cache gained and lost, as events: a block stored (its digest, its parent's, its
-tokens) and a block removed (evicted, or forgotten). A gateway that routes on KV (smg's cache_aware) follows them.
+"""The log of what the block pool's prefix cache gained and lost (types/kv_cache.py's events: a block stored, with its
+digest, its parent's and its tokens, and a block removed, evicted or forgotten). A gateway that routes on KV (smg's
+cache_aware) follows them.
 
 The pool records them into a `KvEventLog` as it changes its books (on the step thread, no lock: appending to and
 popping from a deque are atomic); the front end takes them (`take`), on the core's thread or, for an engine
@@ -13,31 +14,10 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
 
-# A stored block whose chain's salt the pool cannot tell (reloaded from a tier under a parent it no longer holds):
-# given to no subscriber.
-UNKNOWN_SALT = "\x00unknown"
+from llmserve.engine.types.kv_cache import KvEvent, KvRemoved, KvStored
+
 DEFAULT_CAPACITY = 8192
-
-
-@dataclass(slots=True, frozen=True)
-class KvStored:
-    number: int
-    block_hash: bytes
-    parent: bytes | None  # None: the first block of its chain, or a parent the pool no longer holds
-    tokens: tuple[int, ...]
-    salt: str | None
-
-
-@dataclass(slots=True, frozen=True)
-class KvRemoved:
-    number: int
-    block_hash: bytes
-    salt: str | None
-
-
-KvEvent = KvStored | KvRemoved
 
 
 class KvEventLog:

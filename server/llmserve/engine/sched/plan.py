@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from llmserve.engine.sched.block_pool import BlockContent, Evicted
 from llmserve.engine.sched.sequence import SampleRow, Sequence
-
-if TYPE_CHECKING:
-    from llmserve.engine.lora.adapters import LoraAdapter
 
 NO_ADAPTER = -1  # SeqStep.lora_slot of a base-model sequence (lora.ops.NO_ADAPTER)
 
@@ -81,7 +77,8 @@ class StepPlan:
     `Scheduler.load_done` (the sequences that wait for them stay in the queue until then).
 
     With LoRA: `lora_writes` are the adapters to copy into their device slots before the forward (slot, adapter),
-    for the entries whose `lora_slot` names a slot that does not hold their adapter yet.
+    for the entries whose `lora_slot` names a slot that does not hold their adapter yet. The books carry the
+    adapters (lora/adapters.LoraAdapter, a held adapter's payload) without reading them.
     """
 
     seqs: list[SeqStep] = field(default_factory=list)
@@ -89,7 +86,7 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     offloads: list[Evicted] = field(default_factory=list)
     loads: list[tuple[int, BlockContent]] = field(default_factory=list)
-    lora_writes: list[tuple[int, LoraAdapter]] = field(default_factory=list)
+    lora_writes: list[tuple[int, object]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llmserve.engine.sched.block_pool import blocks_for
+from llmserve.engine.types.kv_cache import blocks_for
 
 
 @dataclass(slots=True, frozen=True)

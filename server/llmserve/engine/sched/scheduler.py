@@ -37,16 +37,24 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from llmserve.engine.frontend.outputs import FinishReason
-from llmserve.engine.kv_tiers.index import TierLookup
 from llmserve.engine.sched.block_pool import BlockContent, BlockHash, BlockPool, chain_hash
 from llmserve.engine.sched.plan import SeqStep, StepPlan, step_of
 from llmserve.engine.sched.rollback import settle
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
-from llmserve.pooling_config import PoolingMode
+from llmserve.engine.types.outputs import FinishReason
+from llmserve.engine.types.pooling import PoolingMode
+
+
+class TierLookup(Protocol):
+    """What the scheduler asks of the KV tiers below the pool (kv_tiers/worker.KVTiers): does some tier hold this exact
+    block (parent and tokens checked)?"""
+
+    def has(self, block_hash: BlockHash, parent: BlockHash, tokens: Tokens[int]) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -102,10 +110,6 @@ class Scheduler:
         self._load_content: dict[int, BlockContent] = {}  # loading block -> what it will hold
         self._load_waiters: dict[int, list[int]] = {}  # loading block -> seq_nos that wait for it
         self.num_tier_loads = 0  # admissions that started at least one load (for the metrics)
-
-    def pinned(self) -> list[list[int]]:
-        """The blocks waiting sequences hold while their reloads run, for BlockPool.check()."""
-        return [p.pins for p in self._pending.values()]
 
     def is_loading(self, seq: Sequence) -> bool:
         """Whether a waiting sequence still waits for blocks to load."""

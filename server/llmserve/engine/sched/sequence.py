@@ -1,7 +1,7 @@
 """The engine's own state for one request: `Sequence` (mutable, on the step thread only) and the `SampleRow` the
 sampler reads from it each step.
 
-Neither leaves the engine: the caller's types are frontend/request.py's (in) and frontend/outputs.py's (out). A
+Neither leaves the engine: the caller's types are types/request.py's (in) and types/outputs.py's (out). A
 constrained request's grammar state is a `GrammarState`, the small protocol below, so that this module needs neither
 the constraint compiler (sample/constraints.py) nor a tensor library.
 """
@@ -13,15 +13,27 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from llmserve.engine.frontend.outputs import FinishReason, Timing, Usage
-from llmserve.engine.frontend.request import GenerationRequest, SamplingParams
-from llmserve.engine.lora.registry import Resident
 from llmserve.engine.sched.block_pool import prefix_root
+from llmserve.engine.types.outputs import FinishReason, Timing, Usage
+from llmserve.engine.types.request import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
     import llguidance
 
-    from llmserve.engine.lora.adapters import LoraAdapter
+
+class HeldAdapter(Protocol):
+    """The LoRA adapter a sequence holds from admission to its end (lora/serving.py's: a lora/registry.Resident).
+    The books read its residency's `adapter_id` (the distinct adapters of a step); the LoRA side its `name` (None
+    once unloaded) and its `payload` (the adapter's factors, lora/adapters.LoraAdapter)."""
+
+    @property
+    def adapter_id(self) -> int: ...
+
+    @property
+    def name(self) -> str | None: ...
+
+    @property
+    def payload(self) -> object: ...
 
 
 class GrammarState(Protocol):
@@ -96,7 +108,7 @@ class Sequence:
     eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless the request ignores EOS
     constraint: GrammarState | None = None  # the grammar state of a constrained request (generated tokens only)
     after: Sequence | None = None  # completion 0 of this n > 1 request: wait for its prompt's KV, then share it
-    lora: Resident[LoraAdapter] | None = None  # the LoRA adapter it holds from admission to its end (lora/serving.py)
+    lora: HeldAdapter | None = None  # the LoRA adapter it holds from admission to its end (lora/serving.py)
     prefix_root: bytes = b""  # its prefix hash chain's root: its cache salt's, and its adapter's (lora/cache_keys)
     # Overlap (--async-scheduling, core/steps.py's OverlapRunner): tokens sampled by steps in flight, not yet in
     # token_ids (each a placeholder the next step's plan computes: plan.PENDING), and the length at which the request

@@ -14,13 +14,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from llmserve.engine.frontend.protocol import SessionInfo
-from llmserve.engine.sched.block_pool import BlockPool
+from llmserve.engine.sched.block_pool import BlockHash, BlockPool
+from llmserve.engine.types.protocol import SessionInfo
 
-if TYPE_CHECKING:
-    from llmserve.engine.kv_tiers.worker import KVTiers
+
+class TierWhere(Protocol):
+    """What the session store asks of the KV tiers below the pool (kv_tiers/worker.KVTiers): how many tokens of a
+    chain of full blocks the pool holds from its first block on, and how many the tiers hold after those."""
+
+    def where(self, block_hashes: Sequence[BlockHash], pool: BlockPool) -> tuple[int, int]: ...
 
 
 @dataclass(slots=True)
@@ -75,7 +79,7 @@ class SessionStore:
         """The session without touching its LRU position."""
         return self._sessions.get(session_id)
 
-    def info(self, session_id: str, tiers: KVTiers | None) -> SessionInfo | None:
+    def info(self, session_id: str, tiers: TierWhere | None) -> SessionInfo | None:
         """What is held for a session (commands.GetSession): its state, or for one the pool evicted, what is left
         of it in the pool and in the tiers; None when nothing is."""
         self.expire()
@@ -87,10 +91,6 @@ class SessionStore:
             return None
         in_pool, in_tiers = tiers.where(departed[0], self._pool)
         return SessionInfo(session_id, in_pool, departed[1], in_tiers) if in_pool or in_tiers else None
-
-    def owners(self) -> list[list[int]]:
-        """Every session's block list, for BlockPool.check()."""
-        return [s.blocks for s in self._sessions.values()]
 
     def match(self, session_id: str, token_ids: Sequence[int], root: bytes) -> tuple[int, list[int]]:
         """Longest common prefix of `token_ids` with the session's tokens, and the blocks that hold it; nothing

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from llmserve.engine.frontend.outputs import EngineOutput
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
 from llmserve.engine.spec.policy import CostTable
+from llmserve.engine.types.outputs import EngineOutput
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
 
 if TYPE_CHECKING:
     from llmserve.engine.sched.scheduler import Scheduler
@@ -112,18 +112,9 @@ def _at(times: dict[int, float], k: int) -> float:
 
 
 def load_table(path: str) -> CostTable:
-    """A table written by `dump_table` (or measured elsewhere): {"rows": [{"batch", "k", "forward_ms"}, ...]}."""
+    """A table measured elsewhere (--speculative-cost-table): {"rows": [{"batch", "k", "forward_ms"}, ...]}."""
     try:
         data = json.loads(Path(path).read_text())
         return CostTable.from_rows(data["rows"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--speculative-cost-table {path}: {exc}") from exc
-
-
-def table_rows(table: CostTable) -> list[dict[str, float]]:
-    """The table as rows (what load_table reads under "rows")."""
-    return [
-        {"batch": b, "k": k, "forward_ms": table.ms[i][j]}
-        for i, b in enumerate(table.batches)
-        for j, k in enumerate(table.ks)
-    ]

@@ -16,40 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from llmserve.engine.sched.sequence import Sequence as Seq
 from llmserve.engine.spec.forced import grammar_drafts
 from llmserve.engine.spec.policy import Acceptance, Candidate, CostTable, Policy
+from llmserve.engine.types.stats import SpecStats
 
 METHODS = ("off", "ngram", "suffix")
 
 
 class Proposer(Protocol):
     def propose(self, key: int, tokens: Sequence[int], k: int | None = None) -> list[int]: ...
-
-
-@dataclass(slots=True)
-class SpecStats:
-    """Counters since start (plain ints, read by other threads without a lock), and the last step's choice."""
-
-    steps: int = 0  # steps in which at least one sequence verified drafts
-    proposed: int = 0  # drafts verified
-    accepted: int = 0  # drafts accepted
-    emitted: int = 0  # tokens emitted by the verifying sequences (accepted + one each, less any past a stop)
-    verifying: int = 0  # sequence-steps that verified drafts
-    off_steps: int = 0  # decoding steps where the load rule left speculation off
-    k_counts: dict[int, int] = field(default_factory=dict)  # drafts per verifying sequence-step -> how often
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Accepted drafts per verifying sequence-step."""
-        return self.accepted / self.verifying if self.verifying else 0.0
 
 
 class Drafter:

@@ -26,8 +26,9 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.sched.plan import SeqStep, StepPlan
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.spec.calibrate import CalibrationTarget, calibrate, load_table
-from llmserve.engine.spec.drafter import Drafter, SpecStats
+from llmserve.engine.spec.drafter import Drafter
 from llmserve.engine.spec.verify import Verification, grammar_positions, position_rows
+from llmserve.engine.types.stats import SpecStats
 
 if TYPE_CHECKING:
     from llmserve.engine.sample.streams import RandomStreams

@@ -21,18 +21,18 @@ from llmserve import cpu_features
 from llmserve.engine.backends.cpu.backend import CpuBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.models import from_config, load_model
-from llmserve.testing import tiny_config
+from llmserve.models.loader import from_config, load_model
 from tests.isa import needs_dtype
+from tests.testing import tiny_config
 
 START = """
 import json, sys
-from llmserve.process import configure_process
+from llmserve.process_settings import configure_process
 configure_process()
 import torch
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.models import load_model, resolve_dtype
+from llmserve.models.loader import load_model, resolve_dtype
 auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 for dtype in sys.argv[1:]:
     try:

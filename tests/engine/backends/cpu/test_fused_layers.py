@@ -18,9 +18,9 @@ from llmserve.engine.backends.cpu.fused_layers import FusedForward
 from llmserve.engine.backends.cpu.packed_linear import Int8Linear, PackedBF16, RefinedHead
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.models import from_config
-from llmserve.testing import TINY_VOCAB, one_prompt_attention, tiny_config
+from llmserve.models.loader import from_config
 from tests.isa import dtype_param
+from tests.testing import TINY_VOCAB, one_prompt_attention, tiny_config
 
 OPS = native.load_fused()
 assert OPS is not None, "the CPU kernels are not installed: run `make kernels`"

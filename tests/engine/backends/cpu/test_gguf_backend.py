@@ -14,11 +14,11 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.models import from_config, load_model
-from llmserve.testing import TINY_VOCAB, tiny_config
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config, load_model
 from tests.engine.engine_helpers import inner
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
+from tests.testing import TINY_VOCAB, tiny_config
 
 
 def tiny(tmp_path: Path, activations: str = "float32"):  # noqa: ANN201 - a LoadedModel over a GGUF's blocks

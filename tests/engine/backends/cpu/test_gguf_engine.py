@@ -16,14 +16,13 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import ConstraintKind, ConstraintSpec, GenerationRequest, StoppingParams
-from llmserve.engine.spec.calibrate import table_rows
 from llmserve.engine.spec.policy import CostTable
-from llmserve.models import from_config, load_model
-from llmserve.testing import TINY_VOCAB, tiny_config
-from tests.engine.engine_helpers import inner
+from llmserve.engine.types.request import ConstraintKind, ConstraintSpec, GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config, load_model
+from tests.engine.engine_helpers import inner, table_rows
 from tests.engine.lora.peft_adapters import make_adapter
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
+from tests.testing import TINY_VOCAB, tiny_config
 
 FREE = CostTable((1, 64), (0, 8), ((10.0, 10.0), (10.0, 10.0)))  # drafts cost nothing: verify all that is offered
 
@@ -86,7 +85,7 @@ async def test_n_completions_and_the_host_kv_tier(tiny: tuple[Any, Path]) -> Non
     rng = random.Random(4)
     prompt = [rng.randrange(TINY_VOCAB) for _ in range(100)]
     config = EngineConfig(kv_cache_tokens=256, max_num_seqs=8, max_num_batched_tokens=64, kv_offload_bytes=64 << 20)
-    from llmserve.engine.frontend.request import SamplingParams
+    from llmserve.engine.types.request import SamplingParams
 
     sampled = GenerationRequest("n", tuple(prompt), SamplingParams(temperature=1.0, seed=7), StoppingParams(8), n=3)
     others = [request(f"o{i}", [rng.randrange(TINY_VOCAB) for _ in range(120)], 4) for i in range(3)]  # evict

@@ -9,11 +9,11 @@ import torch
 
 from llmserve.engine.backends.cpu import quant
 from llmserve.engine.backends.cpu.gguf_linear import fuse
-from llmserve.gguf_file import GGUFFile
-from llmserve.gguf_model import build_model
-from llmserve.models import from_config
-from llmserve.testing import tiny_config
+from llmserve.models.gguf_file import GGUFFile
+from llmserve.models.gguf_model import build_model
+from llmserve.models.loader import from_config
 from tests.gguf_helpers import Q, write_llama_gguf
+from tests.testing import tiny_config
 
 
 def tiny_blocks(tmp_path: Path, kinds: dict) -> tuple:  # noqa: ANN401 - (model over blocks, its file)

@@ -11,8 +11,8 @@ import torch
 from llmserve.engine.backends.cpu import native
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.models import from_config
-from llmserve.testing import tiny_config
+from llmserve.models.loader import from_config
+from tests.testing import tiny_config
 
 
 def gathered_attention(

@@ -9,9 +9,9 @@ import torch
 from llmserve.engine.backends.cpu import native, packed_linear
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
-from llmserve.models import from_config
-from llmserve.testing import TINY_VOCAB, tiny_config
+from llmserve.models.loader import from_config
 from tests.isa import dtype_param, needs_dtype
+from tests.testing import TINY_VOCAB, tiny_config
 
 # Decided without the function under test, so that a broken `available` fails here instead of skipping.
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

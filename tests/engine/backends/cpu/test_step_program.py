@@ -16,11 +16,11 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
-from llmserve.engine.frontend.request import GenerationRequest, StoppingParams
-from llmserve.models import from_config
-from llmserve.testing import TINY_VOCAB, tiny_config
+from llmserve.engine.types.request import GenerationRequest, StoppingParams
+from llmserve.models.loader import from_config
 from tests.engine.engine_helpers import inner
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
+from tests.testing import TINY_VOCAB, tiny_config
 
 
 def model(tmp_path: Path, family: str, activations: str) -> Any:

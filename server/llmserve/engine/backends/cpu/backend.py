@@ -32,9 +32,9 @@ from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder
 from llmserve.engine.backends.torch_paged import Packed, TorchPagedBackend
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.lora.catalog import LoraUnsupported
 from llmserve.engine.lora.ops import LoraRows
-from llmserve.models import LoadedModel
+from llmserve.engine.types.adapters import LoraUnsupported
+from llmserve.engine.types.model import LoadedModel
 
 __all__ = ["QUERY_BLOCK", "CpuBackend"]
 
@@ -79,7 +79,7 @@ class CpuBackend(TorchPagedBackend):
                 source=loaded.gguf,
                 generates=loaded.generates,
             )
-        # A GGUF's blocks also run in transformers' layers (gguf_model.QuantProjection), only slower.
+        # A GGUF's blocks also run in transformers' layers (gguf_linear.QuantProjection), only slower.
         if loaded.weights not in (None, "gguf") and self.fused is None:
             raise ValueError(
                 f"--dtype {loaded.weights} needs the fused CPU forward (a Llama/Mistral/Qwen2/Qwen3 model, the CPU "

@@ -20,7 +20,7 @@ model's own rotary module, so every rope scaling type works) on the CPU, in one 
   arithmetic, rotary, SiLU and the logits stay float32 (csrc/mixed_ops.c through native.MixedOps);
 - int8 (a bfloat16 model, `weights="int8"`): as bfloat16, with int8 weights and each input row quantized to int8
   with its own scale (packed_linear.Int8Linear); the norms and SiLU write the quantized rows directly;
-- gguf (a model over a GGUF's blocks, gguf_model.py, `weights="gguf"`): float32 rows, residual and KV cache as
+- gguf (a model over a GGUF's blocks, models/gguf_model.py, `weights="gguf"`): float32 rows, residual and KV cache as
   float32's, every linear, the LM head included, computed from the file's blocks (gguf_linear.BlockLinear over
   quant.QuantLinear, whose kernels quantize each input row per block of 32 as llama.cpp does), the token
   embedding decoded row by row (quant.dequantize_rows); gguf-float32 (`--gguf-activations float32`) the same with
@@ -45,6 +45,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from llmserve.engine.backends.cpu import gguf_linear, native
+from llmserve.engine.backends.cpu.gguf_linear import QuantProjection
 from llmserve.engine.backends.cpu.packed_linear import (
     Linear,
     RefinedHead,
@@ -55,9 +56,7 @@ from llmserve.engine.backends.cpu.packed_linear import (
 )
 from llmserve.engine.lora.ops import LoraRows, add_lora
 from llmserve.engine.lora.weights import LoraWeights
-from llmserve.gguf_file import GGUFFile
-from llmserve.gguf_model import QuantProjection
-from llmserve.model_shape import ModelShape
+from llmserve.engine.types.model import MappedWeights, ModelShape
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # attention.paged_attention: (module, query [1, H, T, D], key, value [1, KVH, T, D], mask, scaling=, llmserve_batch=)
@@ -186,7 +185,12 @@ def _norm(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
 
 
 def _linear(
-    linears: list[Any], kind: str, pack: bool, ops: native.MixedOps | None, gives: torch.dtype, source: GGUFFile | None
+    linears: list[Any],
+    kind: str,
+    pack: bool,
+    ops: native.MixedOps | None,
+    gives: torch.dtype,
+    source: MappedWeights | None,
 ) -> Linear:
     """One linear over the concatenated weights (and biases) of `linears` (nn.Linear, or QuantProjection for "gguf";
     `source` the file their blocks are mapped from)."""
@@ -227,7 +231,7 @@ class FusedForward:
         mixed: native.MixedOps | None,
         pack: bool,
         attention: Attention,
-        source: GGUFFile | None = None,
+        source: MappedWeights | None = None,
         generates: bool = True,
     ) -> None:
         base = model.model
@@ -265,7 +269,7 @@ class FusedForward:
         *,
         mixed: native.MixedOps | None = None,
         weights: str | None = None,
-        source: GGUFFile | None = None,
+        source: MappedWeights | None = None,
         generates: bool = True,
     ) -> FusedForward | None:
         """The fused forward of `model`, or None where it does not apply (another architecture, a device other

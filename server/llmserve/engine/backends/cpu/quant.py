@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gguf.constants import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
 from llmserve import cpu_features
 from llmserve.engine.backends.cpu import native, packed_linear
@@ -77,38 +78,31 @@ from llmserve.engine.backends.cpu.packed_linear import Linear, make_linear
 
 
 class GGMLType(enum.IntEnum):
-    """GGUF's numeric tensor type ids (ggml's `enum ggml_type`), of the types this module knows."""
+    """The ggml tensor types these kernels compute, by GGUF's numeric ids (the gguf package's GGMLQuantizationType).
+    Their block layouts come from the one table of block types, the gguf package's GGML_QUANT_SIZES (weights per
+    block, bytes per block, as ggml's type traits give them), which the file reader sizes every tensor by too
+    (models/gguf_file.py)."""
 
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    BF16 = 30
+    F32 = GGMLQuantizationType.F32.value
+    F16 = GGMLQuantizationType.F16.value
+    Q4_0 = GGMLQuantizationType.Q4_0.value
+    Q4_1 = GGMLQuantizationType.Q4_1.value
+    Q5_0 = GGMLQuantizationType.Q5_0.value
+    Q5_1 = GGMLQuantizationType.Q5_1.value
+    Q8_0 = GGMLQuantizationType.Q8_0.value
+    Q4_K = GGMLQuantizationType.Q4_K.value
+    Q5_K = GGMLQuantizationType.Q5_K.value
+    Q6_K = GGMLQuantizationType.Q6_K.value
+    BF16 = GGMLQuantizationType.BF16.value
 
 
 SUPPORTED: frozenset[GGMLType] = frozenset(GGMLType)
 
-QK_K = 256
-# (weights per block, bytes per block), as ggml's type traits give them.
-_BLOCK: dict[GGMLType, tuple[int, int]] = {
-    GGMLType.F32: (1, 4),
-    GGMLType.F16: (1, 2),
-    GGMLType.BF16: (1, 2),
-    GGMLType.Q4_0: (32, 2 + 16),
-    GGMLType.Q4_1: (32, 2 + 2 + 16),
-    GGMLType.Q5_0: (32, 2 + 4 + 16),
-    GGMLType.Q5_1: (32, 2 + 2 + 4 + 16),
-    GGMLType.Q8_0: (32, 2 + 32),
-    GGMLType.Q4_K: (QK_K, 2 + 2 + 12 + QK_K // 2),
-    GGMLType.Q5_K: (QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
-    GGMLType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
-}
+
+def _layout(kind: GGMLType) -> tuple[int, int]:
+    """(weights per block, bytes per block) of `kind`."""
+    per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    return per_block, nbytes
 
 
 class QuantFormatError(ValueError):
@@ -117,13 +111,13 @@ class QuantFormatError(ValueError):
 
 def block_size(kind: GGMLType) -> int:
     """Weights per block of `kind` (1 for the float types)."""
-    return _BLOCK[_kind(kind)][0]
+    return _layout(_kind(kind))[0]
 
 
 def row_bytes(kind: GGMLType, cols: int) -> int:
     """Bytes of one row of `cols` weights in `kind`. Raises QuantFormatError when `cols` is not a whole number of
     blocks."""
-    per_block, nbytes = _BLOCK[_kind(kind)]
+    per_block, nbytes = _layout(_kind(kind))
     if cols <= 0 or cols % per_block:
         raise QuantFormatError(f"{kind.name}: a row of {cols} weights is not a whole number of {per_block}-blocks")
     return cols // per_block * nbytes
@@ -413,7 +407,7 @@ def _decode(kind: GGMLType, data: torch.Tensor, cols: int) -> torch.Tensor:
     if kind in (GGMLType.F16, GGMLType.BF16):
         dtype = torch.float16 if kind == GGMLType.F16 else torch.bfloat16
         return data.contiguous().view(dtype).reshape(rows, cols).float()
-    per_block, nbytes = _BLOCK[kind]
+    per_block, nbytes = _layout(kind)
     blocks = data.reshape(-1, nbytes)
     values = _DECODERS[kind](blocks)
     return values.reshape(rows, cols)
