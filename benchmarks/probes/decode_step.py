@@ -10,7 +10,8 @@ inside the engine, without the gRPC edge or the process boundary (benchmarks/mod
     LLMSERVE_CPU_ISA=avx2 python benchmarks/probes/decode_step.py ...   # at a capped level
 
 A system is DTYPE[/ACTIVATIONS]:MODEL[@loop], MODEL `default` (the shipped GGUF) or a path, `@loop` with
---no-compiled-steps (the fused forward's Python loop); e.g. `gguf/float32:default`.
+--no-compiled-steps (the fused forward's Python loop); ACTIVATIONS as --gguf-activations, float32 unless given (the
+server's default); e.g. `gguf/int8:default`.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def load(system: str) -> EngineCore:
     dtype, _, spec = system.partition(":")
     dtype, _, activations = dtype.partition("/")
     spec = "" if spec == "default" else spec.split("=", 1)[-1]
-    loaded = load_model(spec or None, device="cpu", dtype=dtype, gguf_activations=activations or "int8")
+    loaded = load_model(spec or None, device="cpu", dtype=dtype, gguf_activations=activations or "float32")
     config = EngineConfig(kv_cache_tokens=8192, max_num_seqs=256, compiled_steps=variant != "loop")
     core = EngineCore(loaded, config)
     core.warm_up()
@@ -77,7 +78,7 @@ def round_ms(core: EngineCore, batch: int, steps: int, seed: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", nargs="+", default=["gguf:default", "gguf/float32:default", "float32:default"])
+    p.add_argument("--systems", nargs="+", default=["gguf:default", "gguf/int8:default", "float32:default"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
