@@ -6,7 +6,7 @@ whole (Scheduler(whole_prompts=True): bidirectional attention needs every token 
 same token budget as a decoder's steps, so that one step is one forward over at most `max_num_batched_tokens` rows
 (encoder_batch.py: packed rows, shortest first, attention padded per group of like length). Each entry of a plan is a
 whole input; its result is `Pooled`: the hidden states pooled as its request says (pooling.pool), projected by the
-folder's Dense modules, cut to its `dimensions` and normalized when asked (pooling.finish), in float32.
+folder's Dense modules, cut to its `dimensions` and normalized when asked (pooling.end_vectors), in float32.
 
 The block pool still keeps books for these sequences (it bounds how many inputs are in flight), but its blocks
 name no memory: `kv` is a cache of the one scratch block the interface requires, which nothing reads or writes.
@@ -21,7 +21,7 @@ import torch
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
 from llmserve.engine.backends.encoder_batch import EncoderBatch
-from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pool
+from llmserve.engine.backends.pooling import DenseStack, PoolingStates, end_vectors, pool
 from llmserve.engine.backends.prompt_logprobs import PromptScores
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
@@ -108,11 +108,7 @@ class EncoderBackend:
                 lens = [batch.seq_lens[at[i]] for i in members]
                 states = hidden if len(members) == len(entries) else torch.cat([rows[at[i]] for i in members])
                 try:
-                    vectors = pool(states, lens, params.mode)
-                    if self.head is not None:  # a classifier: its logits (the edge refuses the vector's options)
-                        vectors = self.head(vectors).float()
-                    else:
-                        vectors = finish(self.dense(vectors), dimensions=params.dimensions, normalize=params.normalize)
+                    vectors = end_vectors(pool(states, lens, params.mode), params, head=self.head, dense=self.dense)
                 except ValueError as exc:
                     for i in members:
                         results[i] = RowFailed(str(exc))

@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from llmserve.engine.types.model import ClassifierHead
 from llmserve.engine.types.pooling import DenseModule, PoolingMode
+from llmserve.engine.types.request import PoolingParams
 
 __all__ = ["DenseStack", "PoolingState", "PoolingStates", "finish", "pool", "pooled_rows"]
 
@@ -147,6 +149,17 @@ class DenseStack:
         for layer in self.layers:
             vectors = layer(vectors.to(layer.weight.dtype))
         return vectors
+
+
+def end_vectors(
+    pooled: torch.Tensor, params: PoolingParams, *, head: ClassifierHead | None, dense: DenseStack
+) -> torch.Tensor:
+    """Pooled vectors [B, H] as Embed returns them, on every backend: a classifier's logits in float32 (its head over
+    the pooled states; the edge refuses dimensions and normalize for a classifier), else the folder's Dense modules
+    and then `finish` (dimensions, normalize). Raises ValueError for dimensions the vectors cannot give."""
+    if head is not None:
+        return head(pooled).float()
+    return finish(dense(pooled), dimensions=params.dimensions, normalize=params.normalize)
 
 
 def finish(vectors: torch.Tensor, *, dimensions: int | None = None, normalize: bool = False) -> torch.Tensor:

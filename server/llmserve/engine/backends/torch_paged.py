@@ -22,7 +22,7 @@ from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.input_batch import InputBatch
 from llmserve.engine.backends.lora_slots import BackendLora
 from llmserve.engine.backends.metadata import GatheredBuilder, MetadataBuilder
-from llmserve.engine.backends.pooling import DenseStack, PoolingStates, finish, pooled_rows
+from llmserve.engine.backends.pooling import DenseStack, PoolingStates, end_vectors, pooled_rows
 from llmserve.engine.backends.prompt_logprobs import PromptScores, score
 from llmserve.engine.backends.step_buffers import StepBuffers
 from llmserve.engine.config import EngineConfig
@@ -188,11 +188,8 @@ class TorchPagedBackend:
         return done
 
     def _vector(self, key: int, params: PoolingParams) -> Pooled | RowFailed:
-        vector = self.pooling.take(key)
-        if self.head is not None:  # a classifier: its logits (the edge refuses dimensions and normalize for it)
-            return Pooled(self.head(vector[None])[0].float().tolist())
         try:
-            vector = finish(self.dense(vector[None]), dimensions=params.dimensions, normalize=params.normalize)[0]
+            vector = end_vectors(self.pooling.take(key)[None], params, head=self.head, dense=self.dense)[0]
         except ValueError as exc:
             return RowFailed(str(exc))
         return Pooled(vector.tolist())
