@@ -100,8 +100,8 @@ async def test_float_activations_give_the_float32_paths_greedy_tokens_under_batc
 ) -> None:
     """Fidelity: with float32 activations the blocks compute the dequantized weights' products up to float32
     rounding, so the default model's greedy tokens equal the float32 path's (the file dequantized), each prompt
-    alone there, here all at once in chunks of 48 tokens in a pool that preempts. (With int8 activations, the
-    default, 1 of 16 chat prompts stays identical for 64 tokens: docs/cpu-dtypes.md.)"""
+    alone there, here all at once in chunks of 48 tokens in a pool that preempts. (With `--gguf-activations int8`
+    1 of 16 chat prompts stays identical for 64 tokens: docs/cpu-dtypes.md.)"""
     dense = load_model(None, device="cpu", dtype="float32")
     tok = dense.tokenizer
     prompts = [
