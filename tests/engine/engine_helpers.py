@@ -89,6 +89,22 @@ async def run(engine: AsyncEngine, request: GenerationRequest) -> tuple[list[int
     return tokens, deltas
 
 
+async def token_logprobs(
+    engine: AsyncEngine, requests: list[GenerationRequest], together: bool, timeout_s: float = 120.0
+) -> list[list[tuple[int, float]]]:
+    """Each request's (token id, logprob) pairs: the requests one after another, or all at once (`together`)."""
+
+    async def one(r: GenerationRequest) -> list[tuple[int, float]]:
+        out: list[tuple[int, float]] = []
+        async for delta in engine.generate(r):
+            out += [(lp.token_id, lp.logprob) for lp in delta.logprobs or []]
+        return out
+
+    if together:
+        return list(await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), timeout_s))
+    return [await asyncio.wait_for(one(r), timeout_s) for r in requests]
+
+
 def req(
     rid: str, prompt: list[int], *, max_new: int = 16, sampling: SamplingParams | None = None, **kw
 ) -> GenerationRequest:

@@ -16,7 +16,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.models.loader import from_config, load_model
-from tests.engine.engine_helpers import inner
+from tests.engine.engine_helpers import inner, token_logprobs
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
 from tests.testing import TINY_VOCAB, tiny_config
 
@@ -26,18 +26,6 @@ def tiny(tmp_path: Path, activations: str = "float32"):  # noqa: ANN201 - a Load
     source = from_config(config, dtype=torch.float32, seed=9).model
     kinds = {"blk.0.attn_v.weight": Q.Q4_1, "blk.1.ffn_down.weight": Q.Q4_0}  # mixed types, as Q4_K_M files are
     return gguf_loaded(write_llama_gguf(tmp_path / "tiny.gguf", source, kinds), config, activations=activations)
-
-
-async def run(engine: AsyncEngine, requests: list[GenerationRequest], together: bool) -> list[list[tuple[int, float]]]:
-    async def one(r: GenerationRequest) -> list[tuple[int, float]]:
-        out: list[tuple[int, float]] = []
-        async for delta in engine.generate(r):
-            out += [(lp.token_id, lp.logprob) for lp in delta.logprobs or []]
-        return out
-
-    if together:
-        return list(await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 120))
-    return [await asyncio.wait_for(one(r), 120) for r in requests]
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
@@ -62,7 +50,7 @@ async def test_logprobs_are_bitwise_the_same_alone_and_chunked_among_others(tmp_
             backend = inner(engine).backend
             linears = "gguf-float32" if activations == "float32" else "gguf"
             assert backend.fused is not None and backend.fused.precision.linears == linears
-            results.append(await run(engine, requests, together))
+            results.append(await token_logprobs(engine, requests, together))
         finally:
             await engine.shutdown()
     alone, together_ = results

@@ -5,7 +5,6 @@ parts), Qwen3's per-head norms and the LM head over a subset of rows."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
 from llmserve.models.loader import from_config
-from tests.engine.engine_helpers import inner
+from tests.engine.engine_helpers import inner, token_logprobs
 from tests.gguf_helpers import Q, gguf_loaded, write_llama_gguf
 from tests.testing import TINY_VOCAB, tiny_config
 
@@ -35,21 +34,7 @@ def model(tmp_path: Path, family: str, activations: str) -> Any:
                 w = state[f"model.layers.{i}.self_attn.{ours}.weight"].float().numpy()
                 extra[f"blk.{i}.{theirs}.weight"] = (Q.F32, np.ascontiguousarray(w).view(np.uint8))
     path = write_llama_gguf(tmp_path / f"{family}.gguf", source, kinds, extra=extra, arch=family)
-    loaded = gguf_loaded(path, config)
-    loaded.activations = activations
-    return loaded
-
-
-async def generate(engine: AsyncEngine, requests: list[GenerationRequest], together: bool) -> list[Any]:
-    async def one(r: GenerationRequest) -> list[tuple[int, float]]:
-        out: list[tuple[int, float]] = []
-        async for delta in engine.generate(r):
-            out += [(lp.token_id, lp.logprob) for lp in delta.logprobs or []]
-        return out
-
-    if together:
-        return list(await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 120))
-    return [await asyncio.wait_for(one(r), 120) for r in requests]
+    return gguf_loaded(path, config, activations=activations)
 
 
 @pytest.mark.parametrize(
@@ -77,9 +62,9 @@ async def test_compiled_steps_equal_the_python_loop_bit_for_bit(tmp_path: Path, 
                 backend.program.run = lambda *a, run=run, runs=runs: runs.append(1) or run(*a)  # type: ignore[method-assign]
             else:
                 assert backend.program is None
-            alone = await generate(engine, requests, together=False)
+            alone = await token_logprobs(engine, requests, together=False)
             caches.append(backend.kv.tensor.clone())
-            together = await generate(engine, requests, together=True)  # prompts in chunks of 32 beside decodes
+            together = await token_logprobs(engine, requests, together=True)  # prompts in chunks of 32 beside decodes
             results.append((alone, together))
             programs.append(len(runs))
         finally:
