@@ -137,6 +137,7 @@ class ServerMetrics:
         self.rerank_requests = Counter(
             f"{p}_rerank_requests", "Rerank calls ended, by gRPC status code", ["code"], registry=r
         )
+        self.rerank_requests.labels("OK")  # a series from the start, as Embed's
         self.kv_event_batches = Counter(
             f"{p}_kv_event_batches_sent",
             "Prefix-cache event batches handed to SubscribeKvEvents streams (the gateways' view of this cache)",
