@@ -177,17 +177,30 @@ def test_long_pairs_are_cut_longest_first_as_cross_encoder_cuts_them(
 def test_several_callers_at_once_get_each_their_own_scores(
     stub: generate_pb2_grpc.GenerateServiceStub, library: Any
 ) -> None:
+    """Rerank calls, and Embed calls of single texts between them: steps that mix pairs (segments 0 and 1) with
+    texts (no segment ids: all 0) give each its own values."""
     documents = [*DOCUMENTS, LONG_DOCUMENTS[0]]
     queries = [QUERY, "sediment", "what did the critics say about the film"]
     wants = {q: _want(library, q, documents) for q in queries}
-    calls = [(queries[i % len(queries)], documents[i % 5 :]) for i in range(8)]
+    texts = DOCUMENTS[:4]
+    alone = [_embed_values(stub, text) for text in texts]
+    calls: list[tuple[str, list[str]] | int] = [(queries[i % len(queries)], documents[i % 5 :]) for i in range(8)]
+    calls[1:1] = range(len(texts))
 
-    def call(query_documents: tuple[str, list[str]]) -> None:
-        query, docs = query_documents
+    def call(what: tuple[str, list[str]] | int) -> None:
+        if isinstance(what, int):
+            assert (_embed_values(stub, texts[what]) - alone[what]).abs().max().item() <= TOLERANCE
+            return
+        query, docs = what
         _check(_rerank(stub, query, docs), wants[query][len(documents) - len(docs) :])
 
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(call, calls))
+
+
+def _embed_values(stub: generate_pb2_grpc.GenerateServiceStub, text: str) -> torch.Tensor:
+    response = stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text=text)]), timeout=60)
+    return torch.tensor(list(response.embeddings[0].values))
 
 
 def test_results_come_best_first_top_n_and_with_their_documents(
