@@ -37,9 +37,11 @@ from llmserve.api.limits import (
     check_embed,
     check_generate,
     check_input,
+    cut_utf8,
     is_valid_id,
     prompt_byte_limit,
     quote_prefix,
+    truncation_byte_bound,
 )
 from llmserve.api.prompts import SessionPrompts, embed_texts, embed_token_ids, prompt_token_ids, special_tokens
 from llmserve.auth import caller_identity
@@ -436,8 +438,17 @@ def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> 
     # one per input.
     texts = [i for i, item in enumerate(request.inputs) if item.WhichOneof("input") == "text"]
     contents: dict[int, list[int]] = {}
+    byte_cut: set[int] = set()
     if texts and tokenizer is not None:
-        encoded = embed_texts(tokenizer, [request.inputs[i].text for i in texts], info.do_lower_case)
+        batch = [request.inputs[i].text for i in texts]
+        if request.truncate != pb.TRUNCATION_UNSPECIFIED:
+            # What truncation keeps lies within the text's first (or last) bytes: the rest is never tokenized.
+            bound, keep_end = truncation_byte_bound(limit), request.truncate == pb.TRUNCATION_KEEP_END
+            for j, i in enumerate(texts):
+                batch[j], was_cut = cut_utf8(batch[j], bound, keep_end)
+                if was_cut:
+                    byte_cut.add(i)
+        encoded = embed_texts(tokenizer, batch, info.do_lower_case)
         contents = dict(zip(texts, encoded, strict=True))
     for i, item in enumerate(request.inputs):
         field = f"inputs[{i}]"
@@ -446,7 +457,7 @@ def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> 
         )
         if any(t < 0 or t >= info.vocab_size for t in ids):
             raise InvalidRequest(f"{field}.token_ids.ids", f"ids must be in [0, {info.vocab_size})")
-        prompts.append((ids, cut))
+        prompts.append((ids, cut or i in byte_cut))
     return prompts
 
 
