@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -144,3 +145,38 @@ async def test_dimensions_and_normalize_apply_to_a_decoders_vector(engine: Async
     assert delta.embedding is not None and len(delta.embedding) == 16
     want = torch.nn.functional.normalize(reference(loaded, prompt, PoolingMode.LAST)[:16], dim=0)
     assert (torch.tensor(delta.embedding) - want).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("mode", [PoolingMode.MEAN, PoolingMode.MAX])
+async def test_a_pooled_prompt_preempted_mid_way_restarts_its_pooling(loaded: LoadedModel, mode: PoolingMode) -> None:
+    """A pool of 20 blocks: a 300-token pooled prompt (19 blocks) beside a generating stream outgrows it mid-prompt,
+    is preempted (it is the newest) and read again from its first token once the stream is done: the vector is the
+    unpreempted one (what the first attempts pooled is dropped, not counted twice). Max pooling over rows seen twice
+    is the same maximum: only mean pooling shows a state kept across the restart; max is here for the restart."""
+    config = EngineConfig(
+        block_size=16, kv_cache_tokens=320, max_num_seqs=4, max_num_batched_tokens=64, pooling_share=1.0
+    )
+    (prompt,) = prompts(1, 300, seed=6)
+    prompt = (prompt * 2)[:300]
+    engine = AsyncEngine(loaded, config)
+    await engine.start()
+    try:
+        stream = engine.generate(
+            GenerationRequest("gen", (5,) * 32, stopping=StoppingParams(max_new_tokens=40, ignore_eos=True))
+        )
+        first = await anext(stream)  # the stream runs (and is older) before the pooled prompt arrives
+        assert first.token_ids
+        pooled, _ = await asyncio.gather(final(engine, pooling_request(40, prompt, mode)), _drain(stream))
+        core = inner(engine)
+        assert core.scheduler.num_preemptions > 0
+        alone = await final(engine, pooling_request(41, prompt, mode))
+    finally:
+        await engine.shutdown()
+    assert pooled.embedding is not None and alone.embedding is not None
+    assert (torch.tensor(pooled.embedding) - torch.tensor(alone.embedding)).abs().max().item() <= TOLERANCE
+    assert (torch.tensor(pooled.embedding) - reference(loaded, prompt, mode)).abs().max().item() <= TOLERANCE
+
+
+async def _drain(stream: AsyncIterator[Delta]) -> None:
+    async for _ in stream:
+        pass
