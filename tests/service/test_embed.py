@@ -273,6 +273,10 @@ def _embed_requests(draw: st.DrawFn) -> pb.EmbedRequest:
         request.dimensions = draw(st.integers(-(2**31), 2**31 - 1))
     if draw(st.booleans()):
         request.normalize = draw(st.booleans())
+    if draw(st.integers(0, 3)) == 0:
+        request.prompt_name = draw(st.sampled_from(["", "query", "\x00"]))
+    if draw(st.integers(0, 3)) == 0:
+        request.prompt = draw(st.one_of(st.text(max_size=20), st.just("p" * 9000)))
     return request
 
 

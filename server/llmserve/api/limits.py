@@ -215,6 +215,10 @@ def check_embed(request: pb.EmbedRequest, limits: InputLimits, max_prompt_bytes:
         raise InvalidRequest("truncate", f"unknown value {request.truncate}")
     if request.pooling not in pb.Pooling.values():
         raise InvalidRequest("pooling", f"unknown value {request.pooling}")
+    if request.HasField("prompt"):
+        if request.HasField("prompt_name"):
+            raise InvalidRequest("prompt", "set prompt or prompt_name, not both")
+        _check_prompt_bytes("prompt", request.prompt, max_prompt_bytes)
     for i, item in enumerate(inputs):
         field = f"inputs[{i}]"
         kind = item.WhichOneof("input")

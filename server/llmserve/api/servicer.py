@@ -43,7 +43,14 @@ from llmserve.api.limits import (
     quote_prefix,
     truncation_byte_bound,
 )
-from llmserve.api.prompts import SessionPrompts, embed_texts, embed_token_ids, prompt_token_ids, special_tokens
+from llmserve.api.prompts import (
+    SessionPrompts,
+    embed_prompt,
+    embed_texts,
+    embed_token_ids,
+    prompt_token_ids,
+    special_tokens,
+)
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
 from llmserve.engine.types.errors import EngineDead, InvalidRequest, QueueFull
@@ -306,10 +313,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if classify:
                 check_classify(request)
             check_embed(request, self._limits, self._max_prompt_bytes, info.embedding_size)
+            prompt = embed_prompt(request, info.prompts, info.default_prompt_name, info.serves_prompts)
             request_id = record.request_id = request.request_id or uuid.uuid4().hex
             record.inputs = len(request.inputs)
             key = await self.admission.admit(identity, request_id)
-            prompts = await asyncio.to_thread(embed_prompts, engine.tokenizer, request, info)
+            prompts = await asyncio.to_thread(embed_prompts, engine.tokenizer, request, info, prompt)
             pooling = to_pooling_params(request, info)
             scoped_id = scoped(identity, request_id)
             engine_requests = [
@@ -377,6 +385,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             max_embed_input_tokens=info.max_embed_input_tokens,
             max_embed_inputs=self._limits.max_embed_inputs if info.embedding_size else 0,
             labels=info.labels,
+            prompt_names=[name for name, _ in info.prompts],
+            default_prompt_name=info.default_prompt_name,
         )
 
     async def GetSession(
@@ -428,9 +438,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return pb.DeleteSessionResponse(deleted=held or cached)
 
 
-def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> list[tuple[list[int], bool]]:
-    """Every input's token ids and whether truncation cut it (on a worker thread: it tokenizes); InvalidRequest
-    naming the first input that is too long or holds ids outside the vocabulary."""
+def embed_prompts(
+    tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo, prompt: str = ""
+) -> list[tuple[list[int], bool]]:
+    """Every input's token ids and whether truncation cut it (on a worker thread: it tokenizes), each text after the
+    instruction `prompt` (embed_prompt); InvalidRequest naming the first input that is too long or holds ids outside
+    the vocabulary."""
     prompts = []
     specials = ([], []) if tokenizer is None else special_tokens(tokenizer)
     limit = info.max_embed_input_tokens
@@ -440,7 +453,7 @@ def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> 
     contents: dict[int, list[int]] = {}
     byte_cut: set[int] = set()
     if texts and tokenizer is not None:
-        batch = [request.inputs[i].text for i in texts]
+        batch = [prompt + request.inputs[i].text for i in texts]  # the prompt counts in the limit, as the text
         if request.truncate != pb.TRUNCATION_UNSPECIFIED:
             # What truncation keeps lies within the text's first (or last) bytes: the rest is never tokenized.
             bound, keep_end = truncation_byte_bound(limit), request.truncate == pb.TRUNCATION_KEEP_END
@@ -453,7 +466,7 @@ def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> 
     for i, item in enumerate(request.inputs):
         field = f"inputs[{i}]"
         ids, cut = embed_token_ids(
-            tokenizer, item, field, limit, request.truncate, info.do_lower_case, specials, contents.get(i)
+            tokenizer, item, field, limit, request.truncate, info.do_lower_case, specials, contents.get(i), prompt
         )
         if any(t < 0 or t >= info.vocab_size for t in ids):
             raise InvalidRequest(f"{field}.token_ids.ids", f"ids must be in [0, {info.vocab_size})")
