@@ -116,7 +116,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._limits = config.limits
         self._max_prompt_bytes = 0
         if admission is None:
-            admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
+            admission = Admission.of(config)
         self.admission = admission
         self.histories: HistoryStore = histories if histories is not None else open_store(config.history)
         self.prompts = SessionPrompts(self.histories, config.history.max_tokens)
@@ -316,7 +316,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prompt = embed_prompt(request, info.prompts, info.default_prompt_name, info.serves_prompts)
             request_id = record.request_id = request.request_id or uuid.uuid4().hex
             record.inputs = len(request.inputs)
-            key = await self.admission.admit(identity, request_id)
+            key = await self.admission.admit_pooling(identity, request_id, len(request.inputs))
             prompts = await asyncio.to_thread(embed_prompts, engine.tokenizer, request, info, prompt)
             pooling = to_pooling_params(request, info)
             scoped_id = scoped(identity, request_id)
