@@ -175,8 +175,8 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--max-concurrent-streams", "server.max_concurrent_streams", _positive_int,
                   "Generate streams in flight at once; beyond it calls get RESOURCE_EXHAUSTED"),
             _flag("--max-pooling-inputs", "server.max_pooling_inputs", _positive_int,
-                  "inputs of Embed calls in flight at once (at least --max-embed-inputs); a call beyond it is "
-                  "refused whole with RESOURCE_EXHAUSTED"),
+                  "inputs of Embed calls (documents of Rerank calls) in flight at once (at least --max-embed-inputs); "
+                  "a call beyond it is refused whole with RESOURCE_EXHAUSTED"),
             _flag("--default-max-new-tokens", "server.default_max_new_tokens", _positive_int,
                   "max_new_tokens for requests that leave it unset (capped by the context)"),
             _flag("--grace-period", "server.grace_period_s", _non_negative_float,

@@ -1,7 +1,7 @@
 """Which calls may start: draining, the server's and each identity's caps, duplicate ids.
 
 A Generate stream counts one against the stream caps (--max-concurrent-streams, --max-streams-per-identity). A
-pooling call (Embed, and any RPC that turns each of its inputs into an engine request) counts its inputs against
+pooling call (Embed, Rerank, and any RPC that turns each of its inputs into an engine request) counts its inputs against
 caps of their own (--max-pooling-inputs, and per identity the same share of it as of the streams), admitted whole
 or refused whole: a large call never takes the streams' slots, and never half enters the engine. The stream and
 input caps together stay within the engine's queue (--max-waiting 1024 = 256 streams + 768 inputs by default), so

@@ -376,8 +376,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             check_rerank(request, self._limits, self._max_prompt_bytes)
             request_id = record.request_id = request.request_id or uuid.uuid4().hex
             record.inputs = len(request.documents)
-            # The same admission as Embed's (a call of several inputs).
-            key = await self.admission.admit(identity, request_id)
+            # Admitted as Embed is: each pair is an engine request, so the call counts by its documents, whole or
+            # refused whole (--max-pooling-inputs), and takes no Generate stream slot.
+            key = await self.admission.admit_pooling(identity, request_id, len(request.documents))
             limit = pair_limit(engine.tokenizer, info.max_embed_input_tokens)
             pairs = await asyncio.to_thread(
                 rerank_pairs, engine.tokenizer, request.query, request.documents, limit, info.do_lower_case
