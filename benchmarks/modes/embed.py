@@ -24,9 +24,8 @@ with `--pooling last` (decoder pooling in the continuous batch), in alternated w
 - `generation alone`: `--gen-streams` closed-loop Generate streams (a sentence as the prompt, `--gen-max-new-tokens`
   tokens each, ignore_eos, temperature 0.7);
 - `generation + embeddings`: the same streams, and beside them `--mixed-embed-clients` callers sending one sentence
-  per Embed call, `--mixed-embed-rate` calls/s in all (each caller paced at its share, calling at once when behind;
-  0: closed loop, as fast as answers come). Closed loop, 8 callers' prefills take a share of every step that the
-  streams never get back: the issue's "traffic beside them" is a rate, not a saturating load.
+  per Embed call, closed loop (as fast as answers come: issue 54, the load that --pooling-share must bound), or
+  `--mixed-embed-rate` calls/s in all (each caller paced at its share, calling at once when behind).
 
 Per window: the streams' output tokens/s, their time to first token p50/p99, the embeddings/s and Embed call
 p50/p99, the server's peak RSS; the ratio of the streams' tokens/s with embeddings beside them to alone (the issue's

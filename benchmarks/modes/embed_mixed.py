@@ -39,9 +39,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mixed-embed-rate",
         type=float,
-        default=16.0,
-        help="Embed calls per second of all callers together, each paced at its share (0: closed loop, each calls "
-        "again as soon as its answer arrives)",
+        default=0.0,
+        help="Embed calls per second of all callers together, each paced at its share; 0 (the default): closed "
+        "loop, each calls again as soon as its answer arrives (issue 54: the scheduler's --pooling-share bounds "
+        "what any embedding load takes of a step)",
     )
     p.add_argument("--gen-pooling", default="last", choices=("last", "mean"), help="the server's --pooling")
 

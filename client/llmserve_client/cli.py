@@ -131,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
         "--truncate", choices=["keep-start", "keep-end"], default=None, help="cut a too-long input (default: refuse)"
     )
     emb.add_argument("--pooling", choices=["cls", "mean", "last", "max"], default=None, help="default: the model's")
+    emb.add_argument("--prompt-name", default=None, help="one of the model's instruction prompts (default: its own)")
+    emb.add_argument("--prompt", default=None, help="an instruction prompt of one's own ('': none at all)")
     emb.add_argument("--request-id", default="")
     emb.add_argument("--stats", action="store_true", help="print the usage to stderr at the end")
 
@@ -265,6 +267,8 @@ def _embed(client: Client, args: argparse.Namespace) -> int:
         truncate=args.truncate,
         pooling=args.pooling,
         request_id=args.request_id,
+        prompt_name=args.prompt_name,
+        prompt=args.prompt,
     )
     for embedding in response.embeddings:
         line: dict[str, Any] = {

@@ -203,6 +203,8 @@ def embed_request(
     pooling: str | None = None,
     request_id: str = "",
     priority: int = 0,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
 ) -> pb.EmbedRequest:
     """An EmbedRequest for one text (`inputs` a str) or a batch of inputs, each a text, a list of token ids, a
     conversation (a list of {"role", "content"} dicts, (role, content) pairs or ChatMessages; or a ChatInput) or
@@ -210,7 +212,9 @@ def embed_request(
 
     Arguments left at None leave the field unset, so the model's defaults apply. `truncate`: "keep_start" or
     "keep_end" keeps that end of a too-long input (None: a too-long input is refused). `pooling`: "cls", "mean",
-    "last" or "max". The server validates the rest (see generate.proto); ValueError for an unknown truncate or
+    "last" or "max". `prompt_name`: one of the model's instruction prompts (GetModelInfo's prompt_names);
+    `prompt`: a prompt of one's own ("": none, not even the model's default). The server validates the rest (see
+    generate.proto); ValueError for an unknown truncate or
     pooling name, TypeError for an input of none of the kinds above.
     """
     request = pb.EmbedRequest(request_id=request_id, priority=priority)
@@ -224,6 +228,10 @@ def embed_request(
         request.truncate = _named(TRUNCATIONS, truncate, "truncate")
     if pooling is not None:
         request.pooling = _named(POOLINGS, pooling, "pooling")
+    if prompt_name is not None:
+        request.prompt_name = prompt_name
+    if prompt is not None:
+        request.prompt = prompt
     return request
 
 

@@ -107,7 +107,7 @@ class LLMServer:
         self.replica = config.replica_name or f"{socket.gethostname()}:{self.port}"
         self.engine: Engine | None = None
         histories = open_store(config.history)  # connected by start(), closed by stop()
-        admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
+        admission = Admission.of(config)
         self.metrics = (
             ServerMetrics(self.replica, admission.__len__, lambda: self.engine, histories)
             if config.metrics_port

@@ -75,6 +75,10 @@ class ServerConfig:
 
     address: str = DEFAULT_ADDRESS
     max_concurrent_streams: int = 256
+    # Inputs of pooling calls (Embed's inputs, Rerank's documents) in flight at once, each an engine request: with
+    # the streams' 256, the engine queue's 1024 (--max-waiting), so that embedding traffic never fills the queue
+    # Generate needs.
+    max_pooling_inputs: int = 768
     default_max_new_tokens: int = 256
     grace_period_s: float = 10.0
     reflection: bool = True

@@ -47,6 +47,7 @@ _lora_rank = _checked(int, lambda v: 1 <= v <= MAX_LORA_RANK, f"in [1, {MAX_LORA
 _fraction = _checked(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
 _positive_float = _checked(float, lambda v: v > 0, "> 0")
 _non_negative_float = _checked(float, lambda v: v >= 0, ">= 0")
+_non_negative_int = _checked(int, lambda v: v >= 0, ">= 0")
 _log_format = _one_of(*LOG_FORMATS)
 
 
@@ -173,6 +174,9 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             _flag("--address", "server.address", _address, "host:port to listen on (port 0: any free port)"),
             _flag("--max-concurrent-streams", "server.max_concurrent_streams", _positive_int,
                   "Generate streams in flight at once; beyond it calls get RESOURCE_EXHAUSTED"),
+            _flag("--max-pooling-inputs", "server.max_pooling_inputs", _positive_int,
+                  "inputs of Embed calls (documents of Rerank calls) in flight at once (at least --max-embed-inputs); "
+                  "a call beyond it is refused whole with RESOURCE_EXHAUSTED"),
             _flag("--default-max-new-tokens", "server.default_max_new_tokens", _positive_int,
                   "max_new_tokens for requests that leave it unset (capped by the context)"),
             _flag("--grace-period", "server.grace_period_s", _non_negative_float,
@@ -267,8 +271,11 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "most tokens in one forward (prefill chunks plus decodes)"),
             _flag("--max-model-len", "engine.max_model_len", _positive_int, "context length cap; unset: the model's"),
             _flag("--pooling-share", "engine.pooling_share", _fraction,
-                  "while generation runs, the most of a step's tokens that Embed/classify inputs on a generative model "
+                  "while generation runs, the most of a step's cost that Embed/classify inputs on a generative model "
                   "may take (1: no bound); the streams keep about 1 - this of their rate beside any embedding load"),
+            _flag("--pooling-step-tokens", "engine.pooling_step_tokens", _non_negative_int,
+                  "a step's fixed cost in tokens of compute (F): beside G streams Embed inputs get "
+                  "floor((G + F) share / (1 - share)) tokens a step"),
             _flag("--max-waiting", "engine.max_waiting", _positive_int,
                   "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED"),
             _switch("--no-prefix-caching", "engine.enable_prefix_caching", "turn off automatic prefix caching",

@@ -96,3 +96,35 @@ def test_two_identities_names_never_scope_to_the_same_key(identity: str, name: s
     cut = data.draw(st.integers(0, len(joined) - 1))
     other = (joined[:cut], joined[cut + 1 :])
     assert (scoped(identity, name) == scoped(*other)) == ((identity, name) == other)
+
+
+async def test_a_pooling_call_counts_its_inputs_whole_and_takes_no_stream_slot() -> None:
+    admission = Admission(max_streams=2, max_per_identity=None, max_pooling_inputs=100, max_call_inputs=64)
+    big = await admission.admit_pooling(None, "e1", 64)
+    err = await refused_pooling(admission, None, "e2", 40)  # 64 + 40 > 100: refused whole, not 36 of them
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s == RETRY_DELAY_S
+    assert "--max-pooling-inputs" in err.message and admission.inputs_in_flight == 64
+    await admission.admit_pooling(None, "e3", 36)
+    streams = [await admission.admit(None, f"g{i}") for i in range(2)]  # Generate keeps both its slots
+    assert len(admission) == 4
+    admission.release(big)
+    await admission.admit_pooling(None, "e2", 40)
+    admission.release(streams[0])
+    assert admission.inputs_in_flight == 76
+
+
+async def test_the_pooling_caps_hold_one_whole_call_at_least_and_share_by_identity() -> None:
+    assert Admission(4, None, max_pooling_inputs=10, max_call_inputs=256).max_inputs == 256
+    admission = Admission(max_streams=8, max_per_identity=2, max_pooling_inputs=400, max_call_inputs=32)
+    assert admission.max_inputs_per_identity == 100  # 2/8 of the inputs, as of the streams
+    await admission.admit_pooling("alice", "a", 80)
+    err = await refused_pooling(admission, "alice", "b", 32)
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams-per-identity" in err.message
+    await admission.admit_pooling("bob", "b", 32)
+    assert Admission(8, 1, max_pooling_inputs=64, max_call_inputs=32).max_inputs_per_identity == 32
+
+
+async def refused_pooling(admission: Admission, identity: str | None, request_id: str, inputs: int) -> ServiceError:
+    with pytest.raises(ServiceError) as err:
+        await admission.admit_pooling(identity, request_id, inputs)
+    return err.value

@@ -13,6 +13,7 @@ from llmserve.api.limits import (
     check_generate,
     check_id,
     check_input,
+    cut_utf8,
     prompt_byte_limit,
     quote_prefix,
 )
@@ -142,3 +143,24 @@ def test_a_classifiers_embed_sets_none_of_the_vectors_options(field: str, option
     with pytest.raises(InvalidRequest) as err:
         check_classify(pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")], **options))  # type: ignore[arg-type]
     assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("text", "max_bytes", "keep_end", "want"),
+    [
+        ("abc", 3, False, ("abc", False)),
+        ("abcd", 3, False, ("abc", True)),
+        ("abcd", 3, True, ("bcd", True)),
+        ("a🙂b", 4, False, ("a", True)),  # the emoji's four bytes do not fit after "a": dropped whole
+        ("a🙂b", 5, False, ("a🙂", True)),
+        ("a🙂b", 4, True, ("b", True)),
+        ("é世🙂", 9, True, ("é世🙂", False)),
+        ("é世🙂", 8, True, ("世🙂", True)),
+        ("é世🙂", 8, False, ("é世", True)),
+        ("é世🙂", 4, False, ("é", True)),
+    ],
+)
+def test_a_truncated_embed_text_is_cut_on_a_character_boundary(
+    text: str, max_bytes: int, keep_end: bool, want: tuple[str, bool]
+) -> None:
+    assert cut_utf8(text, max_bytes, keep_end) == want

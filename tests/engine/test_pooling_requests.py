@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -144,3 +146,71 @@ async def test_dimensions_and_normalize_apply_to_a_decoders_vector(engine: Async
     assert delta.embedding is not None and len(delta.embedding) == 16
     want = torch.nn.functional.normalize(reference(loaded, prompt, PoolingMode.LAST)[:16], dim=0)
     assert (torch.tensor(delta.embedding) - want).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("mode", [PoolingMode.MEAN, PoolingMode.MAX])
+async def test_a_pooled_prompt_preempted_mid_way_restarts_its_pooling(loaded: LoadedModel, mode: PoolingMode) -> None:
+    """A pool of 20 blocks: a 300-token pooled prompt (19 blocks) beside a generating stream outgrows it mid-prompt,
+    is preempted (it is the newest) and read again from its first token once the stream is done: the vector is the
+    unpreempted one (what the first attempts pooled is dropped, not counted twice). Max pooling over rows seen twice
+    is the same maximum: only mean pooling shows a state kept across the restart; max is here for the restart."""
+    config = EngineConfig(
+        block_size=16, kv_cache_tokens=320, max_num_seqs=4, max_num_batched_tokens=64, pooling_share=1.0
+    )
+    (prompt,) = prompts(1, 300, seed=6)
+    prompt = (prompt * 2)[:300]
+    engine = AsyncEngine(loaded, config)
+    await engine.start()
+    try:
+        stream = engine.generate(
+            GenerationRequest("gen", (5,) * 32, stopping=StoppingParams(max_new_tokens=40, ignore_eos=True))
+        )
+        first = await anext(stream)  # the stream runs (and is older) before the pooled prompt arrives
+        assert first.token_ids
+        pooled, _ = await asyncio.gather(final(engine, pooling_request(40, prompt, mode)), _drain(stream))
+        core = inner(engine)
+        assert core.scheduler.num_preemptions > 0
+        alone = await final(engine, pooling_request(41, prompt, mode))
+    finally:
+        await engine.shutdown()
+    assert pooled.embedding is not None and alone.embedding is not None
+    assert (torch.tensor(pooled.embedding) - torch.tensor(alone.embedding)).abs().max().item() <= TOLERANCE
+    assert (torch.tensor(pooled.embedding) - reference(loaded, prompt, mode)).abs().max().item() <= TOLERANCE
+
+
+async def _drain(stream: AsyncIterator[Delta]) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_a_large_call_beside_one_stream_is_read_within_the_stated_bound(loaded: LoadedModel) -> None:
+    """Scheduler.pooling_cap's bound, in steps: 256 inputs of 20 tokens (N = 5,120) beside one generating stream get
+    P(1) = floor((1 + F) s / (1 - s)) tokens a step at the defaults (s 0.2, F EngineConfig's: 16 tokens), so they are
+    read within ceil(N / P(1)) steps (two more: the step in flight when they arrive, the counter read beside a running
+    core), while the stream generates all along. The stream runs 40 steps past the bound, so that the cap applies to
+    every step the call takes: under the rule before F, max(1, ceil(G s / (1 - s))), one token a step, the call
+    would need 5,120 steps and finishes only after the stream ends (planted: 436 steps against a bound of 322)."""
+    config = dataclasses.replace(CONFIG, pooling_share=EngineConfig().pooling_share)
+    share, fixed = config.pooling_share, config.pooling_step_tokens
+    per_step = max(1, math.floor((1 + fixed) * share / (1 - share) + 1e-9))
+    inputs = [tuple(3 + (7 * i + k) % 400 for k in range(20)) for i in range(256)]
+    bound = math.ceil(20 * len(inputs) / per_step) + 2
+    engine = AsyncEngine(loaded, config)
+    await engine.start()
+    try:
+        core = inner(engine)
+        stream = engine.generate(
+            GenerationRequest("gen", (5,) * 32, stopping=StoppingParams(max_new_tokens=bound + 40, ignore_eos=True))
+        )
+        await anext(stream)
+        before = core.steps
+        finals = await asyncio.gather(
+            *(final(engine, pooling_request(100 + i, p, PoolingMode.MEAN)) for i, p in enumerate(inputs))
+        )
+        taken = core.steps - before
+        generated = [t async for delta in stream for t in delta.token_ids]
+    finally:
+        await engine.shutdown()
+    assert all(delta.embedding is not None for delta in finals)
+    assert taken <= bound, (taken, bound, per_step)
+    assert len(generated) == bound + 40 - 1  # the stream ran on beside them, to its end

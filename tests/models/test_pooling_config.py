@@ -17,6 +17,7 @@ ST_POOLING = "sentence_transformers.models.Pooling"
 
 
 def _folder(tmp_path: Path, modules: list[dict[str, Any]], files: dict[str, Any]) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     for name, content in files.items():
         path = tmp_path / name
@@ -200,3 +201,27 @@ def test_classifiers_from_transformers_configs(tmp_path: Path) -> None:
     assert classifier_from_config({"architectures": ["LlamaForCausalLM"]}) is None
     with pytest.raises(ValueError, match="without classes"):
         classifier_from_config({"architectures": ["BertForSequenceClassification"], "num_labels": 0})
+
+
+def test_instruction_prompts_are_read_in_order_and_checked(tmp_path: Path) -> None:
+    pooling = {"1_Pooling/config.json": {"embedding_dimension": 8}}
+    prompts = {"query": "query: ", "passage": "passage: "}
+    files = {**pooling, "config_sentence_transformers.json": {"prompts": prompts, "default_prompt_name": "query"}}
+    config = read_pooling_config(_folder(tmp_path / "a", _modules(TRANSFORMER, POOLING), files))
+    assert config is not None
+    assert (config.prompts, config.default_prompt_name) == ((("query", "query: "), ("passage", "passage: ")), "query")
+    plain = read_pooling_config(_folder(tmp_path / "b", _modules(TRANSFORMER, POOLING), pooling))
+    assert plain is not None and (plain.prompts, plain.default_prompt_name) == ((), "")
+    for name, content, message in [
+        ("c", {"prompts": prompts, "default_prompt_name": "document"}, "not one of its prompts"),
+        ("d", {"prompts": {"query": 1}}, "map names to strings"),
+    ]:
+        bad = {**pooling, "config_sentence_transformers.json": content}
+        with pytest.raises(ValueError, match=message):
+            read_pooling_config(_folder(tmp_path / name, _modules(TRANSFORMER, POOLING), bad))
+    without_prompt = {
+        "1_Pooling/config.json": {"embedding_dimension": 8, "include_prompt": False},
+        "config_sentence_transformers.json": {"prompts": prompts},
+    }
+    with pytest.raises(ValueError, match="include_prompt"):
+        read_pooling_config(_folder(tmp_path / "e", _modules(TRANSFORMER, POOLING), without_prompt))

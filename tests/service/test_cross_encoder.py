@@ -236,23 +236,37 @@ def test_embed_gives_a_one_label_classifier_the_sigmoid_and_several_the_softmax(
 def test_a_call_is_admitted_as_an_embed_call_is(
     server: ServerThread, stub: generate_pb2_grpc.GenerateServiceStub, kind: str
 ) -> None:
+    """Admitted by its documents, as Embed is by its inputs: with --max-pooling-inputs below a call's documents the
+    call is refused whole (RESOURCE_EXHAUSTED with RetryInfo, naming the flag, nothing left counted in), one within
+    it is answered; and no Generate stream slot is taken (none are left here)."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
     from llmserve.api.admission import Admission
 
     _edge_only(kind)
     assert server.server is not None
     servicer = server.server.servicer
     admitted = servicer.admission
-    servicer.admission = Admission(0, None)  # no room: every call that goes through admission is refused
+    cap = len(DOCUMENTS) - 1
+    servicer.admission = trial = Admission(0, None, max_pooling_inputs=cap)
     try:
         with pytest.raises(grpc.RpcError) as err:
             stub.Rerank(pb.RerankRequest(query=QUERY, documents=DOCUMENTS), timeout=30)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-pooling-inputs" in err.value.details(), err.value.details()
+        status, retry = rpc_status.from_call(err.value), error_details_pb2.RetryInfo()
+        assert status is not None and any(detail.Unpack(retry) for detail in status.details)
+        assert retry.retry_delay.seconds + retry.retry_delay.nanos > 0
+        assert trial.inputs_in_flight == 0 and len(trial) == 0
+        response = stub.Rerank(pb.RerankRequest(query=QUERY, documents=DOCUMENTS[:cap]), timeout=60)
+        assert len(response.results) == cap
         with pytest.raises(grpc.RpcError) as err:
-            stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text=QUERY)]), timeout=30)
+            stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text=d) for d in DOCUMENTS]), timeout=30)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         servicer.admission = admitted
-    assert len(admitted) == 0
+    assert len(admitted) == 0 and len(trial) == 0
 
 
 @pytest.mark.parametrize(

@@ -172,6 +172,43 @@ def test_truncation_keeps_the_special_tokens(
     _assert_close(_vectors(end), _vectors(by_ids))
 
 
+# A document of sentences with two- to four-byte characters among them, so that byte cuts fall inside characters.
+_DOCUMENT_PART = " ".join(TEXTS) + " Grüße aus 東京 🙂, ça va? "
+EXACT = 1e-5
+
+
+def _document(size: int) -> str:
+    text = _DOCUMENT_PART * (size // len(_DOCUMENT_PART.encode()) + 1)
+    return text.encode()[:size].decode("utf-8", "ignore")
+
+
+@pytest.mark.parametrize("size", [10_000, 1_000_000])
+def test_a_long_document_with_truncate_is_cut_not_refused(
+    stub: generate_pb2_grpc.GenerateServiceStub, library: Any, size: int
+) -> None:
+    """Over the byte cap (8,192 bytes) by far: truncation keeps the start, or the end, as sentence-transformers'
+    encode does (its tokenizer truncating on the right, or on the left)."""
+    document = _document(size)
+    start = _embed(stub, [document, TEXTS[0]], truncate=pb.TRUNCATION_KEEP_START)
+    end = _embed(stub, [document], truncate=pb.TRUNCATION_KEEP_END)
+    tokenizer = library.tokenizer
+    want_start = library.encode([document, TEXTS[0]], convert_to_tensor=True).float()
+    tokenizer.truncation_side = "left"
+    try:
+        want_end = library.encode([document], convert_to_tensor=True).float()
+    finally:
+        tokenizer.truncation_side = "right"
+    assert (_vectors(start) - want_start).abs().max().item() <= EXACT
+    assert (_vectors(end) - want_end).abs().max().item() <= EXACT
+    assert [(e.truncated, e.prompt_tokens) for e in start.embeddings][0] == (True, 256)
+    assert not start.embeddings[1].truncated
+    assert (end.embeddings[0].truncated, end.embeddings[0].prompt_tokens) == (True, 256)
+    with pytest.raises(grpc.RpcError) as err:  # without truncate: refused, as before
+        _embed(stub, [document])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(err.value) == ["inputs[0].text"] and "--max-prompt-bytes" in err.value.details()
+
+
 def _invalid(stub: generate_pb2_grpc.GenerateServiceStub, request: pb.EmbedRequest) -> list[str]:
     with pytest.raises(grpc.RpcError) as err:
         stub.Embed(request, timeout=30)
@@ -243,6 +280,10 @@ def _embed_requests(draw: st.DrawFn) -> pb.EmbedRequest:
         request.dimensions = draw(st.integers(-(2**31), 2**31 - 1))
     if draw(st.booleans()):
         request.normalize = draw(st.booleans())
+    if draw(st.integers(0, 3)) == 0:
+        request.prompt_name = draw(st.sampled_from(["", "query", "\x00"]))
+    if draw(st.integers(0, 3)) == 0:
+        request.prompt = draw(st.one_of(st.text(max_size=20), st.just("p" * 9000)))
     return request
 
 

@@ -31,7 +31,8 @@ def test_flags() -> None:
             "--address", "127.0.0.1:6000",
             "--kv-cache-tokens", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
             "--block-size", "32", "--session-ttl", "60", "--max-sessions", "10", "--session-pool-fraction", "0.5",
-            "--pooling-share", "0.5", "--no-prefix-caching", "--max-concurrent-streams", "3", "--grace-period", "2.5",
+            "--pooling-share", "0.5", "--pooling-step-tokens", "7", "--no-prefix-caching",
+            "--max-concurrent-streams", "3", "--grace-period", "2.5",
             "--log-prompts", "--no-reflection", "--no-cuda-graphs", "--no-native-attention", "--no-packed-linear",
             "--fp32-matmul", "ieee",
         ],
@@ -47,6 +48,7 @@ def test_flags() -> None:
     e = config.engine
     assert (e.kv_cache_tokens, e.max_num_seqs, e.max_num_batched_tokens, e.block_size) == (4096, 8, 256, 32)
     assert (e.session_ttl_s, e.max_sessions, e.session_pool_fraction, e.pooling_share) == (60.0, 10, 0.5, 0.5)
+    assert e.pooling_step_tokens == 7
     assert not e.enable_prefix_caching and not e.cuda_graphs
     assert not e.native_attention and not e.packed_linear
 
@@ -77,6 +79,7 @@ def test_environment_variables_and_flags_over_them() -> None:
         (["--max-num-seqs", "0"], {}),
         (["--session-pool-fraction", "1.5"], {}),
         (["--pooling-share", "0"], {}),
+        (["--pooling-step-tokens", "-1"], {}),
         (["--grace-period", "-1"], {}),
         ([], {"LLMSERVE_MAX_NUM_SEQS": "many"}),
         ([], {"LLMSERVE_NO_REFLECTION": "perhaps"}),

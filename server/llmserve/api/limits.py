@@ -19,6 +19,11 @@ PREFIX_CHARS = 32
 # Without --max-prompt-bytes: this many UTF-8 bytes per token of context. Real text runs 3-5 bytes a token;
 # 16 leaves room for long whitespace or symbol runs while bounding tokenizer work by the context.
 PROMPT_BYTES_PER_TOKEN = 16
+# An Embed text with `truncate` set is never refused for its size: it is cut at this many UTF-8 bytes per token the
+# model takes (max_embed_input_tokens) before tokenizing. Real text runs 3-5 bytes a token, so the cut holds several
+# times the tokens truncation keeps, and a word the cut splits sits far past them; only a text averaging over 32
+# bytes a token (long runs of symbols) embeds fewer tokens than the limit: those of its first (or last) bytes.
+TRUNCATE_BYTES_PER_TOKEN = 32
 
 
 def quote_prefix(value: str, limit: int = PREFIX_CHARS) -> str:
@@ -34,6 +39,39 @@ def quote_prefix(value: str, limit: int = PREFIX_CHARS) -> str:
 def prompt_byte_limit(limits: InputLimits, context_length: int) -> int:
     """The largest text or chat input in UTF-8 bytes: the flag, or PROMPT_BYTES_PER_TOKEN per token of context."""
     return limits.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context_length
+
+
+def truncation_byte_bound(max_input_tokens: int) -> int:
+    """The UTF-8 bytes of an Embed text that truncation tokenizes: TRUNCATE_BYTES_PER_TOKEN per token it keeps."""
+    return TRUNCATE_BYTES_PER_TOKEN * max_input_tokens
+
+
+def cut_utf8(text: str, max_bytes: int, keep_end: bool) -> tuple[str, bool]:
+    """`text`'s first (or, with `keep_end`, last) `max_bytes` UTF-8 bytes, cut on a character boundary, and whether
+    anything was cut. Encodes at most 4 x `max_bytes` characters, whatever the text's length."""
+    if len(text) <= max_bytes // 4:  # at most 4 bytes a character: it fits
+        return text, False
+    part = text[-max_bytes:] if keep_end else text[:max_bytes]  # at least max_bytes bytes when longer
+    raw = part.encode("utf-8", "surrogatepass")
+    if len(raw) <= max_bytes and len(part) == len(text):
+        return text, False
+    raw = raw[-max_bytes:] if keep_end else raw[:max_bytes]
+    # A character the byte cut split is dropped whole: its continuation bytes at the start, its lead at the end.
+    if keep_end:
+        start = 0
+        while start < len(raw) and raw[start] & 0xC0 == 0x80:
+            start += 1
+        return raw[start:].decode("utf-8", "surrogatepass"), True
+    lead = len(raw) - 1
+    while lead > 0 and raw[lead] & 0xC0 == 0x80:
+        lead -= 1
+    end = len(raw) if lead + _utf8_sequence_length(raw[lead]) <= len(raw) else lead
+    return raw[:end].decode("utf-8", "surrogatepass"), True
+
+
+def _utf8_sequence_length(lead: int) -> int:
+    """The bytes of the character whose first byte is `lead`."""
+    return 1 if lead < 0x80 else 4 if lead >= 0xF0 else 3 if lead >= 0xE0 else 2
 
 
 def is_valid_id(value: str, max_length: int) -> bool:
@@ -160,7 +198,8 @@ def check_classify(request: pb.EmbedRequest) -> None:
 
 def check_embed(request: pb.EmbedRequest, limits: InputLimits, max_prompt_bytes: int, embedding_size: int) -> None:
     """The sizes and ranges of an Embed call, before any tokenizer or engine work: at least one input and at most
-    --max-embed-inputs, each with one input set and within the byte and chat limits; `dimensions` within the
+    --max-embed-inputs, each with one input set and within the byte and chat limits (a text only without
+    `truncate`: with it, the text is cut at truncation_byte_bound before tokenizing); `dimensions` within the
     model's `embedding_size`; known enum values."""
     check_id("request_id", request.request_id, limits.max_request_id_length, "--max-request-id-length")
     inputs = request.inputs
@@ -176,6 +215,10 @@ def check_embed(request: pb.EmbedRequest, limits: InputLimits, max_prompt_bytes:
         raise InvalidRequest("truncate", f"unknown value {request.truncate}")
     if request.pooling not in pb.Pooling.values():
         raise InvalidRequest("pooling", f"unknown value {request.pooling}")
+    if request.HasField("prompt"):
+        if request.HasField("prompt_name"):
+            raise InvalidRequest("prompt", "set prompt or prompt_name, not both")
+        _check_prompt_bytes("prompt", request.prompt, max_prompt_bytes)
     for i, item in enumerate(inputs):
         field = f"inputs[{i}]"
         kind = item.WhichOneof("input")
@@ -184,7 +227,8 @@ def check_embed(request: pb.EmbedRequest, limits: InputLimits, max_prompt_bytes:
         if kind == "text":
             if not item.text:
                 raise InvalidRequest(f"{field}.text", "must not be empty")
-            _check_prompt_bytes(f"{field}.text", item.text, max_prompt_bytes)
+            if request.truncate == pb.TRUNCATION_UNSPECIFIED:  # truncated texts are cut (cut_utf8), never refused
+                _check_prompt_bytes(f"{field}.text", item.text, max_prompt_bytes)
         elif kind == "token_ids":
             if not item.token_ids.ids:
                 raise InvalidRequest(f"{field}.token_ids.ids", "must not be empty")

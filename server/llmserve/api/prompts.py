@@ -190,6 +190,26 @@ def special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
     return [], []
 
 
+def embed_prompt(request: pb.EmbedRequest, prompts: Sequence[tuple[str, str]], default: str, served: bool) -> str:
+    """The instruction prompt an Embed call's texts get, as sentence-transformers' encode resolves it: `prompt` when
+    set ("" for none), else the model's prompt named `prompt_name`, else its `default` prompt's ("" without one).
+    InvalidRequest naming the field for a name the model's `prompts` lack, or for any prompt where it pools without
+    the prompt's tokens (`served` false)."""
+    if request.HasField("prompt"):
+        text, field = request.prompt, "prompt"
+    elif request.HasField("prompt_name"):
+        by_name = dict(prompts)
+        if request.prompt_name not in by_name:
+            known = f"one of the model's ({', '.join(by_name)})" if by_name else "declared: the model has no prompts"
+            raise InvalidRequest("prompt_name", f"{quote_prefix(request.prompt_name)} is not {known}")
+        text, field = by_name[request.prompt_name], "prompt_name"
+    else:
+        return dict(prompts).get(default, "")
+    if text and not served:
+        raise InvalidRequest(field, "not served: the model pools without its prompt's tokens (include_prompt false)")
+    return text
+
+
 def embed_token_ids(
     tokenizer: Any,
     item: pb.EmbedInput,
@@ -199,6 +219,7 @@ def embed_token_ids(
     lower: bool,
     specials: tuple[list[int], list[int]] = ([], []),
     content: list[int] | None = None,
+    prompt: str = "",
 ) -> tuple[list[int], bool]:
     """One Embed input's token ids (on a worker thread: it tokenizes), and whether it was cut. At most `limit`
     tokens: a longer input is InvalidRequest naming `field` unless `truncate` (pb.Truncation) keeps its start or
@@ -206,7 +227,8 @@ def embed_token_ids(
     does). A text is lowercased first where the model's folder says so (`lower`: sentence-transformers'
     do_lower_case) and framed by `specials` (special_tokens: what the tokenizer adds by default); a conversation is
     rendered without the prompt for an assistant's turn. `content`: a text's own ids when the caller tokenized it
-    already (a batch's texts in one batch encode: embed_texts)."""
+    already (a batch's texts in one batch encode: embed_texts). `prompt` (embed_prompt) goes before a text, as a
+    first system message before a conversation (sentence-transformers' two ways), never into token ids."""
     kind = item.WhichOneof("input")
     if kind == "token_ids":
         return _fit(list(item.token_ids.ids), field, limit, truncate)
@@ -218,6 +240,8 @@ def embed_token_ids(
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest(f"{field}.chat", "the model has no chat template: send text or token_ids")
         turns = [{"role": m.role, "content": m.content} for m in item.chat.messages]
+        if prompt:
+            turns.insert(0, {"role": "system", "content": prompt})
         try:
             text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
         except Exception as exc:  # the template rejects the conversation
@@ -225,7 +249,7 @@ def embed_token_ids(
             raise InvalidRequest(f"{field}.chat.messages", reason) from None
         return _fit(tokenizer.encode(text, add_special_tokens=False), field, limit, truncate)
     if content is None:
-        content = embed_texts(tokenizer, [item.text], lower)[0]
+        content = embed_texts(tokenizer, [prompt + item.text], lower)[0]
     head, tail = specials
     content, cut = _fit(content, field, limit - len(head) - len(tail), truncate, limit)
     return head + content + tail, cut

@@ -37,11 +37,20 @@ from llmserve.api.limits import (
     check_embed,
     check_generate,
     check_input,
+    cut_utf8,
     is_valid_id,
     prompt_byte_limit,
     quote_prefix,
+    truncation_byte_bound,
 )
-from llmserve.api.prompts import SessionPrompts, embed_texts, embed_token_ids, prompt_token_ids, special_tokens
+from llmserve.api.prompts import (
+    SessionPrompts,
+    embed_prompt,
+    embed_texts,
+    embed_token_ids,
+    prompt_token_ids,
+    special_tokens,
+)
 from llmserve.api.rerank import check_rerank, pair_limit, pair_request, rerank_pairs, rerank_results
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
@@ -111,7 +120,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._limits = config.limits
         self._max_prompt_bytes = 0
         if admission is None:
-            admission = Admission(config.max_concurrent_streams, config.max_streams_per_identity)
+            admission = Admission.of(config)
         self.admission = admission
         self.histories: HistoryStore = histories if histories is not None else open_store(config.history)
         self.prompts = SessionPrompts(self.histories, config.history.max_tokens)
@@ -308,10 +317,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if classify:
                 check_classify(request)
             check_embed(request, self._limits, self._max_prompt_bytes, info.embedding_size)
+            prompt = embed_prompt(request, info.prompts, info.default_prompt_name, info.serves_prompts)
             request_id = record.request_id = request.request_id or uuid.uuid4().hex
             record.inputs = len(request.inputs)
-            key = await self.admission.admit(identity, request_id)
-            prompts = await asyncio.to_thread(embed_prompts, engine.tokenizer, request, info)
+            key = await self.admission.admit_pooling(identity, request_id, len(request.inputs))
+            prompts = await asyncio.to_thread(embed_prompts, engine.tokenizer, request, info, prompt)
             pooling = to_pooling_params(request, info)
             scoped_id = scoped(identity, request_id)
             engine_requests = [
@@ -366,8 +376,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             check_rerank(request, self._limits, self._max_prompt_bytes)
             request_id = record.request_id = request.request_id or uuid.uuid4().hex
             record.inputs = len(request.documents)
-            # The same admission as Embed's (a call of several inputs).
-            key = await self.admission.admit(identity, request_id)
+            # Admitted as Embed is: each pair is an engine request, so the call counts by its documents, whole or
+            # refused whole (--max-pooling-inputs), and takes no Generate stream slot.
+            key = await self.admission.admit_pooling(identity, request_id, len(request.documents))
             limit = pair_limit(engine.tokenizer, info.max_embed_input_tokens)
             pairs = await asyncio.to_thread(
                 rerank_pairs, engine.tokenizer, request.query, request.documents, limit, info.do_lower_case
@@ -437,6 +448,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             max_embed_input_tokens=info.max_embed_input_tokens,
             max_embed_inputs=self._limits.max_embed_inputs if info.embedding_size else 0,
             labels=info.labels,
+            prompt_names=[name for name, _ in info.prompts],
+            default_prompt_name=info.default_prompt_name,
         )
 
     async def GetSession(
@@ -488,9 +501,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return pb.DeleteSessionResponse(deleted=held or cached)
 
 
-def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> list[tuple[list[int], bool]]:
-    """Every input's token ids and whether truncation cut it (on a worker thread: it tokenizes); InvalidRequest
-    naming the first input that is too long or holds ids outside the vocabulary."""
+def embed_prompts(
+    tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo, prompt: str = ""
+) -> list[tuple[list[int], bool]]:
+    """Every input's token ids and whether truncation cut it (on a worker thread: it tokenizes), each text after the
+    instruction `prompt` (embed_prompt); InvalidRequest naming the first input that is too long or holds ids outside
+    the vocabulary."""
     prompts = []
     specials = ([], []) if tokenizer is None else special_tokens(tokenizer)
     limit = info.max_embed_input_tokens
@@ -498,17 +514,26 @@ def embed_prompts(tokenizer: Any, request: pb.EmbedRequest, info: ModelInfo) -> 
     # one per input.
     texts = [i for i, item in enumerate(request.inputs) if item.WhichOneof("input") == "text"]
     contents: dict[int, list[int]] = {}
+    byte_cut: set[int] = set()
     if texts and tokenizer is not None:
-        encoded = embed_texts(tokenizer, [request.inputs[i].text for i in texts], info.do_lower_case)
+        batch = [prompt + request.inputs[i].text for i in texts]  # the prompt counts in the limit, as the text
+        if request.truncate != pb.TRUNCATION_UNSPECIFIED:
+            # What truncation keeps lies within the text's first (or last) bytes: the rest is never tokenized.
+            bound, keep_end = truncation_byte_bound(limit), request.truncate == pb.TRUNCATION_KEEP_END
+            for j, i in enumerate(texts):
+                batch[j], was_cut = cut_utf8(batch[j], bound, keep_end)
+                if was_cut:
+                    byte_cut.add(i)
+        encoded = embed_texts(tokenizer, batch, info.do_lower_case)
         contents = dict(zip(texts, encoded, strict=True))
     for i, item in enumerate(request.inputs):
         field = f"inputs[{i}]"
         ids, cut = embed_token_ids(
-            tokenizer, item, field, limit, request.truncate, info.do_lower_case, specials, contents.get(i)
+            tokenizer, item, field, limit, request.truncate, info.do_lower_case, specials, contents.get(i), prompt
         )
         if any(t < 0 or t >= info.vocab_size for t in ids):
             raise InvalidRequest(f"{field}.token_ids.ids", f"ids must be in [0, {info.vocab_size})")
-        prompts.append((ids, cut))
+        prompts.append((ids, cut or i in byte_cut))
     return prompts
 
 

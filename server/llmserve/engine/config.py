@@ -25,6 +25,9 @@ class EngineConfig:
     # tokens (Scheduler.pooling_cap): 0.2 keeps a step that decodes within ~1.25x of its cost alone, so that streams
     # keep ~0.8x of their rate whatever embedding traffic shares the server; 1: pooling takes what the budget leaves.
     pooling_share: float = 0.2
+    # A step's fixed cost in tokens' worth of compute (Scheduler.pooling_cap's F): beside G streams pooling takes
+    # floor((G + F) * share / (1 - share)) tokens a step. Measured (benchmarks/probes/pooling_share.py).
+    pooling_step_tokens: int = 63
     max_model_len: int | None = None
     max_waiting: int = 1024
     enable_prefix_caching: bool = True

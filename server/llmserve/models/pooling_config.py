@@ -17,6 +17,7 @@ from llmserve.engine.types.pooling import DENSE_ACTIVATIONS, ClassifierConfig, D
 
 MODULES_FILE = "modules.json"
 SENTENCE_BERT_CONFIG = "sentence_bert_config.json"
+PROMPTS_CONFIG = "config_sentence_transformers.json"
 
 # The legacy config's flags (sentence-transformers < 5), in the order of its concatenation.
 _LEGACY_FLAGS = {
@@ -46,7 +47,7 @@ def read_pooling_config(folder: str | Path) -> PoolingConfig | None:
     modules = _read_json(modules_file)
     if not isinstance(modules, list):
         raise ValueError(f"{modules_file}: expected a list of modules")
-    pooling: tuple[PoolingMode, int] | None = None
+    pooling: tuple[PoolingMode, int, bool] | None = None
     transformer = folder
     dense: list[DenseModule] = []
     normalize = False
@@ -74,7 +75,10 @@ def read_pooling_config(folder: str | Path) -> PoolingConfig | None:
             raise ValueError(f"{where}: module {entry.get('type')!r} is not served")
     if pooling is None:
         raise ValueError(f"{modules_file}: no Pooling module")
-    mode, hidden = pooling
+    mode, hidden, include_prompt = pooling
+    prompts, default_prompt_name = _read_prompts(folder / PROMPTS_CONFIG)
+    if prompts and not include_prompt:
+        raise ValueError(f"{modules_file}: pooling without the prompt's tokens (include_prompt false) is not served")
     width = hidden
     for layer in dense:
         if layer.in_features != width:
@@ -88,7 +92,24 @@ def read_pooling_config(folder: str | Path) -> PoolingConfig | None:
         dense=tuple(dense),
         max_seq_length=_max_seq_length(transformer, st_config),
         do_lower_case=bool(st_config.get("do_lower_case", False)),
+        prompts=prompts,
+        default_prompt_name=default_prompt_name,
+        include_prompt=include_prompt,
     )
+
+
+def _read_prompts(config_file: Path) -> tuple[tuple[tuple[str, str], ...], str]:
+    """config_sentence_transformers.json's instruction prompts, (name, text) in the file's order, and its
+    default_prompt_name ("" for none); none when the file is absent. ValueError naming the file for a prompt that is
+    not a string or a default that names no prompt (sentence-transformers refuses that one too)."""
+    config = _read_optional_json(config_file)
+    prompts = config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise ValueError(f"{config_file}: prompts must map names to strings")
+    default = config.get("default_prompt_name") or ""
+    if default and default not in prompts:
+        raise ValueError(f"{config_file}: default_prompt_name {default!r} is not one of its prompts")
+    return tuple((str(name), text) for name, text in prompts.items()), str(default)
 
 
 def _max_seq_length(transformer: Path, st_config: dict[str, Any]) -> int | None:
@@ -127,7 +148,7 @@ def classifier_from_config(config: dict[str, Any], where: str = "config") -> Cla
     return ClassifierConfig(str(architecture), tuple(labels), pooling)
 
 
-def _read_pooling(config_file: Path) -> tuple[PoolingMode, int]:
+def _read_pooling(config_file: Path) -> tuple[PoolingMode, int, bool]:
     config = _read_json(config_file)
     hidden = config.get("embedding_dimension", config.get("word_embedding_dimension"))
     if hidden is None:
@@ -145,7 +166,7 @@ def _read_pooling(config_file: Path) -> tuple[PoolingMode, int]:
         raise ValueError(
             f"{config_file}: pooling mode {names[0]!r} is not served (cls, mean, lasttoken, max)"
         ) from None
-    return mode, int(hidden)
+    return mode, int(hidden), bool(config.get("include_prompt", True))
 
 
 def _read_dense(folder: Path) -> DenseModule:

@@ -959,3 +959,23 @@ def test_a_pooling_share_outside_its_range_is_refused() -> None:
     for share in (0.0, 1.5):
         with pytest.raises(ValueError, match="pooling_share"):
             Scheduler(pool, sessions, max_num_seqs=4, max_num_batched_tokens=64, pooling_share=share)
+
+
+@pytest.mark.parametrize(
+    ("generating", "fixed", "share", "cap"),
+    [(1, 0, 0.2, 1), (8, 0, 0.2, 2), (9, 0, 0.2, 2), (1, 63, 0.2, 16), (8, 63, 0.2, 17), (1, 63, 0.5, 64)],
+)
+def test_pooling_counts_the_steps_fixed_cost(generating: int, fixed: int, share: float, cap: int) -> None:
+    """P(G) = max(1, floor((G + F) s / (1 - s))): a step's fixed cost F counted in tokens gives pooling its share
+    of the step's whole cost, not only of its decodes (one token a step beside one stream, before F)."""
+    pool = BlockPool(64, BLOCK_SIZE)
+    sessions = SessionStore(pool, ttl_s=60.0, max_sessions=4, max_pool_fraction=1.0, clock=Clock())
+    scheduler = Scheduler(
+        pool, sessions, max_num_seqs=16, max_num_batched_tokens=256, pooling_share=share, pooling_step_tokens=fixed
+    )
+    for n in range(generating):
+        scheduler.add(new_seq(n, [n, n + 1], max_new=30))
+    scheduler.schedule()
+    assert scheduler.pooling_cap() == cap
+    with pytest.raises(ValueError, match="pooling_step_tokens"):
+        Scheduler(pool, sessions, max_num_seqs=4, max_num_batched_tokens=64, pooling_step_tokens=-1)

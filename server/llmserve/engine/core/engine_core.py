@@ -107,6 +107,7 @@ class EngineCore:
             max_loras=config.max_loras,
             whole_prompts=encoder,
             pooling_share=config.pooling_share,
+            pooling_step_tokens=config.pooling_step_tokens,
         )
         self.lora = LoraServing.of(config, loaded.shape)  # the adapters' books; None unless LoRA is on
         if self.tiers is not None:

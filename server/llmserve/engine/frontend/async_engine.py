@@ -96,6 +96,9 @@ class AsyncEngine:
             max_embed_input_tokens=facts.max_pooling_tokens,
             do_lower_case=pooling is not None and pooling.do_lower_case,
             labels=() if classifier is None else classifier.labels,
+            prompts=() if pooling is None else pooling.prompts,
+            default_prompt_name="" if pooling is None else pooling.default_prompt_name,
+            serves_prompts=pooling is None or pooling.include_prompt,
         )
 
     @property

@@ -80,15 +80,20 @@ class Scheduler:
         max_loras: int = 0,
         whole_prompts: bool = False,
         pooling_share: float = 1.0,
+        pooling_step_tokens: int = 0,
     ) -> None:
         """`whole_prompts`: a prompt is admitted only when all of it fits in the step's budget, never in chunks (an
         encoder's bidirectional attention needs every token of an input in one forward). `pooling_share`: the most
-        of a step's tokens that pooling requests may take while generating sequences run (pooling_cap)."""
+        of a step's cost that pooling requests may take while generating sequences run, and `pooling_step_tokens`
+        a step's fixed cost counted in tokens (pooling_cap)."""
         if not 0.0 < pooling_share <= 1.0:
             raise ValueError(f"pooling_share must be in (0, 1], got {pooling_share}")
+        if pooling_step_tokens < 0:
+            raise ValueError(f"pooling_step_tokens must be >= 0, got {pooling_step_tokens}")
         self.pool = pool
         self.whole_prompts = whole_prompts
         self.pooling_share = pooling_share
+        self.pooling_step_tokens = pooling_step_tokens
         self.sessions = sessions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -200,18 +205,25 @@ class Scheduler:
 
     def pooling_cap(self) -> int | None:
         """How many tokens pooling requests (prefill-only sequences: Embed or a classifier on a decoder model) may
-        compute in the next step: None (the whole budget) unless generating sequences run and `pooling_share` < 1;
-        then `pooling_share` of the step's tokens, counting one per generating sequence (a decode's token; a
-        prompt chunk counts one too, so the bound errs on generation's side), and at least one, so that pooling
-        always moves. Generation's steps are compute-bound from a few tens of rows on a CPU, so that with the
-        bound a step that decodes costs at most about 1 / (1 - pooling_share) of what it would alone, however
-        much embedding traffic waits; the pooling requests' prompts are read in chunks meanwhile."""
+        compute in the next step: None (the whole budget) unless generating sequences run and `pooling_share` s < 1;
+        then P(G) = max(1, floor((G + F) s / (1 - s))) beside G generating sequences, F = `pooling_step_tokens`.
+
+        The cost model: a step costs about F + its tokens, F being what a step costs whatever it computes (reading
+        the weights, launching the layers) in tokens' worth of compute. A step of G decodes plus P(G) pooling tokens
+        then costs at most 1 / (1 - s) of the step alone, so the streams keep at least 1 - s of their tokens/s
+        (0.8x at s = 0.2), however much embedding traffic waits (a prompt chunk among the G counts one: the bound
+        errs on generation's side). And pooling is never starved: while it has work, KV room and a free running
+        slot, it computes P(G) tokens every step, so an Embed call whose inputs hold N tokens, behind W pooling
+        tokens queued before it, is read within ceil((W + N) / P(G)) steps. With F = 0 (the rule before F) one
+        stream left pooling one token a step: 5,120 steps for 256 inputs of 20 tokens; at the default F (EngineConfig)
+        it is P(1) = 16 tokens a step, 320 steps."""
         if self.pooling_share >= 1.0 or self.whole_prompts:
             return None
         generating = sum(1 for seq in self.running if seq.request.pooling is None)
         if not generating:
             return None
-        return max(1, math.ceil(generating * self.pooling_share / (1.0 - self.pooling_share)))
+        share = self.pooling_share / (1.0 - self.pooling_share)
+        return max(1, math.floor((generating + self.pooling_step_tokens) * share + 1e-9))
 
     def load_done(self, block: int, ok: bool) -> None:
         """A load from `StepPlan.loads` is over; `ok`: the KV was written into the block and checked sound."""

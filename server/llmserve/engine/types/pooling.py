@@ -54,7 +54,10 @@ class PoolingConfig:
 
     `hidden_size` is the width pooling sees. `max_seq_length` is sentence-transformers' input limit in tokens
     (None: the model's context); it truncates longer inputs, where the server refuses them unless asked to
-    truncate. `do_lower_case`: sentence-transformers lowercases texts before tokenizing.
+    truncate. `do_lower_case`: sentence-transformers lowercases texts before tokenizing. `prompts`: the instruction
+    prompts of config_sentence_transformers.json as (name, text) pairs in the file's order, `default_prompt_name`
+    the one prepended when a request names none ("" for none). `include_prompt` false: the Pooling module leaves a
+    prompt's tokens out of the mean, which the server does not reproduce (it refuses prompts then).
     """
 
     mode: PoolingMode
@@ -63,6 +66,9 @@ class PoolingConfig:
     dense: tuple[DenseModule, ...] = ()
     max_seq_length: int | None = None
     do_lower_case: bool = False
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str = ""
+    include_prompt: bool = True
 
     @property
     def embedding_size(self) -> int:

@@ -40,6 +40,11 @@ class ModelInfo:
     max_embed_input_tokens: int = 0
     do_lower_case: bool = False  # sentence-transformers lowercases texts before tokenizing
     labels: tuple[str, ...] = ()  # a classifier's class labels, in class order (id2label); () for any other model
+    # Instruction prompts (config_sentence_transformers.json): (name, text) in the file's order, the default's name
+    # ("" for none), and whether prompts are served at all (not where pooling leaves the prompt's tokens out).
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str = ""
+    serves_prompts: bool = True
 
 
 @dataclass(slots=True)

@@ -293,7 +293,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "context_length", "max_new_tokens", "dtype", "device", "vocab_size", "default_max_new_tokens", "backend", "sliding_window", "adapters", "max_loras", "max_lora_rank", "tasks", "embedding_size", "pooling", "normalize", "max_embed_input_tokens", "max_embed_inputs", "labels")
+    __slots__ = ("name", "context_length", "max_new_tokens", "dtype", "device", "vocab_size", "default_max_new_tokens", "backend", "sliding_window", "adapters", "max_loras", "max_lora_rank", "tasks", "embedding_size", "pooling", "normalize", "max_embed_input_tokens", "max_embed_inputs", "labels", "prompt_names", "default_prompt_name")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +313,8 @@ class GetModelInfoResponse(_message.Message):
     MAX_EMBED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_EMBED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     max_new_tokens: int
@@ -332,10 +334,12 @@ class GetModelInfoResponse(_message.Message):
     max_embed_input_tokens: int
     max_embed_inputs: int
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., sliding_window: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., embedding_size: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ..., max_embed_input_tokens: _Optional[int] = ..., max_embed_inputs: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    prompt_names: _containers.RepeatedScalarFieldContainer[str]
+    default_prompt_name: str
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., sliding_window: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., embedding_size: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ..., max_embed_input_tokens: _Optional[int] = ..., max_embed_inputs: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., prompt_names: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "normalize", "dimensions", "truncate", "pooling", "priority")
+    __slots__ = ("request_id", "inputs", "normalize", "dimensions", "truncate", "pooling", "priority", "prompt_name", "prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +347,8 @@ class EmbedRequest(_message.Message):
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
     normalize: bool
@@ -350,7 +356,9 @@ class EmbedRequest(_message.Message):
     truncate: Truncation
     pooling: Pooling
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., truncate: _Optional[_Union[Truncation, str]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., priority: _Optional[int] = ...) -> None: ...
+    prompt_name: str
+    prompt: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., truncate: _Optional[_Union[Truncation, str]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., priority: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class EmbedInput(_message.Message):
     __slots__ = ("text", "chat", "token_ids")
