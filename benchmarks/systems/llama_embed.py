@@ -1,8 +1,9 @@
 """llama.cpp's `llama-server --embedding` as the peer of bench-embed (issue 54): the same MiniLM folder converted to
-an F32 GGUF by llama.cpp's own `convert_hf_to_gguf.py` (once, into a cache outside the repo), one server process on a
-loopback port (benchmarks/systems/llama_cpp.py starts it), mean pooling and L2 normalization as sentence-transformers'
-pipeline, and closed-loop callers that POST /v1/embeddings (`input` a list, `encoding_format: base64`: packed float32
-as Embed's answer is) over one kept-alive HTTP/1.1 connection each, so that neither side pays a connection per call.
+an F32 GGUF (or F16) by llama.cpp's own `convert_hf_to_gguf.py` (once, into a cache outside the repo), one server
+process on a loopback port (benchmarks/systems/llama_cpp.py starts it), mean pooling and L2 normalization as
+sentence-transformers' pipeline, and closed-loop callers that POST /v1/embeddings (`input` a list, `encoding_format:
+base64`: packed float32 as Embed's answer is) over one kept-alive HTTP/1.1 connection each, so that neither side pays
+a connection per call.
 
 Nothing of llama.cpp is part of llmserve: the binary is found by --llama-server, $LLAMA_SERVER, $LLAMA_CPP_BIN or PATH,
 the converter by --llama-convert, $LLAMA_CPP_CONVERT or a llama.cpp checkout above the binary (its gguf-py put first
@@ -10,8 +11,9 @@ on the converter's PYTHONPATH); where either is missing and no GGUF is cached, `
 the peer. A ready file can be given with --peer-gguf.
 
 llama.cpp's BERT is not exact: its FFN uses ggml's tanh-approximated GELU (an F16 lookup table on the CPU) where BERT
-uses erf, ~3e-4 off sentence-transformers' normalized vectors on short sentences (llmserve: ~3e-7). `max_difference`
-measures it before any window is timed, and the mode refuses a peer further off than `TOLERANCE`.
+uses erf, ~3e-4 off sentence-transformers' normalized vectors on short sentences (F16 weights: 3.6e-4; llmserve:
+~3e-7). `max_difference` measures it before any window is timed, and the mode refuses a peer further off than
+`TOLERANCE`.
 """
 
 from __future__ import annotations
@@ -83,19 +85,22 @@ class Located:
     skipped: str | None = None
 
 
-def locate(folder: Path, server_flag: str | None, convert_flag: str | None, gguf_flag: str | None) -> Located:
-    """The binary and the F32 GGUF of `folder` (given, cached, or converted now); a reason where one cannot be had."""
+def locate(
+    folder: Path, server_flag: str | None, convert_flag: str | None, gguf_flag: str | None, outtype: str = "f32"
+) -> Located:
+    """The binary and the GGUF of `folder` in `outtype` (f32, f16: given, cached, or converted now); a reason where
+    one cannot be had."""
     binary = find_server(server_flag)
     if binary is None:
         reason = f"no llama-server (pass --llama-server PATH or set $LLAMA_SERVER or ${BIN_ENV})"
         return Located(skipped=reason)
     if gguf_flag:
         return Located(binary, Path(gguf_flag))
-    cached = cache_dir() / f"{folder.name}-f32.gguf"
+    cached = cache_dir() / f"{folder.name}-{outtype}.gguf"
     converter = find_converter(convert_flag, binary)
     if not cached.is_file() and converter is None:
         return Located(skipped=f"no {cached} and no {CONVERTER} (pass --llama-convert PATH or set ${CONVERT_ENV})")
-    return Located(binary, cached if cached.is_file() else convert(folder, converter, cached))
+    return Located(binary, cached if cached.is_file() else convert(folder, converter, cached, outtype))
 
 
 class Connection:

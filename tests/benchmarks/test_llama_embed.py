@@ -103,6 +103,7 @@ def test_the_peer_is_skipped_naming_what_is_missing(tmp_path: Path, monkeypatch:
     binary.chmod(0o755)
     skipped = llama_embed.locate(folder, str(binary), None, None).skipped or ""
     assert "no convert_hf_to_gguf.py" in skipped and "all-MiniLM-L6-v2-f32.gguf" in skipped
+    assert "all-MiniLM-L6-v2-f16.gguf" in (llama_embed.locate(folder, str(binary), None, None, "f16").skipped or "")
     given = llama_embed.locate(folder, str(binary), None, str(tmp_path / "given.gguf"))
     assert given.skipped is None and given.gguf == tmp_path / "given.gguf"
     monkeypatch.setenv("LLAMA_CPP_BIN", str(binary.parent))
