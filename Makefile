@@ -213,9 +213,15 @@ bench-lora: $(STAMP_MODEL)
 	$(PY) benchmarks/run.py --mode lora
 
 # all-MiniLM-L6-v2: sentence-transformers' encode(batch_size=32) vs Embed at 1 and 32 texts per call, 2,000 sentences,
-# alternated windows (benchmarks/modes/embed.py; ~8 min). Results in benchmarks/results/<date>-cpu-embed.{md,json}.
+# alternated windows (benchmarks/modes/embed.py; ~8 min), and llama.cpp's llama-server --embedding on an F32 GGUF of
+# the same folder beside (issue 54; ~+5 min): llama-server from LLAMA_SERVER, LLAMA_CPP_BIN or PATH, the GGUF converted
+# once by LLAMA_CPP_CONVERT (convert_hf_to_gguf.py) into ~/.cache/llmserve-bench; without them the peer is skipped.
+# Results in benchmarks/results/<date>-cpu-embed.{md,json}.
+LLAMA_SERVER ?=
+LLAMA_CPP_CONVERT ?=
 bench-embed: $(STAMP_MODEL)
-	$(PY) benchmarks/run.py --mode embed
+	LLAMA_SERVER=$(LLAMA_SERVER) LLAMA_CPP_BIN=$(LLAMA_CPP_BIN) LLAMA_CPP_CONVERT=$(LLAMA_CPP_CONVERT) \
+		$(PY) benchmarks/run.py --mode embed
 
 # GGUF files from their blocks vs llama.cpp's llama-server on the same files (issue 42; benchmarks/modes/gguf_blocks.py):
 # the default model and random-weight Llama-3.2-1B/Llama-3-8B-shaped Q4_K_M and Q8_0 files (made once under

@@ -53,6 +53,7 @@ class LlamaCppSystem(System):
         log_path: Path,
         threads: int | None = None,
         per_clients: bool = False,
+        extra: tuple[str, ...] = (),
     ) -> None:
         super().__init__(torch.device("cpu"))
         self.name = f"llama.cpp {label}"
@@ -60,6 +61,7 @@ class LlamaCppSystem(System):
         self.slots, self.slot_context = slots, slot_context
         self.threads = threads or os.cpu_count() or 1
         self.per_clients = per_clients
+        self.extra = extra  # flags of another use of the server (`--embedding --pooling mean`: llama_embed.py)
         self.no_repack = False
         self.port = free_port()
         self.command = self.command_for(slots)
@@ -72,7 +74,7 @@ class LlamaCppSystem(System):
         threads = str(self.threads)
         command = [
             str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
-            "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * self.slot_context),
+            "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * self.slot_context), *self.extra,
         ]  # fmt: skip
         return [*command, "--no-repack"] if self.no_repack else command
 

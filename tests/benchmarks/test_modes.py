@@ -221,18 +221,56 @@ def test_host_overhead_times_the_engine_process_through_the_front_end(tmp_path: 
     assert 0 < figures["median_ms"] <= figures["p90_ms"]
 
 
-def test_embed_mode_measures_the_library_and_both_call_shapes(tmp_path: Path) -> None:
+def test_embed_mode_measures_the_library_both_call_shapes_and_llama_server_or_says_why_not(tmp_path: Path) -> None:
+    """llama-server beside where this machine has it ($LLAMA_SERVER, $LLAMA_CPP_BIN, PATH; its GGUF cached or a
+    converter found), else the page's reason."""
+    from benchmarks.systems import llama_embed
+    from llmserve.models import packaged
+
+    folder = packaged.resolve("all-minilm-l6-v2", None)
+    peer = folder is not None and llama_embed.available(folder)
     args = ["--mode", "embed", "--quick", "--parts", "encode", "--out-dir", str(tmp_path), "--name", "embed"]
     assert run.main(args) == 0
     data = json.loads((tmp_path / "embed.json").read_text())
     page = (tmp_path / "embed.md").read_text()
-    for system in ("sentence-transformers", "llmserve 1/call", "llmserve 32/call"):
+    systems = ("sentence-transformers", "llmserve 1/call", "llmserve 32/call")
+    for system in systems + (("llama-server 1/call", "llama-server 32/call") if peer else ()):
         (window,) = data["encode"]["runs"][system]
         assert window["embeddings_per_s"] > 0 and window["calls"] > 0 and window["peak_rss_bytes"] > 0
+    if peer:
+        assert data["encode"]["peer"]["max_difference"] < llama_embed.TOLERANCE
+        assert set(data["encode"]["ratio_to_peer"]) == {"1/call", "32/call"} and "llmserve / llama-server" in page
+    else:
+        assert "llama-server skipped: no " in page and "peer" not in data["encode"]
     assert data["run"]["model"] == "all-minilm-l6-v2" and "| llmserve 32/call |" in page
     matmul = data["encode"]["fp32_matmul"]
     assert matmul in ("ieee", "bf16x3") and f"(--fp32-matmul auto): {matmul} on this machine" in page
     assert "mixed" not in data
+
+
+def test_embed_page_gives_llmserve_over_llama_server_at_each_call_shape() -> None:
+    from benchmarks.modes import embed
+
+    def run_(rate: float) -> dict:
+        return {"embeddings_per_s": rate, "p50_s": 0.1, "p99_s": 0.2, "peak_rss_bytes": 2**20}
+
+    rates = {"sentence-transformers": 100.0, "llmserve 1/call": 300.0, "llmserve 32/call": 390.0}
+    rates |= {"llama-server 1/call": 250.0, "llama-server 32/call": 260.0}
+    runs = {system: [run_(rate) | {"calls": 1}] for system, rate in rates.items()}
+    medians = {system: run_(rate) for system, rate in rates.items()}
+    encode = {"sentences": 10, "windows": 1, "warmup_s": 1.0, "window_s": 2.0, "clients": 32, "batch_clients": 4}
+    encode |= {"st_chunk": 512, "runs": runs, "median": medians, "ratio_to_library": {s: 1.0 for s in rates}}
+    encode |= {"peer": {"command": ["llama-server", "-np", "128"], "max_difference": 3e-4, "checked_texts": 16}}
+    encode["ratio_to_peer"] = embed.ratio_to_peer(medians)
+    assert encode["ratio_to_peer"] == {"1/call": 1.2, "32/call": 1.5}
+    page = "\n".join(embed.section({"encode": encode}))
+    assert "**1.20×** at one text per call (target >= 1.0x), **1.50×** at 32" in page
+    assert "at most 3.0e-04 on 16 sentences" in page and "`llama-server -np 128`" in page
+    assert "| llama-server 32/call | 260.0 |" in page
+    skipped = {key: value for key, value in encode.items() if key not in ("peer", "ratio_to_peer")}
+    assert "llama-server skipped: --no-peer." in "\n".join(
+        embed.section({"encode": skipped | {"peer_skipped": "--no-peer"}})
+    )
 
 
 def test_embed_mode_measures_generation_with_and_without_embeddings_beside_it(tmp_path: Path) -> None:
