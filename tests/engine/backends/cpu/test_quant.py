@@ -175,7 +175,10 @@ def test_activations_are_quantized_as_llama_cpps_q8_0_bit_for_bit(level: str) ->
 
 def _invariant(linear: QuantLinear, x: torch.Tensor) -> None:
     everything = linear(x)
-    for start, count in ((0, 1), (5, 1), (x.shape[0] - 1, 1), (3, 4), (10, 32), (0, x.shape[0] - 1), (1, 257)):
+    # float rows: 1 row and Q8_0's 2 to 7 straight from the blocks, 2 rows of the other types the one-row path
+    # twice, 3 and more the tiles
+    last = x.shape[0] - 1
+    for start, count in ((0, 1), (5, 1), (last, 1), (7, 2), (3, 4), (11, 5), (20, 7), (10, 32), (0, last), (1, 257)):
         part = linear(x[start : start + count].contiguous())
         assert torch.equal(part, everything[start : start + count]), (start, count)
 

@@ -33,9 +33,10 @@
  * (Q6_K: acc = fma(d * sc_h, S_h, acc) per half.) X is computed once per call and row, the same way with adds:
  * (s0 + s1) + (s2 + s3), s_j the chain of k = j mod 4. This is x @ dequantize(w).T to float32 rounding (the
  * products x * q are exact-ish small-integer multiples; the bound is float32 GEMM's, a few times wider where the
- * zero cancels) with the same arithmetic at every level, row count and thread count; at one or two rows a call the
- * quants are extracted as the blocks stream in, from three rows up decoded once into tiles of floats that every
- * row reads. The AVX-512 level runs the AVX2 float kernel (the FMAs' order is the contract, not the width).
+ * zero cancels) with the same arithmetic at every level, row count and thread count; at one or two rows a call
+ * (Q8_0: up to 7) the quants are extracted as the blocks stream in (Q8_0: once for all the rows), from there up
+ * decoded once into tiles of floats that every row reads. The AVX-512 level runs the AVX2 float kernel (the FMAs' order is the
+ * contract, not the width).
  *
  * Packed layout (quant_pack): output columns in strips of 16 (the last strip padded with zero columns); a strip is
  * its payload (one part per block of 32, in order of k), then its metadata, then padding to 64 bytes.

@@ -3,6 +3,7 @@
  * whatever the library's baseline; run only where quant_levels reports the instructions. */
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <stdlib.h>
 
 #include "quant.h"
 

@@ -166,9 +166,10 @@ AI void NAME(strips)(const qmat *w, const qact *x, long m, long s0, long s1, flo
 }
 
 /* --- float activations (quant.h's float contract): per group, sums of x times the stored quants in four chains by
- * k mod 4, then the group's zero and scales applied once. A row runs either straight from the packed blocks (`direct`,
- * one row: the quants extracted as it goes) or over tiles of quants decoded once for every row of the call
- * (`tiles`); both add the same products in the same order, so a row's result does not depend on the other rows. -- */
+ * k mod 4, then the group's zero and scales applied once. A row runs either straight from the packed blocks (`direct`:
+ * the quants extracted as the blocks stream in; Q8_0's 2..DIRECT_Q8_0 rows a call share each extraction) or over tiles
+ * of quants decoded once for every row of the call (`tiles`); both add the same products in the same order, so a
+ * row's result does not depend on the other rows. -- */
 
 /* Byte j of each 32-bit lane, zero-extended, for VPSHUFB (its indices are per 128-bit half: lane d's byte j is
  * 4d + j there). */
@@ -295,6 +296,117 @@ AI void NAME(direct_f32)(const qmat *w, const float *x, const float *xs, long s,
   _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) NAME(store_cols)(y + s * STRIP + 8 * h, cols - 8 * h, acc[h]);
 }
 
+#define DIRECT_ROWS 8 /* the most rows direct_rows_f32 takes */
+
+/* Q8_0 runs 2..DIRECT_Q8_0 rows a call through direct_rows_f32, the other types' 2 rows direct_f32 twice and 3+ rows
+ * the tiles. One SmolLM2 layer, one thread, ms before (2 rows twice direct, 3+ tiles) -> after, the machine shared
+ * (load 5-13; benchmarks/probes/quant_ab.py, whose old-vs-old run differs by up to 20% at a row count), 2026-12-07:
+ * Q8_0 M=2 0.568 -> 0.554, M=3 0.746 -> 0.596, M=5 0.984 -> 0.801, M=6 1.073 -> 0.864, M=7 1.260 -> 1.010, M=8
+ * 1.373 -> 1.369. Q4_1 through it gained nothing beyond the noise (M=2 0.474 -> 0.443, M=3 0.636 -> 0.705, M=4
+ * 0.763 -> 0.864, M=8 1.257 -> 1.527): the nibbles are extracted again in each pass of chains, and whichever path
+ * runs, each row's own FMAs (~60 cycles a row per block of 32 x 16 columns here) are what a row costs. The other
+ * types stay where they were; direct_rows_f32 computes them too (every type gave the same bits through it when it
+ * ran them all). */
+#define DIRECT_Q8_0 7
+
+/* Rows [0, R) (R = 2..DIRECT_ROWS) over strip s straight from the packed blocks: each chunk's quants are extracted
+ * and converted once and used by every row, so the blocks are read and decoded once for R rows (what a verify step's
+ * k + 1 rows need; each row's FMAs remain its own, which is what the measurements above show is left). Each row
+ * keeps direct_f32's chains and scaling in the same order. xt: the rows interleaved (xt[kk * R + r] = row r's x[kk],
+ * so that every broadcast is one pointer plus a constant: rows k apart gave a pointer per row and k that spilled);
+ * xs, y: the first row's, rows `ngroups` and `ldy` apart. To hold the accumulators in 16 registers: one column half
+ * at a time over the strip (the second pass reads the blocks from cache), and the four chains J at a time, J * R
+ * accumulators (the order within a chain is the contract, not which chains interleave). */
+AI void NAME(direct_rows_f32)(const qmat *w, const float *xt, const float *xs, long ngroups, long s, float *y, long ldy,
+                              float *accm, const int R, const int T) {
+  const long k = w->k, nb = k / QBLOCK, payload = q_payload(T);
+  const uint8_t *strip = w->packed + s * q_strip_bytes(T, k), *meta = strip + q_meta_offset(T, k);
+  const int groups = T == Q_Q6_K ? 2 : 1, steps = T == Q_Q6_K ? 4 : 8, J = R <= 2 ? 4 : R <= 4 ? 2 : 1;
+  const long cols = w->n - s * STRIP;
+  __m256i ctrl[4];
+  _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j) ctrl[j] = NAME(byte_of_lane)(j);
+  for (int h = 0; h < 2; ++h) {
+    /* the rows' sums in memory (accm: 8 floats a row), so that the registers hold the chains */
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) _mm256_storeu_ps(accm + 8 * r, _mm256_setzero_ps());
+    __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
+    for (long b = 0; b < nb; ++b) {
+      const uint8_t *p = strip + b * payload;
+      if (h == 0)
+        for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+      const float *xb = xt + b * QBLOCK * R;
+      __m256 ws, wm, ws1;
+      if (q_is_k(T) && b % 8 == 0) {
+        const uint8_t *mu = meta + (b / 8) * q_meta(T);
+        d = NAME(halves)(mu + 16 * h);
+        if (T != Q_Q6_K) dmin = NAME(halves)(mu + 32 + 16 * h);
+      }
+      NAME(block_scales)(meta, b, T, h, d, dmin, &ws, &wm, &ws1);
+      _Pragma("GCC unroll 8") for (int g = 0; g < groups; ++g) {
+        __m256 chain[DIRECT_ROWS][4];
+        _Pragma("GCC unroll 8") for (int j0 = 0; j0 < 4; j0 += J) {
+          __m256 part[DIRECT_ROWS][4];
+          _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+            _Pragma("GCC unroll 8") for (int jj = 0; jj < J; ++jj) part[r][jj] = _mm256_setzero_ps();
+          /* the group's k in increasing order, 4 at a time: Q8_0's 8 chunks; the nibble types' low nibbles of
+           * chunks 0..3, then their high ones (Q6_K: group g's only) */
+          _Pragma("GCC unroll 8") for (int t = 0; t < steps; ++t) {
+            const int high = T == Q_Q6_K ? g : t / 4, i = t % 4;
+            const __m256i q = T == Q_Q8_0 ? _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h))
+                                          : NAME(chunk_quants)(p, i, h, high, T);
+            const int k0 = T == Q_Q8_0 ? 4 * t : 16 * high + 4 * i;
+            _Pragma("GCC unroll 8") for (int jj = 0; jj < J; ++jj) {
+              const __m256 qf = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(q, ctrl[j0 + jj]));
+              _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+                part[r][jj] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + (k0 + j0 + jj) * R + r), qf, part[r][jj]);
+            }
+          }
+          _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+            _Pragma("GCC unroll 8") for (int jj = 0; jj < J; ++jj) chain[r][j0 + jj] = part[r][jj];
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+          const __m256 xsum = _mm256_broadcast_ss(xs + r * ngroups + (T == Q_Q6_K ? 2 * b + g : b));
+          const __m256 sum = NAME(group_sum)(chain[r], xsum, T);
+          const __m256 acc = _mm256_loadu_ps(accm + 8 * r);
+          _mm256_storeu_ps(accm + 8 * r, T == Q_Q6_K ? _mm256_fmadd_ps(g ? ws1 : ws, sum, acc)
+                                                     : NAME(scaled)(acc, sum, ws, wm, xsum, T));
+        }
+      }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+      NAME(store_cols)(y + r * ldy + s * STRIP + 8 * h, cols - 8 * h, _mm256_loadu_ps(accm + 8 * r));
+  }
+}
+
+/* direct_rows_f32 with R a constant, so that its loops unroll and its chains stay in registers. */
+AI void NAME(direct_rows_any)(const qmat *w, const float *x, const float *xs, long ngroups, long s, float *y, long ldy,
+                              float *accm, long rows, const int T) {
+  switch (rows) {
+    case 2: NAME(direct_rows_f32)(w, x, xs, ngroups, s, y, ldy, accm, 2, T); break;
+    case 3: NAME(direct_rows_f32)(w, x, xs, ngroups, s, y, ldy, accm, 3, T); break;
+    case 4: NAME(direct_rows_f32)(w, x, xs, ngroups, s, y, ldy, accm, 4, T); break;
+    case 5: NAME(direct_rows_f32)(w, x, xs, ngroups, s, y, ldy, accm, 5, T); break;
+    case 6: NAME(direct_rows_f32)(w, x, xs, ngroups, s, y, ldy, accm, 6, T); break;
+    case 7: NAME(direct_rows_f32)(w, x, xs, ngroups, s, y, ldy, accm, 7, T); break;
+    default: NAME(direct_rows_f32)(w, x, xs, ngroups, s, y, ldy, accm, 8, T); break;
+  }
+}
+
+/* Rows [0, m) (2 <= m <= DIRECT_Q8_0) of a Q8_0 weight over strips [s0, s1) straight from the blocks; `acc`: scratch
+ * of 16 floats a row. A function of its own, not inlined into q_kernel_f32, so that the one-row and tile paths there
+ * compile as before. Returns 0, or 1 where the rows' interleaved copy could not be allocated (then the other paths
+ * run: the same bits). */
+static __attribute__((noinline)) int NAME(direct_rows_q8_0)(const qmat *w, const float *x, const float *xs, long m,
+                                                            long s0, long s1, float *y, long ldy, float *acc) {
+  const long k = w->k;
+  float *xt = malloc(sizeof(float) * (size_t)(m * k));
+  if (xt == NULL) return 1;
+  for (long kk = 0; kk < k; ++kk)
+    for (long r = 0; r < m; ++r) xt[kk * m + r] = x[r * k + kk];
+  for (long s = s0; s < s1; ++s) NAME(direct_rows_any)(w, xt, xs, k / QBLOCK, s, y, ldy, acc, m, Q_Q8_0);
+  free(xt);
+  return 0;
+}
+
 #define F_GROUP 8 /* blocks decoded at a time: 8 tiles of 2 KiB stay in L1 while every row runs over them */
 
 /* Block b's stored quants as floats, tile[16 * k + c] (no zero, no scale: those come per group). */
@@ -395,6 +507,8 @@ AI void NAME(strips_f32)(const qmat *w, const float *x, const float *xs, long m,
 
 void NAME(q_kernel_f32)(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
                         float *acc) {
+  if (w->type == Q_Q8_0 && m >= 2 && m <= DIRECT_Q8_0 && NAME(direct_rows_q8_0)(w, x, xs, m, s0, s1, y, ldy, acc) == 0)
+    return;
   switch (w->type) {
     case Q_Q4_0: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q4_0); break;
     case Q_Q4_1: NAME(strips_f32)(w, x, xs, m, s0, s1, y, ldy, acc, Q_Q4_1); break;
