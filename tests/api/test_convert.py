@@ -161,3 +161,11 @@ def test_a_classifiers_embedding_carries_the_softmax_of_its_logits() -> None:
     delta = Delta("r", [], finish_reason=FinishReason.LENGTH, usage=Usage(4, 0, 0), embedding=[0.0, 0.0])
     assert list(to_embedding(0, delta, False, classify=True).probabilities) == [0.5, 0.5]
     assert list(to_embedding(0, delta, False).probabilities) == []
+
+
+@given(st.floats(-1e4, 1e4))
+def test_a_one_label_classifiers_probability_is_the_sigmoid_of_its_logit(logit: float) -> None:
+    """Not a softmax over one value (always 1.0): the sigmoid, as sentence-transformers' CrossEncoder and TEI."""
+    delta = Delta("r", [], finish_reason=FinishReason.LENGTH, usage=Usage(4, 0, 0), embedding=[logit])
+    (got,) = to_embedding(0, delta, False, classify=True).probabilities
+    assert got == pytest.approx(torch.sigmoid(torch.tensor(logit, dtype=torch.float64)).item(), rel=1e-6, abs=1e-30)

@@ -94,3 +94,8 @@ def test_heads_not_served_are_refused() -> None:
         classifier_head({**config, "num_labels": 2, "id2label": {0: "a", 1: "b"}}, weights)
     with pytest.raises(KeyError, match="classifier.weight"):
         classifier_head(config, {k: v for k, v in weights.items() if not k.startswith("classifier.")})
+
+
+def test_a_one_label_heads_probability_is_the_sigmoid() -> None:
+    logits = torch.tensor([[-3.0], [0.0], [2.5]])
+    assert torch.allclose(probabilities(logits), torch.sigmoid(logits))

@@ -141,7 +141,7 @@ def test_every_method_with_no_token_a_wrong_token_and_a_good_one(
         paths = {path for path, _, _ in methods}
         assert {"/llmserve.v1.GenerateService/Generate", "/grpc.health.v1.Health/Check"} <= paths
         assert any(path.startswith("/grpc.reflection.") for path in paths)
-        assert len([p for p in paths if p.startswith("/llmserve.v1.GenerateService/")]) == 6
+        assert len([p for p in paths if p.startswith("/llmserve.v1.GenerateService/")]) == 7
         for path, client_streaming, server_streaming in methods:
             engine_api = path.startswith(("/llmserve.", "/vllm."))  # llmserve's own, and vLLM's engine protocol
             protected = engine_api or (strict and path.startswith("/grpc.reflection."))
@@ -152,9 +152,9 @@ def test_every_method_with_no_token_a_wrong_token_and_a_good_one(
             assert good_code != grpc.StatusCode.UNAUTHENTICATED, (path, answers)
             # UNIMPLEMENTED: the vLLM protocol's FlushCache and profiling, which llmserve does not serve;
             # FAILED_PRECONDITION: its GetTokenizer, for the fake engine's tokenizer (not one transformers can save),
-            # and Embed (both protocols'), as the fake engine's model has no pooling.
+            # Embed (both protocols'), as the fake engine's model has no pooling, and Rerank, as it is no classifier.
             allowed = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
-            allowed += (grpc.StatusCode.FAILED_PRECONDITION,) * path.endswith(("/GetTokenizer", "/Embed"))
+            allowed += (grpc.StatusCode.FAILED_PRECONDITION,) * path.endswith(("/GetTokenizer", "/Embed", "/Rerank"))
             allowed += (grpc.StatusCode.DEADLINE_EXCEEDED,) * path.endswith("/SubscribeKvEvents")
             # AdapterService: for the --admin-identity identities only (this token's is not one).
             allowed += (grpc.StatusCode.PERMISSION_DENIED,) * path.startswith("/llmserve.v1.AdapterService/")

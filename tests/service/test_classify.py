@@ -87,7 +87,7 @@ def _check(response: pb.EmbedResponse, want: torch.Tensor, labels: list[str]) ->
 
 def test_model_info_says_it_classifies(stub: generate_pb2_grpc.GenerateServiceStub, kind: str) -> None:
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-    assert list(info.tasks) == [pb.TASK_CLASSIFY]
+    assert list(info.tasks) == [pb.TASK_CLASSIFY, pb.TASK_RERANK]  # it also scores pairs: test_cross_encoder.py
     assert (info.embedding_size, list(info.labels)) == (len(LABELS[kind]), LABELS[kind])
     assert (info.pooling, info.normalize) == (POOLING[kind], False)
     assert info.max_embed_inputs > 0

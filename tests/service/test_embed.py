@@ -206,6 +206,13 @@ def test_generate_on_an_embedding_model_is_failed_precondition(stub: generate_pb
     assert "does not generate" in err.value.details()
 
 
+def test_rerank_on_an_embedding_model_is_failed_precondition(stub: generate_pb2_grpc.GenerateServiceStub) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Rerank(pb.RerankRequest(query="q", documents=["d"]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "serves no Rerank" in err.value.details()
+
+
 def test_one_log_line_per_call(stub: generate_pb2_grpc.GenerateServiceStub, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="llmserve.requests"):
         _embed(stub, TEXTS[:3], request_id="embed-log")

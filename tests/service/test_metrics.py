@@ -282,3 +282,20 @@ def test_an_embed_call_counts_in_the_embed_series_not_the_generate_ones() -> Non
     assert sample("llmserve_embed_duration_seconds_count") == 1
     assert sample("llmserve_requests_total", {"code": "OK"}) is None
     assert sample("llmserve_prompt_tokens_total") == 0
+
+
+def test_a_rerank_call_counts_in_its_own_series_not_the_generate_or_embed_ones() -> None:
+    from llmserve.telemetry.call import CallRecord
+    from llmserve.telemetry.metrics import ServerMetrics
+
+    metrics = ServerMetrics("replica", lambda: 0, lambda: None)
+    assert metrics.registry.get_sample_value("llmserve_rerank_requests_total", {"code": "OK"}) == 0  # from the start
+    call = CallRecord("r", time.monotonic(), method="Rerank", inputs=3, prompt_tokens=40, status="OK")
+    call.queued = call.start
+    call.close(has_session=False, metadata=None)
+    metrics.call_finished(call)
+    sample = metrics.registry.get_sample_value
+    assert sample("llmserve_rerank_requests_total", {"code": "OK"}) == 1
+    assert sample("llmserve_embed_requests_total", {"code": "OK"}) == 0
+    assert sample("llmserve_requests_total", {"code": "OK"}) is None
+    assert sample("llmserve_prompt_tokens_total") == 0

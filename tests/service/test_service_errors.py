@@ -100,6 +100,13 @@ def test_session_rpcs_need_a_session_id(stub) -> None:
     assert stub.DeleteSession(pb.DeleteSessionRequest(session_id="a\nb"), timeout=5).deleted is False
 
 
+def test_rerank_on_a_generating_model_is_failed_precondition(stub) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Rerank(pb.RerankRequest(query="q", documents=["d"]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "serves no Rerank" in err.value.details()
+
+
 def test_tokenize_needs_input(stub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stub.Tokenize(pb.TokenizeRequest(), timeout=5)

@@ -194,8 +194,8 @@ def to_pooling_request(
 
 
 def to_embedding(index: int, delta: Delta, truncated: bool, *, classify: bool = False) -> pb.Embedding:
-    """One input's final delta as its Embedding; `classify`: its vector is a classifier's logits, whose softmax
-    fills `probabilities`."""
+    """One input's final delta as its Embedding; `classify`: its vector is a classifier's logits, whose
+    probabilities (`probabilities`) fill `probabilities`."""
     usage = delta.usage
     values = delta.embedding or []
     return pb.Embedding(
@@ -203,8 +203,25 @@ def to_embedding(index: int, delta: Delta, truncated: bool, *, classify: bool = 
         values=values,
         prompt_tokens=0 if usage is None else usage.prompt_tokens,
         truncated=truncated,
-        probabilities=softmax(values) if classify else [],
+        probabilities=probabilities(values) if classify else [],
     )
+
+
+def probabilities(logits: Sequence[float]) -> list[float]:
+    """A classifier's class probabilities: the sigmoid of a single logit (a one-label model is a regression or
+    relevance head: a softmax over one value is always 1.0; sentence-transformers' CrossEncoder and TEI apply the
+    sigmoid), else the softmax of the logits."""
+    if len(logits) == 1:
+        return [sigmoid(logits[0])]
+    return softmax(logits)
+
+
+def sigmoid(x: float) -> float:
+    """1 / (1 + e^-x), without overflow for any float."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 def softmax(logits: Sequence[float]) -> list[float]:

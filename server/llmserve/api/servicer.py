@@ -42,11 +42,13 @@ from llmserve.api.limits import (
     quote_prefix,
 )
 from llmserve.api.prompts import SessionPrompts, embed_texts, embed_token_ids, prompt_token_ids, special_tokens
+from llmserve.api.rerank import check_rerank, pair_limit, pair_request, rerank_pairs, rerank_results
 from llmserve.auth import caller_identity
 from llmserve.config import ServerConfig
 from llmserve.engine.types.errors import EngineDead, InvalidRequest, QueueFull
 from llmserve.engine.types.outputs import Delta, FinishReason
-from llmserve.engine.types.request import GenerationRequest
+from llmserve.engine.types.pooling import PoolingMode
+from llmserve.engine.types.request import GenerationRequest, PoolingParams
 from llmserve.history import HistoryInput, HistoryStore, Turn, open_store
 from llmserve.telemetry.call import CallObserver, CallRecord
 from llmserve.telemetry.request_log import log_call
@@ -60,6 +62,8 @@ log = logging.getLogger("llmserve.requests")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 _TASKS = {"generate": pb.TASK_GENERATE, "embed": pb.TASK_EMBED, "classify": pb.TASK_CLASSIFY}
+# Calls a model serves beside its engine's tasks: a classifier also scores (query, document) pairs (api/rerank.py).
+_EDGE_TASKS = {"classify": (pb.TASK_RERANK,)}
 _HISTORY_INPUT = {HistoryInput.CHAT: pb.HISTORY_INPUT_CHAT, HistoryInput.TOKENS: pb.HISTORY_INPUT_TOKENS}
 # The engine stops a request this long before the call's deadline, so that the server, not the caller's
 # timer, ends the call (with a last message); a cancel this close to the deadline is the deadline's (the
@@ -341,6 +345,64 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self.admission.release(key)
             self._record_end(record, False, context)
 
+    async def Rerank(self, request: pb.RerankRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
+        """One score per document: the call checked and its pairs tokenized first (rerank.py), then each pair a
+        pooling request of its own in the engine's batches, all at once, admitted as an Embed call is."""
+        record = CallRecord(request.request_id or "-", time.monotonic())
+        record.method = "Rerank"
+        record.identity = identity = caller_identity()
+        remaining = context.time_remaining()
+        call_deadline = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
+        key: StreamKey | None = None
+        try:
+            engine = self.ready_engine()
+            info = engine.model_info
+            if "classify" not in info.tasks or engine.tokenizer is None:
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"model {info.name} serves no Rerank: it is no sequence classifier with a tokenizer (a "
+                    "cross-encoder); GetModelInfo's tasks say what it serves",
+                )
+            check_rerank(request, self._limits, self._max_prompt_bytes)
+            request_id = record.request_id = request.request_id or uuid.uuid4().hex
+            record.inputs = len(request.documents)
+            # The same admission as Embed's (a call of several inputs).
+            key = await self.admission.admit(identity, request_id)
+            limit = pair_limit(engine.tokenizer, info.max_embed_input_tokens)
+            pairs = await asyncio.to_thread(
+                rerank_pairs, engine.tokenizer, request.query, request.documents, limit, info.do_lower_case
+            )
+            # A classifier's head fixes its pooling: the model's defaults, as an Embed call without options.
+            pooling = PoolingParams(PoolingMode(info.pooling), info.normalize, None)
+            scoped_id = scoped(identity, request_id)
+            engine_requests = [
+                pair_request(request, i, pair, request_id=scoped_id, pooling=pooling, deadline=call_deadline)
+                for i, pair in enumerate(pairs)
+            ]
+            record.queued = time.monotonic()
+            finals = await _pool_all(engine, engine_requests)
+            tokens = [0 if delta.usage is None else delta.usage.prompt_tokens for delta in finals]
+            results = rerank_results(request, pairs, [delta.embedding or [] for delta in finals], tokens)
+            record.prompt_tokens = sum(tokens)
+            response = pb.RerankResponse(request_id=request_id, results=results, labels=info.labels)
+            response.usage.prompt_tokens = record.prompt_tokens
+            record.finish_reason = "length"
+            record.status = "OK"
+            return response
+        except asyncio.CancelledError:
+            at_deadline = call_deadline is not None and time.monotonic() >= call_deadline
+            record.status = "DEADLINE_EXCEEDED" if at_deadline else "CANCELLED"
+            raise
+        except Exception as exc:
+            record.status = code_name(exc)
+            if isinstance(exc, (InvalidRequest, QueueFull, EngineDead)):
+                record.queued = None
+            raise
+        finally:
+            if key is not None:
+                self.admission.release(key)
+            self._record_end(record, False, context)
+
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.TokenizeResponse:
@@ -368,7 +430,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             adapters=[] if adapters is None else sorted(adapters.names),
             max_loras=info.max_loras,
             max_lora_rank=info.max_lora_rank,
-            tasks=[_TASKS[task] for task in info.tasks],
+            tasks=[t for task in info.tasks for t in (_TASKS[task], *_EDGE_TASKS.get(task, ()))],
             embedding_size=info.embedding_size,
             pooling=POOLING_NAMES.get(info.pooling, pb.POOLING_UNSPECIFIED),
             normalize=info.normalize,

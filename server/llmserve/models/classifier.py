@@ -97,5 +97,8 @@ def classifier_head(
 
 
 def probabilities(logits: torch.Tensor) -> torch.Tensor:
-    """The class probabilities of `logits` [B, classes]: softmax over the classes, in float32."""
+    """The class probabilities of `logits` [B, classes], in float32: softmax over the classes, or the sigmoid of a
+    one-label head's logit (as sentence-transformers' CrossEncoder; a softmax over one value is always 1.0)."""
+    if logits.shape[-1] == 1:
+        return torch.sigmoid(logits.float())
     return torch.softmax(logits.float(), dim=-1)

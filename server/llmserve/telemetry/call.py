@@ -45,7 +45,7 @@ class CallRecord:
     has_session: bool = False
     metadata: Sequence[tuple[str, str | bytes]] = ()  # the call's request metadata (trace context)
     prompt: str | None = None  # the input text, with --log-prompts only
-    method: str = "Generate"  # or "Embed": then `inputs` is its input count and prompt_tokens their tokens
+    method: str = "Generate"  # or "Embed"/"Rerank": then `inputs` is its input (pair) count, prompt_tokens their tokens
     inputs: int = 0
     _sent: dict[int, int] = field(default_factory=dict)  # completion index -> its tokens so far
 

@@ -133,6 +133,11 @@ class ServerMetrics:
             registry=r,
             buckets=_LATENCY_BUCKETS,
         )
+        # Rerank calls: counted apart from Embed's and Generate's (their pairs are pooling requests, as Embed's inputs).
+        self.rerank_requests = Counter(
+            f"{p}_rerank_requests", "Rerank calls ended, by gRPC status code", ["code"], registry=r
+        )
+        self.rerank_requests.labels("OK")  # a series from the start, as Embed's
         self.kv_event_batches = Counter(
             f"{p}_kv_event_batches_sent",
             "Prefix-cache event batches handed to SubscribeKvEvents streams (the gateways' view of this cache)",
@@ -162,6 +167,9 @@ class ServerMetrics:
                 self.embed_inputs.inc(call.inputs)
                 self.embed_tokens.inc(call.prompt_tokens)
                 self.embed_latency.observe(call.end - call.start)
+            return
+        if call.method == "Rerank":
+            self.rerank_requests.labels(code).inc()
             return
         self.requests.labels(code).inc()
         if call.queued is None:

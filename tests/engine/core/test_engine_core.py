@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -319,3 +320,20 @@ def test_a_dying_engine_drops_every_random_stream() -> None:
     stop = threading.Event()
     core.run(stop, lambda outputs: stop.set())  # the fault kills the engine, whose final outputs stop the loop
     assert core.dead_reason is not None and len(core.backend.paged.states.streams) == 0
+
+
+def test_an_encoders_pooling_input_may_hold_all_its_positions() -> None:
+    """A decoder's pooling input leaves a position free, as any of its prompts; an encoder generates nothing after
+    its input, which may take all its positions (sentence-transformers reads 512-token pairs on a 512-position BERT),
+    within the step's budget and the folder's max_seq_length."""
+    from types import SimpleNamespace
+
+    from llmserve.engine.core.engine_core import pooling_limit
+
+    def loaded(encoder: bool, max_seq_length: int | None = None) -> Any:
+        return SimpleNamespace(encoder=encoder, pooling=SimpleNamespace(max_seq_length=max_seq_length))
+
+    assert pooling_limit(loaded(True), 512, 1024) == 512
+    assert pooling_limit(loaded(True), 512, 256) == 256
+    assert pooling_limit(loaded(True, 128), 512, 1024) == 128
+    assert pooling_limit(loaded(False), 512, 1024) == 511

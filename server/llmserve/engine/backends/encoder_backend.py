@@ -105,7 +105,12 @@ class EncoderBackend:
         # entry i's place in the packed order.
         order = sorted(range(len(entries)), key=lambda i: len(entries[i].token_ids))
         at = {i: place for place, i in enumerate(order)}
-        batch = EncoderBatch.pack([entries[i].token_ids for i in order], device=self.device)
+        # A text pair's segments (a cross-encoder's query and document, types/request.py); all segment 0 when no
+        # entry of the step has any.
+        types = None
+        if any(entries[i].seq.request.token_type_ids for i in order):
+            types = [entries[i].seq.request.token_type_ids or (0,) * len(entries[i].token_ids) for i in order]
+        batch = EncoderBatch.pack([entries[i].token_ids for i in order], types, device=self.device)
         with torch.inference_mode():
             hidden = self.encoder(batch).float()
             rows = hidden.split_with_sizes(list(batch.seq_lens))

@@ -487,11 +487,13 @@ class EngineCore:
 
 def pooling_limit(loaded: LoadedModel, max_model_len: int, max_num_batched_tokens: int) -> int:
     """The most tokens one pooling input may hold (0: the model serves none): sentence-transformers' max_seq_length
-    where the folder sets it, else the context less one; for an encoder, within one step's token budget too (its
+    where the folder sets it, else the context less one; for an encoder, its whole context (all its positions, as
+    sentence-transformers reads them: it generates nothing after them) within one step's token budget too (its
     inputs are read whole)."""
     if loaded.pooling is None:
         return 0
-    limit = min(loaded.pooling.max_seq_length or max_model_len - 1, max_model_len - 1)
+    room = max_model_len if loaded.encoder else max_model_len - 1
+    limit = min(loaded.pooling.max_seq_length or room, room)
     return min(limit, max_num_batched_tokens) if loaded.encoder else limit
 
 

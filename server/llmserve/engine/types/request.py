@@ -174,6 +174,8 @@ class GenerationRequest:
     likely tokens at its position) comes with the first output. Such a request reads no cached KV for its prompt
     (prefix cache, session, KV tiers: it recomputes, as vLLM does), so its values never depend on what was cached;
     the blocks it computes still enter the prefix cache.
+    `token_type_ids`: the segment of each prompt token (a text pair's second text is segment 1, as BERT's tokenizer
+    marks it), for an encoder that has segment embeddings; empty: all segment 0. Decoders have none and ignore it.
 
     Errors name each field by its path in the protobuf GenerateRequest (`sampling.top_p`,
     `stopping.max_new_tokens`, `response.top_logprobs`), which for sampling and stopping is also its
@@ -197,6 +199,7 @@ class GenerationRequest:
     pooling: PoolingParams | None = None  # a pooling request (Embed's): prefill only, one vector out
     prompt_logprobs: bool = False
     prompt_top_logprobs: int = 0
+    token_type_ids: tuple[int, ...] = ()
 
     def validate(
         self, vocab_size: int, max_model_len: int, max_top_logprobs: int = MAX_TOP_LOGPROBS, max_n: int = 1
@@ -208,13 +211,19 @@ class GenerationRequest:
         n = len(self.prompt_token_ids)
         if n == 0:
             raise InvalidRequest(self.prompt_field, "must not be empty")
-        if n >= max_model_len:
+        # A pooling request samples nothing: its prompt may fill the context (an encoder's 512 positions, as
+        # sentence-transformers reads them); a generating one leaves room for its first token.
+        if n > max_model_len or (n == max_model_len and self.pooling is None):
             raise InvalidRequest(self.prompt_field, f"is {n} tokens, the context holds {max_model_len}")
         if any(t < 0 or t >= vocab_size for t in self.prompt_token_ids):
             raise InvalidRequest(self.prompt_field, f"ids must be in [0, {vocab_size})")
+        if self.token_type_ids and len(self.token_type_ids) != n:
+            raise InvalidRequest("token_type_ids", f"has {len(self.token_type_ids)} entries for {n} prompt tokens")
+        if any(t < 0 for t in self.token_type_ids):
+            raise InvalidRequest("token_type_ids", "must be >= 0")
         self.sampling.validate()
         self.stopping.validate()
-        if n + self.stopping.max_new_tokens > max_model_len:
+        if self.pooling is None and n + self.stopping.max_new_tokens > max_model_len:
             raise InvalidRequest(
                 "stopping.max_new_tokens",
                 f"prompt ({n}) + max_new_tokens ({self.stopping.max_new_tokens}) exceeds the context ({max_model_len})",

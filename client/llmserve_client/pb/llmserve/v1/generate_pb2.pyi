@@ -28,6 +28,7 @@ class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_GENERATE: _ClassVar[Task]
     TASK_EMBED: _ClassVar[Task]
     TASK_CLASSIFY: _ClassVar[Task]
+    TASK_RERANK: _ClassVar[Task]
 
 class Truncation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +62,7 @@ TASK_UNSPECIFIED: Task
 TASK_GENERATE: Task
 TASK_EMBED: Task
 TASK_CLASSIFY: Task
+TASK_RERANK: Task
 TRUNCATION_UNSPECIFIED: Truncation
 TRUNCATION_KEEP_START: Truncation
 TRUNCATION_KEEP_END: Truncation
@@ -385,6 +387,54 @@ class Embedding(_message.Message):
     truncated: bool
     probabilities: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, index: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("request_id", "query", "documents", "top_n", "return_documents", "input_order", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    RETURN_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_ORDER_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    top_n: int
+    return_documents: bool
+    input_order: bool
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., input_order: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class RerankResponse(_message.Message):
+    __slots__ = ("request_id", "results", "usage", "labels")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    results: _containers.RepeatedCompositeFieldContainer[RerankResult]
+    usage: Usage
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RerankResult(_message.Message):
+    __slots__ = ("index", "score", "document", "prompt_tokens", "truncated", "logits", "probabilities")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    score: float
+    document: str
+    prompt_tokens: int
+    truncated: bool
+    logits: _containers.RepeatedScalarFieldContainer[float]
+    probabilities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., document: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., logits: _Optional[_Iterable[float]] = ..., probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)

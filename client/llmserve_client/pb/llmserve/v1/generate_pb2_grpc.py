@@ -43,9 +43,9 @@ class GenerateServiceStub:
     ABORTED             Generate with continue_session: another call is continuing the same session
     right now (the message names its request_id); retry once it has finished.
     NOT_FOUND           Generate with an adapter the server has not loaded (the message names "adapter").
-    FAILED_PRECONDITION Generate on a model that does not generate (an encoder or a classifier), or Embed on a
-    model that has no pooling (GetModelInfoResponse.tasks says which calls it serves); the
-    message says why.
+    FAILED_PRECONDITION Generate on a model that does not generate (an encoder or a classifier), Embed on a
+    model that has no pooling, or Rerank on a model that is no classifier
+    (GetModelInfoResponse.tasks says which calls it serves); the message says why.
     """
 
     def __init__(self, channel):
@@ -63,6 +63,11 @@ class GenerateServiceStub:
                 '/llmserve.v1.GenerateService/Embed',
                 request_serializer=llmserve_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=llmserve_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/llmserve.v1.GenerateService/Rerank',
+                request_serializer=llmserve_dot_v1_dot_generate__pb2.RerankRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generate__pb2.RerankResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/llmserve.v1.GenerateService/Tokenize',
@@ -104,9 +109,9 @@ class GenerateServiceServicer:
     ABORTED             Generate with continue_session: another call is continuing the same session
     right now (the message names its request_id); retry once it has finished.
     NOT_FOUND           Generate with an adapter the server has not loaded (the message names "adapter").
-    FAILED_PRECONDITION Generate on a model that does not generate (an encoder or a classifier), or Embed on a
-    model that has no pooling (GetModelInfoResponse.tasks says which calls it serves); the
-    message says why.
+    FAILED_PRECONDITION Generate on a model that does not generate (an encoder or a classifier), Embed on a
+    model that has no pooling, or Rerank on a model that is no classifier
+    (GetModelInfoResponse.tasks says which calls it serves); the message says why.
     """
 
     def Generate(self, request, context):
@@ -132,6 +137,22 @@ class GenerateServiceServicer:
         input's vector is the same whatever else was in the batch (up to floating-point rounding).
         A bad input fails the whole call (INVALID_ARGUMENT naming the field, for example "inputs[3]"), before any of
         it reaches the engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rerank(self, request, context):
+        """Rerank scores each document against the query with a cross-encoder (a sequence-classification model: GetModelInfo's
+        tasks list TASK_RERANK): the model reads each (query, document) pair as one input, tokenized as a text pair (BERT:
+        [CLS] query [SEP] document [SEP], the document's tokens in segment 1), and cut to the model's length as
+        sentence-transformers' CrossEncoder cuts it (longest_first: a token at a time off the longer of the two). A
+        model with one label scores a pair by the sigmoid of its logit, as CrossEncoder.predict does by default; one with
+        several by the softmax probability of its last class (a two-class relevance model's "relevant"), and each result
+        also carries the logits and the probabilities. The results come best first, or in the documents' order when the
+        request says so. The pairs of a call share the engine's batches with other Embed and Rerank calls, as Embed's
+        inputs do, and count against the server's caps as an Embed call does. A model that is no classifier is
+        FAILED_PRECONDITION; a bad request INVALID_ARGUMENT naming the field ("query", "documents[2]", "top_n").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,6 +201,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     request_deserializer=llmserve_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
                     response_serializer=llmserve_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=llmserve_dot_v1_dot_generate__pb2.RerankRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generate__pb2.RerankResponse.SerializeToString,
+            ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
                     request_deserializer=llmserve_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
@@ -226,9 +252,9 @@ class GenerateService:
     ABORTED             Generate with continue_session: another call is continuing the same session
     right now (the message names its request_id); retry once it has finished.
     NOT_FOUND           Generate with an adapter the server has not loaded (the message names "adapter").
-    FAILED_PRECONDITION Generate on a model that does not generate (an encoder or a classifier), or Embed on a
-    model that has no pooling (GetModelInfoResponse.tasks says which calls it serves); the
-    message says why.
+    FAILED_PRECONDITION Generate on a model that does not generate (an encoder or a classifier), Embed on a
+    model that has no pooling, or Rerank on a model that is no classifier
+    (GetModelInfoResponse.tasks says which calls it serves); the message says why.
     """
 
     @staticmethod
@@ -275,6 +301,33 @@ class GenerateService:
             '/llmserve.v1.GenerateService/Embed',
             llmserve_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
             llmserve_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.GenerateService/Rerank',
+            llmserve_dot_v1_dot_generate__pb2.RerankRequest.SerializeToString,
+            llmserve_dot_v1_dot_generate__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,
