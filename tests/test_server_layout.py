@@ -24,6 +24,7 @@ import llmserve
 
 PACKAGE = Path(llmserve.__file__).parent
 ENGINE = PACKAGE / "engine"
+BACKENDS = "llmserve.engine.backends"
 LAYER_TABLE = Path(__file__).resolve().parents[1] / "docs" / "layers.md"
 TENSOR_LIBRARIES = {"torch", "numpy", "transformers", "triton", "safetensors", "peft"}
 # The engine's layers, one folder each (docs/architecture.md).
@@ -406,11 +407,39 @@ def test_the_seam_is_where_a_reader_looks() -> None:
     from llmserve.engine.backends.base import Backend
     from llmserve.engine.sched.plan import SeqStep, StepPlan
 
-    assert {"execute", "num_blocks", "name", "description"} <= set(dir(Backend)) | set(Backend.__annotations__)
+    seam = set(dir(Backend)) | set(Backend.__annotations__)
+    assert {"execute", "release", "num_blocks", "name", "description"} <= seam
     assert {"start", "token_ids", "block_table", "sample"} <= set(SeqStep.__slots__)
     assert {"seqs", "copies"} <= set(StepPlan.__slots__)
     backends = {p.stem for p in (ENGINE / "backends").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
-    assert {"base", "torch_paged", "cpu", "cuda"} <= backends
+    assert {"base", "paged", "torch_paged", "cpu", "cuda"} <= backends
+
+
+def test_no_backend_derives_from_another() -> None:
+    """The backends share code through collaborators each holds (backends/paged.py), never by deriving from one
+    another and undoing what the parent's constructor built."""
+    classes = {node.name: (module, node) for module, node in _engine_classes() if module.startswith(BACKENDS)}
+    derived = [
+        f"{module}.{node.name}({ast.unparse(base)})"
+        for module, node in classes.values()
+        for base in node.bases
+        if ast.unparse(base).rsplit(".", 1)[-1] in classes
+    ]
+    assert derived == []
+
+
+def test_what_a_backend_keeps_per_sequence_is_read_only_behind_it() -> None:
+    """Random streams, pooling states and prompt scores live behind the Backend protocol: no module outside
+    backends/ reaches into a backend's attributes for them (the core calls `release`, speculation `mark_stream`,
+    the overlapped runner `rewind_stream`)."""
+    reaching = []
+    for name, path in MODULES.items():
+        if name.startswith("llmserve.engine") and not name.startswith(BACKENDS):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in {"streams", "pooling", "prompt_scores", "paged"}:
+                    if ast.unparse(node.value).rsplit(".", 1)[-1] == "backend":
+                        reaching.append(f"{name}: {ast.unparse(node)}")
+    assert reaching == []
 
 
 def test_only_the_backends_and_the_sampler_ask_which_device_they_are_on() -> None:

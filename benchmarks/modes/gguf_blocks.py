@@ -621,7 +621,7 @@ def llmserve_perplexity(gguf: Path, tokens: list[int], ctx: int, dtype: str = "a
             ids = [bos, *ids[1:]]
         batch = one_prompt_attention(backend, ctx)
         with torch.inference_mode():
-            logits = backend.forward(torch.tensor([ids]), torch.arange(ctx)[None], None, batch).double()
+            logits = backend.forward.logits(torch.tensor([ids]), torch.arange(ctx)[None], None, batch).double()
         logprobs = torch.log_softmax(logits[first : ctx - 1], dim=-1)
         target = torch.tensor(tokens[start + first + 1 : start + ctx])
         nll -= float(logprobs.gather(1, target[:, None]).sum())

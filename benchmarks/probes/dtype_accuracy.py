@@ -133,7 +133,7 @@ def perplexity(core: Any, ids: list[int]) -> float:
     else:
         batch = GatheredAttention(backend.kv.tensor, torch.arange(tokens), [], [Chunk(0, tokens, None, None)])
     with torch.inference_mode():
-        logits = backend.forward(torch.tensor([ids]), torch.arange(tokens)[None], None, batch)
+        logits = backend.forward.logits(torch.tensor([ids]), torch.arange(tokens)[None], None, batch)
         nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
     return math.exp(float(nll))
 

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from benchmarks.serve import Server, engine_flags
+from llmserve.engine.backends.paged import TransformersForward
 from llmserve.engine.backends.piecewise import MixedSteps
-from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.engine_core import EngineCore
 from llmserve.engine.frontend.async_engine import AsyncEngine
@@ -157,7 +157,7 @@ def decode_step(loaded: LoadedModel, batch: int, steps: int, context: int) -> di
     cuda = loaded.device.type == "cuda"
     spans: list[tuple[Any, Any]] = []
     backend: Any = core.backend
-    real = backend.logits
+    real = backend.paged.logits  # the step's way to a plain step's logits (graphs, mixed steps or eager)
 
     def timed(plan: Any) -> torch.Tensor:
         if not cuda:
@@ -169,7 +169,7 @@ def decode_step(loaded: LoadedModel, batch: int, steps: int, context: int) -> di
         spans.append((start, end))
         return out
 
-    backend.logits = timed
+    backend.paged.logits = timed
     for _ in range(3):
         core.step()  # warm
     spans.clear()
@@ -254,7 +254,7 @@ def mixed_step(loaded: LoadedModel, mode: str, smoke: bool) -> dict[str, Any]:
 
         core.backend = backend = create_backend(loaded, config, core.max_model_len, kind="cuda", capture=False)
         if mode != "eager":  # aot_eager: the same graph breaks, without inductor's minute of compiling on a CPU
-            forward = functools.partial(TorchPagedBackend.forward, backend)
+            forward = functools.partial(TransformersForward.logits, backend.forward)  # type: ignore[attr-defined]
             backend.mixed = MixedSteps(forward, backend.graphs.steps, mode, compiler="aot_eager")  # type: ignore[attr-defined]
     vocab = loaded.vocab_size
     stopping = StoppingParams(max_new_tokens=1024, ignore_eos=True)

@@ -3,8 +3,9 @@
 A step's host work is scheduling, the step plan, the backend's metadata (packed row, slots, block tables,
 decode groups or graph buffers), sampling and emitting the deltas. On a GPU it is the time the device may sit
 idle between steps, so it must stay small as the batch grows. This script builds the real engine over a
-2-layer tiny Llama, keeps `batch` sequences decoding, replaces only the model call (`backend.forward`, or the
-fused forward on the CPU) with one that returns ready logits, and times `EngineCore.step()`.
+2-layer tiny Llama, keeps `batch` sequences decoding, replaces only the model call (`backend.forward.logits`:
+transformers' forward, or the fused forward on the CPU) with one that returns ready logits, and times
+`EngineCore.step()`.
 
     python benchmarks/run.py --mode host-overhead             # CPU backend, the CUDA and torch backends' paths
     python benchmarks/run.py --mode host-overhead --batches 32 64 256 --steps 300
@@ -69,7 +70,7 @@ def stub_model_call(core: EngineCore, forward_ms: float = 0.0) -> None:
             time.sleep(forward_ms / 1e3)
         return logits[: input_ids.shape[1] if keep is None else len(keep)]
 
-    backend.forward = forward  # type: ignore[method-assign]
+    backend.forward.logits = forward  # type: ignore[method-assign]
 
 
 def submit_through_front_end(

@@ -118,7 +118,7 @@ async def test_beside_generation_the_tokens_and_the_vectors_are_unchanged(
         assert isinstance(delta, Delta) and delta.embedding is not None
         assert (torch.tensor(delta.embedding) - reference(loaded, prompt, mode)).abs().max().item() <= TOLERANCE
     core = inner(engine)
-    assert not core.scheduler.live and len(core.backend.pooling) == 0
+    assert not core.scheduler.live and len(core.backend.paged.states) == 0  # nothing of any request kept
     assert core.pool.num_free == core.pool.num_blocks  # every block back (free or cached, unreferenced)
 
 

@@ -12,7 +12,7 @@ import torch
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.base import kv_blocks
 from llmserve.engine.backends.cuda import CudaBackend, DecodeGraphs
-from llmserve.engine.backends.torch_paged import TorchPagedBackend
+from llmserve.engine.backends.paged import TransformersForward
 from llmserve.engine.config import EngineConfig
 from llmserve.models.loader import from_config
 from tests.testing import TINY_VOCAB, tiny_config
@@ -29,16 +29,17 @@ def test_a_cuda_start_estimates_the_graphs_once_and_builds_each_once(monkeypatch
     forwards: Counter[int] = Counter()
     builds: Counter[tuple[int, int]] = Counter()
     kvs: list[int] = []
-    real_forward, real_build, real_init = TorchPagedBackend.forward, DecodeGraphs._build, CudaBackend.__init__
+    real_forward, real_build, real_init = TransformersForward.logits, DecodeGraphs._build, CudaBackend.__init__
 
     def forward(self, input_ids, position_ids, keep, batch):  # noqa: ANN001, ANN202
         forwards[input_ids.shape[1]] += 1
-        events.append(f"forward {input_ids.shape[1]} over {self.kv.num_blocks} blocks")
+        blocks = batch.kv.shape[3] // batch.block_size - 1  # the cache's blocks, its scratch block left out
+        events.append(f"forward {input_ids.shape[1]} over {blocks} blocks")
         return real_forward(self, input_ids, position_ids, keep, batch)
 
     def build(self, bp):  # noqa: ANN001, ANN202
         builds[id(self), bp] += 1
-        events.append(f"build {bp} over {self.backend.kv.num_blocks} blocks")
+        events.append(f"build {bp} over {self.steps.kv.num_blocks} blocks")
         return real_build(self, bp)
 
     def init(self, loaded, config, kv, max_model_len, **kw):  # noqa: ANN001, ANN202
@@ -46,7 +47,7 @@ def test_a_cuda_start_estimates_the_graphs_once_and_builds_each_once(monkeypatch
         events.append(f"backend over {kv.num_blocks} blocks")
         real_init(self, loaded, config, kv, max_model_len, **kw)
 
-    monkeypatch.setattr(TorchPagedBackend, "forward", forward)
+    monkeypatch.setattr(TransformersForward, "logits", forward)
     monkeypatch.setattr(DecodeGraphs, "_build", build)
     monkeypatch.setattr(CudaBackend, "__init__", init)
     backend = create_backend(loaded, config, 256, kind="cuda", capture=False)
@@ -93,14 +94,14 @@ async def test_every_step_reads_the_buffers_allocated_at_start() -> None:
     steps = backend.steps
     buffers = {t.untyped_storage().data_ptr() for t in (steps.d64, steps.d32, steps.d_tables)}
     seen: list[set[int]] = []
-    real_forward = backend.forward
+    real_forward = backend.forward.logits
 
     def forward(input_ids, position_ids, keep, batch, lora=None):  # noqa: ANN001, ANN202
         inputs = (input_ids, position_ids, keep, batch.slot_mapping, batch.query_start, batch.seq_lens)
         seen.append({t.untyped_storage().data_ptr() for t in (*inputs, batch.block_tables)})
         return real_forward(input_ids, position_ids, keep, batch, lora)
 
-    backend.forward = forward  # type: ignore[method-assign]
+    backend.forward.logits = forward  # type: ignore[method-assign]
     engine.core.engine_core.backend = backend
     await engine.start()
     try:

@@ -57,7 +57,7 @@ def test_each_kernels_metadata_gives_the_same_attention() -> None:
     outs = []
     for backend, kind in ((kernel, KernelDecodeAttention), (gathered, GatheredAttention)):
         backend.kv.tensor.copy_(cache)
-        packed = backend.prepare(plan)  # type: ignore[attr-defined]
+        packed = backend.packer.prepare(plan)  # type: ignore[attr-defined]
         ids, meta = packed.input_ids, packed.batch
         assert type(meta) is kind
         tokens = ids.shape[1]

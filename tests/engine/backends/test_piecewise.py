@@ -17,8 +17,8 @@ import torch
 
 from llmserve.engine.backends import create_backend
 from llmserve.engine.backends.cuda import CudaBackend
+from llmserve.engine.backends.paged import TransformersForward
 from llmserve.engine.backends.piecewise import MixedSteps, token_bucket
-from llmserve.engine.backends.torch_paged import TorchPagedBackend
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.frontend.async_engine import AsyncEngine
 from llmserve.engine.types.request import GenerationRequest, StoppingParams
@@ -62,7 +62,7 @@ async def test_mixed_steps_compiled_equal_generate(mode: str, compiler: str) -> 
     backend = create_backend(loaded, config, engine.core.engine_core.max_model_len, kind="cuda", capture=False)
     assert isinstance(backend, CudaBackend) and backend.mixed is not None and backend.mixed.mode == mode
     assert f"torch.compile ({mode})" in backend.description
-    forward = functools.partial(TorchPagedBackend.forward, backend)
+    forward = functools.partial(TransformersForward.logits, backend.forward)
     backend.mixed = mixed = MixedSteps(forward, backend.graphs.steps, mode, compiler=compiler)
     padded: list[int] = []
     real_write = backend.graphs.steps.write

@@ -254,9 +254,9 @@ def _sampled_tokens(core: EngineCore, *, preempt_at: int | None = None, restart:
         seq = core.scheduler.live[handle]
         if len(tokens) == preempt_at and seq.num_preemptions == 0:
             core.scheduler.preempt(seq)  # its blocks freed: it recomputes prompt and tokens, then samples on
-            assert handle in core.backend.streams  # the stream stays while the sequence lives
+            assert handle in core.backend.paged.states.streams  # the stream stays while the sequence lives
             if restart:
-                core.backend.streams.release(handle)
+                core.backend.paged.states.streams.release(handle)
     raise AssertionError("no final output")
 
 
@@ -272,7 +272,7 @@ def test_no_random_stream_outlives_its_request() -> None:
     """Finished, aborted, failed with its step, or cancelled when the engine stops: the backend's sampler holds
     no stream once every request has ended (a greedy request never holds one)."""
     core = stepped_core()
-    streams = core.backend.streams
+    streams = core.backend.paged.states.streams
     for i in range(3):
         serve(core, req(f"done{i}", [1, 2, 3], max_new=4, sampling=SamplingParams(temperature=0.8)))
     serve(core, req("greedy", [1, 2, 3], max_new=4))
@@ -311,7 +311,7 @@ def test_a_dying_engine_drops_every_random_stream() -> None:
     core.drain_inbox()
     for _ in range(3):
         core.step()
-    assert len(core.backend.streams) == 2
+    assert len(core.backend.paged.states.streams) == 2
 
     def broken() -> None:
         raise RuntimeError("books out of balance")
@@ -319,7 +319,7 @@ def test_a_dying_engine_drops_every_random_stream() -> None:
     core.scheduler.schedule = broken
     stop = threading.Event()
     core.run(stop, lambda outputs: stop.set())  # the fault kills the engine, whose final outputs stop the loop
-    assert core.dead_reason is not None and len(core.backend.streams) == 0
+    assert core.dead_reason is not None and len(core.backend.paged.states.streams) == 0
 
 
 def test_an_encoders_pooling_input_may_hold_all_its_positions() -> None:

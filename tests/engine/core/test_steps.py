@@ -81,7 +81,7 @@ def _assert_clean(core: EngineCore) -> None:
     if core.runner.in_flight:
         core.step()  # nothing to plan: lands the step in flight, whose tokens all go nowhere
     assert not core.runner.in_flight
-    assert not core.scheduler.live and len(core.backend.streams) == 0
+    assert not core.scheduler.live and len(core.backend.paged.states.streams) == 0
     assert core.pool.num_free == core.pool.num_blocks
     assert pinned(core.scheduler) == []
 
@@ -296,7 +296,7 @@ def test_a_failed_forward_fails_its_requests_and_the_step_launched_after_it() ->
 
 def test_a_random_stream_outlives_its_request_only_until_the_step_in_flight_lands() -> None:
     core = stepped_core(async_scheduling=True)
-    streams = core.backend.streams
+    streams = core.backend.paged.states.streams
     aborted = core.submit(req("aborted", [1, 2, 3], max_new=50, sampling=SAMPLED))
     kept = core.submit(req("kept", [4, 5, 6], max_new=50, sampling=SAMPLED))
     core.drain_inbox()

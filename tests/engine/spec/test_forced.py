@@ -15,10 +15,10 @@ import torch
 from llmserve.engine.sample.constraints import ConstraintCompiler, Vocabulary
 from llmserve.engine.sample.masks import TokenMasks
 from llmserve.engine.sample.sampler import sample
-from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sample.streams import RandomStreams, StreamMark
 from llmserve.engine.sched.sequence import SampleRow
 from llmserve.engine.spec.forced import forced_tokens, grammar_drafts
-from llmserve.engine.spec.verify import StreamMark, accept, position_rows
+from llmserve.engine.spec.verify import accept, position_rows
 from llmserve.engine.types.request import ConstraintKind, ConstraintSpec, SamplingParams
 
 SCHEMA = {

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmserve.engine.sample.sampler import sample
-from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sample.streams import RandomStreams, StreamMark
 from llmserve.engine.sched.sequence import SampleRow
-from llmserve.engine.spec.verify import StreamMark, Verdict, accept, position_rows
+from llmserve.engine.spec.verify import Verdict, accept, position_rows
 from llmserve.engine.types.outputs import TokenLogprob
 from llmserve.engine.types.request import SamplingParams
 

@@ -1,14 +1,18 @@
 """Execution backends: the tensor side of the engine, behind one `Backend` protocol (base.py).
 
-- `cpu` (backends/cpu): the paged forward with the compiled decode kernel, blocked chunk attention, packed
+- `cpu` (backends/cpu): the paged step with the compiled decode kernel, blocked chunk attention, packed
   oneDNN linears and the fused Llama-family forward;
 - `torch` (torch_paged.py): any transformers causal LM through the paged attention function, CPU or CUDA;
-- `cuda` (cuda.py): the torch backend with the Triton varlen kernel, decode steps replayed from CUDA graphs
-  captured at start-up.
+- `cuda` (cuda.py): transformers' forward over the Triton varlen kernel, decode steps replayed from CUDA graphs
+  captured at start-up;
+- `encoder` (encoder_backend.py): a BERT-family encoder's pooled vectors, no KV cache.
 
-Each is composed of the same parts: the KV cache (base.py), sized and allocated once here before the backend is
-built; the persistent input batch (input_batch.py); one attention-metadata builder per kernel (metadata.py, the
-types in attention.py); the slot formula (slots.py); the model's shape (`LoadedModel.shape`).
+None derives from another: the three decoder backends each hold the same collaborators (paged.py), built once with
+their own choices: the KV cache (base.py), sized and allocated once here before the backend is built; the persistent
+input batch (input_batch.py); a packer with one attention-metadata builder per kernel (metadata.py, the types in
+attention.py) or the varlen kernel's step buffers (step_buffers.py); LoRA slots (lora_slots.py); a model forward
+(transformers' own, or the CPU's fused one); and the step that samples, pools and keeps each sequence's state
+between steps, behind `Backend.release`. The slot formula is slots.py's; the model's shape `LoadedModel.shape`.
 
 `create_backend` is the one place that asks which device the model is on.
 """

@@ -14,13 +14,12 @@ from typing import Any, Protocol
 
 import torch
 
-from llmserve.engine.backends.pooling import PoolingStates
-from llmserve.engine.backends.prompt_logprobs import PromptScores
 from llmserve.engine.backends.slots import block_range, slot
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
-from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sample.streams import StreamMark
 from llmserve.engine.sched.plan import Pooled, StepPlan
+from llmserve.engine.sched.sequence import SampleRow
 from llmserve.engine.types.model import ModelShape
 
 # One sampling row's result: its token, its failure, or (a pooling request's last step) its vector.
@@ -28,28 +27,44 @@ StepResult = Sampled | RowFailed | Pooled
 
 
 class Backend(Protocol):
-    """Runs steps for the engine: owns the model, the KV cache and whatever is compiled or captured for them.
+    """Runs steps for the engine: owns the model, the KV cache, whatever is compiled or captured for them, and
+    whatever it keeps of each sequence between steps (random streams, pooling between prompt chunks, prompt
+    logprobs), which nothing outside it reads.
 
     `execute` does the plan's block copies, one forward over every scheduled token, and samples the rows that
     ask for it (`plan.sample_rows()`: a sampling entry's row, or one per position of an entry with drafts). It
     returns one result per row, in that order: the picked token, or the failure of that row's sampling alone (or, for
     a pooling request's row, its vector: `Pooled`; the first token of a request that asks for prompt logprobs carries
-    them, `Sampled.prompt`). It raises when the shared forward fails (every request of the step fails then). Built
-    once, by `create_backend`, before the engine serves anything.
+    them, `Sampled.prompt`). It raises when the shared forward fails (every request of the step fails then).
+    `release` drops everything kept of a sequence that has ended (finished, aborted, failed, the engine stopped or
+    dead), once no step in flight reads it; a preempted sequence keeps its random stream (it goes on from where it
+    was: its generated tokens stay), and its prompt chunks computed again from position 0 restart what it pooled or
+    scored. Built once, by `create_backend`, before the engine serves anything.
     """
 
-    name: str  # which path serves: "cpu", "torch", "cuda"
+    name: str  # which path serves: "cpu", "torch", "cuda", "encoder"
     description: str  # one line for the start-up log and GetModelInfo
     device: torch.device
     dtype: torch.dtype
     num_blocks: int  # KV blocks the block pool may hand out (the cache has one scratch block more)
     block_size: int
     kv: KVCache  # the paged cache; the KV tiers copy whole blocks out of it and back (read_block, write_block)
-    streams: RandomStreams  # the sampled sequences' random streams, on `device`; the core releases ended ones
-    pooling: PoolingStates  # pooling requests' states between prompt chunks; the core releases ended ones
-    prompt_scores: PromptScores  # prompt logprobs between prompt chunks; the core releases ended ones
 
     def execute(self, plan: StepPlan) -> Sequence[StepResult]: ...
+
+    def release(self, sequence: int) -> None:
+        """Drop what is kept of `sequence` (its seq_no); nothing held is fine."""
+        ...
+
+    def mark_stream(self, row: SampleRow) -> StreamMark:
+        """A sampled row's random stream as it stands before the step draws, for speculation to settle after it
+        (spec/verify.py)."""
+        ...
+
+    def rewind_stream(self, sequence: int, seed: int, draws: int) -> None:
+        """Set `sequence`'s stream to where `draws` samples from `seed` leave it: its last sample was dropped
+        (preempted while its step was in flight, core/steps.py's OverlapRunner)."""
+        ...
 
 
 def zeroed(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

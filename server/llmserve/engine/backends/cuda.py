@@ -1,4 +1,4 @@
-"""The CUDA backend: the varlen-kernel backend, with decode steps replayed from CUDA graphs captured at start-up.
+"""The CUDA backend: the paged step (paged.py) over the Triton varlen kernel, decode steps replayed from CUDA graphs.
 
 A decode-only step (every sequence computes one token and samples) is padded up to a batch bucket with rows that
 write to the scratch slot. The Triton varlen kernel reads each sequence's blocks up to its own length, so the
@@ -30,12 +30,27 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.engine.backends.attention import ATTN_IMPLEMENTATION, register_attention
 from llmserve.engine.backends.base import KVCache
+from llmserve.engine.backends.input_batch import InputBatch
+from llmserve.engine.backends.lora_slots import BackendLora
+from llmserve.engine.backends.metadata import GatheredBuilder
+from llmserve.engine.backends.paged import (
+    ModelForward,
+    Packer,
+    TransformersForward,
+    packed_logits,
+    paged_inputs,
+    paged_step,
+)
 from llmserve.engine.backends.piecewise import MixedSteps
 from llmserve.engine.backends.step_buffers import StepBuffers, StepInputs
-from llmserve.engine.backends.torch_paged import TorchPagedBackend
+from llmserve.engine.backends.torch_paged import varlen_kernel
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.sched.plan import NO_ADAPTER, StepPlan
+from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sample.streams import StreamMark
+from llmserve.engine.sched.plan import NO_ADAPTER, Pooled, StepPlan
+from llmserve.engine.sched.sequence import SampleRow
 from llmserve.engine.types.model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -62,13 +77,12 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """A graph per batch bucket for the decode-only steps of one backend (eager forwards without capture)."""
+    """A graph per batch bucket for the decode-only steps of one backend (eager forwards without capture): each
+    runs `forward` over the varlen kernel's step buffers `steps`."""
 
-    def __init__(self, backend: TorchPagedBackend, max_batch: int, *, capture: bool) -> None:
-        if backend.steps is None:
-            raise ValueError("decode graphs need the varlen kernel's step buffers")
-        self.backend = backend
-        self.steps: StepBuffers = backend.steps
+    def __init__(self, forward: ModelForward, steps: StepBuffers, max_batch: int, *, capture: bool) -> None:
+        self.forward_model = forward
+        self.steps = steps
         self.capture = capture
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         self._graphs: dict[int, _Graph] = {}
@@ -107,7 +121,7 @@ class DecodeGraphs:
         return entry.logits[:n]
 
     def forward(self, step: StepInputs) -> torch.Tensor:
-        return self.backend.forward(step.input_ids, step.positions, step.keep, step.attention)
+        return self.forward_model.logits(step.input_ids, step.positions, step.keep, step.attention)
 
     def padding_inputs(self, bp: int) -> StepInputs:
         """A step of `bp` padding rows (nothing live: each writes and reads the scratch slot), staged."""
@@ -142,9 +156,9 @@ class DecodeGraphs:
         return entry
 
 
-class CudaBackend(TorchPagedBackend):
-    """The varlen-kernel backend on a CUDA device, with every decode bucket's graph captured at start-up (over `kv`,
-    allocated at its final size before: see `graph_reserve`)."""
+class CudaBackend:
+    """The paged step's parts over the varlen kernel's step buffers on a CUDA device, with every decode bucket's
+    graph captured at start-up (over `kv`, allocated at its final size before: see `graph_reserve`)."""
 
     name = "cuda"
 
@@ -159,14 +173,26 @@ class CudaBackend(TorchPagedBackend):
         reserved_bytes: int = 0,
     ) -> None:
         """`reserved_bytes`: what the KV budget left out for the graphs (`graph_reserve`), for the description."""
-        super().__init__(loaded, config, kv, max_model_len)
-        self.graphs = DecodeGraphs(self, config.max_num_seqs, capture=capture)
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.kv = kv
+        self.num_blocks = kv.num_blocks
+        self.inputs, self.steps, self.forward = _varlen_parts(loaded, config, kv, max_model_len, lora=True)
+        self.varlen_kernel = self.steps.kernel
+        self.lora = self.forward.lora
+        self.packer = Packer(
+            self.inputs, GatheredBuilder(self.inputs, kv, self.dtype), self.lora, self.device, self.steps
+        )
+        self.graphs = DecodeGraphs(self.forward, self.steps, config.max_num_seqs, capture=capture)
         self.mixed: MixedSteps | None = None
-        if config.mixed_steps != "eager":
-            forward = functools.partial(TorchPagedBackend.forward, self)
-            self.mixed = MixedSteps(forward, self.graphs.steps, config.mixed_steps)
+        if config.mixed_steps != "eager":  # compiled over the forward's class's method, not a patched instance's
+            forward = functools.partial(TransformersForward.logits, self.forward)
+            self.mixed = MixedSteps(forward, self.steps, config.mixed_steps)
         free_before = _free_bytes(self.device) if capture else None
         self.graphs.build_all()
+        self.paged = paged_step(loaded, kv, self.packer, self.forward, self.lora, logits=self._logits)
         # What the capture took (CUDA): reported beside the estimate, so that a run shows whether it holds.
         self.graph_bytes = None if free_before is None else free_before - (_free_bytes(self.device) or 0)
         self.reserved_bytes = reserved_bytes
@@ -176,13 +202,25 @@ class CudaBackend(TorchPagedBackend):
             if self.graph_bytes > reserved_bytes > 0:
                 log.warning("the decode graphs took %s, above the estimate the KV budget left out", memory)
         self.description = (
-            f"{self.description}, {len(self.graphs)} CUDA graphs ({'captured' if capture else 'eager'}) "
-            f"for decode steps ({memory})"
+            f"transformers layers, paged attention in one Triton varlen kernel, {len(self.graphs)} CUDA graphs "
+            f"({'captured' if capture else 'eager'}) for decode steps ({memory})"
         )
         if self.mixed is not None:
             self.description += f", mixed steps through torch.compile ({config.mixed_steps})"
 
-    def logits(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:
+        return self.paged.execute(plan)
+
+    def release(self, sequence: int) -> None:
+        self.paged.release(sequence)
+
+    def mark_stream(self, row: SampleRow) -> StreamMark:
+        return self.paged.mark_stream(row)
+
+    def rewind_stream(self, sequence: int, seed: int, draws: int) -> None:
+        self.paged.rewind_stream(sequence, seed, draws)
+
+    def _logits(self, plan: StepPlan) -> torch.Tensor:
         seqs = plan.seqs
         # The graphs and the compiled mixed steps hold no LoRA rows: a step with an adapter's row runs eagerly.
         base_only = all(s.lora_slot == NO_ADAPTER for s in seqs)
@@ -191,17 +229,36 @@ class CudaBackend(TorchPagedBackend):
             return self.graphs.run(plan)
         if self.mixed is not None and base_only and not any(s.drafts for s in seqs):  # drafts: eager (all logits)
             return self.mixed.run(plan)
-        return super().logits(plan)
+        return packed_logits(self.packer, self.forward, plan)
+
+
+def _varlen_parts(
+    loaded: LoadedModel, config: EngineConfig, kv: KVCache, max_model_len: int, *, lora: bool
+) -> tuple[InputBatch, StepBuffers, TransformersForward]:
+    """What the graphs run on: the input batch, the varlen kernel's step buffers over `kv`, and transformers'
+    forward through the paged attention function (with `lora`, LoRA slots through hooks when the config serves
+    adapters; the estimate's probe hooks nothing onto the model)."""
+    kernel = varlen_kernel(config.attention_kernel, loaded.device)
+    if kernel is None:
+        raise ValueError("the CUDA backend's decode graphs need the Triton varlen kernel (--attention-kernel triton)")
+    register_attention()
+    loaded.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    inputs = paged_inputs(config, kv, max_model_len, loaded.device)
+    steps = StepBuffers(inputs, kv, kernel, config.max_num_batched_tokens)
+    slots = (
+        BackendLora.of(config, loaded.shape, loaded.model, loaded.dtype, loaded.device, fused=False) if lora else None
+    )
+    return inputs, steps, TransformersForward(loaded.model, slots)
 
 
 def graph_reserve(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
     """Device memory the decode graphs will take, estimated before the KV cache is sized and without capturing:
     `DecodeGraphs.estimate_bytes` on a backend over a one-block cache (released again)."""
     kv = KVCache(loaded.shape, 1, config.block_size, loaded.dtype, loaded.device)
-    probe = TorchPagedBackend(loaded, config, kv, max_model_len)
-    graphs = DecodeGraphs(probe, config.max_num_seqs, capture=False)
+    _, steps, forward = _varlen_parts(loaded, config, kv, max_model_len, lora=False)
+    graphs = DecodeGraphs(forward, steps, config.max_num_seqs, capture=False)
     estimate = graphs.estimate_bytes(functools.partial(_peak, loaded.device))
-    del graphs, probe, kv
+    del graphs, steps, forward, kv
     if loaded.device.type == "cuda":
         torch.cuda.empty_cache()
     return estimate

@@ -21,12 +21,12 @@ import torch
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.cpu.split_linear import Fp32Matmul
 from llmserve.engine.backends.encoder_batch import EncoderBatch
-from llmserve.engine.backends.pooling import DenseStack, PoolingStates, end_vectors, pool
-from llmserve.engine.backends.prompt_logprobs import PromptScores
+from llmserve.engine.backends.pooling import DenseStack, end_vectors, pool
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sample.sampler import RowFailed, Sampled
-from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sample.streams import StreamMark
 from llmserve.engine.sched.plan import Pooled, StepPlan
+from llmserve.engine.sched.sequence import SampleRow
 from llmserve.engine.types.kv_cache import blocks_for
 from llmserve.engine.types.model import ClassifierHead, LoadedModel
 from llmserve.engine.types.request import PoolingParams
@@ -64,9 +64,6 @@ class EncoderBackend:
         # Books only: enough blocks that max_num_seqs inputs of the longest length fit at once.
         self.num_blocks = config.max_num_seqs * blocks_for(max_model_len, config.block_size)
         self.kv = KVCache(loaded.shape, 0, config.block_size, self.dtype, self.device)
-        self.streams = RandomStreams(self.device)
-        self.pooling = PoolingStates()  # unused: an encoder reads each input whole, in one step
-        self.prompt_scores = PromptScores()  # unused: an encoder generates nothing
         self.dense = DenseStack.load(self.pipeline.dense, torch.float32, self.device)
         # A BERT classifier's pooler and classifier (models.load_encoder), over [CLS]; None for an embedding model.
         self.head: ClassifierHead | None = loaded.head
@@ -78,6 +75,15 @@ class EncoderBackend:
             f"encoder forward over packed rows ({loaded.dtype}, {packed}), "
             f"{self.pipeline.mode.value} pooling{head}, no KV cache"
         )
+
+    def release(self, sequence: int) -> None:
+        """Nothing to drop: each input is read whole in one step, and nothing is sampled."""
+
+    def mark_stream(self, row: SampleRow) -> StreamMark:
+        raise ValueError("an encoder samples nothing: it keeps no random stream")
+
+    def rewind_stream(self, sequence: int, seed: int, draws: int) -> None:
+        raise ValueError("an encoder samples nothing: it keeps no random stream")
 
     def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:
         """One forward over every entry's whole input; one `Pooled` per entry, in plan order (each samples: it reads

@@ -54,11 +54,6 @@ class BackendLora:
             return None
         return cls(config, shape, model, dtype, device, fused=fused)
 
-    def close(self) -> None:
-        """Take the hooks off the model (a backend that switches to the fused forward)."""
-        if self.hooks is not None:
-            self.hooks.remove()
-
     def write(self, writes: Sequence[tuple[int, object]]) -> None:
         """Copy each (slot, adapter) of a step's plan into its slot, before the forward (the books carry each
         adapter unread: a LoraAdapter, or a TypeError here)."""

@@ -25,7 +25,7 @@ from llmserve.engine.types.model import ClassifierHead
 from llmserve.engine.types.pooling import DenseModule, PoolingMode
 from llmserve.engine.types.request import PoolingParams
 
-__all__ = ["DenseStack", "PoolingState", "PoolingStates", "finish", "pool", "pooled_rows"]
+__all__ = ["DenseStack", "PoolingState", "finish", "pool", "pooled_rows"]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "identity": lambda x: x,
@@ -185,36 +185,6 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = torch.load(bin_file, map_location="cpu", weights_only=True)
         return state
     raise ValueError(f"{folder}: no model.safetensors or pytorch_model.bin")
-
-
-class PoolingStates:
-    """The pooling of every decoder sequence whose prompt is being read in chunks, by sequence key: one
-    `PoolingState` each, from its first chunk to its last (`take`), dropped early when the sequence ends otherwise
-    (`release`, the core's, as for a random stream)."""
-
-    __slots__ = ("_states",)
-
-    def __init__(self) -> None:
-        self._states: dict[int, PoolingState] = {}
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def add(self, key: int, mode: PoolingMode, chunk: torch.Tensor, *, restart: bool) -> None:
-        """A chunk's rows for `key` (none: a chunk whose rows this pooling does not read); `restart`: the chunk is
-        the sequence's first (again, after a preemption), so that what an earlier attempt added is dropped."""
-        state = self._states.get(key)
-        if state is None or restart or state.mode is not mode:
-            state = self._states[key] = PoolingState(mode)
-        if chunk.shape[0]:
-            state.add(chunk)
-
-    def take(self, key: int) -> torch.Tensor:
-        """The pooled vector [H] of `key`'s whole prompt (float32), its state dropped."""
-        return self._states.pop(key).result(torch.float32)
-
-    def release(self, key: int) -> None:
-        self._states.pop(key, None)
 
 
 def pooled_rows(mode: PoolingMode, start: int, first: int, last: int, ends: bool) -> range:

@@ -1,5 +1,6 @@
 """Prompt log-probabilities: from a prefill chunk's logits at every scored position to each next prompt token's
-log-probability and the most likely tokens there, and the per-request lists they add up to over the chunks.
+log-probability and the most likely tokens there (the per-request lists they add up to over the chunks are kept
+with the rest of a sequence's state between steps: paged.py's `SequenceStates`).
 
 The logits arrive as the forward's kept rows (float32), one per scored position, in plan order; `score` takes
 `log_softmax` of them in float32 on the backend's device and gathers there, so that only the few numbers asked for
@@ -14,7 +15,7 @@ import torch
 
 from llmserve.engine.types.outputs import TokenLogprob
 
-__all__ = ["PromptScores", "score"]
+__all__ = ["score"]
 
 
 def score(logits: torch.Tensor, targets: Sequence[int], tops: Sequence[int]) -> list[TokenLogprob]:
@@ -37,31 +38,3 @@ def score(logits: torch.Tensor, targets: Sequence[int], tops: Sequence[int]) -> 
         TokenLogprob(t, lp, list(zip(ids[:n], values[:n], strict=True)))
         for t, lp, ids, values, n in zip(targets, chosen, top_ids, top_values, tops, strict=True)
     ]
-
-
-class PromptScores:
-    """The prompt logprobs of every sequence whose prompt is being read in chunks, by sequence key: added chunk by
-    chunk (`add`), taken whole with the chunk that ends the prompt (`take`), dropped when the sequence ends
-    otherwise (`release`, the core's, as for a random stream)."""
-
-    __slots__ = ("_lists",)
-
-    def __init__(self) -> None:
-        self._lists: dict[int, list[TokenLogprob]] = {}
-
-    def __len__(self) -> int:
-        return len(self._lists)
-
-    def add(self, key: int, scores: list[TokenLogprob], *, restart: bool) -> None:
-        """A chunk's scores for `key`, in prompt order; `restart`: the chunk is the prompt's first (again, after a
-        preemption), so that what an earlier attempt added is dropped."""
-        if restart or key not in self._lists:
-            self._lists[key] = []
-        self._lists[key].extend(scores)
-
-    def take(self, key: int) -> list[TokenLogprob]:
-        """Every score of `key`'s prompt, its list dropped."""
-        return self._lists.pop(key, [])
-
-    def release(self, key: int) -> None:
-        self._lists.pop(key, None)

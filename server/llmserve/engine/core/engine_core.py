@@ -377,15 +377,13 @@ class EngineCore:
         self, seq: Sequence, reason: FinishReason, *, output: EngineOutput | None = None, error: str | None = None
     ) -> None:
         """Retire a live request (every way a request ends comes here) and collect its final output; its random
-        stream goes with it (once a step in flight that may draw from it is done, runner.retire)."""
+        state in the backend goes with it (once a step in flight that may read it is done, runner.retire)."""
         in_flight = self.runner.retire(seq)
         self.scheduler.finish(seq, reason)
         if self.lora is not None:
             self.lora.unbind(seq)
-        if not in_flight:
-            self.backend.streams.release(seq.seq_no)
-        self.backend.pooling.release(seq.seq_no)
-        self.backend.prompt_scores.release(seq.seq_no)
+        if not in_flight:  # else once the step in flight that may read it has landed (runner.retire)
+            self.backend.release(seq.seq_no)
         if self.speculation is not None:
             self.speculation.release(seq)
         usage, timing = seq.ended(time.monotonic())
@@ -428,7 +426,7 @@ class EngineCore:
             seq.after = self.scheduler.live.get(command.after)
         seq.length_limit = min(self.max_model_len, seq.num_prompt + request.stopping.max_new_tokens)
         params = request.sampling
-        if not params.greedy:  # the seed its random stream starts from at its first sample (backend.streams)
+        if not params.greedy:  # the seed its random stream starts from at its first sample (in the backend)
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
         refused = None if self.lora is None else self.lora.bind(seq)
         if refused is not None or (request.adapter is not None and self.lora is None):

@@ -222,7 +222,7 @@ class PlainRunner:
         started(plan, now)
         try:
             # With drafts: every position's sample row, and each sampled stream as it stands before the draws.
-            verification = None if speculation is None else speculation.verify(plan, host.backend.streams)
+            verification = None if speculation is None else speculation.verify(plan, host.backend.mark_stream)
             results = host.backend.execute(plan)
         except Exception as exc:  # a bad batch must not take the server down
             host.fail_step(plan, exc)
@@ -280,8 +280,8 @@ class LaunchedStep:
 
     `starts`: each sequence's first position in it (what was computed before it: a sequence that ends meanwhile
     keeps only that much KV); `epochs`: each sequence's preemption count at launch (a sequence preempted since
-    gets nothing from it); `releases`: random streams of sequences that ended meanwhile, dropped once the step is
-    done (it may still draw from them)."""
+    gets nothing from it); `releases`: sequences that ended meanwhile, whose state in the backend (random streams,
+    pooling, prompt logprobs) is released once the step is done (it may still read it)."""
 
     plan: StepPlan
     future: Future[Results]
@@ -375,7 +375,7 @@ class OverlapRunner:
 
     def retire(self, seq: Sequence) -> bool:
         """A sequence ends: keep only the KV that has landed of it if the step in flight holds it, and put off the
-        release of its random stream until that step is done; False when no step in flight holds it."""
+        release of its state in the backend until that step is done; False when no step in flight holds it."""
         launched = self.launched
         start = None if launched is None else launched.starts.get(seq.seq_no)
         if launched is None or start is None:
@@ -391,7 +391,7 @@ class OverlapRunner:
         if launched is not None:
             launched.wait()
             self.host.scheduler.abandon(launched.plan)
-            self._release_streams(launched)
+            self._release(launched)
 
     def close(self) -> None:
         self.worker.close()
@@ -420,7 +420,7 @@ class OverlapRunner:
                 continue  # ended meanwhile: its token is dropped
             if seq.num_preemptions != epochs[seq.seq_no]:
                 if not seq.request.sampling.greedy and seq.seed is not None:
-                    host.backend.streams.rewind(seq.seq_no, seq.seed, seq.num_generated)
+                    host.backend.rewind_stream(seq.seq_no, seq.seed, seq.num_generated)
                 continue
             seq.num_pending -= 1
             host.hand_out(seq, result, now)
@@ -430,7 +430,7 @@ class OverlapRunner:
             if entry.seq.status is not SeqStatus.FINISHED and entry.seq.num_preemptions == epochs[entry.seq.seq_no]
         ]
         host.scheduler.landed(launched.plan, live)
-        self._release_streams(launched)
+        self._release(launched)
 
     def _land_failed(self, launched: LaunchedStep, exc: Exception) -> None:
         """The step's forward raised: its requests fail, and so do those of the step launched after it, which
@@ -440,18 +440,18 @@ class OverlapRunner:
         if later is not None:
             later.wait()
         host.fail_step(launched.plan, exc)
-        self._release_streams(launched)
+        self._release(launched)
         if later is not None:
             host.scheduler.abandon(later.plan)
             error = f"{type(exc).__name__}: {exc}"
             for entry in later.plan.seqs:
                 if entry.seq.status is not SeqStatus.FINISHED:
                     host.finish(entry.seq, FinishReason.ERROR, error=error)
-            self._release_streams(later)
+            self._release(later)
 
-    def _release_streams(self, launched: LaunchedStep) -> None:
+    def _release(self, launched: LaunchedStep) -> None:
         for key in launched.releases:
-            self.host.backend.streams.release(key)
+            self.host.backend.release(key)
 
 
 def _plans_ahead(seq: Sequence) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from llmserve.engine.config import EngineConfig
@@ -31,8 +32,9 @@ from llmserve.engine.spec.verify import Verification, grammar_positions, positio
 from llmserve.engine.types.stats import SpecStats
 
 if TYPE_CHECKING:
-    from llmserve.engine.sample.streams import RandomStreams
+    from llmserve.engine.sample.streams import StreamMark
     from llmserve.engine.sched.scheduler import Scheduler
+    from llmserve.engine.sched.sequence import SampleRow
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +89,10 @@ class Speculation:
             budget -= scheduler.waiting_tokens(max(budget, 0))
         return self.drafter.drafts(running, budget)
 
-    def verify(self, plan: StepPlan, streams: RandomStreams) -> Verification | None:
+    def verify(self, plan: StepPlan, mark_stream: Callable[[SampleRow], StreamMark]) -> Verification | None:
         """For a plan with drafts: each verifying entry's position rows (`SeqStep.position_rows`: penalties,
         blocked ids and the grammar per position, one random stream), and its sampled stream noted before the
-        sampler draws; None for a plan without drafts."""
+        sampler draws (`mark_stream`: the backend's); None for a plan without drafts."""
         verifying = [entry for entry in plan.sampling if entry.drafts]
         if not verifying:
             return None
@@ -105,7 +107,7 @@ class Speculation:
                 positions = [dataclasses.replace(p, constraint=c) for p, c in zip(positions, states, strict=True)]
             entry.position_rows = positions
             if not row.params.greedy:
-                verification.mark(streams, row)
+                verification.mark(row, mark_stream(row))
         return verification
 
     def step_verified(self) -> None:

@@ -13,13 +13,14 @@ Greedy rows pick the argmax: greedy output with speculation is greedy output wit
 
 Sampled rows pick by inverse CDF with one uniform draw per row from the sequence's stream, drawn in row order, so
 position j gets the stream's j-th next number, which is the number the sampler without speculation would have drawn
-for that token. Only the positions emitted may consume their draws: `StreamMark` notes the stream before the
-sampler runs and `settle` rewinds it to just after the emitted positions' draws. So a seeded request gives the same
-tokens with speculation as without, whatever was drafted. For a draft-model-free (point-mass) draft this is the
-standard rejection rule: d_j is accepted with probability p_j(d_j) (the uniform falls in d_j's share of the
-CDF), and on a rejection the pick is distributed as p_j with d_j removed and renormalised (the uniform, given that
-it missed d_j's share, is uniform over the rest); the output distribution is unchanged. tests/engine/spec checks
-both the replay (token for token, hypothesis over sampling parameters and drafts) and the distribution (chi-square).
+for that token. Only the positions emitted may consume their draws: a `StreamMark` (sample/streams.py, had through
+the backend's `mark_stream`) notes the stream before the sampler runs and `settle` rewinds it to just after the
+emitted positions' draws. So a seeded request gives the same tokens with speculation as without, whatever was
+drafted. For a draft-model-free (point-mass) draft this is the standard rejection rule: d_j is accepted with
+probability p_j(d_j) (the uniform falls in d_j's share of the CDF), and on a rejection the pick is distributed as
+p_j with d_j removed and renormalised (the uniform, given that it missed d_j's share, is uniform over the rest); the
+output distribution is unchanged. tests/engine/spec checks both the replay (token for token, hypothesis over
+sampling parameters and drafts) and the distribution (chi-square).
 
 A constraint's mask at position j is the grammar's state after the first j drafts, not the state the row holds:
 position j's row carries a copy of the grammar advanced over drafts[:j] (`grammar_positions`; the sampler fills every
@@ -37,11 +38,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from llmserve.engine.sample.constraints import ConstraintState
 from llmserve.engine.sample.sampler import RowFailed, Sampled
-from llmserve.engine.sample.streams import RandomStreams
+from llmserve.engine.sample.streams import StreamMark
 from llmserve.engine.sched.plan import SeqStep
 from llmserve.engine.sched.sequence import GrammarState, SampleRow
 
@@ -64,9 +63,10 @@ class Verification:
     def __init__(self) -> None:
         self._marks: dict[int, StreamMark] = {}
 
-    def mark(self, streams: RandomStreams, row: SampleRow) -> None:
-        """Note a sampled verifying row's stream before the sampler draws for its positions."""
-        self._marks[row.key] = StreamMark(streams, row)
+    def mark(self, row: SampleRow, mark: StreamMark) -> None:
+        """Note a sampled verifying row's stream before the sampler draws for its positions (the backend's
+        `mark_stream`)."""
+        self._marks[row.key] = mark
 
     def verdicts(
         self, entries: Sequence[SeqStep], results: Sequence[Sampled | RowFailed]
@@ -148,21 +148,3 @@ def accept(picks: Sequence[int], drafts: Sequence[int]) -> Verdict:
     while m < len(drafts) and picks[m] == drafts[m]:
         m += 1
     return Verdict(list(picks[: m + 1]), m)
-
-
-class StreamMark:
-    """A sampled sequence's random stream as it was before the sampler drew for its positions; `settle` leaves
-    it as if only the emitted positions had drawn."""
-
-    __slots__ = ("generator", "state")
-
-    def __init__(self, streams: RandomStreams, row: SampleRow) -> None:
-        self.generator = streams.stream(row)  # started from the row's seed if it has no stream yet
-        self.state = self.generator.get_state()
-
-    def settle(self, emitted: int) -> None:
-        """Rewind the stream and draw again for the `emitted` positions, as sampler.sample draws (one uniform
-        float32 number per row, on the stream's device)."""
-        self.generator.set_state(self.state)
-        for _ in range(emitted):
-            torch.rand((), generator=self.generator, device=self.generator.device)

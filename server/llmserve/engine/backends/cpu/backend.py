@@ -1,4 +1,4 @@
-"""The CPU backend: the generic paged backend plus what makes a forward fast on a CPU.
+"""The CPU backend: the paged step's parts (paged.py) with what makes a forward fast on a CPU.
 
 - Decode attention reads the paged cache in place through a compiled kernel (native.PagedDecode, with
   metadata.KernelDecodeBuilder); without it, decode rows are gathered in groups of similar length, so that
@@ -23,16 +23,25 @@ import logging
 import torch
 
 from llmserve import cpu_features
-from llmserve.engine.backends.attention import AttentionMetadata, paged_attention
+from llmserve.engine.backends.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionMetadata,
+    paged_attention,
+    register_attention,
+)
 from llmserve.engine.backends.base import KVCache
 from llmserve.engine.backends.cpu import native, packed_linear, quant
 from llmserve.engine.backends.cpu.fused_layers import FusedForward
 from llmserve.engine.backends.cpu.step_program import StepProgram
 from llmserve.engine.backends.lora_slots import BackendLora
-from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder
-from llmserve.engine.backends.torch_paged import Packed, TorchPagedBackend
+from llmserve.engine.backends.metadata import QUERY_BLOCK, GatheredBuilder, KernelDecodeBuilder, MetadataBuilder
+from llmserve.engine.backends.paged import ModelForward, Packed, Packer, TransformersForward, paged_inputs, paged_step
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.lora.ops import LoraRows
+from llmserve.engine.sample.sampler import RowFailed, Sampled
+from llmserve.engine.sample.streams import StreamMark
+from llmserve.engine.sched.plan import Pooled, StepPlan
+from llmserve.engine.sched.sequence import SampleRow
 from llmserve.engine.types.adapters import LoraUnsupported
 from llmserve.engine.types.model import LoadedModel
 
@@ -41,8 +50,8 @@ __all__ = ["QUERY_BLOCK", "CpuBackend"]
 log = logging.getLogger(__name__)
 
 
-class CpuBackend(TorchPagedBackend):
-    """The generic backend with the compiled decode kernel, blocked chunk attention, packed linears and the
+class CpuBackend:
+    """The paged step's parts with the compiled decode kernel, blocked chunk attention, packed linears and the
     fused Llama-family forward, each where it applies (see the module docstring)."""
 
     name = "cpu"
@@ -54,18 +63,20 @@ class CpuBackend(TorchPagedBackend):
         refused = cpu_features.refusal(precision, cpu_features.cpu_level())
         if refused is not None:
             raise ValueError(refused)
-        super().__init__(loaded, config, kv, max_model_len)
-        self.varlen_kernel = None  # the CPU has its own decode kernel and blocked chunk attention
-        model, s = loaded.model, self.shape
+        model, s = loaded.model, loaded.shape
+        self.model = model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.kv = kv
+        self.num_blocks = kv.num_blocks
+        register_attention()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         kernels = native.usable(config.cpu_kernels)
         pack = config.packed_linear and packed_linear.available(self.device, self.dtype)
         self.kernel: native.PagedDecode | None = None
         if kernels and config.native_attention and self.dtype in native.PagedDecode.dtypes:
             self.kernel = native.load(s.head_dim, s.group)
-        self.chunks = GatheredBuilder(self.inputs, kv, self.dtype, grouped=True, query_blocks=True)
-        self.attention = self.chunks
-        if self.kernel is not None:
-            self.attention = KernelDecodeBuilder(self.inputs, kv, self.kernel, self.chunks)
         self.fused: FusedForward | None = None
         if kernels and config.fused_layers:
             self.fused = FusedForward.build(
@@ -85,20 +96,30 @@ class CpuBackend(TorchPagedBackend):
                 f"--dtype {loaded.weights} needs the fused CPU forward (a Llama/Mistral/Qwen2/Qwen3 model, the CPU "
                 "kernels installed, --no-fused-layers off)"
             )
-        if self.fused is not None and self.fused.precision.every_token and self.kernel is not None:
-            self.attention = KernelDecodeBuilder(self.inputs, kv, self.kernel, self.chunks, every_token=True)
-        if self.fused is not None and self.lora is not None:  # the fused forward applies the slots itself
-            self.lora.close()
-            if not self.fused.precision.float_rows:
-                raise LoraUnsupported(
-                    f"--dtype {self.fused.precision.linears} with LoRA adapters (--lora/--enable-lora): the fused CPU "
-                    "forward adds adapter deltas in float32 only; serve adapters with --dtype float32"
-                )
-            self.lora = BackendLora(config, s, model, self.dtype, self.device, fused=True)
-        # A whole step over a GGUF's blocks in one C call, where the step fits it (step_program.py).
-        self.program: StepProgram | None = None
-        if self.fused is not None and config.compiled_steps:
-            self.program = StepProgram.build(self.fused, kv.tensor, self.kernel)
+        if self.fused is not None and config.lora_enabled and not self.fused.precision.float_rows:
+            raise LoraUnsupported(
+                f"--dtype {self.fused.precision.linears} with LoRA adapters (--lora/--enable-lora): the fused CPU "
+                "forward adds adapter deltas in float32 only; serve adapters with --dtype float32"
+            )
+        # LoRA slots (None unless the config serves adapters): the fused forward applies them itself, transformers'
+        # layers through hooks on their projections.
+        self.lora = BackendLora.of(config, s, model, self.dtype, self.device, fused=self.fused is not None)
+        self.inputs = paged_inputs(config, kv, max_model_len, self.device)
+        self.chunks = GatheredBuilder(self.inputs, kv, self.dtype, grouped=True, query_blocks=True)
+        attention: MetadataBuilder = self.chunks
+        if self.kernel is not None:
+            every = self.fused is not None and self.fused.precision.every_token
+            attention = KernelDecodeBuilder(self.inputs, kv, self.kernel, self.chunks, every_token=every)
+        self.attention = attention
+        self.packer = Packer(self.inputs, attention, self.lora, self.device)
+        self.forward: ModelForward
+        if self.fused is not None:
+            # A whole step over a GGUF's blocks in one C call, where the step fits it (step_program.py).
+            program = StepProgram.build(self.fused, kv.tensor, self.kernel) if config.compiled_steps else None
+            self.forward = FusedCpuForward(self.fused, program, self.lora)
+        else:
+            self.forward = TransformersForward(model, self.lora)
+        self.paged = paged_step(loaded, kv, self.packer, self.forward, self.lora)
         if self.fused is not None:
             self.num_packed_linears = self.fused.num_packed
         elif pack:
@@ -106,6 +127,23 @@ class CpuBackend(TorchPagedBackend):
         else:
             self.num_packed_linears = 0
         self.description = ", ".join(self._describe())
+
+    @property
+    def program(self) -> StepProgram | None:
+        """The compiled step program the fused forward runs where a step fits it (None without one)."""
+        return self.forward.program if isinstance(self.forward, FusedCpuForward) else None
+
+    def execute(self, plan: StepPlan) -> list[Sampled | RowFailed | Pooled]:
+        return self.paged.execute(plan)
+
+    def release(self, sequence: int) -> None:
+        self.paged.release(sequence)
+
+    def mark_stream(self, row: SampleRow) -> StreamMark:
+        return self.paged.mark_stream(row)
+
+    def rewind_stream(self, sequence: int, seed: int, draws: int) -> None:
+        self.paged.rewind_stream(sequence, seed, draws)
 
     def _describe(self) -> list[str]:
         fused, kernel = self.fused, self.kernel
@@ -132,7 +170,18 @@ class CpuBackend(TorchPagedBackend):
         parts.append(f"CPU {cpu_features.cpu_level()}")
         return parts
 
-    def forward(
+
+class FusedCpuForward:
+    """The fused Llama-family forward on a packed row (a `ModelForward`): the compiled step program where the step
+    fits it, else the fused layers from Python; LoRA deltas from `lora`'s slots, which the fused layers add
+    themselves."""
+
+    def __init__(self, fused: FusedForward, program: StepProgram | None, lora: BackendLora | None) -> None:
+        self.fused = fused
+        self.program = program
+        self.lora = lora
+
+    def logits(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
@@ -142,14 +191,10 @@ class CpuBackend(TorchPagedBackend):
     ) -> torch.Tensor:
         if self.program is not None and self.program.fits(batch, lora, input_ids.shape[1]):
             return self.program.run(input_ids, position_ids, keep, batch)
-        if self.fused is not None:
-            weights = None if lora is None or self.lora is None else self.lora.weights
-            return self.fused.run(input_ids, position_ids, keep, batch, lora, weights)[0]
-        return super().forward(input_ids, position_ids, keep, batch, lora)
+        weights = None if lora is None or self.lora is None else self.lora.weights
+        return self.fused.run(input_ids, position_ids, keep, batch, lora, weights)[0]
 
-    def forward_pooling(self, packed: Packed, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused is None:
-            return super().forward_pooling(packed, pool)
+    def pooled(self, packed: Packed, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights = None if packed.lora is None or self.lora is None else self.lora.weights
         logits, hidden = self.fused.run(
             packed.input_ids, packed.positions, packed.keep, packed.batch, packed.lora, weights, pool
