@@ -298,13 +298,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.EmbedResponse:
         """One vector per input: every input checked and tokenized first (a bad one fails the call before any
         reaches the engine), then each a pooling request of its own in the engine's batches, all at once."""
-        record = CallRecord(request.request_id or "-", time.monotonic())
-        record.method = "Embed"
-        record.identity = identity = caller_identity()
-        remaining = context.time_remaining()
-        call_deadline = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
-        key: StreamKey | None = None
-        try:
+        async with self._pooling_call("Embed", request.request_id, context) as (call, call_deadline):
+            record, identity = call.record, call.record.identity
             engine = self.ready_engine()
             info = engine.model_info
             classify = "classify" in info.tasks
@@ -320,7 +315,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prompt = embed_prompt(request, info.prompts, info.default_prompt_name, info.serves_prompts)
             request_id = record.request_id = request.request_id or uuid.uuid4().hex
             record.inputs = len(request.inputs)
-            key = await self.admission.admit_pooling(identity, request_id, len(request.inputs))
+            call.key = await self.admission.admit_pooling(identity, request_id, len(request.inputs))
             prompts = await asyncio.to_thread(embed_prompts, engine.tokenizer, request, info, prompt)
             pooling = to_pooling_params(request, info)
             scoped_id = scoped(identity, request_id)
@@ -338,33 +333,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     record.cached_prompt_tokens += delta.usage.cached_prompt_tokens
             response.usage.prompt_tokens = record.prompt_tokens
             response.usage.cached_prompt_tokens = record.cached_prompt_tokens
-            record.finish_reason = "length"
-            record.status = "OK"
             return response
-        except asyncio.CancelledError:
-            at_deadline = call_deadline is not None and time.monotonic() >= call_deadline
-            record.status = "DEADLINE_EXCEEDED" if at_deadline else "CANCELLED"
-            raise
-        except Exception as exc:
-            record.status = code_name(exc)
-            if isinstance(exc, (InvalidRequest, QueueFull, EngineDead)):
-                record.queued = None
-            raise
-        finally:
-            if key is not None:
-                self.admission.release(key)
-            self._record_end(record, False, context)
 
     async def Rerank(self, request: pb.RerankRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
         """One score per document: the call checked and its pairs tokenized first (rerank.py), then each pair a
         pooling request of its own in the engine's batches, all at once, admitted as an Embed call is."""
-        record = CallRecord(request.request_id or "-", time.monotonic())
-        record.method = "Rerank"
-        record.identity = identity = caller_identity()
-        remaining = context.time_remaining()
-        call_deadline = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
-        key: StreamKey | None = None
-        try:
+        async with self._pooling_call("Rerank", request.request_id, context) as (call, call_deadline):
+            record, identity = call.record, call.record.identity
             engine = self.ready_engine()
             info = engine.model_info
             if "classify" not in info.tasks or engine.tokenizer is None:
@@ -378,7 +353,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             record.inputs = len(request.documents)
             # Admitted as Embed is: each pair is an engine request, so the call counts by its documents, whole or
             # refused whole (--max-pooling-inputs), and takes no Generate stream slot.
-            key = await self.admission.admit_pooling(identity, request_id, len(request.documents))
+            call.key = await self.admission.admit_pooling(identity, request_id, len(request.documents))
             limit = pair_limit(engine.tokenizer, info.max_embed_input_tokens)
             pairs = await asyncio.to_thread(
                 rerank_pairs, engine.tokenizer, request.query, request.documents, limit, info.do_lower_case
@@ -397,9 +372,24 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             record.prompt_tokens = sum(tokens)
             response = pb.RerankResponse(request_id=request_id, results=results, labels=info.labels)
             response.usage.prompt_tokens = record.prompt_tokens
+            return response
+
+    @contextlib.asynccontextmanager
+    async def _pooling_call(
+        self, method: str, request_id: str, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[tuple[Call, float | None]]:
+        """The frame of one Embed or Rerank call: its record opened (with the deadline by which the engine must
+        end its requests), its status set however the body ends, its admission released and its record closed."""
+        call = Call(request_id)
+        record = call.record
+        record.method = method
+        record.identity = caller_identity()
+        remaining = context.time_remaining()
+        call_deadline = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
+        try:
+            yield call, call_deadline
             record.finish_reason = "length"
             record.status = "OK"
-            return response
         except asyncio.CancelledError:
             at_deadline = call_deadline is not None and time.monotonic() >= call_deadline
             record.status = "DEADLINE_EXCEEDED" if at_deadline else "CANCELLED"
@@ -407,11 +397,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except Exception as exc:
             record.status = code_name(exc)
             if isinstance(exc, (InvalidRequest, QueueFull, EngineDead)):
-                record.queued = None
+                record.queued = None  # the engine refused it before taking it
             raise
         finally:
-            if key is not None:
-                self.admission.release(key)
+            if call.key is not None:
+                self.admission.release(call.key)
             self._record_end(record, False, context)
 
     async def Tokenize(
