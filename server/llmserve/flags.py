@@ -275,7 +275,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "may take (1: no bound); the streams keep about 1 - this of their rate beside any embedding load"),
             _flag("--pooling-step-tokens", "engine.pooling_step_tokens", _non_negative_int,
                   "a step's fixed cost in tokens of compute (F): beside G streams Embed inputs get "
-                  "floor((G + F) share / (1 - share)) tokens a step"),
+                  "floor((G + F) share / (1 - share)) tokens a step; unset: measured at start"),
             _flag("--max-waiting", "engine.max_waiting", _positive_int,
                   "requests waiting in the engine queue; beyond it calls get RESOURCE_EXHAUSTED"),
             _switch("--no-prefix-caching", "engine.enable_prefix_caching", "turn off automatic prefix caching",

@@ -185,13 +185,13 @@ async def _drain(stream: AsyncIterator[Delta]) -> None:
 
 async def test_a_large_call_beside_one_stream_is_read_within_the_stated_bound(loaded: LoadedModel) -> None:
     """Scheduler.pooling_cap's bound, in steps: 256 inputs of 20 tokens (N = 5,120) beside one generating stream get
-    P(1) = floor((1 + F) s / (1 - s)) tokens a step at the defaults (s 0.2, F EngineConfig's: 16 tokens), so they are
+    P(1) = floor((1 + F) s / (1 - s)) tokens a step (s the default 0.2, F given: 63, so 16 tokens), so they are
     read within ceil(N / P(1)) steps (two more: the step in flight when they arrive, the counter read beside a running
     core), while the stream generates all along. The stream runs 40 steps past the bound, so that the cap applies to
     every step the call takes: under the rule before F, max(1, ceil(G s / (1 - s))), one token a step, the call
     would need 5,120 steps and finishes only after the stream ends (planted: 436 steps against a bound of 322)."""
-    config = dataclasses.replace(CONFIG, pooling_share=EngineConfig().pooling_share)
-    share, fixed = config.pooling_share, config.pooling_step_tokens
+    config = dataclasses.replace(CONFIG, pooling_share=EngineConfig().pooling_share, pooling_step_tokens=63)
+    share, fixed = config.pooling_share, 63
     per_step = max(1, math.floor((1 + fixed) * share / (1 - share) + 1e-9))
     inputs = [tuple(3 + (7 * i + k) % 400 for k in range(20)) for i in range(256)]
     bound = math.ceil(20 * len(inputs) / per_step) + 2

@@ -26,8 +26,9 @@ class EngineConfig:
     # keep ~0.8x of their rate whatever embedding traffic shares the server; 1: pooling takes what the budget leaves.
     pooling_share: float = 0.2
     # A step's fixed cost in tokens' worth of compute (Scheduler.pooling_cap's F): beside G streams pooling takes
-    # floor((G + F) * share / (1 - share)) tokens a step. Measured (benchmarks/probes/pooling_share.py).
-    pooling_step_tokens: int = 63
+    # floor((G + F) * share / (1 - share)) tokens a step. None: measured at start on the engine's own step
+    # (core/pooling_cost.py; ~2 on an AVX2 CPU's exact GGUF path, ~60 where a step mostly reads the weights).
+    pooling_step_tokens: int | None = None
     max_model_len: int | None = None
     max_waiting: int = 1024
     enable_prefix_caching: bool = True

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from llmserve.engine.kv_tiers.index import TierIndex
 from llmserve.engine.sched.block_pool import BlockContent, BlockPool, Evicted, chain_hash
 from llmserve.engine.sched.plan import StepPlan
-from llmserve.engine.sched.scheduler import Scheduler
+from llmserve.engine.sched.scheduler import POOLING_MIN_CHUNK, Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.types.outputs import FinishReason
@@ -979,3 +979,40 @@ def test_pooling_counts_the_steps_fixed_cost(generating: int, fixed: int, share:
     assert scheduler.pooling_cap() == cap
     with pytest.raises(ValueError, match="pooling_step_tokens"):
         Scheduler(pool, sessions, max_num_seqs=4, max_num_batched_tokens=64, pooling_step_tokens=-1)
+
+
+def test_where_a_chunk_costs_its_step_m_pooling_saves_its_share_and_reads_in_chunks() -> None:
+    """F 3, M 4, s 0.2 beside one stream: r = (1 + 3) 0.25 = 1 token a step, gathered as credit. Pooling reads
+    nothing until the credit reaches M + POOLING_MIN_CHUNK = 20, then 16 tokens (the credit less M), and saves up
+    again: each chunk pays its M once, the stream decodes every step, and a 40-token prompt is read at steps 20, 40
+    and 60, within the stated ceil((40 (1 + 4 / 16) + 20) / 1) = 70 steps. Credit gathered with nothing to pool is
+    held at one chunk's worth ahead, so a late request cannot take several chunks at once."""
+    pool = BlockPool(64, BLOCK_SIZE)
+    sessions = SessionStore(pool, ttl_s=60.0, max_sessions=4, max_pool_fraction=1.0, clock=Clock())
+    scheduler = Scheduler(
+        pool, sessions, max_num_seqs=16, max_num_batched_tokens=64, pooling_share=0.2, pooling_step_tokens=3
+    )
+    scheduler.pooling_chunk_tokens = 4
+    assert POOLING_MIN_CHUNK == 16
+    stream = new_seq(0, [1, 2], max_new=200)
+    scheduler.add(stream)
+    for ready in scheduler.update(scheduler.schedule()):
+        ready.token_ids.append(3)
+    for _ in range(50):  # nothing to pool: the credit stops at M + 16 + r = 21
+        for ready in scheduler.update(scheduler.schedule()):
+            ready.token_ids.append(3)
+    assert scheduler.pooling_cap() == 17
+    pooled = _pooling_seq(1, list(range(100, 140)))
+    scheduler.add(pooled)
+    read = []
+    while pooled.num_computed < 40:
+        plan = scheduler.schedule()
+        assert stream.seq_no in {e.seq.seq_no for e in plan.seqs}  # the stream decodes every step
+        read.append(sum(e.num_tokens for e in plan.seqs if e.seq.request.pooling is not None))
+        for ready in scheduler.update(plan):
+            if ready.request.pooling is None:
+                ready.token_ids.append(3)
+    assert read[0] == 17  # the one chunk saved ahead (21 - M)
+    chunks = [(step, n) for step, n in enumerate(read, 1) if n]
+    assert chunks == [(1, 17), (21, 16), (41, 7)], chunks
+    assert len(read) <= 70

@@ -44,6 +44,8 @@ from llmserve.engine.core.client import (
     ManageAdapters,
 )
 from llmserve.engine.core.compiling import Compiling
+from llmserve.engine.core.pooling_cost import POOLED, StepCost
+from llmserve.engine.core.pooling_cost import measure as measure_step_cost
 from llmserve.engine.core.stats import CoreStats
 from llmserve.engine.core.steps import Appended, OverlapRunner, PlainRunner, StepRunner, TokenSink
 from llmserve.engine.kv_tiers.worker import build_tiers
@@ -53,7 +55,7 @@ from llmserve.engine.sample.sampler import RowFailed
 from llmserve.engine.sched.block_pool import BlockPool
 from llmserve.engine.sched.kv_events import KvEventLog
 from llmserve.engine.sched.plan import Pooled, StepPlan
-from llmserve.engine.sched.scheduler import Scheduler
+from llmserve.engine.sched.scheduler import POOLING_MIN_CHUNK, Scheduler
 from llmserve.engine.sched.sequence import SeqStatus, Sequence
 from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.spec.speculation import Speculation
@@ -107,7 +109,16 @@ class EngineCore:
             max_loras=config.max_loras,
             whole_prompts=encoder,
             pooling_share=config.pooling_share,
-            pooling_step_tokens=config.pooling_step_tokens,
+            pooling_step_tokens=config.pooling_step_tokens or 0,
+        )
+        # The pooling cap's F: the config's, else measured once before serving where it applies (pooling_cost.py).
+        self.pooling_cost: StepCost | None = None
+        self._pooling_cost_due = (
+            config.pooling_step_tokens is None
+            and config.pooling_share < 1.0
+            and loaded.generates
+            and loaded.pooling is not None
+            and not encoder
         )
         self.lora = LoraServing.of(config, loaded.shape)  # the adapters' books; None unless LoRA is on
         if self.tiers is not None:
@@ -229,6 +240,7 @@ class EngineCore:
         the rest: the inbox is closed and drained (every session query is answered), whatever is left ends
         CANCELLED, and the tiers and the compiler close."""
         self._calibrate_speculation()
+        self._measure_pooling_cost()
         while not stop.is_set():
             self.drain_inbox()
             self._emit_pending(emit)  # the final outputs of aborted requests, at once (none: nothing to do)
@@ -262,6 +274,7 @@ class EngineCore:
             self.drain_inbox()
             self.step()
         self._calibrate_speculation()
+        self._measure_pooling_cost()
 
     def close_tiers(self) -> None:
         """Write every hashed block still in the pool to the tiers and finish their writes (at shutdown, on the
@@ -471,6 +484,44 @@ class EngineCore:
             self, config.max_num_seqs, config.max_num_batched_tokens
         ):
             self.speculation = None
+
+    def _measure_pooling_cost(self) -> None:
+        """Measure the pooling cap's F on this core, once, where it applies (pooling_cost.py); when that fails, F is
+        the step's token budget (pooling then takes the most the share allows: serving never waits on it)."""
+        if not self._pooling_cost_due:
+            return
+        self._pooling_cost_due = False
+        budget = self.config.max_num_batched_tokens
+        assert self.loaded.pooling is not None
+        scheduler, share = self.scheduler, self.scheduler.pooling_share
+        start = time.monotonic()
+        scheduler.pooling_share = 1.0  # the measured steps' pooled prompt read whole
+        try:
+            cost = measure_step_cost(self, self.loaded.vocab_size, budget, PoolingParams(self.loaded.pooling.mode))
+        except Exception:
+            log.exception("measuring a step's costs for --pooling-share failed; --pooling-step-tokens %d", budget)
+            scheduler.pooling_step_tokens = budget
+            return
+        finally:
+            scheduler.pooling_share = share
+        self.pooling_cost = cost
+        scheduler.pooling_step_tokens, scheduler.pooling_chunk_tokens = cost.fixed_tokens, cost.chunk_tokens
+        log.info(
+            "pooling beside generation: a step's fixed cost F %d tokens, a pooling chunk's M %d more (one token "
+            "%.1f ms, %d tokens %.1f ms, one beside %d pooled %.1f ms; measured in %.1f s): beside G streams Embed "
+            "inputs get (G + %d) * %.2f tokens a step, in chunks of at least %d",
+            cost.fixed_tokens,
+            cost.chunk_tokens,
+            cost.one_token_ms,
+            cost.prompt_tokens,
+            cost.prompt_ms,
+            POOLED,
+            cost.mixed_ms,
+            time.monotonic() - start,
+            cost.fixed_tokens,
+            share / (1.0 - share),
+            POOLING_MIN_CHUNK if cost.chunk_tokens else 1,
+        )
 
     def _die(self, reason: str) -> None:
         log.error("engine is dead: %s", reason)

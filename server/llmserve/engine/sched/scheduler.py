@@ -49,6 +49,11 @@ from llmserve.engine.sched.sessions import SessionStore
 from llmserve.engine.types.outputs import FinishReason
 from llmserve.engine.types.pooling import PoolingMode
 
+# The least a pooling chunk takes where a chunk costs its step M tokens more (Scheduler.pooling_cap): M is then at
+# most M / 16 of what the chunk reads (~4 / 16 on an AVX2 CPU's exact GGUF path), and a step that carries one costs
+# one stream ~M + 16 + F tokens' worth (~23 against a step's ~4 beside one stream: ~55 ms once every ~20 steps).
+POOLING_MIN_CHUNK = 16
+
 
 class TierLookup(Protocol):
     """What the scheduler asks of the KV tiers below the pool (kv_tiers/worker.KVTiers): does some tier hold this exact
@@ -94,6 +99,11 @@ class Scheduler:
         self.whole_prompts = whole_prompts
         self.pooling_share = pooling_share
         self.pooling_step_tokens = pooling_step_tokens
+        # M: what a step pays, in tokens, for carrying a pooling chunk at all (0: nothing; then pooling takes its
+        # tokens every step); above 0, pooling's credit gathers its share step by step and is spent in chunks of at
+        # least POOLING_MIN_CHUNK tokens (pooling_cap). The engine core sets both from its start-up measurement.
+        self.pooling_chunk_tokens = 0
+        self._pooling_credit = 0.0
         self.sessions = sessions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -145,7 +155,8 @@ class Scheduler:
         """
         out = StepPlan()
         budget = self.max_num_batched_tokens
-        pooling = self.pooling_cap()  # what pooling requests may still take of this step; None: the budget
+        rate = self._pooling_rate()
+        pooling = cap = self.pooling_cap()  # what pooling requests may still take of this step; None: the budget
         if self.enable_prefix_caching or len(self.sessions):
             self.sessions.expire()
 
@@ -199,31 +210,67 @@ class Scheduler:
                 adapters.add(adapter)
         for entry in parked:
             heapq.heappush(self._waiting, entry)
+        self._pooling_step_taken(rate, cap, pooling)
         if self.pool.track_evictions:
             out.offloads = self.pool.take_evicted()
         return out
 
     def pooling_cap(self) -> int | None:
         """How many tokens pooling requests (prefill-only sequences: Embed or a classifier on a decoder model) may
-        compute in the next step: None (the whole budget) unless generating sequences run and `pooling_share` s < 1;
-        then P(G) = max(1, floor((G + F) s / (1 - s))) beside G generating sequences, F = `pooling_step_tokens`.
+        compute in the next step: None (the whole budget) unless generating sequences run and `pooling_share` s < 1.
 
-        The cost model: a step costs about F + its tokens, F being what a step costs whatever it computes (reading
-        the weights, launching the layers) in tokens' worth of compute. A step of G decodes plus P(G) pooling tokens
-        then costs at most 1 / (1 - s) of the step alone, so the streams keep at least 1 - s of their tokens/s
-        (0.8x at s = 0.2), however much embedding traffic waits (a prompt chunk among the G counts one: the bound
-        errs on generation's side). And pooling is never starved: while it has work, KV room and a free running
-        slot, it computes P(G) tokens every step, so an Embed call whose inputs hold N tokens, behind W pooling
-        tokens queued before it, is read within ceil((W + N) / P(G)) steps. With F = 0 (the rule before F) one
-        stream left pooling one token a step: 5,120 steps for 256 inputs of 20 tokens; at the default F (EngineConfig)
-        it is P(1) = 16 tokens a step, 320 steps."""
+        The cost model: a step of n tokens costs about F + n tokens' worth of compute, F = `pooling_step_tokens`
+        being what a step costs whatever it computes (reading the weights, launching the layers), and a step that
+        carries a pooling chunk costs M = `pooling_chunk_tokens` more (on the CPU it leaves the compiled step program
+        for the fused forward's loop); the engine core measures both at start unless the config gives F (then M is
+        0; core/pooling_cost.py). Pooling's share of a step beside G generating sequences is r = (G + F) s / (1 - s)
+        tokens: spent on pooling, a step of G decodes then costs at most 1 / (1 - s) of the step alone, so the
+        streams keep at least 1 - s of their tokens/s (0.8x at s = 0.2), however much embedding traffic waits (a
+        prompt chunk among the G counts one: the bound errs on generation's side).
+
+        With M = 0, pooling takes P(G) = max(1, floor(r)) tokens every step. With M > 0 it gathers r a step as
+        credit and spends it when the credit reaches M + POOLING_MIN_CHUNK: floor(credit - M) tokens, then credit
+        less M and the tokens taken (a chunk pays its step's M once, instead of every step).
+
+        And pooling is never starved: while it has work, KV room and a free running slot, an Embed call whose inputs
+        hold N tokens, behind W pooling tokens queued before it, is read within ceil((W + N) / P(G)) steps with M = 0,
+        and within ceil(((W + N) (1 + M / Q) + M + Q) / r) steps with M > 0 (Q = POOLING_MIN_CHUNK: each chunk takes
+        at least Q tokens for its M). Beside one stream: 320 steps for 256 inputs of 20 tokens at F = 63 (M 0), and
+        at the exact GGUF path on an AVX2 CPU's measured F = 3, M = 4 (r = 1), 6,420 steps, about 80 s."""
+        rate = self._pooling_rate()
+        if rate is None:
+            return None
+        chunk = self.pooling_chunk_tokens
+        if not chunk:
+            return max(1, math.floor(rate + 1e-9))
+        credit = self._pooling_credit_with(rate)
+        return math.floor(credit - chunk + 1e-9) if credit >= chunk + POOLING_MIN_CHUNK else 0
+
+    def _pooling_rate(self) -> float | None:
+        """r, pooling's share of the next step in tokens beside the generating sequences running (pooling_cap);
+        None when pooling is uncapped."""
         if self.pooling_share >= 1.0 or self.whole_prompts:
             return None
         generating = sum(1 for seq in self.running if seq.request.pooling is None)
         if not generating:
             return None
-        share = self.pooling_share / (1.0 - self.pooling_share)
-        return max(1, math.floor((generating + self.pooling_step_tokens) * share + 1e-9))
+        return (generating + self.pooling_step_tokens) * self.pooling_share / (1.0 - self.pooling_share)
+
+    def _pooling_credit_with(self, rate: float) -> float:
+        """Pooling's credit once this step's share is added: at most one chunk's worth ahead (it gathers while no
+        pooling work spends it)."""
+        return min(self._pooling_credit + rate, self.pooling_chunk_tokens + POOLING_MIN_CHUNK + rate)
+
+    def _pooling_step_taken(self, rate: float | None, cap: int | None, left: int | None) -> None:
+        """Pooling's credit after a step planned with `cap` (pooling_cap's, at `rate`), `left` of it unspent: the
+        step's share added, and a chunk's tokens and its M taken out when the step carries one."""
+        if rate is None or cap is None or left is None:
+            self._pooling_credit = 0.0  # uncapped: nothing to save up for
+            return
+        if self.pooling_chunk_tokens:
+            credit = self._pooling_credit_with(rate)
+            taken = cap - left
+            self._pooling_credit = credit - (self.pooling_chunk_tokens + taken if taken else 0)
 
     def load_done(self, block: int, ok: bool) -> None:
         """A load from `StepPlan.loads` is over; `ok`: the KV was written into the block and checked sound."""
