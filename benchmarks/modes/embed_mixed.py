@@ -45,6 +45,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "what any embedding load takes of a step)",
     )
     p.add_argument("--gen-pooling", default="last", choices=("last", "mean"), help="the server's --pooling")
+    p.add_argument(
+        "--gen-pooling-step-tokens",
+        type=int,
+        default=None,
+        help="the server's --pooling-step-tokens (unset: the server measures it at start; 63 was the fixed default)",
+    )
 
 
 def prompts(texts: list[str], model: str | None, vocab_size: int) -> list[Prompt]:
@@ -123,6 +129,8 @@ def _summary(gen: Window, emb: Window, peak: int | None) -> dict[str, Any]:
 def measure(texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """The part's figures: every window of both systems, their medians and the streams' ratio."""
     flags = ["--pooling", args.gen_pooling, "--max-concurrent-streams", str(max(256, 2 * args.gen_streams))]
+    if args.gen_pooling_step_tokens is not None:
+        flags += ["--pooling-step-tokens", str(args.gen_pooling_step_tokens)]
     with Server(flags, model=args.gen_model, device=args.device, dtype=args.dtype) as server:
         asyncio.run(server.wait_serving())
 
@@ -139,12 +147,20 @@ def measure(texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
             )
             return _summary(gen, emb, peak)
 
+        # One window of both loads first, not counted: the prompts (and Embed's texts, which last-token pooling
+        # reads from the prefix cache) are then cached in every counted window alike, not from the second one on.
+        # A quick (smoke) run goes without it.
+        warm = not getattr(args, "quick", False)
+        if warm:
+            print({"part": "mixed", "warm": SYSTEMS[1], **run(SYSTEMS[1])}, flush=True)
         runs = alternation.in_turn(SYSTEMS, args.mixed_windows, run, {"part": "mixed"})
     medians = alternation.medians(runs, list(runs[SYSTEMS[0]][0]))
     alone, beside = (medians[system]["gen_tokens_per_s"] for system in SYSTEMS)
     return {
         "model": args.gen_model or "default",
         "pooling": args.gen_pooling,
+        "pooling_step_tokens": args.gen_pooling_step_tokens,
+        "warm_window": warm,
         "gen_streams": args.gen_streams,
         "gen_max_new_tokens": args.gen_max_new_tokens,
         "embed_clients": args.mixed_embed_clients,
@@ -161,14 +177,22 @@ def section(mixed: dict[str, Any]) -> list[str]:
     med = mixed["median"]
     rate = mixed.get("embed_rate", 0.0)
     pace = f"{rate:g} calls/s in all, paced" if rate else "closed loop"
+    fixed = mixed.get("pooling_step_tokens")
+    step_tokens = "measured at start" if fixed is None else f"{fixed}"
+    warmed = (
+        ", after one uncounted window of both loads (the prompts cached alike in every counted one)"
+        if mixed.get("warm_window")
+        else ""
+    )
     lines = [
         "",
         "## Generation with embeddings beside it",
         "",
-        f"One server: {mixed['model']} with `--pooling {mixed['pooling']}`; {mixed['gen_streams']} closed-loop "
+        f"One server: {mixed['model']} with `--pooling {mixed['pooling']}` (`--pooling-step-tokens` "
+        f"{step_tokens}); {mixed['gen_streams']} closed-loop "
         f"Generate streams ({mixed['gen_max_new_tokens']} new tokens each), alone or with "
         f"{mixed['embed_clients']} Embed callers at one text per call beside them ({pace}); "
-        f"{mixed['windows']} sets of one window per system, order alternated. The streams' tokens/s with "
+        f"{mixed['windows']} sets of one window per system, order alternated{warmed}. The streams' tokens/s with "
         f"embeddings beside them: **{writer.times(mixed['gen_ratio'])}** of alone (target >= 0.8x).",
         "",
     ]

@@ -61,7 +61,9 @@ async def _rounds(loaded: object, caps: list[int], streams: int, rounds: int) ->
                 alone = sum(await asyncio.gather(*(_stream(engine, i) for i in range(streams)))) / streams
                 # pooling_share s gives a cap of floor((G + F) s / (1 - s)) tokens beside G streams (F the step's
                 # fixed cost in tokens): with F 0, s = P / (P + G) gives P.
+                # M 0: the cap every step (the core measured F and M at start: neither applies here).
                 scheduler.pooling_share, scheduler.pooling_step_tokens = cap / (cap + streams), 0
+                scheduler.pooling_chunk_tokens = 0
                 backlog = [asyncio.ensure_future(_pool(engine, i)) for i in range(400)]
                 await asyncio.sleep(0.05)
                 beside = sum(await asyncio.gather(*(_stream(engine, i) for i in range(streams)))) / streams
