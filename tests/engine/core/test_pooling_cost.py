@@ -5,7 +5,6 @@ and used by the scheduler's cap."""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -23,14 +22,19 @@ CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=8, max_n
 
 
 class TimedSteps:
-    """A step that takes a known time, by its place in the measurement's turn: `times` (s) for the step that reads
-    the prompt, the one that decodes its first token, and the one that decodes beside the pooled prompt."""
+    """Steps that take a known time on a clock of their own, by place in the measurement's turn: `times` (s) for the
+    step that reads the prompt, the one that decodes its first token, and the one that decodes beside the pooled
+    prompt (a device whose step costs a + c n, without a real clock's noise)."""
 
     def __init__(self, *times: float) -> None:
         self.times = times
+        self.now = 0.0
         self.steps_of_turn = 0
         self.requests: list[GenerationRequest] = []
         self.live: set[int] = set()
+
+    def clock(self) -> float:
+        return self.now
 
     def add_now(self, request: GenerationRequest, handle: int) -> None:
         self.requests.append(request)
@@ -42,7 +46,7 @@ class TimedSteps:
         self.live.discard(handle)
 
     def step(self) -> None:
-        time.sleep(self.times[self.steps_of_turn])
+        self.now += self.times[self.steps_of_turn]
         self.steps_of_turn += 1
 
     def take_outputs(self) -> list[EngineOutput]:
@@ -54,16 +58,13 @@ POOLING = PoolingParams(PoolingMode.LAST)
 
 def test_f_and_m_are_what_the_three_steps_times_give() -> None:
     """One token 10 ms, PROMPT tokens 90 ms, one token beside POOLED pooled 43 ms: c = 47 / 47 = 1 ms a token,
-    F = 10 / c - 1 = 9, M = (43 - 10) / c - 16 = 17 (sleep overshoots: checked against the medians it recorded).
-    Each turn's prompts are its own (none a prefix-cache hit), the pooled one a pooling request; all are ended."""
+    F = 10 / c - 1 = 9, M = (43 - 10) / c - 16 = 17. Each turn's prompts are its own (none a prefix-cache hit), the
+    pooled one a pooling request; every request is ended."""
     target = TimedSteps(0.090, 0.010, 0.043)
-    cost = measure(target, vocab_size=1000, max_tokens=512, pooling=POOLING)
-    assert cost.prompt_tokens == PROMPT
-    assert cost.one_token_ms >= 10 and cost.prompt_ms >= 90 and cost.mixed_ms >= 43
-    per_token = (cost.prompt_ms - cost.mixed_ms) / (PROMPT - 1 - POOLED)
-    assert cost.fixed_tokens == round(cost.one_token_ms / per_token - 1)
-    assert cost.chunk_tokens == round((cost.mixed_ms - cost.one_token_ms) / per_token - POOLED)
-    assert 6 <= cost.fixed_tokens <= 12 and 13 <= cost.chunk_tokens <= 21
+    cost = measure(target, vocab_size=1000, max_tokens=512, pooling=POOLING, clock=target.clock)
+    assert (PROMPT, POOLED) == (64, 16)
+    assert (cost.one_token_ms, cost.prompt_ms, cost.mixed_ms) == pytest.approx((10, 90, 43))
+    assert (cost.prompt_tokens, cost.fixed_tokens, cost.chunk_tokens) == (64, 9, 17)
     prompts = [r.prompt_token_ids for r in target.requests]
     assert len(set(prompts)) == len(prompts) == 8 and not target.live
     assert [r.pooling for r in target.requests[1::2]] == [POOLING] * 4
@@ -71,9 +72,13 @@ def test_f_and_m_are_what_the_three_steps_times_give() -> None:
 
 def test_f_and_m_stay_within_the_step_budget() -> None:
     """Steps that cost the same whatever they read (all fixed cost): F is the budget and M 0, not infinite or
-    negative; a budget under PROMPT bounds the prompt too."""
-    cost = measure(TimedSteps(0.004, 0.004, 0.004), vocab_size=1000, max_tokens=48, pooling=POOLING)
+    negative; a budget under PROMPT bounds the prompt too; a pooled chunk cheaper than its tokens gives M 0."""
+    flat = TimedSteps(0.004, 0.004, 0.004)
+    cost = measure(flat, vocab_size=1000, max_tokens=48, pooling=POOLING, clock=flat.clock)
     assert cost.prompt_tokens == 48 and (cost.fixed_tokens, cost.chunk_tokens) == (48, 0)
+    odd = TimedSteps(0.090, 0.010, 0.012)
+    cost = measure(odd, vocab_size=1000, max_tokens=512, pooling=POOLING, clock=odd.clock)
+    assert cost.chunk_tokens == 0
 
 
 def _pooled() -> object:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,9 +57,22 @@ class StepCost:
     chunk_tokens: int
 
 
-def measure(target: CostTarget, vocab_size: int, max_tokens: int, pooling: PoolingParams, repeats: int = 3) -> StepCost:
-    """Time the three kinds of step on `target` (its scheduler empty, pooling uncapped) and derive F and M;
-    `max_tokens` (the step's token budget) bounds the prompt, F and M; `pooling`: the model's own pooling."""
+def measure(
+    target: CostTarget,
+    vocab_size: int,
+    max_tokens: int,
+    pooling: PoolingParams,
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> StepCost:
+    """Time the three kinds of step on `target` (its scheduler empty, pooling uncapped) by `clock` (seconds) and
+    derive F and M; `max_tokens` (the step's token budget) bounds the prompt, F and M; `pooling`: the model's own."""
+
+    def step_ms() -> float:
+        start = clock()
+        target.step()
+        return 1e3 * (clock() - start)
+
     n = max(POOLED + 3, min(PROMPT, max_tokens))
     samples: list[tuple[float, float, float]] = []
     for turn in range(repeats + 1):  # turn 0 untimed: the first step of each shape
@@ -69,13 +83,13 @@ def measure(target: CostTarget, vocab_size: int, max_tokens: int, pooling: Pooli
         stopping = StoppingParams(max_new_tokens=4, ignore_eos=True)
         target.add_now(GenerationRequest(f"pooling-cost-{turn}", prompt, stopping=stopping), handle)
         try:
-            prompt_ms = _step_ms(target)  # the whole prompt: n <= the budget, one chunk
-            one_ms = _step_ms(target)  # its first decode
+            prompt_ms = step_ms()  # the whole prompt: n <= the budget, one chunk
+            one_ms = step_ms()  # its first decode
             request = GenerationRequest(
                 f"pooling-cost-{turn}-pooled", pooled, stopping=StoppingParams(1), pooling=pooling
             )
             target.add_now(request, handle - 1)
-            mixed_ms = _step_ms(target)  # its next decode, and the pooled prompt whole (it ends there)
+            mixed_ms = step_ms()  # its next decode, and the pooled prompt whole (it ends there)
         finally:
             target.cancel_now(handle)
             target.cancel_now(handle - 1)
@@ -89,9 +103,3 @@ def measure(target: CostTarget, vocab_size: int, max_tokens: int, pooling: Pooli
     fixed = round(min(max_tokens, max(0.0, one / per_token - 1)))
     chunk = round(min(max_tokens, max(0.0, (mixed - one) / per_token - POOLED)))
     return StepCost(one, whole, mixed, n, fixed, chunk)
-
-
-def _step_ms(target: CostTarget) -> float:
-    start = time.perf_counter()
-    target.step()
-    return 1e3 * (time.perf_counter() - start)
