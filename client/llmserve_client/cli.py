@@ -251,13 +251,19 @@ def _sampling_controls(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _embed(client: Client, args: argparse.Namespace) -> int:
-    texts: list[str] = []
-    for text in args.texts:
-        if text == "-":
-            texts.extend(line for line in sys.stdin.read().splitlines() if line)
+def _with_stdin(values: list[str]) -> list[str]:
+    """The command's texts as given, `-` standing for standard input's non-empty lines."""
+    out: list[str] = []
+    for value in values:
+        if value == "-":
+            out.extend(line for line in sys.stdin.read().splitlines() if line)
         else:
-            texts.append(text)
+            out.append(value)
+    return out
+
+
+def _embed(client: Client, args: argparse.Namespace) -> int:
+    texts = _with_stdin(args.texts)
     inputs: list[Any] = [[{"role": "user", "content": t}] for t in texts] if args.chat else texts
     response = client.embed(
         inputs,
@@ -287,15 +293,9 @@ def _embed(client: Client, args: argparse.Namespace) -> int:
 
 
 def _rerank(client: Client, args: argparse.Namespace) -> int:
-    documents: list[str] = []
-    for document in args.documents:
-        if document == "-":
-            documents.extend(line for line in sys.stdin.read().splitlines() if line)
-        else:
-            documents.append(document)
     response = client.rerank(
         args.query,
-        documents,
+        _with_stdin(args.documents),
         timeout=args.timeout,
         top_n=args.top_n,
         return_documents=args.return_documents,
