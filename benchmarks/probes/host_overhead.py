@@ -173,8 +173,10 @@ def prepare_child(core: EngineCore, backend: str, batch: int, steps: int, out: P
         decoding = len(running) == batch and all(s.num_uncomputed <= 1 for s in running)
         if decoding and last[0] and len(times) < steps:
             times.append((started - last[0]) * 1e3)
-            if len(times) == steps:
-                out.write_text(json.dumps(times))
+            if len(times) == steps:  # whole or not at all: the parent reads the file as soon as it exists
+                part = out.with_suffix(".part")
+                part.write_text(json.dumps(times))
+                part.replace(out)
         last[0] = started if decoding else 0.0
         step()
 
