@@ -49,6 +49,23 @@ def test_pairs_are_the_tokenizers_own_longest_first_pairs() -> None:
     assert 30 < cut < 150  # both kinds of pair were tried
 
 
+@pytest.mark.parametrize("size", [10_000, 1_000_000])
+def test_a_long_document_is_cut_before_tokenizing_and_pairs_as_the_whole_one(size: int) -> None:
+    """A 10 KB and a 1 MB document (far over --max-prompt-bytes) give the pair the tokenizer gives the whole document
+    with truncation="longest_first", marked truncated; the tokenizer reads only its first bytes (truncation_byte_bound
+    of the pair's limit), whatever the document's size."""
+    tokenizer = _bert_tokenizer()
+    rng = random.Random(size)
+    words = "river sea bank sediment flows the of to unbelievable tokenization é 河流 🌊".split()
+    document = " ".join(rng.choices(words, k=size // 4)).encode()[:size].decode(errors="ignore")
+    assert len(document.encode()) > size - 4
+    for query, limit in (("where do rivers end", 128), ("sediment " * 40, 64), ("x", 512)):
+        want = tokenizer(query, document, truncation="longest_first", max_length=limit)
+        (pair,) = rerank_pairs(tokenizer, query, [document], limit, lower=False)
+        assert (pair.token_ids, pair.token_type_ids) == (want["input_ids"], want["token_type_ids"])
+        assert pair.truncated
+
+
 @given(st.integers(0, 300), st.integers(0, 300), st.integers(0, 200))
 def test_longest_first_keeps_the_room_and_cuts_the_longer_first(first: int, second: int, room: int) -> None:
     keep = longest_first(first, second, room)
@@ -99,7 +116,6 @@ def test_several_labels_score_by_the_last_class_probability() -> None:
         ("documents", pb.RerankRequest(query="q")),
         ("documents", pb.RerankRequest(query="q", documents=["a"] * 5)),
         ("documents[2]", pb.RerankRequest(query="q", documents=["a", "b", ""])),
-        ("documents[0]", pb.RerankRequest(query="q", documents=["x" * 101])),
         ("top_n", pb.RerankRequest(query="q", documents=["a"], top_n=-1)),
         ("request_id", pb.RerankRequest(query="q", documents=["a"], request_id="x" * 129)),
     ],
@@ -109,3 +125,5 @@ def test_checks_name_the_field(field: str, request_: pb.RerankRequest) -> None:
         check_rerank(request_, InputLimits(max_embed_inputs=4), max_prompt_bytes=100)
     assert err.value.field == field
     check_rerank(pb.RerankRequest(query="é" * 50, documents=["a"] * 4, top_n=9), InputLimits(max_embed_inputs=4), 100)
+    # A document is truncated with its pair, never refused for its size (rerank_pairs cuts it first).
+    check_rerank(pb.RerankRequest(query="q", documents=["x" * 10**6]), InputLimits(max_embed_inputs=4), 100)

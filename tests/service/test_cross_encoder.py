@@ -174,6 +174,22 @@ def test_long_pairs_are_cut_longest_first_as_cross_encoder_cuts_them(
         assert any(r.truncated for r in response.results)
 
 
+@pytest.mark.parametrize("size", [10_000, 1_000_000])
+def test_a_long_document_is_cut_with_its_pair_not_refused(
+    stub: generate_pb2_grpc.GenerateServiceStub, library: Any, size: int
+) -> None:
+    """A 10 KB and a 1 MB document, over --max-prompt-bytes (8,192 bytes on the 512-position model) by far: scored as
+    CrossEncoder.predict scores the whole document (its tokenizer cutting the pair longest_first), beside a short one,
+    with a short and a long query."""
+    document = (LONG_WORDS + " ") * (size // len(LONG_WORDS) + 1)
+    document = document.encode()[:size].decode("utf-8", "ignore")
+    limit = library.tokenizer.model_max_length
+    for query in (QUERY, LONG_QUERY):
+        response = _rerank(stub, query, [DOCUMENTS[0], document])
+        _check(response, _want(library, query, [DOCUMENTS[0], document]))
+        assert [(r.truncated, r.prompt_tokens) for r in response.results][1] == (True, limit)
+
+
 def test_several_callers_at_once_get_each_their_own_scores(
     stub: generate_pb2_grpc.GenerateServiceStub, library: Any
 ) -> None:
@@ -277,7 +293,7 @@ def test_a_call_is_admitted_as_an_embed_call_is(
         ("documents[1]", pb.RerankRequest(query="q", documents=["a", ""])),
         ("top_n", pb.RerankRequest(query="q", documents=["a"], top_n=-1)),
         ("documents", pb.RerankRequest(query="q", documents=["a"] * 257)),
-        ("documents[0]", pb.RerankRequest(query="q", documents=["a" * 9000])),
+        ("query", pb.RerankRequest(query="a" * 9000, documents=["a"])),  # a document is cut, a query refused
         ("request_id", pb.RerankRequest(query="q", documents=["a"], request_id="x" * 200)),
     ],
 )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmserve.api.convert import probabilities
-from llmserve.api.limits import check_id
+from llmserve.api.limits import check_id, cut_utf8, truncation_byte_bound
 from llmserve.config import InputLimits
 from llmserve.engine.types.errors import InvalidRequest
 from llmserve.engine.types.request import GenerationRequest, PoolingParams, StoppingParams
@@ -35,6 +35,11 @@ __all__ = [
 ]
 
 
+# Tokens of a document's byte cut beyond what longest_first may keep, so that the word the cut split (tokenized
+# otherwise than in the whole document) is never kept.
+CUT_MARGIN = 16
+
+
 @dataclass(frozen=True, slots=True)
 class Pair:
     """One (query, document) pair as the model reads it: its token ids, their segments (empty when the tokenizer
@@ -46,8 +51,9 @@ class Pair:
 
 
 def check_rerank(request: pb.RerankRequest, limits: InputLimits, max_prompt_bytes: int) -> None:
-    """The sizes and ranges of a Rerank call, before any tokenizer or engine work: a query, at least one document and
-    at most --max-embed-inputs, none empty and each (as the query) within --max-prompt-bytes; top_n >= 0."""
+    """The sizes and ranges of a Rerank call, before any tokenizer or engine work: a query within --max-prompt-bytes,
+    at least one document and at most --max-embed-inputs, none empty; top_n >= 0. A document is never refused for its
+    size: every pair is truncated, and a document is cut at truncation_byte_bound before tokenizing (rerank_pairs)."""
     check_id("request_id", request.request_id, limits.max_request_id_length, "--max-request-id-length")
     if not request.query:
         raise InvalidRequest("query", "must not be empty")
@@ -62,7 +68,6 @@ def check_rerank(request: pb.RerankRequest, limits: InputLimits, max_prompt_byte
     for i, document in enumerate(documents):
         if not document:
             raise InvalidRequest(f"documents[{i}]", "must not be empty")
-        _check_bytes(f"documents[{i}]", document, max_prompt_bytes)
     if request.top_n < 0:
         raise InvalidRequest("top_n", f"must be >= 0, got {request.top_n}")
 
@@ -92,16 +97,32 @@ def rerank_pairs(tokenizer: Any, query: str, documents: Sequence[str], limit: in
     truncation is a setting of the shared Rust object, which a concurrent call (an Embed call's, which truncates
     nothing) would change under this one's feet.
     """
+    # What truncation keeps of a long document lies within its first bytes (as an Embed text's with truncate set):
+    # only those are tokenized. The pair is the whole document's wherever the cut holds more tokens than the room and
+    # the query (longest_first then keeps the same first tokens of the document, and a word the cut split lies past
+    # CUT_MARGIN of them); a document whose first bytes hold fewer (long runs of symbols, or a longer query) is
+    # tokenized whole.
+    cuts = [cut_utf8(document, truncation_byte_bound(limit), keep_end=False) for document in documents]
     if lower:
-        query, documents = query.lower(), [d.lower() for d in documents]
-    encoded: list[list[int]] = tokenizer([query, *documents], add_special_tokens=False)["input_ids"]
+        query = query.lower()
+    texts = [text.lower() if lower else text for text, _ in cuts]
+    encoded: list[list[int]] = tokenizer([query, *texts], add_special_tokens=False)["input_ids"]
     own_query, own_documents = encoded[0], encoded[1:]
     template = pair_template(tokenizer)
     room = max(limit - template.added, 0)
+    short = [
+        j
+        for j, (ids, (_, was_cut)) in enumerate(zip(own_documents, cuts, strict=True))
+        if was_cut and len(ids) < max(room, len(own_query)) + CUT_MARGIN
+    ]
+    if short:
+        whole = [documents[j].lower() if lower else documents[j] for j in short]
+        for j, ids in zip(short, tokenizer(whole, add_special_tokens=False)["input_ids"], strict=True):
+            own_documents[j] = ids
     pairs = []
-    for own_document in own_documents:
+    for own_document, (_, was_cut) in zip(own_documents, cuts, strict=True):
         kept = longest_first(len(own_query), len(own_document), room)
-        cut = kept != (len(own_query), len(own_document))
+        cut = was_cut or kept != (len(own_query), len(own_document))
         pairs.append(template.pair(own_query[: kept[0]], own_document[: kept[1]], cut))
     return pairs
 
