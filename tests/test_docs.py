@@ -1,11 +1,14 @@
 """The README and docs/ hold together: every relative link resolves (to a file or folder of the repository, and a
 `#anchor` to a heading of its target, as GitHub and GitLab both spell it), every `--flag` they name exists (the
-server's from llmserve.flags.FLAGS, the client CLI's from its parser, a few other programs' by name), and every
-server flag has its row in docs/configuration.md."""
+server's from llmserve.flags.FLAGS, the client CLI's from its parser, a few other programs' by name), every
+server flag has its row in docs/configuration.md, and every Python file a page names (and every path of the
+architecture page's tree) is in the repository."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +21,6 @@ from llmserve_client import cli
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
-
-# The one link allowed to point at a file that is not here yet: docs/layers.md, the package layering table, written
-# on branch rooms53 (issue 53). Once the file exists it is checked like any other target.
-NOT_YET_WRITTEN = {DOCS / "layers.md"}
 
 # Flags of other programs that the pages name, by program. Each must still be named somewhere (so that the list does
 # not outlive its use) and must not be one of llmserve's own (so that it hides no typo of theirs).
@@ -129,8 +128,6 @@ def test_every_relative_link_resolves(page: Path) -> None:
     for target in relative_links(page):
         path_part, _, anchor = target.partition("#")
         path = (page.parent / path_part).resolve() if path_part else page
-        if path in NOT_YET_WRITTEN and not path.exists() and not anchor:
-            continue
         if not path.is_relative_to(ROOT) or not path.exists():
             broken.append(f"{target}: no such file or folder")
         elif anchor and (path.suffix != ".md" or anchor not in anchors(path)):
@@ -169,3 +166,44 @@ def test_the_checks_catch_what_they_look_for(tmp_path: Path) -> None:
     page.write_text("[a](x.md) `[b](y.md)` [c](#z) [d](https://example.com/) ![e](img.png)\n```\n[f](w.md)\n```\n")
     assert list(relative_links(page)) == ["x.md", "#z", "img.png"]
     assert github_slug(heading_text("`--dtype` and [CPU](cpu.md) *levels*")) == "--dtype-and-cpu-levels"
+
+
+# A Python file a page names in code (`models/gguf_file.py`, `steps.py`), or a path in the architecture page's tree.
+PYTHON_FILE = re.compile(r"`([\w./-]*\w\.py)\b")
+TREE_PATH = re.compile(r"^[\w.-]+(/[\w.-]+)*/?$")
+
+
+@functools.cache
+def path_ends() -> frozenset[str]:
+    """Every file of the repository and every folder above one, as posix paths relative to its root, and every end
+    of each (`core/steps.py`, `steps.py`); caches, builds and virtual environments left out."""
+    skip = {".git", ".venv", ".cache", "build", "node_modules", "__pycache__", ".mypy_cache", ".ruff_cache"}
+    ends: set[str] = set()
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".venv")]
+        relative = Path(folder).relative_to(ROOT).parts
+        for name in [*files, *dirs]:
+            parts = [*relative, name]
+            ends.update("/".join(parts[i:]) for i in range(len(parts)))
+    return frozenset(ends)
+
+
+def named_python_files(page: Path) -> set[str]:
+    """The Python files a page names in code spans or blocks, and, in docs/architecture.md's tree, every path of its
+    first column (a folder with its slash)."""
+    text = page.read_text()
+    names = set(PYTHON_FILE.findall(text))
+    if page.name == "architecture.md":
+        tree = text.split("## The tree", 1)[1].split("```", 2)[1]
+        for line in tree.splitlines():
+            if line and len(line) - len(line.lstrip()) <= 8:  # deeper lines continue a description
+                names.update(t for t in re.split(r"\s{2,}", line.strip(), maxsplit=1)[0].split() if TREE_PATH.match(t))
+    return names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_python_file_and_tree_path_named_exists(page: Path) -> None:
+    """A moved or renamed module leaves no page naming its old place: each name is some file's or folder's path, or
+    the end of one (`steps.py`, `core/steps.py`, `server/llmserve/engine/core/steps.py` all name the same file)."""
+    missing = sorted(name for name in named_python_files(page) if name.rstrip("/") not in path_ends())
+    assert not missing, f"{page.relative_to(ROOT)} names what is not in the repository: {missing}"
