@@ -94,3 +94,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     module object of torch and transformers (1.45 CPU-s per worker process at exit, 0.2 with this), which the
     controller waits out before it exits."""
     gc.freeze()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The files that took longest, each the sum of its tests' setup, call and teardown (its module fixtures'
+    servers included), as the workers reported them: where a run's time goes, per file, for SLOW_FIRST and for
+    cutting CI's time (`--durations` names single tests, and a file's server start lands in one of them)."""
+    totals: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                path = report.nodeid.split("::", 1)[0]
+                totals[path] = totals.get(path, 0.0) + report.duration
+    if len(totals) < 2:
+        return
+    slowest = sorted(totals.items(), key=lambda item: -item[1])[:25]
+    terminalreporter.write_sep("=", f"slowest files (sum of their tests, {sum(totals.values()):.0f} s in all)")
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
