@@ -34,6 +34,14 @@ HADOLINT := $(VENV)/bin/hadolint
 # Extra flags for `make run`, e.g. ARGS="--address 0.0.0.0:50052 --max-num-seqs 8".
 ARGS ?=
 
+# Bytecode written once, under .cache/pycache: a machine that sets PYTHONDONTWRITEBYTECODE (this project's CI and
+# development machines do) had every Python process compile from source each module it imports, and nothing here
+# installs precompiled (torch's wheel goes in with --no-compile, uv compiles nothing): 60% of a default-model server's
+# start went to compiling torch's and transformers' modules (py-spy), in every test's server, worker and probe. The
+# prefix keeps the source trees free of __pycache__, as that variable wanted; a prefix of the caller's own is kept.
+unexport PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX ?= $(CURDIR)/.cache/pycache
+
 PROTOS := $(wildcard protos/llmserve/v1/*.proto)
 PB_OUT := client/llmserve_client/pb
 
