@@ -149,7 +149,7 @@ def check_input(request: pb.GenerateRequest | pb.TokenizeRequest, limits: InputL
     """The size of a text or chat input in bytes, and a chat's message count and roles."""
     kind = request.WhichOneof("input")
     if kind == "text":
-        _check_prompt_bytes("text", request.text, max_prompt_bytes)
+        check_prompt_bytes("text", request.text, max_prompt_bytes)
     elif kind == "chat":
         _check_chat("chat", request.chat.messages, limits, max_prompt_bytes)
 
@@ -174,7 +174,8 @@ def _check_chat(field: str, messages: Sequence[pb.ChatMessage], limits: InputLim
             )
 
 
-def _check_prompt_bytes(field: str, text: str, max_prompt_bytes: int) -> None:
+def check_prompt_bytes(field: str, text: str, max_prompt_bytes: int) -> None:
+    """A text input's UTF-8 size against --max-prompt-bytes, InvalidRequest naming `field` when over."""
     if _utf8_length(text, max_prompt_bytes) > max_prompt_bytes:
         raise InvalidRequest(field, f"is over {max_prompt_bytes} bytes, the limit (--max-prompt-bytes)")
 
@@ -218,7 +219,7 @@ def check_embed(request: pb.EmbedRequest, limits: InputLimits, max_prompt_bytes:
     if request.HasField("prompt"):
         if request.HasField("prompt_name"):
             raise InvalidRequest("prompt", "set prompt or prompt_name, not both")
-        _check_prompt_bytes("prompt", request.prompt, max_prompt_bytes)
+        check_prompt_bytes("prompt", request.prompt, max_prompt_bytes)
     for i, item in enumerate(inputs):
         field = f"inputs[{i}]"
         kind = item.WhichOneof("input")
@@ -228,7 +229,7 @@ def check_embed(request: pb.EmbedRequest, limits: InputLimits, max_prompt_bytes:
             if not item.text:
                 raise InvalidRequest(f"{field}.text", "must not be empty")
             if request.truncate == pb.TRUNCATION_UNSPECIFIED:  # truncated texts are cut (cut_utf8), never refused
-                _check_prompt_bytes(f"{field}.text", item.text, max_prompt_bytes)
+                check_prompt_bytes(f"{field}.text", item.text, max_prompt_bytes)
         elif kind == "token_ids":
             if not item.token_ids.ids:
                 raise InvalidRequest(f"{field}.token_ids.ids", "must not be empty")

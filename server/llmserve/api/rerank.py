@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmserve.api.convert import probabilities
-from llmserve.api.limits import check_id, cut_utf8, truncation_byte_bound
+from llmserve.api.limits import check_id, check_prompt_bytes, cut_utf8, truncation_byte_bound
 from llmserve.config import InputLimits
 from llmserve.engine.types.errors import InvalidRequest
 from llmserve.engine.types.request import GenerationRequest, PoolingParams, StoppingParams
@@ -57,7 +57,7 @@ def check_rerank(request: pb.RerankRequest, limits: InputLimits, max_prompt_byte
     check_id("request_id", request.request_id, limits.max_request_id_length, "--max-request-id-length")
     if not request.query:
         raise InvalidRequest("query", "must not be empty")
-    _check_bytes("query", request.query, max_prompt_bytes)
+    check_prompt_bytes("query", request.query, max_prompt_bytes)
     documents = request.documents
     if not documents:
         raise InvalidRequest("documents", "must not be empty")
@@ -70,12 +70,6 @@ def check_rerank(request: pb.RerankRequest, limits: InputLimits, max_prompt_byte
             raise InvalidRequest(f"documents[{i}]", "must not be empty")
     if request.top_n < 0:
         raise InvalidRequest("top_n", f"must be >= 0, got {request.top_n}")
-
-
-def _check_bytes(field: str, text: str, limit: int) -> None:
-    # Every character is at least one byte: a text of more characters than the limit is over it, unencoded.
-    if len(text) > limit or len(text.encode("utf-8")) > limit:
-        raise InvalidRequest(field, f"is over {limit} bytes, the limit (--max-prompt-bytes)")
 
 
 def pair_limit(tokenizer: Any, max_input_tokens: int) -> int:
