@@ -156,7 +156,7 @@ class Scheduler:
         out = StepPlan()
         budget = self.max_num_batched_tokens
         rate = self._pooling_rate()
-        pooling = cap = self.pooling_cap()  # what pooling requests may still take of this step; None: the budget
+        pooling = cap = self._pooling_cap_at(rate)  # what pooling may still take of this step; None: the budget
         if self.enable_prefix_caching or len(self.sessions):
             self.sessions.expire()
 
@@ -237,7 +237,10 @@ class Scheduler:
         and within ceil(((W + N) (1 + M / Q) + M + Q) / r) steps with M > 0 (Q = POOLING_MIN_CHUNK: each chunk takes
         at least Q tokens for its M). Beside one stream: 320 steps for 256 inputs of 20 tokens at F = 63 (M 0), and
         at the exact GGUF path on an AVX2 CPU's measured F = 3, M = 4 (r = 1), 6,420 steps, about 80 s."""
-        rate = self._pooling_rate()
+        return self._pooling_cap_at(self._pooling_rate())
+
+    def _pooling_cap_at(self, rate: float | None) -> int | None:
+        """pooling_cap at pooling's share `rate` (_pooling_rate), which schedule() also reads for the credit."""
         if rate is None:
             return None
         chunk = self.pooling_chunk_tokens
