@@ -7,7 +7,9 @@ device it feeds, waits (benchmarks/probes/host_overhead.py --front-end: at 256 s
 2.7 ms alone and 7-10 ms beside the front end).
 
 The parent's side is `ProcessCore` (a client.Core). It starts `python -m llmserve.engine.core.process` in a
-fresh interpreter (a fork would inherit the parent's threads and CUDA state) and talks to it over two pipes. A
+fresh interpreter (a fork would inherit the parent's threads and CUDA state) and talks to it over two pipes; a
+`launch` of another kind runs the same `run_child` otherwise (the test session forks it from an interpreter that has
+imported torch and transformers once: tests/forking_launcher.py, 4.4 CPU-s saved an engine process). A
 constrained request travels with its spec: the engine process compiles it (the front end only checked it). The
 client numbers the requests (client.ClientRequests) and keeps, for each, what it has seen of it (its first token's
 accounts, the tokens since): when the child dies, every request it held ends with ERROR and its usage, the pending
@@ -44,7 +46,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar, cast
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.core.client import STOPPED, Abort, Add, ClientRequests, Emit
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from llmserve.engine.core.engine_core import EngineCore
     from llmserve.engine.types.model import LoadedModel
 
-__all__ = ["ChildSpec", "ProcessCore", "load_served_model"]
+__all__ = ["ChildProcess", "ChildSpec", "Launch", "ProcessCore", "launch_interpreter", "load_served_model", "run_child"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,45 @@ STOP_TIMEOUT_S = 30.0
 # The most outputs of passes that queued up handed to the front end as one batch.
 MAX_MERGED = 4096
 T = TypeVar("T")
+
+
+class ChildProcess(Protocol):
+    """What ProcessCore needs of its child's process: subprocess.Popen's part (`returncode` as Popen gives it: the
+    exit status, or minus the signal that ended it)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+# Starts the engine process on the read end of the commands pipe and the write end of the events pipe (the fds as
+# this process holds them): `launch_interpreter` below, or a launcher that runs the same `run_child` otherwise.
+Launch = Callable[[int, int], ChildProcess]
+
+
+def child_environment() -> dict[str, str]:
+    """The child's environment: this process's, with its import path (as multiprocessing's spawn does), so that the
+    child imports what this process imports, the ChildSpec's functions too."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
+
+
+def launch_interpreter(commands: int, events: int) -> ChildProcess:
+    """The engine process as `python -m llmserve` starts it: a fresh interpreter on the two pipes' ends (not
+    multiprocessing's spawn, which re-runs the parent's __main__, nor a fork, which would inherit the parent's threads
+    and CUDA state)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmserve.engine.core.process", str(commands), str(events)],
+        pass_fds=(commands, events),
+        env=child_environment(),
+    )
 
 
 @dataclass(slots=True, eq=False)
@@ -96,21 +137,15 @@ class _Accounts:
 class ProcessCore:
     """The front end's side of a core in a child process (client.Core).
 
-    The constructor starts the child and returns at once; `wait_ready` (seconds: the child loads the model and warms
-    up) raises RuntimeError when the child failed or exited, or the child's own exception when it pickled.
+    The constructor starts the child with `launch` (a fresh interpreter unless told otherwise) and returns at once;
+    `wait_ready` (seconds: the child loads the model and warms up) raises RuntimeError when the child failed or
+    exited, or the child's own exception when it pickled.
     """
 
-    def __init__(self, spec: ChildSpec) -> None:
-        # A fresh interpreter on two pipes (not multiprocessing's spawn, which re-runs the parent's __main__).
+    def __init__(self, spec: ChildSpec, launch: Launch | None = None) -> None:
         commands_in, commands_out = os.pipe()
         events_in, events_out = os.pipe()
-        # It imports what this process imports (as multiprocessing's spawn does): the ChildSpec's functions too.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.engine.core.process", str(commands_in), str(events_out)],
-            pass_fds=(commands_in, events_out),
-            env=env,
-        )
+        self.process: ChildProcess = (launch or launch_interpreter)(commands_in, events_out)
         os.close(commands_in)
         os.close(events_out)
         self._commands = Connection(commands_out, readable=False)
@@ -614,11 +649,10 @@ def _adapters(send: Send, number: int, future: Future[AdapterAnswer]) -> None:
         send(AdapterReply(number, None if error is not None else future.result(), error))
 
 
-if __name__ == "__main__":
-    # Through the module by its name: what this process pickles must name llmserve.engine's classes, not __main__'s.
-    from llmserve.engine.core import process
-
-    process._child_main(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+def run_child(commands: int, events: int) -> NoReturn:
+    """The engine process's whole life on its two pipes' ends (the commands' read end, the events' write end), then
+    its exit: `python -m llmserve.engine.core.process COMMANDS EVENTS` runs it, and so may a launcher's fork."""
+    _child_main(Connection(commands, writable=False), Connection(events, readable=False))
     # Nothing is left to do: the tiers' writes and the compiler ended before Bye, and Bye (or Failed) is sent. The
     # interpreter's own teardown (a collection over every module object of torch and transformers) would take
     # seconds more, which the parent's stop waits out: skipped, after flushing the log.
@@ -626,3 +660,10 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    # Through the module by its name: what this process pickles must name llmserve.engine's classes, not __main__'s.
+    from llmserve.engine.core import process
+
+    process.run_child(int(sys.argv[1]), int(sys.argv[2]))
