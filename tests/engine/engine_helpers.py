@@ -25,6 +25,7 @@ from llmserve.engine.types.request import (
     StoppingParams,
 )
 from llmserve.models.loader import from_config
+from tests.forking_launcher import forking_launcher
 from tests.testing import tiny_config
 
 CONFIG = EngineConfig(block_size=16, kv_cache_tokens=4096, max_num_seqs=16, max_num_batched_tokens=256)
@@ -48,11 +49,11 @@ async def start_engine(
     kind: str, load: Callable[[], LoadedModel] = tiny64, config: EngineConfig = CONFIG
 ) -> AsyncEngine:
     """A started engine over the model `load` builds, its core on a thread (`kind` "thread") or in an engine
-    process ("process", as `python -m llmserve` runs it)."""
+    process ("process", as `python -m llmserve` runs it, forked from this worker's preloaded interpreter)."""
     if kind == "thread":
         engine = await build_engine(load, config)
     else:
-        engine = await build_engine(load, config, ProcessCore(ChildSpec(load, config)))
+        engine = await build_engine(load, config, ProcessCore(ChildSpec(load, config), forking_launcher()))
     await engine.start()
     return engine
 

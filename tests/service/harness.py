@@ -19,6 +19,7 @@ from transformers import LlamaConfig
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.types.model import LoadedModel
 from llmserve.models.loader import from_config
+from tests.forking_launcher import forking_launcher
 from tests.testing import ServerThread
 
 __all__ = ["ServerThread"]  # tests import it from here with the rest of the harness
@@ -72,7 +73,8 @@ def tiny_engine(*, in_process: bool = False, **overrides: Any) -> Any:
     config = engine_config(**overrides)
     if in_process:
         return AsyncEngine(tiny_model(), config)
-    core = ProcessCore(ChildSpec(tiny_model, config))  # the child imports this module by its name, `harness`
+    # The child imports this module by its name, `harness`; it is forked from this worker's preloaded interpreter.
+    core = ProcessCore(ChildSpec(tiny_model, config), forking_launcher())
     core.wait_ready()
     assert core.card is not None
     return AsyncEngine(core.card, config, core=core)

@@ -31,6 +31,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.models import packaged
 from llmserve_client import pb
 from llmserve_client.pb.llmserve.v1 import generate_pb2_grpc
+from tests.forking_launcher import forking_launcher
 
 SENTENCES = Path(__file__).parents[1] / "data" / "sentences.txt"
 MODEL = "all-minilm-l6-v2"
@@ -72,7 +73,7 @@ def server() -> Iterator[ServerThread]:
 
     config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, cuda_graphs=False)
     load = functools.partial(load_served_model, ModelConfig(spec=MODEL, device="cpu"), False)
-    core = ProcessCore(ChildSpec(load, config))
+    core = ProcessCore(ChildSpec(load, config), forking_launcher())
     core.wait_ready()
     assert core.card is not None
     srv = ServerThread(AsyncEngine(core.card, config, core=core)).start()
