@@ -22,37 +22,37 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import Phase, settings  # noqa: E402
 
-# The files that take longest, slowest first: the per-file sums (the summary at the end of a run, below) of a
-# fresh-clone `bash .ci/run` on 2026-12-07 (AMD EPYC Zen 4, 2 cores, both workers busy: 1,125 worker-s in all, 588 s
-# of wall). `make pytest` hands the two workers whole files in collection order (--dist loadfile
-# --no-loadscope-reorder), so that these start first and no long file is left to start last on one worker while the
-# other idles.
+# The files that take longest, slowest first: the per-file sums (the summary at the end of a run, below) of `make
+# pytest` on 2026-12-07 (AMD EPYC Zen 4, 2 cores, both workers busy: 882 worker-s in all, 449 s of wall), with the
+# in-worker engine processes forked (tests/forking_launcher.py). `make pytest` hands the two workers whole files in
+# collection order (--dist loadfile --no-loadscope-reorder), so that these start first and no long file is left to
+# start last on one worker while the other idles.
 SLOW_FIRST = (
-    "tests/service/test_robustness.py",  # 70.1 s
-    "tests/benchmarks/test_modes.py",  # 64.3 s
-    "tests/engine/sample/test_schema_corpus.py",  # 47.6 s
-    "tests/engine/backends/cpu/test_backend.py",  # 38.8 s
-    "tests/deploy/test_history_failover.py",  # 34.5 s
-    "tests/service/test_conversations.py",  # 34.1 s
-    "tests/engine/frontend/test_async_engine.py",  # 32.7 s
-    "tests/engine/backends/test_piecewise.py",  # 31.0 s
-    "tests/benchmarks/test_smoke.py",  # 29.9 s
-    "tests/service/test_history_restart.py",  # 29.6 s
-    "tests/models/test_encoder.py",  # 29.5 s
-    "tests/engine/core/test_engine_process.py",  # 26.5 s
-    "tests/benchmarks/test_gpu_script.py",  # 25.7 s
-    "tests/service/test_adapter_servicer.py",  # 25.4 s
-    "tests/engine/kv_tiers/test_kv_tiers.py",  # 25.4 s
-    "tests/service/test_cross_encoder.py",  # 24.3 s
-    "tests/engine/backends/cpu/test_gguf_backend.py",  # 24.3 s
-    "tests/engine/test_exactness.py",  # 23.6 s
-    "tests/engine/backends/test_lora_slots.py",  # 22.9 s
-    "tests/service/test_process_hardening.py",  # 21.7 s
-    "tests/service/test_sessions_grpc.py",  # 21.2 s
-    "tests/service/test_vllm_servicer.py",  # 20.7 s
-    "tests/service/test_embed.py",  # 20.5 s
-    "tests/engine/lora/test_engine_lora.py",  # 20.2 s
-    "tests/service/test_app_lifecycle.py",  # 18.5 s
+    "tests/benchmarks/test_modes.py",  # 53.1 s
+    "tests/engine/sample/test_schema_corpus.py",  # 42.4 s
+    "tests/service/test_robustness.py",  # 36.0 s
+    "tests/deploy/test_history_failover.py",  # 34.0 s
+    "tests/service/test_conversations.py",  # 30.9 s
+    "tests/service/test_history_restart.py",  # 29.1 s
+    "tests/engine/backends/cpu/test_backend.py",  # 28.5 s
+    "tests/benchmarks/test_smoke.py",  # 27.3 s
+    "tests/engine/backends/test_piecewise.py",  # 24.6 s
+    "tests/benchmarks/test_gpu_script.py",  # 22.6 s
+    "tests/models/test_encoder.py",  # 21.7 s
+    "tests/engine/backends/test_lora_slots.py",  # 21.4 s
+    "tests/service/test_process_hardening.py",  # 21.1 s
+    "tests/engine/test_exactness.py",  # 20.5 s
+    "tests/service/test_cross_encoder.py",  # 20.4 s
+    "tests/engine/backends/cpu/test_gguf_backend.py",  # 20.0 s
+    "tests/engine/backends/cpu/test_dtype_accuracy.py",  # 20.0 s
+    "tests/engine/kv_tiers/test_kv_tiers.py",  # 19.7 s
+    "tests/deploy/test_smg_gateway.py",  # 19.7 s
+    "tests/service/test_adapter_servicer.py",  # 18.1 s
+    "tests/service/test_app_lifecycle.py",  # 17.2 s
+    "tests/engine/core/test_engine_process.py",  # 16.3 s
+    "tests/service/test_embed.py",  # 16.0 s
+    "tests/deploy/test_nginx_affinity.py",  # 14.3 s
+    "tests/service/test_vllm_servicer.py",  # 14.1 s
 )
 
 
