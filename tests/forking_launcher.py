@@ -54,6 +54,7 @@ class ForkedChild:
         self._pid = pid
         self._status = status  # the read end of the pipe the zygote writes the exit status to
         self._returncode: int | None = None
+        self._reading = threading.Lock()  # ProcessCore's reader thread and its caller may both wait
 
     @property
     def pid(self) -> int:
@@ -84,20 +85,21 @@ class ForkedChild:
                 pass
 
     def _read_status(self) -> None:
+        with self._reading:
+            if self._returncode is None:
+                self._read_status_once()
+
+    def _read_status_once(self) -> None:
         text = b""
         while chunk := os.read(self._status, 64):
             text += chunk
-        os.close(self._status)
         if not text:
             raise RuntimeError(f"the zygote ended before engine process {self._pid} did: its exit status is lost")
         self._returncode = int(text)
 
     def __del__(self) -> None:
-        if self._returncode is None:
-            try:
-                os.close(self._status)
-            except OSError:
-                pass
+        # Closed only here, so that no thread selects on it after another closed it (at its end, it reads as EOF).
+        os.close(self._status)
 
 
 class ForkingLauncher:
