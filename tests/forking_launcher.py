@@ -128,15 +128,15 @@ class ForkingLauncher:
                 # The first launch, or an environment that has stayed (a library imported since set a variable:
                 # scikit-learn its KMP_*, torch's inductor its cache folder): a zygote imports under it.
                 self._start(environment)
-            if comparable != self._comparable:
+            if not self._alive():
+                self.fallbacks.append("the zygote did not start, or ended")
+            elif comparable != self._comparable:
                 changed = sorted(
                     name
                     for name in comparable.keys() | self._comparable.keys()
                     if comparable.get(name) != self._comparable.get(name)
                 )
                 self.fallbacks.append(f"environment: {', '.join(changed)}")
-            elif not self._alive():
-                self.fallbacks.append("the zygote ended")
             else:
                 child = self._fork(commands, events, environment)
                 if child is not None:
@@ -149,9 +149,13 @@ class ForkingLauncher:
         self.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._zygote = subprocess.Popen(
-            [sys.executable, "-c", f"from tests.forking_launcher import serve; serve({theirs.fileno()})"],
+            [
+                sys.executable,
+                "-c",
+                f"from tests.forking_launcher import serve; serve({theirs.fileno()}, {self._preload!r})",
+            ],
             pass_fds=(theirs.fileno(),),
-            env=dict(environment, LLMSERVE_ZYGOTE_PRELOAD=",".join(self._preload)),
+            env=environment,
         )
         theirs.close()
         ours.settimeout(START_TIMEOUT_S)
@@ -204,15 +208,14 @@ def _comparable(environment: dict[str, str]) -> dict[str, str]:
 # -- the zygote's side -------------------------------------------------------------------------------------------
 
 
-def serve(fd: int) -> None:
-    """The zygote: import the preload, say ready, then fork an engine process per request until the socket closes.
+def serve(fd: int, preload: tuple[str, ...]) -> None:
+    """The zygote: import `preload`, say ready, then fork an engine process per request until the socket closes.
     Single-threaded (a fork copies only the calling thread); each child's end is watched through a pidfd."""
     import importlib
     import selectors
 
-    for name in os.environ.pop("LLMSERVE_ZYGOTE_PRELOAD", "").split(","):
-        if name:
-            importlib.import_module(name)
+    for name in preload:
+        importlib.import_module(name)
     from llmserve.engine.core import process
 
     imported_with = _threads()
