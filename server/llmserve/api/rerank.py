@@ -91,16 +91,18 @@ def rerank_pairs(tokenizer: Any, query: str, documents: Sequence[str], limit: in
     truncation is a setting of the shared Rust object, which a concurrent call (an Embed call's, which truncates
     nothing) would change under this one's feet.
     """
+
+    def fold(text: str) -> str:
+        return text.lower() if lower else text
+
     # What truncation keeps of a long document lies within its first bytes (as an Embed text's with truncate set):
     # only those are tokenized. The pair is the whole document's wherever the cut holds more tokens than the room and
     # the query (longest_first then keeps the same first tokens of the document, and a word the cut split lies past
     # CUT_MARGIN of them); a document whose first bytes hold fewer (long runs of symbols, or a longer query) is
     # tokenized whole.
     cuts = [cut_utf8(document, truncation_byte_bound(limit), keep_end=False) for document in documents]
-    if lower:
-        query = query.lower()
-    texts = [text.lower() if lower else text for text, _ in cuts]
-    encoded: list[list[int]] = tokenizer([query, *texts], add_special_tokens=False)["input_ids"]
+    texts = [fold(query), *(fold(text) for text, _ in cuts)]
+    encoded: list[list[int]] = tokenizer(texts, add_special_tokens=False)["input_ids"]
     own_query, own_documents = encoded[0], encoded[1:]
     template = pair_template(tokenizer)
     room = max(limit - template.added, 0)
@@ -110,7 +112,7 @@ def rerank_pairs(tokenizer: Any, query: str, documents: Sequence[str], limit: in
         if was_cut and len(ids) < max(room, len(own_query)) + CUT_MARGIN
     ]
     if short:
-        whole = [documents[j].lower() if lower else documents[j] for j in short]
+        whole = [fold(documents[j]) for j in short]
         for j, ids in zip(short, tokenizer(whole, add_special_tokens=False)["input_ids"], strict=True):
             own_documents[j] = ids
     pairs = []
