@@ -140,12 +140,14 @@ def test_float_activations_equal_dequantize_then_matmul_within_float32_rounding(
 @pytest.mark.parametrize("level", LEVELS_HERE[1:])
 @pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda t: t.name)
 def test_every_level_gives_the_portable_kernels_bits(kind: GGMLType, level: str, activations: str) -> None:
-    """Rows 1 to 11 cover every row tile of the vector kernels (8, 4 and 2 rows) and their remainders; 45 columns a
-    partial last strip; 3 blocks of 256 more than one group of decoded blocks (8 of 32)."""
+    """Rows 1 to 11 cover every row tile of the vector kernels (8, 4 and 2 rows) and their remainders, and rows 8 to
+    27 the float rows eight to a vector: whole vectors, a last vector padded (12, 20), rows left over after them
+    (9, 17) and a row vector alone (24: two, then one); 45 columns a partial last strip; 3 blocks of 256 more than
+    one group of decoded blocks (8 of 32)."""
     w = make_weight(kind, 45, 768, seed=7)
-    x = torch.randn(11, w.cols, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(27, w.cols, generator=torch.Generator().manual_seed(2))
     portable, vector = QuantLinear(w, "portable", activations), QuantLinear(w, level, activations)
-    for m in range(1, 12):
+    for m in range(1, 28):
         assert torch.equal(vector(x[:m]), portable(x[:m])), m
 
 

@@ -35,7 +35,7 @@
  * products x * q are exact-ish small-integer multiples; the bound is float32 GEMM's, a few times wider where the
  * zero cancels) with the same arithmetic at every level, row count and thread count; at one or two rows a call
  * (Q8_0: up to 7) the quants are extracted as the blocks stream in (Q8_0: once for all the rows), from there up
- * decoded once into tiles of floats that every row reads. The AVX-512 level runs the AVX2 float kernel (the FMAs' order is the
+ * decoded once into tiles of floats that every row reads, from eight rows up eight rows to a vector. The AVX-512 level runs the AVX2 float kernel (the FMAs' order is the
  * contract, not the width).
  *
  * Packed layout (quant_pack): output columns in strips of 16 (the last strip padded with zero columns); a strip is

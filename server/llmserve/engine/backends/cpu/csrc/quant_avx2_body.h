@@ -505,8 +505,182 @@ AI void NAME(strips_f32)(const qmat *w, const float *x, const float *xs, long m,
   }
 }
 
+/* --- eight rows and more: the same tiles, eight rows to a vector (`wide`). A row's x is a lane of a vector and a
+ * column's quant a broadcast, so each broadcast feeds V row vectors and each x vector C columns: C * V chain
+ * accumulators take C + V loads a k, where row_tiles takes three loads for two FMAs. The chains run one at a time
+ * (all four at once would need 4 * C * V registers), in the contract's order within each, and are combined as it
+ * says, (p0 + p1) + (p2 + p3), so the bits are direct_f32's and row_tiles'. One SmolLM2 layer, one thread, ms,
+ * row_tiles -> wide (benchmarks/probes/quant_ab.py, Zen 4 at the avx2 level, 2026-12-07): Q4_1 M=8 1.119 -> 1.026,
+ * M=16 1.953 -> 1.566, M=64 7.208 -> 5.515, M=256 30.133 -> 22.575; Q8_0 M=16 2.113 -> 1.649, M=256 29.612 ->
+ * 21.802. Two row vectors and four columns (8 accumulators: 6 loads for 8 FMAs) ran faster than three and four (12:
+ * the compiler folded the x loads into the FMAs, 13 loads for 12) at every M measured; 8 blocks of tiles at a time
+ * instead of 4 changed nothing. */
+
+#define WIDE_GROUP 4 /* blocks decoded at a time here: 8 KiB of tiles beside the rows' x */
+
+/* One chain's sums p[c][v] (C columns from c0, V row vectors) over the n k from k0 four apart: the contract's order. */
+AI void NAME(wide_chain)(const float *tile, const float *xb, long xg, int c0, int k0, const int n, __m256 p[8][2],
+                         const int C, const int V) {
+  _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c)
+    _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) p[c][v] = _mm256_setzero_ps();
+  _Pragma("GCC unroll 8") for (int i = 0; i < n; ++i) {
+    const int kk = k0 + 4 * i;
+    __m256 xr[2];
+    _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) xr[v] = _mm256_load_ps(xb + v * xg + 8 * kk);
+    _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) {
+      const __m256 q = _mm256_broadcast_ss(tile + 16 * kk + c0 + c);
+      _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) p[c][v] = _mm256_fmadd_ps(xr[v], q, p[c][v]);
+    }
+  }
+}
+
+/* A block's contribution over its tile, columns [c0, c0 + C), row vectors [0, V): xb is vector 0's x at the block's
+ * first k (vector v at xb + v * xg, 8 floats a k), xsb its group sums at the block's first group (v at xb + v *
+ * xsg), acc its sums of column 0 (column c of vector v at acc + 8 * (16 * v + c)), scs the block's scales as
+ * scalars (ws[16], wm[16], ws1[16]); ng groups a block (Q6_K: 2), z the type's zero, min whether it has a min. The
+ * type comes as values, not as a constant that specializes the code: one compiled body for every type (compiled per
+ * type, the zero types' bodies ran 1.2x slower than Q4_1's at the same M: the compiler's choice, not the work). */
+AI void NAME(wide_tile)(const float *tile, const float *scs, const float *xb, long xg, const float *xsb, long xsg,
+                        float *acc, int c0, int ng, float z, int min, const int C, const int V) {
+  for (int g = 0; g < ng; ++g) {
+    __m256 p01[8][2], p2[8][2], p[8][2]; /* (p0 + p1), p2 and the chain at hand, [C][V] of them */
+    /* not unrolled: four chains unrolled into one body ran 2x slower (their sums spilled) */
+    _Pragma("GCC unroll 1") for (int j = 0; j < 4; ++j) {
+      if (ng == 1)
+        NAME(wide_chain)(tile, xb, xg, c0, j, 8, p, C, V);
+      else
+        NAME(wide_chain)(tile, xb, xg, c0, 16 * g + j, 4, p, C, V);
+      if (j == 0 || j == 2) {
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c)
+          _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) (j == 0 ? p01 : p2)[c][v] = p[c][v];
+      } else if (j == 1) {
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c)
+          _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) p01[c][v] = _mm256_add_ps(p01[c][v], p[c][v]);
+      }
+    }
+    _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) {
+      const __m256 xsum = _mm256_load_ps(xsb + v * xsg + 8 * g);
+      _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) {
+        __m256 sum = _mm256_add_ps(p01[c][v], _mm256_add_ps(p2[c][v], p[c][v]));
+        if (z != 0.0f) sum = _mm256_fnmadd_ps(_mm256_set1_ps(z), xsum, sum);
+        float *out = acc + 8 * (16 * v + c0 + c);
+        __m256 a = _mm256_fmadd_ps(_mm256_broadcast_ss(scs + (g ? 32 : 0) + c0 + c), sum, _mm256_load_ps(out));
+        if (min) a = _mm256_fmadd_ps(_mm256_broadcast_ss(scs + 16 + c0 + c), xsum, a);
+        _mm256_store_ps(out, a);
+      }
+    }
+  }
+}
+
+/* Row vectors [g0, g0 + V) over block b's tile: the strip's 16 columns, C at a time; two row vectors (4 columns at a
+ * time) or one (8). */
+static __attribute__((noinline)) void NAME(wide_rows)(const float *tile, const float *scs, const float *xt, long k,
+                                                      const float *xst, long groups, float *acc, long g0, long b,
+                                                      int V, int type) {
+  const int ng = type == Q_Q6_K ? 2 : 1, min = q_has_min(type);
+  const float z = (float)q_zero(type);
+  const float *xb = xt + 8 * (g0 * k + b * QBLOCK), *xsb = xst + 8 * (g0 * groups + b * ng);
+  float *accb = acc + 8 * 16 * g0;
+  if (V == 2)
+    for (int c0 = 0; c0 < STRIP; c0 += 4) NAME(wide_tile)(tile, scs, xb, 8 * k, xsb, 8 * groups, accb, c0, ng, z, min, 4, 2);
+  else
+    for (int c0 = 0; c0 < STRIP; c0 += 8) NAME(wide_tile)(tile, scs, xb, 8 * k, xsb, 8 * groups, accb, c0, ng, z, min, 8, 1);
+}
+
+/* Rows [0, m) over strips [s0, s1), eight rows to a vector (the last vector's missing rows zeros, their sums
+ * dropped). Returns 0, or 1 where its scratch could not be allocated (then the other paths run: the same bits). */
+AI int NAME(wide_f32)(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
+                      const int T) {
+  const long k = w->k, nb = k / QBLOCK, payload = q_payload(T), groups = T == Q_Q6_K ? 2 * nb : nb;
+  const long G = (m + 7) / 8;
+  float *xt = aligned_alloc(32, sizeof(float) * (size_t)(8 * G * k));
+  float *xst = aligned_alloc(32, sizeof(float) * (size_t)(8 * G * groups));
+  float *acc = aligned_alloc(32, sizeof(float) * (size_t)(8 * 16 * G));
+  if (xt == NULL || xst == NULL || acc == NULL) {
+    free(xt);
+    free(xst);
+    free(acc);
+    return 1;
+  }
+  for (long r = 0; r < 8 * G; ++r) {
+    float *to = xt + 8 * (r / 8) * k + r % 8, *sto = xst + 8 * (r / 8) * groups + r % 8;
+    for (long kk = 0; kk < k; ++kk) to[8 * kk] = r < m ? x[r * k + kk] : 0.0f;
+    for (long g = 0; g < groups; ++g) sto[8 * g] = r < m ? xs[r * groups + g] : 0.0f;
+  }
+  float tiles[WIDE_GROUP * 512] __attribute__((aligned(32)));
+  float scs[WIDE_GROUP * 48] __attribute__((aligned(32)));
+  for (long s = s0; s < s1; ++s) {
+    const uint8_t *strip = w->packed + s * q_strip_bytes(T, k), *meta = strip + q_meta_offset(T, k);
+    memset(acc, 0, sizeof(float) * (size_t)(8 * 16 * G));
+    __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (long b0 = 0; b0 < nb; b0 += WIDE_GROUP) {
+      const long count = nb - b0 < WIDE_GROUP ? nb - b0 : WIDE_GROUP;
+      for (long t = 0; t < count; ++t) {
+        const long b = b0 + t;
+        const uint8_t *p = strip + b * payload;
+        for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+          if (q_is_k(T) && b % 8 == 0) {
+            const uint8_t *mu = meta + (b / 8) * q_meta(T);
+            d[h] = NAME(halves)(mu + 16 * h);
+            if (T != Q_Q6_K) dmin[h] = NAME(halves)(mu + 32 + 16 * h);
+          }
+          __m256 ws, wm, ws1;
+          NAME(block_scales)(meta, b, T, h, d[h], dmin[h], &ws, &wm, &ws1);
+          _mm256_store_ps(scs + 48 * t + 8 * h, ws);
+          _mm256_store_ps(scs + 48 * t + 16 + 8 * h, wm);
+          _mm256_store_ps(scs + 48 * t + 32 + 8 * h, ws1);
+        }
+        NAME(tile_quants)(p, T, tiles + 512 * t);
+      }
+      /* two row vectors at a time (the last one alone: eight columns at a time), each over the group's blocks in
+       * order */
+      for (long g0 = 0; g0 < G; g0 += 2)
+        for (long t = 0; t < count; ++t) {
+          const float *tile = tiles + 512 * t, *sc = scs + 48 * t;
+          NAME(wide_rows)(tile, sc, xt, k, xst, groups, acc, g0, b0 + t, G - g0 >= 2 ? 2 : 1, T);
+        }
+    }
+    const long cols = w->n - s * STRIP < STRIP ? w->n - s * STRIP : STRIP;
+    for (long r = 0; r < m; ++r)
+      for (long c = 0; c < cols; ++c) y[r * ldy + s * STRIP + c] = acc[8 * (16 * (r / 8) + c) + r % 8];
+  }
+  free(xt);
+  free(xst);
+  free(acc);
+  return 0;
+}
+
+/* wide_f32 for w's type: its own function, not inlined into q_kernel_f32, so that the other paths compile as
+ * before. */
+static __attribute__((noinline)) int NAME(wide_any)(const qmat *w, const float *x, const float *xs, long m, long s0,
+                                                    long s1, float *y, long ldy) {
+  switch (w->type) {
+    case Q_Q4_0: return NAME(wide_f32)(w, x, xs, m, s0, s1, y, ldy, Q_Q4_0);
+    case Q_Q4_1: return NAME(wide_f32)(w, x, xs, m, s0, s1, y, ldy, Q_Q4_1);
+    case Q_Q5_0: return NAME(wide_f32)(w, x, xs, m, s0, s1, y, ldy, Q_Q5_0);
+    case Q_Q5_1: return NAME(wide_f32)(w, x, xs, m, s0, s1, y, ldy, Q_Q5_1);
+    case Q_Q8_0: return NAME(wide_f32)(w, x, xs, m, s0, s1, y, ldy, Q_Q8_0);
+    case Q_Q4_K: return NAME(wide_f32)(w, x, xs, m, s0, s1, y, ldy, Q_Q4_K);
+    case Q_Q5_K: return NAME(wide_f32)(w, x, xs, m, s0, s1, y, ldy, Q_Q5_K);
+    case Q_Q6_K: return NAME(wide_f32)(w, x, xs, m, s0, s1, y, ldy, Q_Q6_K);
+    default: return 1;
+  }
+}
+
 void NAME(q_kernel_f32)(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
                         float *acc) {
+  /* eight rows and more: the whole vectors wide, and the rows left over too where they fill half a vector; fewer
+   * go the ways below (every path gives a row the same bits) */
+  const long wide = m < 8 ? 0 : m % 8 >= 4 ? m : m - m % 8;
+  if (wide > 0 && NAME(wide_any)(w, x, xs, wide, s0, s1, y, ldy) == 0) {
+    const long groups = q_groups(w->type, w->k);
+    x += wide * w->k;
+    xs += wide * groups;
+    y += wide * ldy;
+    m -= wide;
+  }
+  if (m == 0) return;
   if (w->type == Q_Q8_0 && m >= 2 && m <= DIRECT_Q8_0 && NAME(direct_rows_q8_0)(w, x, xs, m, s0, s1, y, ldy, acc) == 0)
     return;
   switch (w->type) {
