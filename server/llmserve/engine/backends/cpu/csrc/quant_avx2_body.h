@@ -431,13 +431,38 @@ AI void NAME(tile_quants)(const uint8_t *p, const int T, float *tile) {
       }
 }
 
+/* Blocks [b0, b0 + count) of a strip decoded: their quants as tiles (tile_quants) and their scales as floats,
+ * scs[48 * t ...] = ws[16], wm[16], ws1[16]; d and dmin carry the K types' superblock scales from call to call. */
+AI void NAME(decode_group)(const uint8_t *strip, const uint8_t *meta, long b0, long count, __m256 d[2], __m256 dmin[2],
+                           float *tiles, float *scs, const int T) {
+  const long payload = q_payload(T);
+  for (long t = 0; t < count; ++t) {
+    const long b = b0 + t;
+    const uint8_t *p = strip + b * payload;
+    for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+      if (q_is_k(T) && b % 8 == 0) {
+        const uint8_t *mu = meta + (b / 8) * q_meta(T);
+        d[h] = NAME(halves)(mu + 16 * h);
+        if (T != Q_Q6_K) dmin[h] = NAME(halves)(mu + 32 + 16 * h);
+      }
+      __m256 ws, wm, ws1;
+      NAME(block_scales)(meta, b, T, h, d[h], dmin[h], &ws, &wm, &ws1);
+      _mm256_store_ps(scs + 48 * t + 8 * h, ws);
+      _mm256_store_ps(scs + 48 * t + 16 + 8 * h, wm);
+      _mm256_store_ps(scs + 48 * t + 32 + 8 * h, ws1);
+    }
+    NAME(tile_quants)(p, T, tiles + 512 * t);
+  }
+}
+
 /* One row over `count` decoded blocks from b0: the same chains and scaling as direct_f32, acc (16 floats) updated. */
-AI void NAME(row_tiles)(const float *tiles, const __m256 *scales, long count, const float *x, const float *xs, long b0,
+AI void NAME(row_tiles)(const float *tiles, const float *scales, long count, const float *x, const float *xs, long b0,
                         float *acc, const int T) {
   __m256 a[2] = {_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)};
   for (long t = 0; t < count; ++t) {
     const float *tile = tiles + 512 * t, *xb = x + (b0 + t) * QBLOCK;
-    const __m256 *sc = scales + 6 * t;  /* per half h: ws, wm, ws1 */
+    const float *sc = scales + 48 * t;  /* ws[16], wm[16], ws1[16] */
     __m256 part[2][4];
     _Pragma("GCC unroll 8") for (int g = 0; g < (T == Q_Q6_K ? 2 : 1); ++g) {
       const int k0 = T == Q_Q6_K ? 16 * g : 0, kn = T == Q_Q6_K ? 16 : QBLOCK;
@@ -451,11 +476,13 @@ AI void NAME(row_tiles)(const float *tiles, const __m256 *scales, long count, co
         }
       if (T == Q_Q6_K) {
         const __m256 xsum = _mm256_broadcast_ss(xs + 2 * (b0 + t) + g);
-        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) a[h] = _mm256_fmadd_ps(sc[3 * h + 2 * g], NAME(group_sum)(part[h], xsum, T), a[h]);
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h)
+          a[h] = _mm256_fmadd_ps(_mm256_load_ps(sc + 32 * g + 8 * h), NAME(group_sum)(part[h], xsum, T), a[h]);
       } else {
         const __m256 xsum = _mm256_broadcast_ss(xs + b0 + t);
         _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h)
-          a[h] = NAME(scaled)(a[h], NAME(group_sum)(part[h], xsum, T), sc[3 * h], sc[3 * h + 1], xsum, T);
+          a[h] = NAME(scaled)(a[h], NAME(group_sum)(part[h], xsum, T), _mm256_load_ps(sc + 8 * h),
+                              _mm256_load_ps(sc + 16 + 8 * h), xsum, T);
       }
     }
   }
@@ -467,7 +494,7 @@ AI void NAME(row_tiles)(const float *tiles, const __m256 *scales, long count, co
  * row's group sums ([m][groups]); `acc`: scratch of 16 floats a row. */
 AI void NAME(strips_f32)(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
                          float *acc, const int T) {
-  const long k = w->k, nb = k / QBLOCK, payload = q_payload(T);
+  const long k = w->k, nb = k / QBLOCK;
   const long groups = T == Q_Q6_K ? 2 * nb : nb;
   if (m <= 2) {
     for (long s = s0; s < s1; ++s)
@@ -475,28 +502,14 @@ AI void NAME(strips_f32)(const qmat *w, const float *x, const float *xs, long m,
     return;
   }
   float tiles[F_GROUP * 512] __attribute__((aligned(32)));
-  __m256 scales[F_GROUP * 6];
+  float scales[F_GROUP * 48] __attribute__((aligned(32)));
   for (long s = s0; s < s1; ++s) {
     const uint8_t *strip = w->packed + s * q_strip_bytes(T, k), *meta = strip + q_meta_offset(T, k);
     memset(acc, 0, sizeof(float) * 16 * (size_t)m);
     __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (long b0 = 0; b0 < nb; b0 += F_GROUP) {
       const long count = nb - b0 < F_GROUP ? nb - b0 : F_GROUP;
-      for (long t = 0; t < count; ++t) {
-        const long b = b0 + t;
-        const uint8_t *p = strip + b * payload;
-        for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
-        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) {
-          if (q_is_k(T) && b % 8 == 0) {
-            const uint8_t *mu = meta + (b / 8) * q_meta(T);
-            d[h] = NAME(halves)(mu + 16 * h);
-            if (T != Q_Q6_K) dmin[h] = NAME(halves)(mu + 32 + 16 * h);
-          }
-          __m256 *sc = scales + 6 * t + 3 * h;
-          NAME(block_scales)(meta, b, T, h, d[h], dmin[h], sc, sc + 1, sc + 2);
-        }
-        NAME(tile_quants)(p, T, tiles + 512 * t);
-      }
+      NAME(decode_group)(strip, meta, b0, count, d, dmin, tiles, scales, T);
       for (long r = 0; r < m; ++r) NAME(row_tiles)(tiles, scales, count, x + r * k, xs + r * groups, b0, acc + 16 * r, T);
     }
     const long cols = w->n - s * STRIP;
@@ -591,7 +604,7 @@ static __attribute__((noinline)) void NAME(wide_rows)(const float *tile, const f
  * dropped). Returns 0, or 1 where its scratch could not be allocated (then the other paths run: the same bits). */
 AI int NAME(wide_f32)(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
                       const int T) {
-  const long k = w->k, nb = k / QBLOCK, payload = q_payload(T), groups = T == Q_Q6_K ? 2 * nb : nb;
+  const long k = w->k, nb = k / QBLOCK, groups = T == Q_Q6_K ? 2 * nb : nb;
   const long G = (m + 7) / 8;
   float *xt = aligned_alloc(32, sizeof(float) * (size_t)(8 * G * k));
   float *xst = aligned_alloc(32, sizeof(float) * (size_t)(8 * G * groups));
@@ -615,24 +628,7 @@ AI int NAME(wide_f32)(const qmat *w, const float *x, const float *xs, long m, lo
     __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (long b0 = 0; b0 < nb; b0 += WIDE_GROUP) {
       const long count = nb - b0 < WIDE_GROUP ? nb - b0 : WIDE_GROUP;
-      for (long t = 0; t < count; ++t) {
-        const long b = b0 + t;
-        const uint8_t *p = strip + b * payload;
-        for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
-        _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
-          if (q_is_k(T) && b % 8 == 0) {
-            const uint8_t *mu = meta + (b / 8) * q_meta(T);
-            d[h] = NAME(halves)(mu + 16 * h);
-            if (T != Q_Q6_K) dmin[h] = NAME(halves)(mu + 32 + 16 * h);
-          }
-          __m256 ws, wm, ws1;
-          NAME(block_scales)(meta, b, T, h, d[h], dmin[h], &ws, &wm, &ws1);
-          _mm256_store_ps(scs + 48 * t + 8 * h, ws);
-          _mm256_store_ps(scs + 48 * t + 16 + 8 * h, wm);
-          _mm256_store_ps(scs + 48 * t + 32 + 8 * h, ws1);
-        }
-        NAME(tile_quants)(p, T, tiles + 512 * t);
-      }
+      NAME(decode_group)(strip, meta, b0, count, d, dmin, tiles, scs, T);
       /* two row vectors at a time (the last one alone: eight columns at a time), each over the group's blocks in
        * order */
       for (long g0 = 0; g0 < G; g0 += 2)
