@@ -523,9 +523,9 @@ AI void NAME(strips_f32)(const qmat *w, const float *x, const float *xs, long m,
  * accumulators take C + V loads a k, where row_tiles takes three loads for two FMAs. The chains run one at a time
  * (all four at once would need 4 * C * V registers), in the contract's order within each, and are combined as it
  * says, (p0 + p1) + (p2 + p3), so the bits are direct_f32's and row_tiles'. One SmolLM2 layer, one thread, ms,
- * row_tiles -> wide (benchmarks/probes/quant_ab.py, Zen 4 at the avx2 level, 2026-12-07): Q4_1 M=8 1.119 -> 1.026,
- * M=16 1.953 -> 1.566, M=64 7.208 -> 5.515, M=256 30.133 -> 22.575; Q8_0 M=16 2.113 -> 1.649, M=256 29.612 ->
- * 21.802. Two row vectors and four columns (8 accumulators: 6 loads for 8 FMAs) ran faster than three and four (12:
+ * row_tiles -> wide (benchmarks/probes/quant_ab.py, Zen 4 at the avx2 level, 2026-12-07): Q4_1 M=8 1.095 -> 1.028,
+ * M=16 1.947 -> 1.511, M=64 7.088 -> 5.381, M=256 28.551 -> 22.349; Q8_0 M=16 2.066 -> 1.599, M=256 28.959 ->
+ * 22.075. Two row vectors and four columns (8 accumulators: 6 loads for 8 FMAs) ran faster than three and four (12:
  * the compiler folded the x loads into the FMAs, 13 loads for 12) at every M measured; 8 blocks of tiles at a time
  * instead of 4 changed nothing. */
 
@@ -548,7 +548,7 @@ AI void NAME(wide_chain)(const float *tile, const float *xb, long xg, int c0, in
 }
 
 /* A block's contribution over its tile, columns [c0, c0 + C), row vectors [0, V): xb is vector 0's x at the block's
- * first k (vector v at xb + v * xg, 8 floats a k), xsb its group sums at the block's first group (v at xb + v *
+ * first k (vector v at xb + v * xg, 8 floats a k), xsb its group sums at the block's first group (v at xsb + v *
  * xsg), acc its sums of column 0 (column c of vector v at acc + 8 * (16 * v + c)), scs the block's scales as
  * scalars (ws[16], wm[16], ws1[16]); ng groups a block (Q6_K: 2), z the type's zero, min whether it has a min. The
  * type comes as values, not as a constant that specializes the code: one compiled body for every type (compiled per
