@@ -8,7 +8,8 @@ reaches the engine process too, so the walk includes the pipe between the two. O
 `--history-store memory`, so that the test writes no file in the model cache (a call without a session never touches
 the store). Tracing starts once the server is serving and stops once the call has returned; every llmserve file
 entered in between (a function of it called; module bodies, which are imports, left out) is listed in the order of
-its first entry, one list per process. A file first entered below the CPU backend's model forward is one of the
+its first entry, one list per process, each from the call reaching it (walk_tracer.py: the processes' idle wakes are
+not the call's). A file first entered below the CPU backend's model forward is one of the
 forward's kernels: those count apart.
 """
 
