@@ -7,6 +7,9 @@ Shared by tests/ and benchmarks/ (whose probes import it from here): test code, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import errno
+import socket
 import threading
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -102,21 +105,48 @@ def greedy_reference(model: Any, prompt: list[int], max_new: int) -> list[int]:
     return tokens
 
 
-class ServerThread:
-    """An LLMServer on 127.0.0.1:<free port>, with its own event loop on a daemon thread."""
+def free_port() -> int:
+    """A loopback port free now (the kernel's pick). Another socket may take it before it is bound again: a server
+    that binds it later says so (EADDRINUSE), and ServerThread(metrics=True) then tries another."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
-    def __init__(self, engine: Engine, **config: Any) -> None:
+
+PORT_TRIES = 5  # metrics ports tried before giving up
+
+
+class ServerThread:
+    """An LLMServer on 127.0.0.1:<free port>, with its own event loop on a daemon thread. With `metrics`, /metrics on
+    a free port of its own too (`metrics_port`), another one tried where a socket took the first before the server
+    bound it."""
+
+    def __init__(self, engine: Engine, *, metrics: bool = False, **config: Any) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.config = ServerConfig(address="127.0.0.1:0", **config)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self.server: LLMServer | None = None
 
+    @property
+    def metrics_port(self) -> int:
+        return self.config.metrics_port
+
     def start(self, *, serve: bool = True) -> ServerThread:
         """Bind and start; with `serve`, also start the engine and report SERVING."""
         self._thread.start()
-        self.server = self.run(self._create())
-        self.run(self.server.start())
+        for attempt in range(PORT_TRIES):
+            if self.metrics:
+                self.config = dataclasses.replace(self.config, metrics_port=free_port())
+            self.server = self.run(self._create())
+            try:
+                self.run(self.server.start())
+                break
+            except OSError as exc:
+                if not self.metrics or exc.errno != errno.EADDRINUSE or attempt == PORT_TRIES - 1:
+                    raise
+                self.run(self.server.stop(0.0))
         if serve:
             self.serve()
         return self

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -26,12 +25,6 @@ from tests.engine.lora.peft_adapters import make_adapter
 from tests.testing import greedy_reference
 
 PROMPT = [1, 504, 3458, 314, 260, 2913, 28]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Adapters:
@@ -57,9 +50,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Adapters:
 @pytest.fixture(scope="module")
 def served(made: Adapters) -> Iterator[tuple[ServerThread, int]]:
     engine = tiny_engine(loras=(("sql", str(made.sql.folder)),), max_loras=2, max_cpu_loras=2)
-    port = free_port()
-    srv = ServerThread(engine, metrics_port=port).start()
-    yield srv, port
+    srv = ServerThread(engine, metrics=True).start()
+    yield srv, srv.metrics_port
     srv.stop()
 
 

@@ -8,7 +8,6 @@ count the failed operations.
 
 from __future__ import annotations
 
-import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -24,13 +23,6 @@ from llmserve_client import NO_RETRY, Client, build_request
 OPTIONS = dict(ignore_eos=True, return_token_ids=True, return_prompt_token_ids=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     srv = RedisServer()
@@ -44,7 +36,7 @@ def pair(redis_server: RedisServer) -> Iterator[tuple[ServerThread, ServerThread
     history = HistoryConfig(store=redis_server.url, lease_s=5.0)
     # Two replicas over one store: what they share is the store; their cores run on threads (starting in a tenth of
     # an engine process's time).
-    a = ServerThread(tiny_engine(in_process=True), history=history, metrics_port=_free_port()).start()
+    a = ServerThread(tiny_engine(in_process=True), history=history, metrics=True).start()
     b = ServerThread(tiny_engine(in_process=True), history=history).start()
     yield a, b
     a.stop()

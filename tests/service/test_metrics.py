@@ -7,7 +7,6 @@ HTTP between phases and compares differences with what its own calls received.
 from __future__ import annotations
 
 import random
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,17 +23,10 @@ MAX_STREAMS = 2
 LONG = 960  # new tokens (prompts stay under 64; the context is 1024): streams that outlive the test's hold
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def metered() -> Iterator[tuple[ServerThread, int]]:
-    port = free_port()
-    srv = ServerThread(tiny_engine(), metrics_port=port, max_concurrent_streams=MAX_STREAMS).start()
-    yield srv, port
+    srv = ServerThread(tiny_engine(), metrics=True, max_concurrent_streams=MAX_STREAMS).start()
+    yield srv, srv.metrics_port
     srv.stop()
 
 
@@ -256,6 +248,33 @@ def test_replica_name_is_in_the_trailing_metadata_of_every_call(metered: tuple[S
         assert ("x-llmserve-replica", name) in bad.trailing_metadata()
         _, unary = stub.GetModelInfo.with_call(pb.GetModelInfoRequest(), timeout=30)
         assert ("x-llmserve-replica", name) in unary.trailing_metadata()
+
+
+def test_a_taken_metrics_port_fails_the_start_and_the_harness_tries_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race the metered fixtures once lost: another socket took the port between the pick and the bind."""
+    import errno
+    import socket
+
+    import tests.testing
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        srv = ServerThread(tiny_engine(in_process=True), metrics_port=port)
+        with pytest.raises(OSError) as raised:
+            srv.start(serve=False)
+        assert raised.value.errno == errno.EADDRINUSE
+        srv.stop()
+        picks = iter([port])
+        fresh = tests.testing.free_port
+        monkeypatch.setattr(tests.testing, "free_port", lambda: next(picks, None) or fresh())
+        srv = ServerThread(tiny_engine(in_process=True), metrics=True).start(serve=False)
+        try:
+            assert srv.metrics_port not in (0, port)
+            assert "llmserve_" in scrape_text(srv.metrics_port)
+        finally:
+            srv.stop()
 
 
 def test_metrics_are_off_by_default() -> None:

@@ -6,7 +6,6 @@ prompt lookup catches; a flat cost table makes verification free, so the load ru
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -17,12 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmserve_client import Client
 
 PROMPTS = ["the cat sat on the mat " * 6, "one two three four five six seven eight nine ten", "a b a b a b a b"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -53,10 +46,9 @@ def serve(tmp_path: Path, speculative: str) -> tuple[list, dict[str, float]]:
     rows = [{"batch": b, "k": k, "forward_ms": 10.0} for b in (1, 16) for k in (0, 8)]
     table.write_text(json.dumps({"rows": rows}))
     extra = {} if speculative == "off" else {"speculative": speculative, "speculative_cost_table": str(table)}
-    port = free_port()
-    srv = ServerThread(tiny_engine(**extra), metrics_port=port).start()  # the engine in a process of its own
+    srv = ServerThread(tiny_engine(**extra), metrics=True).start()  # the engine in a process of its own
     try:
-        return calls(srv.address), scrape(port)
+        return calls(srv.address), scrape(srv.metrics_port)
     finally:
         srv.stop()
 
