@@ -32,6 +32,14 @@ AI __m256i NAME(dot_wide)(__m256i acc, __m256i w, const int8_t *a) {
 #endif
 }
 
+/* Asks for the payload of the blocks PREFETCH_L2 and PREFETCH_L1 bytes past p (quant_avx2.c: into L2, into L1). */
+AI void NAME(prefetch)(const uint8_t *p, long payload) {
+  for (long o = 0; o < payload; o += 64) {
+    _mm_prefetch((const char *)p + PREFETCH_L2 + o, _MM_HINT_T1);
+    _mm_prefetch((const char *)p + PREFETCH_L1 + o, _MM_HINT_T0);
+  }
+}
+
 AI __m256 NAME(halves)(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 AI __m256 NAME(bytes_u8)(const uint8_t *p) {
@@ -62,7 +70,7 @@ AI void NAME(strip_rows)(const qmat *w, const qact *x, long r0, const int R, lon
   d[0] = d[1] = dmin[0] = dmin[1] = _mm256_setzero_ps();
   for (long b = 0; b < nb; ++b) {
     const uint8_t *p = strip + b * payload;
-    for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+    NAME(prefetch)(p, payload);
     __m256 ws[2], wm[2];
     __m256i sc0[2], sc1[2];
     for (int h = 0; h < 2; ++h) {
@@ -244,7 +252,7 @@ AI void NAME(direct_f32)(const qmat *w, const float *x, const float *xs, long s,
   __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (long b = 0; b < nb; ++b) {
     const uint8_t *p = strip + b * payload;
-    for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+    NAME(prefetch)(p, payload);
     const float *xb = x + b * QBLOCK;
     __m256 ws[2], wm[2], ws1[2];
     _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) {
@@ -332,7 +340,7 @@ AI void NAME(direct_rows_f32)(const qmat *w, const float *xt, const float *xs, l
     for (long b = 0; b < nb; ++b) {
       const uint8_t *p = strip + b * payload;
       if (h == 0)
-        for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+        NAME(prefetch)(p, payload);
       const float *xb = xt + b * QBLOCK * R;
       __m256 ws, wm, ws1;
       if (q_is_k(T) && b % 8 == 0) {
@@ -439,7 +447,7 @@ AI void NAME(decode_group)(const uint8_t *strip, const uint8_t *meta, long b0, l
   for (long t = 0; t < count; ++t) {
     const long b = b0 + t;
     const uint8_t *p = strip + b * payload;
-    for (long o = 0; o < payload; o += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+    NAME(prefetch)(p, payload);
     _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
       if (q_is_k(T) && b % 8 == 0) {
         const uint8_t *mu = meta + (b / 8) * q_meta(T);
