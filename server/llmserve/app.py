@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import importlib
 import logging
 import signal
@@ -287,6 +288,7 @@ async def run(config: Config) -> int:
         if building.done():
             # Serve even when a signal came meanwhile: stop() below then shuts the engine down.
             await server.serve(building.result())
+            gc.freeze()  # what start-up left lives as long as the process: the collector need not walk it again
             await asyncio.wait([stopping, dying], return_when=asyncio.FIRST_COMPLETED)
         else:
             log.info("stopping before the model finished loading")
