@@ -498,6 +498,52 @@ AI void NAME(row_tiles)(const float *tiles, const float *scales, long count, con
   _mm256_storeu_ps(acc + 8, a[1]);
 }
 
+/* Rows [0, R) (R = 2..4) over a decoded tile, the columns in lanes (two halves of 8) and each row's x broadcast, so
+ * a k's two quant vectors feed 2R FMAs where row_tiles gives them two. The chains run one at a time in the contract's
+ * order and are added as it says, (p0 + p1) + (p2 + p3) (as wide_tile), so a row's bits are direct_f32's. x: row 0 at
+ * the block's first k, rows ldx apart; xs: row 0's group sums at the block's first group, rows ldxs apart; acc: 16
+ * floats a row; sc: the block's scales (decode_group). One SmolLM2 layer, one thread, ms, row_tiles -> narrow_tile
+ * (benchmarks/probes/quant_ab.py, min of 7, Zen 4 at the avx2 level, 2026-12-08): Q4_1 M=3 0.508 -> 0.430, M=4 0.626
+ * -> 0.504, M=7 0.935 -> 0.749; Q5_0 M=4 0.645 -> 0.535. Q8_0's 2-7 rows stay on direct_rows_f32: through the tiles
+ * they ran slower at 3, 5, 6 and 7 rows (M=3 0.431 -> 0.507), faster only at 4 (0.705 -> 0.562). */
+AI void NAME(narrow_tile)(const float *tile, const float *sc, const float *x, long ldx, const float *xs, long ldxs,
+                          float *acc, const int R, const int T) {
+  const int ng = T == Q_Q6_K ? 2 : 1;
+  for (int g = 0; g < ng; ++g) {
+    __m256 p01[4][2], p2[4][2], p[4][2];
+    /* not unrolled, as wide_tile: the chains' sums held across them spill */
+    _Pragma("GCC unroll 1") for (int j = 0; j < 4; ++j) {
+      _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) p[r][0] = p[r][1] = _mm256_setzero_ps();
+      _Pragma("GCC unroll 8") for (int i = 0; i < (ng == 1 ? 8 : 4); ++i) {
+        const int kk = 16 * g + j + 4 * i;
+        const __m256 q0 = _mm256_load_ps(tile + 16 * kk), q1 = _mm256_load_ps(tile + 16 * kk + 8);
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
+          const __m256 xb = _mm256_broadcast_ss(x + r * ldx + kk);
+          p[r][0] = _mm256_fmadd_ps(xb, q0, p[r][0]);
+          p[r][1] = _mm256_fmadd_ps(xb, q1, p[r][1]);
+        }
+      }
+      _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+          if (j == 0) p01[r][h] = p[r][h];
+          else if (j == 1) p01[r][h] = _mm256_add_ps(p01[r][h], p[r][h]);
+          else if (j == 2) p2[r][h] = p[r][h];
+        }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
+      const __m256 xsum = _mm256_broadcast_ss(xs + r * ldxs + g);
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+        __m256 sum = _mm256_add_ps(p01[r][h], _mm256_add_ps(p2[r][h], p[r][h]));
+        if (q_zero(T)) sum = _mm256_fnmadd_ps(_mm256_set1_ps((float)q_zero(T)), xsum, sum);
+        float *out = acc + 16 * r + 8 * h;
+        __m256 a = _mm256_fmadd_ps(_mm256_load_ps(sc + (g ? 32 : 0) + 8 * h), sum, _mm256_loadu_ps(out));
+        if (q_has_min(T)) a = _mm256_fmadd_ps(_mm256_load_ps(sc + 16 + 8 * h), xsum, a);
+        _mm256_storeu_ps(out, a);
+      }
+    }
+  }
+}
+
 /* Rows [0, m) over strips [s0, s1): one or two rows straight from the blocks, more over decoded tiles. `xs`: each
  * row's group sums ([m][groups]); `acc`: scratch of 16 floats a row. */
 AI void NAME(strips_f32)(const qmat *w, const float *x, const float *xs, long m, long s0, long s1, float *y, long ldy,
@@ -518,7 +564,23 @@ AI void NAME(strips_f32)(const qmat *w, const float *x, const float *xs, long m,
     for (long b0 = 0; b0 < nb; b0 += F_GROUP) {
       const long count = nb - b0 < F_GROUP ? nb - b0 : F_GROUP;
       NAME(decode_group)(strip, meta, b0, count, d, dmin, tiles, scales, T);
-      for (long r = 0; r < m; ++r) NAME(row_tiles)(tiles, scales, count, x + r * k, xs + r * groups, b0, acc + 16 * r, T);
+      /* four rows at a time over each tile; a last lone row its own way (two rows' chains in one pass of the tile) */
+      for (long r0 = 0; r0 < m; r0 += 4) {
+        const long R = m - r0 < 4 ? m - r0 : 4;
+        const float *xr = x + r0 * k, *xsr = xs + r0 * groups;
+        float *ar = acc + 16 * r0;
+        if (R == 1) {
+          NAME(row_tiles)(tiles, scales, count, xr, xsr, b0, ar, T);
+          continue;
+        }
+        for (long t = 0; t < count; ++t) {
+          const float *tile = tiles + 512 * t, *sc = scales + 48 * t, *xb = xr + (b0 + t) * QBLOCK;
+          const float *xsb = xsr + (T == Q_Q6_K ? 2 : 1) * (b0 + t);
+          if (R == 4) NAME(narrow_tile)(tile, sc, xb, k, xsb, groups, ar, 4, T);
+          else if (R == 3) NAME(narrow_tile)(tile, sc, xb, k, xsb, groups, ar, 3, T);
+          else NAME(narrow_tile)(tile, sc, xb, k, xsb, groups, ar, 2, T);
+        }
+      }
     }
     const long cols = w->n - s * STRIP;
     for (long r = 0; r < m; ++r)
