@@ -43,7 +43,10 @@ def test_a_reader_that_falls_behind_gets_fuller_messages_with_the_same_output(se
         assert wait_until(lambda: server.engine.num_running == 0, timeout=30)
         late = [first, *call]
     assert len(first.token_ids) == 1 and max(len(r.token_ids) for r in late) > 1
-    assert len(late) < len(steady)
+    # What the 1 KiB window held (a message with 20 logprobs is a few hundred bytes), then the rest in one: a handful,
+    # where a reader that keeps up gets up to one a token. (Not compared with the steady call's count: under load its
+    # reads too fall behind a tiny model's steps, and a CI run saw 5 and 5.)
+    assert len(late) <= 48 // 4, [len(r.token_ids) for r in late]
     for field in ("token_ids", "logprobs"):
         assert [x for r in late for x in getattr(r, field)] == [x for r in steady for x in getattr(r, field)], field
     assert "".join(r.text for r in late) == "".join(r.text for r in steady)
