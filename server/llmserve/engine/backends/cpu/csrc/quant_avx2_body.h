@@ -324,12 +324,14 @@ AI void NAME(direct_f32)(const qmat *w, const float *x, const float *xs, long s,
  * so that every broadcast is one pointer plus a constant: rows k apart gave a pointer per row and k that spilled);
  * xs, y: the first row's, rows `ngroups` and `ldy` apart. To hold the accumulators in 16 registers: one column half
  * at a time over the strip (the second pass reads the blocks from cache), and the four chains J at a time, J * R
- * accumulators (the order within a chain is the contract, not which chains interleave). */
+ * accumulators (the order within a chain is the contract, not which chains interleave): four from 2 rows, two at 3,
+ * one from 4 rows up (at 4 rows two chains at a time, 8 accumulators, ran 1.30x slower than one: Q8_0 M=4 0.729 ->
+ * 0.561 ms, one layer, one thread, quant_ab.py, 2026-12-08). */
 AI void NAME(direct_rows_f32)(const qmat *w, const float *xt, const float *xs, long ngroups, long s, float *y, long ldy,
                               float *accm, const int R, const int T) {
   const long k = w->k, nb = k / QBLOCK, payload = q_payload(T);
   const uint8_t *strip = w->packed + s * q_strip_bytes(T, k), *meta = strip + q_meta_offset(T, k);
-  const int groups = T == Q_Q6_K ? 2 : 1, steps = T == Q_Q6_K ? 4 : 8, J = R <= 2 ? 4 : R <= 4 ? 2 : 1;
+  const int groups = T == Q_Q6_K ? 2 : 1, steps = T == Q_Q6_K ? 4 : 8, J = R <= 2 ? 4 : R <= 3 ? 2 : 1;
   const long cols = w->n - s * STRIP;
   __m256i ctrl[4];
   _Pragma("GCC unroll 8") for (int j = 0; j < 4; ++j) ctrl[j] = NAME(byte_of_lane)(j);
