@@ -210,10 +210,16 @@ AI void NAME(block_scales)(const uint8_t *meta, long b, const int T, int h, __m2
   }
 }
 
-/* A group's sum from its four chains, its zero folded in: (p0 + p1) + (p2 + p3), then - z * X. */
+/* A group's sum from its chains, the first two already added (p01 = p0 + p1): (p0 + p1) + (p2 + p3), then - z * X
+ * for a type with a zero z (0: none). Every path combines its chains here. */
+AI __m256 NAME(chains_sum)(__m256 p01, __m256 p2, __m256 p3, __m256 xsum, float z) {
+  const __m256 sum = _mm256_add_ps(p01, _mm256_add_ps(p2, p3));
+  return z != 0.0f ? _mm256_fnmadd_ps(_mm256_set1_ps(z), xsum, sum) : sum;
+}
+
+/* A group's sum from its four chains, its zero folded in (chains_sum). */
 AI __m256 NAME(group_sum)(const __m256 p[4], __m256 xsum, const int T) {
-  const __m256 sum = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
-  return q_zero(T) ? _mm256_fnmadd_ps(_mm256_set1_ps((float)q_zero(T)), xsum, sum) : sum;
+  return NAME(chains_sum)(_mm256_add_ps(p[0], p[1]), p[2], p[3], xsum, (float)q_zero(T));
 }
 
 /* acc + the group's sum scaled (and the min's term): acc = fma(ws, S, acc), then acc = fma(wm, X, acc). */
@@ -535,12 +541,10 @@ AI void NAME(narrow_tile)(const float *tile, const float *sc, const float *x, lo
     _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
       const __m256 xsum = _mm256_broadcast_ss(xs + r * ldxs + g);
       _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
-        __m256 sum = _mm256_add_ps(p01[r][h], _mm256_add_ps(p2[r][h], p[r][h]));
-        if (q_zero(T)) sum = _mm256_fnmadd_ps(_mm256_set1_ps((float)q_zero(T)), xsum, sum);
+        const __m256 sum = NAME(chains_sum)(p01[r][h], p2[r][h], p[r][h], xsum, (float)q_zero(T));
         float *out = acc + 16 * r + 8 * h;
-        __m256 a = _mm256_fmadd_ps(_mm256_load_ps(sc + (g ? 32 : 0) + 8 * h), sum, _mm256_loadu_ps(out));
-        if (q_has_min(T)) a = _mm256_fmadd_ps(_mm256_load_ps(sc + 16 + 8 * h), xsum, a);
-        _mm256_storeu_ps(out, a);
+        _mm256_storeu_ps(out, NAME(scaled)(_mm256_loadu_ps(out), sum, _mm256_load_ps(sc + (g ? 32 : 0) + 8 * h),
+                                           _mm256_load_ps(sc + 16 + 8 * h), xsum, T));
       }
     }
   }
@@ -566,7 +570,8 @@ AI void NAME(strips_f32)(const qmat *w, const float *x, const float *xs, long m,
     for (long b0 = 0; b0 < nb; b0 += F_GROUP) {
       const long count = nb - b0 < F_GROUP ? nb - b0 : F_GROUP;
       NAME(decode_group)(strip, meta, b0, count, d, dmin, tiles, scales, T);
-      /* four rows at a time over each tile; a last lone row its own way (two rows' chains in one pass of the tile) */
+      /* four rows at a time over each tile (narrow_tile); a last lone row over row_tiles, which holds its eight
+       * chains at once */
       for (long r0 = 0; r0 < m; r0 += 4) {
         const long R = m - r0 < 4 ? m - r0 : 4;
         const float *xr = x + r0 * k, *xsr = xs + r0 * groups;
@@ -646,8 +651,7 @@ AI void NAME(wide_tile)(const float *tile, const float *scs, const float *xb, lo
     _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) {
       const __m256 xsum = _mm256_load_ps(xsb + v * xsg + 8 * g);
       _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) {
-        __m256 sum = _mm256_add_ps(p01[c][v], _mm256_add_ps(p2[c][v], p[c][v]));
-        if (z != 0.0f) sum = _mm256_fnmadd_ps(_mm256_set1_ps(z), xsum, sum);
+        const __m256 sum = NAME(chains_sum)(p01[c][v], p2[c][v], p[c][v], xsum, z);
         float *out = acc + 8 * (16 * v + c0 + c);
         __m256 a = _mm256_fmadd_ps(_mm256_broadcast_ss(scs + (g ? 32 : 0) + c0 + c), sum, _mm256_load_ps(out));
         if (min) a = _mm256_fmadd_ps(_mm256_broadcast_ss(scs + 16 + c0 + c), xsum, a);
