@@ -14,16 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 
 def redis_binary() -> str | None:
     return shutil.which("redis-server") or ("/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class RedisServer:
@@ -35,7 +30,7 @@ class RedisServer:
         if binary is None:
             pytest.skip("redis-server is not installed (make redis installs Debian's package)")
         self.binary = binary
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import socket
 import threading
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,6 +29,7 @@ from llmserve.config import ServerConfig
 from llmserve.engine.backends.attention import KernelDecodeAttention
 from llmserve.engine.types.model import LoadedModel
 from llmserve.models.loader import from_config
+from tests.ports import free_port
 
 if TYPE_CHECKING:
     from llmserve.engine.backends.cpu.backend import CpuBackend
@@ -103,14 +103,6 @@ def greedy_reference(model: Any, prompt: list[int], max_new: int) -> list[int]:
         )
     tokens: list[int] = out[0, len(prompt) :].tolist()
     return tokens
-
-
-def free_port() -> int:
-    """A loopback port free now (the kernel's pick). Another socket may take it before it is bound again: a server
-    that binds it later says so (EADDRINUSE), and ServerThread(metrics=True) then tries another."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 PORT_TRIES = 5  # metrics ports tried before giving up

@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from llmserve.api.servicer import SERVICE_NAME
 from llmserve.config import from_args
 from llmserve_client import NO_RETRY, Client, build_request, pb
-from tests.deploy.replicas import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINERS_CONF = ROOT / "deploy" / "image" / "containers.conf"

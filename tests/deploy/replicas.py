@@ -19,18 +19,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from llmserve_client import NO_RETRY, Client
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NGINX_CONF = ROOT / "deploy" / "nginx" / "llmserve.conf"
 SHIPPED_LISTEN = "listen 50050 http2;"
 SHIPPED_UPSTREAMS = "/etc/nginx/llmserve-upstreams.conf"
 START_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def accepts(port: int) -> bool:

@@ -20,7 +20,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tests.deploy.replicas import ROOT, Replica, free_port, serving
+from tests.deploy.replicas import ROOT, Replica, serving
+from tests.ports import free_port
 
 LAUNCH = ROOT / "deploy" / "smg" / "launch.sh"
 
